@@ -1,0 +1,1 @@
+"""metrale-attn: paged-decode attention with a batch-invariant split-K policy."""

@@ -1,0 +1,113 @@
+"""Command line: ``metrale-attn plan`` prints launch geometry, ``metrale-attn demo`` runs a batch."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional, Sequence
+
+from .plan import ModelShape, make_plan, workspace_for
+from .targets import TARGETS, get_target, resolve_defaults
+
+MODELS: dict[str, ModelShape] = {
+    "qwen3.8-27b": ModelShape(24, 4, 256),  # the GQA-pack width: 24 = 4 x 6 at head_dim 256
+    "llama-3-8b": ModelShape(32, 8, 128),
+    "llama-3-70b": ModelShape(64, 8, 128),
+}
+
+
+def _batches(text: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--batch must be comma-separated ints, got {text!r}") from None
+    if not values or min(values) < 0:
+        raise argparse.ArgumentTypeError(f"--batch must be comma-separated ints >= 0, got {text!r}")
+    return values
+
+
+def _on_off(text: str) -> bool:
+    from .policy import parse_gqa_pack
+
+    value = parse_gqa_pack(text)
+    if value is None:
+        raise argparse.ArgumentTypeError(f"--gqa-pack must be on or off, got {text!r}")
+    return value
+
+
+def _shape(args: argparse.Namespace) -> ModelShape:
+    if args.model:
+        base = MODELS[args.model]
+        return ModelShape(
+            args.q_heads or base.num_q_heads, args.kv_heads or base.num_kv_heads, args.head_dim or base.head_dim
+        )
+    missing = [f"--{n}" for n in ("q-heads", "kv-heads", "head-dim") if getattr(args, n.replace("-", "_")) is None]
+    if missing:
+        raise SystemExit(f"plan: give --model or all of {', '.join(missing)}")
+    return ModelShape(args.q_heads, args.kv_heads, args.head_dim)
+
+
+def render_plan_table(args: argparse.Namespace) -> str:
+    """The target line and one row per batch size."""
+    defaults = resolve_defaults(get_target(args.target), splitk=args.splitk, gqa_pack=args.gqa_pack)
+    shape = _shape(args)
+    max_batch = args.max_batch or max(args.batch)
+    workspace = workspace_for(defaults, shape, max_batch=max_batch, max_decode_seqs=args.max_decode_seqs)
+    lines = [
+        defaults.line(),
+        f"model: q_heads={shape.num_q_heads} kv_heads={shape.num_kv_heads} head_dim={shape.head_dim} "
+        f"max_batch={max_batch}; workspace {workspace.slots} slots x {workspace.slot_floats} fp32 = "
+        f"{workspace.nbytes} bytes",
+        "",
+        f"{'batch':>6}  {'arm':<10}  {'splits':>6}  {'grids':<32}  {'CTAs':>7}  {'waves':>6}  {'ws bytes':>10}",
+    ]
+    for batch in args.batch:
+        plan = make_plan(defaults, shape, batch, max_batch=max_batch, max_decode_seqs=args.max_decode_seqs, workspace=workspace)
+        grids = " + ".join("({},{},{})".format(*g.grid) for g in plan.launches)
+        used = plan.slots_used * workspace.slot_floats * 4
+        lines.append(
+            f"{batch:>6}  {plan.arm:<10}  {plan.num_splits:>6}  {grids:<32}  {plan.ctas:>7}  "
+            f"{plan.waves(defaults.sm_count):>6.2f}  {used:>10}"
+        )
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="metrale-attn", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    plan = sub.add_parser("plan", help="print the launch geometry for a model shape on a target")
+    plan.add_argument("--target", default="hopper", choices=sorted(TARGETS))
+    plan.add_argument("--model", choices=sorted(MODELS), help="a preset shape (flags below override it)")
+    plan.add_argument("--q-heads", type=int)
+    plan.add_argument("--kv-heads", type=int)
+    plan.add_argument("--head-dim", type=int)
+    plan.add_argument("--batch", type=_batches, default=[1, 8, 64], help="comma-separated batch sizes")
+    plan.add_argument("--max-batch", type=int, help="workspace rows (default: the largest batch)")
+    plan.add_argument("--max-decode-seqs", type=int, default=1, help="floor of legacy's reference batch (default 1)")
+    plan.add_argument("--splitk", help="override: auto, legacy, off or a split count")
+    plan.add_argument("--gqa-pack", type=_on_off, help="override: on or off")
+
+    demo = sub.add_parser("demo", help="run a mixed decode batch on the best backend and check it")
+    demo.add_argument("--backend", choices=["cupy", "cpu"], help="default: cupy with a GPU, else cpu")
+    demo.add_argument("--target", choices=sorted(TARGETS), help="default: detected, or hopper on the CPU")
+    demo.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "plan":
+            print(render_plan_table(args))
+            return 0
+        from .demo import run_demo
+
+        return run_demo(backend=args.backend, target=args.target, seed=args.seed)
+    except ValueError as err:
+        print(f"metrale-attn {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

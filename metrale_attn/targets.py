@@ -1,0 +1,146 @@
+"""Per-hardware defaults: SM count, compute capability and declared policies.
+
+A target names a GPU family. On a GPU the family comes from the device's compute
+capability and the SM count from the device; on the CPU backend the table's SM
+count stands in. ``resolve_defaults`` applies the one precedence rule: an explicit
+argument, else a parseable environment value, else the target's declaration.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Optional
+
+from . import policy
+from .policy import SplitkPolicy
+
+
+@dataclass(frozen=True)
+class Target:
+    """One GPU family. ``splitk_declared`` is a policy spelling, or None (-> legacy)."""
+
+    name: str
+    hw: str
+    sm_count: int
+    compute_capability: tuple[int, int]
+    splitk_declared: Optional[str]
+    gqa_pack_declared: bool = policy.DECODE_GQA_PACK_DECLARED
+
+    @property
+    def arch(self) -> str:
+        """NVRTC architecture, e.g. ``sm_90``."""
+        major, minor = self.compute_capability
+        return f"sm_{major}{minor}"
+
+
+TARGETS: dict[str, Target] = {
+    t.name: t
+    for t in (
+        Target("hopper", "H100/H200", 132, (9, 0), "auto"),
+        Target("b200", "B200", 148, (10, 0), "auto"),
+        Target("b300", "B300", 148, (10, 3), "auto"),
+        Target("gb10", "GB10", 48, (12, 1), None),
+    )
+}
+DEFAULT_TARGET = "hopper"
+
+
+def get_target(name: str) -> Target:
+    """The target called ``name`` (case-insensitive), or a ValueError listing the known ones."""
+    target = TARGETS.get(str(name).strip().lower())
+    if target is None:
+        raise ValueError(f"target must be one of {', '.join(TARGETS)}; got {name!r}")
+    return target
+
+
+def detect_target(compute_capability: tuple[int, int], sm_count: int) -> Target:
+    """The target of a device, carrying the device's own SM count.
+
+    An unknown capability is an error rather than a guess: the split count and the
+    compiled architecture both depend on it.
+    """
+    for target in TARGETS.values():
+        if target.compute_capability == tuple(compute_capability):
+            return replace(target, sm_count=sm_count)
+    major, minor = compute_capability
+    known = ", ".join(f"{t.name} (sm_{t.compute_capability[0]}{t.compute_capability[1]})" for t in TARGETS.values())
+    raise ValueError(
+        f"no target for compute capability {major}.{minor} (sm_{major}{minor}); known targets: {known}. "
+        "Pick one explicitly with target='hopper' (CLI: --target hopper)."
+    )
+
+
+@dataclass(frozen=True)
+class Defaults:
+    """The policy a target runs with, and where each value came from.
+
+    ``*_source`` is ``"declaration"``, ``"environment"`` or ``"argument"``.
+    """
+
+    target: Target
+    splitk: SplitkPolicy
+    splitk_source: str
+    gqa_pack: bool
+    gqa_pack_source: str
+
+    @property
+    def sm_count(self) -> int:
+        return self.target.sm_count
+
+    def line(self) -> str:
+        """``target defaults (<hw>): attn_decode_splitk=<label> gqa_pack=<on|off> sm_count=<n>``,
+        followed by the values that did not come from the declaration."""
+        text = (
+            f"target defaults ({self.target.name}: {self.target.hw}): "
+            f"attn_decode_splitk={self.splitk.label()} gqa_pack={'on' if self.gqa_pack else 'off'} "
+            f"sm_count={self.sm_count}"
+        )
+        overridden = [
+            f"{key} from {source}"
+            for key, source in (("attn_decode_splitk", self.splitk_source), ("gqa_pack", self.gqa_pack_source))
+            if source != "declaration"
+        ]
+        return text + (f" ({', '.join(overridden)})" if overridden else "")
+
+
+def resolve_defaults(
+    target: Target,
+    *,
+    splitk: Optional[str] = None,
+    gqa_pack: Optional[bool] = None,
+    environ: Optional[Mapping[str, str]] = None,
+) -> Defaults:
+    """Resolve the split-K policy and the GQA-pack gate for ``target``.
+
+    ``splitk``/``gqa_pack`` are explicit overrides (a bad spelling is an error,
+    unlike an unparseable environment value, which keeps the declaration). With
+    ``environ=None`` the GQA gate comes from ``policy.gqa_pack_enabled``, resolved
+    once per process; pass a mapping to resolve against it instead.
+    """
+    env = os.environ if environ is None else environ
+    if splitk is not None:
+        chosen = policy.parse(str(splitk))
+        if chosen is None:
+            raise ValueError(
+                f"splitk must be 'auto', 'legacy', 'off'/'0' or a split count; got {splitk!r}"
+            )
+        split_policy, split_source = chosen, "argument"
+    else:
+        split_policy, from_env = policy.resolve_policy(target.splitk_declared or "", env.get(policy.ENV_SPLITK))
+        split_source = "environment" if from_env else "declaration"
+
+    if gqa_pack is not None:
+        if not isinstance(gqa_pack, bool):
+            raise TypeError(f"gqa_pack must be a bool or None, got {gqa_pack!r}")
+        armed, pack_source = gqa_pack, "argument"
+    else:
+        raw = env.get(policy.ENV_GQA_PACK)
+        if environ is None:
+            armed = policy.gqa_pack_enabled(target.gqa_pack_declared)
+        else:
+            armed = policy.resolve_gqa_pack(target.gqa_pack_declared, raw)
+        parsed = policy.parse_gqa_pack(raw) if raw is not None else None
+        pack_source = "declaration" if parsed is None else "environment"
+    return Defaults(target, split_policy, split_source, armed, pack_source)

@@ -1,0 +1,50 @@
+"""The wheel carries the kernel sources and the CPU shim, so a non-editable install finds them."""
+
+import pathlib
+import shutil
+import subprocess
+import sys
+import zipfile
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def wheel_names(tmp_path_factory):
+    if shutil.which("pip") is None and not _has_module("pip"):
+        pytest.skip("pip is not available")
+    out = tmp_path_factory.mktemp("wheel")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation", "-w", str(out), "."],
+        cwd=ROOT, check=True, capture_output=True,
+    )
+    (wheel,) = out.glob("metrale_attn-*.whl")
+    with zipfile.ZipFile(wheel) as zf:
+        return set(zf.namelist())
+
+
+def _has_module(name):
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None
+
+
+def test_every_kernel_source_is_shipped_inside_the_package(wheel_names):
+    sources = sorted(p.name for p in (ROOT / "kernels_cu").iterdir() if p.suffix in (".cu", ".cuh"))
+    missing = [name for name in sources if f"metrale_attn/kernels_cu/{name}" not in wheel_names]
+    assert not missing
+
+
+def test_the_cpu_backend_ships_its_shim(wheel_names):
+    shim = sorted(
+        p.name for p in (ROOT / "metrale_attn" / "cuda_on_cpu").iterdir() if p.suffix in (".h", ".hpp", ".cpp", ".S")
+    )
+    missing = [name for name in shim if f"metrale_attn/cuda_on_cpu/{name}" not in wheel_names]
+    assert not missing
+
+
+def test_the_console_script_is_declared():
+    text = (ROOT / "pyproject.toml").read_text()
+    assert 'metrale-attn = "metrale_attn.cli:main"' in text

@@ -1,0 +1,223 @@
+"""Targets, resolved defaults, launch plans and the plan CLI."""
+
+import subprocess
+import sys
+
+import pytest
+
+from metrale_attn import policy
+from metrale_attn.cli import MODELS, main
+from metrale_attn.plan import ModelShape, Workspace, WorkspaceTooSmall, make_plan, workspace_for
+from metrale_attn.policy import SplitkPolicy
+from metrale_attn.targets import TARGETS, detect_target, get_target, resolve_defaults
+
+NO_ENV: dict = {}
+
+
+def defaults(name, **overrides):
+    return resolve_defaults(get_target(name), environ=overrides.pop("environ", NO_ENV), **overrides)
+
+
+def test_the_four_targets_declare_their_sm_counts_architectures_and_policies():
+    table = {t.name: (t.sm_count, t.arch, t.splitk_declared, t.gqa_pack_declared) for t in TARGETS.values()}
+    assert table == {
+        "hopper": (132, "sm_90", "auto", False),
+        "b200": (148, "sm_100", "auto", False),
+        "b300": (148, "sm_103", "auto", False),
+        "gb10": (48, "sm_121", None, False),
+    }
+
+
+def test_a_target_that_declares_no_policy_gets_legacy():
+    assert defaults("gb10").splitk == SplitkPolicy.LEGACY
+
+
+def test_detection_maps_a_compute_capability_to_its_target_with_the_devices_sm_count():
+    target = detect_target((9, 0), 114)
+    assert (target.name, target.sm_count) == ("hopper", 114)
+    assert detect_target((10, 3), 148).name == "b300"
+
+
+def test_an_unknown_compute_capability_is_an_error_naming_the_known_targets_and_the_way_out():
+    with pytest.raises(ValueError) as err:
+        detect_target((8, 0), 108)
+    message = str(err.value)
+    assert "8.0" in message and "hopper" in message and "gb10" in message and "target=" in message
+
+
+def test_an_unknown_target_name_lists_the_known_ones():
+    with pytest.raises(ValueError, match="hopper, b200, b300, gb10"):
+        get_target("a100")
+
+
+def test_the_target_line_says_the_policy_the_gate_and_the_sm_count():
+    assert defaults("b200").line() == (
+        "target defaults (b200: B200): attn_decode_splitk=auto gqa_pack=off sm_count=148"
+    )
+
+
+def test_the_target_line_says_which_values_came_from_the_environment():
+    env = {"METRALE_ATTN_DECODE_SPLITK": "4", "METRALE_ATTN_DECODE_GQA_PACK": "on"}
+    d = defaults("hopper", environ=env)
+    assert (d.splitk, d.gqa_pack) == (SplitkPolicy.pinned(4), True)
+    assert d.line().endswith(
+        "attn_decode_splitk=4 gqa_pack=on sm_count=132 "
+        "(attn_decode_splitk from environment, gqa_pack from environment)"
+    )
+
+
+def test_unparseable_environment_values_keep_the_declaration():
+    env = {"METRALE_ATTN_DECODE_SPLITK": "lots", "METRALE_ATTN_DECODE_GQA_PACK": "perhaps"}
+    d = defaults("hopper", environ=env)
+    assert (d.splitk, d.splitk_source, d.gqa_pack, d.gqa_pack_source) == (
+        SplitkPolicy.AUTO, "declaration", False, "declaration")
+
+
+def test_explicit_arguments_override_the_environment():
+    env = {"METRALE_ATTN_DECODE_SPLITK": "4", "METRALE_ATTN_DECODE_GQA_PACK": "on"}
+    d = defaults("hopper", environ=env, splitk="legacy", gqa_pack=False)
+    assert (d.splitk, d.gqa_pack, d.splitk_source, d.gqa_pack_source) == (
+        SplitkPolicy.LEGACY, False, "argument", "argument")
+
+
+def test_an_explicit_splitk_spelling_that_does_not_parse_is_an_error_not_ignored():
+    with pytest.raises(ValueError, match="splitk"):
+        defaults("hopper", splitk="lots")
+
+
+def test_the_process_environment_is_read_when_no_mapping_is_given(monkeypatch):
+    monkeypatch.setenv("METRALE_ATTN_DECODE_SPLITK", "legacy")
+    policy.gqa_pack_enabled.cache_clear()
+    monkeypatch.setenv("METRALE_ATTN_DECODE_GQA_PACK", "yes")
+    try:
+        d = resolve_defaults(get_target("hopper"))
+        assert (d.splitk, d.gqa_pack) == (SplitkPolicy.LEGACY, True)
+    finally:
+        policy.gqa_pack_enabled.cache_clear()
+
+
+# -- plans ------------------------------------------------------------------
+
+QWEN = MODELS["qwen3.8-27b"]
+LLAMA8 = MODELS["llama-3-8b"]
+LLAMA70 = MODELS["llama-3-70b"]
+
+
+@pytest.mark.parametrize(
+    "target, shape, splits",
+    [("hopper", QWEN, 11), ("b200", QWEN, 13), ("b300", QWEN, 13),
+     ("hopper", LLAMA8, 9), ("b200", LLAMA8, 10), ("hopper", LLAMA70, 5), ("b300", LLAMA70, 5)],
+)
+def test_auto_plans_split_the_same_way_for_every_batch_with_exact_cta_counts(target, shape, splits):
+    d = defaults(target)
+    for batch in (1, 8, 64, 256):
+        plan = make_plan(d, shape, batch, max_batch=256)
+        assert plan.arm == "splitk" and plan.num_splits == splits
+        assert [g.grid for g in plan.launches] == [
+            (shape.num_q_heads, splits, batch), (shape.num_q_heads, batch, 1)]
+        assert plan.ctas == shape.num_q_heads * splits * batch
+        assert plan.slots_used == batch * shape.num_q_heads * splits
+
+
+def test_gb10_legacy_plans_move_with_the_batch():
+    d = defaults("gb10")
+    rows = [(b, make_plan(d, QWEN, b, max_batch=64)) for b in (1, 2, 8)]
+    assert [(b, p.arm, p.num_splits, p.ctas) for b, p in rows] == [
+        (1, "splitk", 2, 48), (2, "unpacked", 1, 48), (8, "unpacked", 1, 192)]
+
+
+def test_legacy_reads_the_configured_reference_batch_when_it_is_larger():
+    d = defaults("gb10")
+    assert make_plan(d, QWEN, 1, max_batch=64, max_decode_seqs=4).num_splits == 1
+
+
+def test_one_split_with_the_pack_armed_and_a_fitting_shape_takes_the_packed_arm():
+    d = defaults("gb10", gqa_pack=True)
+    plan = make_plan(d, QWEN, 8, max_batch=64)
+    assert (plan.arm, plan.launches[0].kernel, plan.launches[0].grid, plan.ctas) == (
+        "gqa_packed", "paged_decode_gqa_packed", (4, 8, 1), 32)
+    assert plan.ctas == policy.gqa_pack_ctas(4, 8)
+
+
+def test_the_packed_arm_is_never_used_under_split_k():
+    d = defaults("hopper", gqa_pack=True)
+    assert make_plan(d, QWEN, 8, max_batch=64).arm == "splitk"
+    assert make_plan(defaults("hopper", gqa_pack=True, splitk="off"), QWEN, 8, max_batch=64).arm == "gqa_packed"
+
+
+def test_an_armed_pack_with_a_shape_that_does_not_fit_keeps_the_unpacked_kernel_and_says_why():
+    plan = make_plan(defaults("hopper", gqa_pack=True, splitk="off"), LLAMA8, 8, max_batch=64)
+    assert plan.arm == "unpacked" and plan.launches[0].grid == (32, 8, 1)
+    assert "does not fit" in plan.reason
+
+
+def test_the_workspace_is_sized_once_for_max_batch():
+    ws = workspace_for(defaults("hopper"), QWEN, max_batch=256)
+    assert (ws.slots, ws.slot_floats, ws.nbytes) == (256 * 24 * 11, 258, 256 * 24 * 11 * 258 * 4)
+    assert workspace_for(defaults("gb10"), QWEN, max_batch=256).slots == 48
+
+
+def test_a_call_whose_geometry_exceeds_the_workspace_is_refused_naming_both_sizes():
+    small = workspace_for(defaults("hopper", splitk="legacy"), QWEN, max_batch=64)  # 132 slots
+    with pytest.raises(WorkspaceTooSmall) as err:
+        make_plan(defaults("hopper"), QWEN, 2, max_batch=64, workspace=small)
+    message = str(err.value)
+    assert "528 slots" in message and "132 slots" in message
+    assert str(2 * 24 * 11 * 258 * 4) in message and str(132 * 258 * 4) in message
+
+
+def test_a_batch_wider_than_max_batch_is_refused():
+    with pytest.raises(ValueError, match="max_batch=8"):
+        make_plan(defaults("hopper"), QWEN, 9, max_batch=8)
+
+
+def test_an_empty_batch_plans_zero_ctas():
+    plan = make_plan(defaults("hopper"), QWEN, 0, max_batch=8)
+    assert plan.ctas == 0 and plan.slots_used == 0
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [(dict(num_q_heads=25, num_kv_heads=4, head_dim=128), "multiple of num_kv_heads"),
+     (dict(num_q_heads=24, num_kv_heads=4, head_dim=96), "head_dim"),
+     (dict(num_q_heads=0, num_kv_heads=4, head_dim=128), "num_q_heads"),
+     (dict(num_q_heads=24, num_kv_heads=-4, head_dim=128), "num_kv_heads")],
+)
+def test_a_bad_model_shape_is_refused_naming_the_argument(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ModelShape(**kwargs)
+
+
+def test_workspace_bytes_are_slots_times_head_dim_plus_two_floats():
+    assert Workspace(10, 128).nbytes == 10 * 130 * 4
+
+
+# -- CLI --------------------------------------------------------------------
+
+
+def test_the_plan_command_prints_the_target_line_and_one_row_per_batch(capsys):
+    assert main(["plan", "--target", "hopper", "--q-heads", "24", "--kv-heads", "4", "--head-dim", "256",
+                 "--batch", "1,8,64", "--max-batch", "256"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "target defaults (hopper: H100/H200): attn_decode_splitk=auto gqa_pack=off sm_count=132"
+    rows = [line.split() for line in out[4:]]
+    assert [r[:3] for r in rows] == [["1", "splitk", "11"], ["8", "splitk", "11"], ["64", "splitk", "11"]]
+    assert rows[0][-3:] == ["264", "2.00", str(24 * 11 * 258 * 4)]
+
+
+def test_the_plan_command_takes_presets_and_overrides(capsys):
+    assert main(["plan", "--model", "llama-3-70b", "--target", "b200", "--splitk", "off", "--batch", "2"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "attn_decode_splitk=1" in out[0] and "from argument" in out[0]
+    assert out[4].split()[:5] == ["2", "unpacked", "1", "(64,2,1)", "128"]
+
+
+def test_the_plan_command_reports_a_bad_request_as_an_error(capsys):
+    assert main(["plan", "--model", "llama-3-8b", "--batch", "9", "--max-batch", "8"]) == 2
+    assert "max_batch=8" in capsys.readouterr().err
+
+
+def test_python_dash_m_runs_the_cli():
+    done = subprocess.run([sys.executable, "-m", "metrale_attn", "plan", "--model", "llama-3-8b", "--batch", "1"],
+                          capture_output=True, text=True, check=True)
+    assert done.stdout.startswith("target defaults (hopper")
