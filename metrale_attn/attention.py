@@ -1,0 +1,271 @@
+"""``DecodeAttention``: the object a serving loop builds once and calls every decode step.
+
+Construction resolves the target and policy, compiles (or loads cached) every
+kernel the policy can reach, and allocates the split-K workspace once for
+``max_batch`` rows. ``run`` validates cheaply on the host, looks up the memoized
+plan for the batch size and launches; with ``out`` (and ``lse``) given it
+allocates nothing and never synchronizes, so a CUDA graph can capture it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import Optional
+
+import numpy as np
+
+from . import dtypes
+from .backends import ArrayInfo, Launch, get_backend
+from .kernels import Variant, source_constants
+from .plan import LEGACY_MAX_DECODE_SEQS, DecodePlan, ModelShape, make_plan, workspace_for
+from .targets import DEFAULT_TARGET, Defaults, detect_target, get_target, resolve_defaults
+
+LAYOUTS = ("NHD", "HND")
+MAX_PAGE_SIZE = 256
+LOG2E = 1.4426950408889634
+VECTOR_BYTES = 16  # kernels load K/V and q rows with 16-byte vector loads
+
+
+class DecodeAttention:
+    """Paged decode for one layer shape: ``out[s, h] = softmax(q[s, h] . K_s^T * sm_scale) V_s``.
+
+    Shapes (elements): q and out ``[num_seqs, num_q_heads, head_dim]``; k_cache and
+    v_cache ``[num_pages, page_size, num_kv_heads, head_dim]`` (``NHD``) or
+    ``[num_pages, num_kv_heads, page_size, head_dim]`` (``HND``), addressed by
+    strides, last dim contiguous; block_tables int32 ``[num_seqs, max_pages]``;
+    seq_lens int32 ``[num_seqs]``; lse float32 ``[num_seqs, num_q_heads]``, the
+    NATURAL log of the softmax denominator of the scaled logits.
+
+    ``splitk`` (``"auto"``, ``"legacy"``, ``"off"``, ``"4"``, ...) and ``gqa_pack``
+    override ``METRALE_ATTN_DECODE_SPLITK``/``METRALE_ATTN_DECODE_GQA_PACK`` and the
+    target's declaration; ``None`` means as declared. ``max_decode_seqs`` is the
+    floor of the reference batch only ``legacy`` reads. ``check_indices`` copies
+    block_tables and seq_lens to the host on every call to prove every page id
+    and length is in range (always on for the CPU backend).
+    """
+
+    def __init__(
+        self,
+        num_q_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        page_size: int,
+        *,
+        q_dtype,
+        kv_dtype,
+        kv_layout: str = "NHD",
+        max_batch: int,
+        target: Optional[str] = None,
+        backend=None,
+        splitk: Optional[str] = None,
+        gqa_pack: Optional[bool] = None,
+        sm_scale: Optional[float] = None,
+        max_decode_seqs: int = LEGACY_MAX_DECODE_SEQS,
+        check_indices: bool = False,
+    ) -> None:
+        self.shape = ModelShape(num_q_heads, num_kv_heads, head_dim)
+        if isinstance(page_size, bool) or not isinstance(page_size, int) or not 1 <= page_size <= MAX_PAGE_SIZE:
+            raise ValueError(f"page_size must be an int in 1..{MAX_PAGE_SIZE}, got {page_size!r}")
+        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+            raise ValueError(f"max_batch must be an int >= 1, got {max_batch!r}")
+        layout = str(kv_layout).upper()
+        if layout not in LAYOUTS:
+            raise ValueError(f"kv_layout must be 'NHD' or 'HND', got {kv_layout!r}")
+        self.page_size, self.max_batch, self.kv_layout = page_size, max_batch, layout
+        self.max_decode_seqs = max_decode_seqs
+        self.q_dtype = dtypes.canonical(q_dtype, argument="q_dtype", allowed=dtypes.Q_DTYPES)
+        self.kv_dtype = dtypes.canonical(kv_dtype, argument="kv_dtype", allowed=dtypes.KV_DTYPES)
+        self.sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else _positive("sm_scale", sm_scale)
+
+        self.backend = get_backend(backend) if backend is None or isinstance(backend, str) else backend
+        self.defaults: Defaults = resolve_defaults(self._target(target), splitk=splitk, gqa_pack=gqa_pack)
+        self.check_indices = check_indices or self.backend.name == "cpu"
+        self.workspace_spec = workspace_for(
+            self.defaults, self.shape, max_batch=max_batch, max_decode_seqs=max_decode_seqs)
+        self.workspace = self.backend.empty((self.workspace_spec.slots * self.workspace_spec.slot_floats,), np.float32)
+        self._workspace_ptr = self.backend.pointer(self.workspace)
+        self._plans: dict[int, DecodePlan] = {}
+        constants = source_constants()
+        self._threads, self._merge_threads = constants.threads, constants.merge_threads
+        # Compile every arm the policy can reach now, so that run() never compiles.
+        # Legacy's count only falls as the batch grows, so batch 1 and max_batch bound it.
+        self._modules = {}
+        for n in (1, max_batch):
+            arm = self.plan(n).arm
+            if arm not in self._modules:
+                self._modules[arm] = self.backend.load(Variant(arm, head_dim, self.q_dtype, self.kv_dtype))
+
+    def _target(self, name: Optional[str]):
+        if self.backend.name == "cpu":
+            return get_target(name or DEFAULT_TARGET)
+        _, capability, sm_count, _ = self.backend.device()
+        if name is None:
+            return detect_target(capability, sm_count)
+        return replace(get_target(name), sm_count=sm_count)
+
+    def plan(self, num_seqs: int) -> DecodePlan:
+        """The memoized geometry of a call with ``num_seqs`` sequences."""
+        plan = self._plans.get(num_seqs)
+        if plan is None:
+            plan = make_plan(self.defaults, self.shape, num_seqs, max_batch=self.max_batch,
+                             max_decode_seqs=self.max_decode_seqs, workspace=self.workspace_spec)
+            self._plans[num_seqs] = plan
+        return plan
+
+    def describe(self) -> str:
+        """The target line, for logs and the CLI."""
+        return self.defaults.line()
+
+    def run(self, q, k_cache, v_cache, block_tables, seq_lens, *, k_scale: float = 1.0, v_scale: float = 1.0,
+            out=None, return_lse: bool = False, lse=None):
+        """Decode one step. Returns ``out`` (and ``lse`` when ``return_lse`` or ``lse`` is given).
+
+        ``k_scale``/``v_scale`` dequantize the cache: value = stored * scale (fp8
+        mostly; any dtype). Errors name the argument and what was expected, and
+        are raised before anything is launched.
+        """
+        be = self.backend
+        H, D = self.shape.num_q_heads, self.shape.head_dim
+        qi = be.describe(q, "q")
+        if len(qi.shape) != 3 or qi.shape[1:] != (H, D):
+            raise ValueError(f"q must have shape [num_seqs, {H}, {D}], got {list(qi.shape)}")
+        num_seqs = qi.shape[0]
+        if num_seqs > self.max_batch:
+            raise ValueError(f"q has {num_seqs} sequences but this DecodeAttention was built for max_batch="
+                             f"{self.max_batch} (its workspace is sized for that)")
+        _dtype(qi, "q", self.q_dtype)
+        _vector_rows(qi, "q")
+        ki, vi = be.describe(k_cache, "k_cache"), be.describe(v_cache, "v_cache")
+        k_strides = self._cache_strides(ki, "k_cache")
+        v_strides = self._cache_strides(vi, "v_cache")
+        if ki.shape != vi.shape:
+            raise ValueError(f"k_cache and v_cache must have the same shape, got {list(ki.shape)} and {list(vi.shape)}")
+        bi, si = be.describe(block_tables, "block_tables"), be.describe(seq_lens, "seq_lens")
+        if len(bi.shape) != 2 or bi.shape[0] != num_seqs or np.dtype(_np(bi.dtype)) != np.int32 or bi.strides[1] != 1:
+            raise ValueError(f"block_tables must be int32 [{num_seqs}, max_pages] with contiguous rows, got "
+                             f"{bi.dtype} {list(bi.shape)} strides {list(bi.strides)}")
+        if len(si.shape) != 1 or si.shape[0] != num_seqs or np.dtype(_np(si.dtype)) != np.int32 or (
+                num_seqs > 1 and si.strides[0] != 1):
+            raise ValueError(f"seq_lens must be contiguous int32 [{num_seqs}], got {si.dtype} {list(si.shape)}")
+        k_scale, v_scale = _positive("k_scale", k_scale), _positive("v_scale", v_scale)
+
+        if out is None:
+            out = be.empty((num_seqs, H, D), dtypes.NUMPY_DTYPES[self.q_dtype], like=q)
+        oi = be.describe(out, "out")
+        if oi.shape != (num_seqs, H, D) or (num_seqs and oi.strides != (H * D, D, 1)):
+            raise ValueError(f"out must be a contiguous [{num_seqs}, {H}, {D}] array, got shape {list(oi.shape)} "
+                             f"strides {list(oi.strides)}")
+        _dtype(oi, "out", self.q_dtype)
+        _aligned(oi, "out")
+        want_lse = return_lse or lse is not None
+        if lse is None and want_lse:
+            lse = be.empty((num_seqs, H), np.float32, like=q)
+        described = [qi, ki, vi, bi, si, oi]
+        if lse is not None:
+            li = be.describe(lse, "lse")
+            described.append(li)
+            if li.shape != (num_seqs, H) or (num_seqs and li.strides != (H, 1)) or np.dtype(_np(li.dtype)) != np.float32:
+                raise ValueError(f"lse must be a contiguous float32 [{num_seqs}, {H}] array, got {li.dtype} "
+                                 f"{list(li.shape)}")
+        devices = {x.device for x in described}
+        if len(devices) != 1:
+            raise ValueError(f"q, k_cache, v_cache, block_tables, seq_lens, out and lse must be on one device, got {devices}")
+        if self.check_indices:
+            self._check_indices(block_tables, seq_lens, ki.shape[0], bi.shape[1])
+
+        plan = self.plan(num_seqs)
+        if num_seqs:
+            ptr = be.pointer
+            common = (
+                ptr(q, qi), np.int64(qi.strides[0]), np.int64(qi.strides[1]),
+                ptr(k_cache, ki), *map(np.int64, k_strides),
+                ptr(v_cache, vi), *map(np.int64, v_strides),
+                ptr(block_tables, bi), np.int64(bi.strides[0]), ptr(seq_lens, si),
+                np.int32(self.shape.num_kv_heads), np.int32(self.page_size),
+                np.float32(self.sm_scale * k_scale * LOG2E), np.float32(v_scale),
+            )
+            self._launch(plan, common, ptr(out, oi), ptr(lse))
+        return (out, lse) if want_lse else out
+
+    # -- helpers ------------------------------------------------------------
+
+    def _cache_strides(self, info: ArrayInfo, argument: str) -> tuple[int, int, int]:
+        """``(page, token, head)`` strides in elements of a cache, after checking its shape."""
+        P_S, KV, D = self.page_size, self.shape.num_kv_heads, self.shape.head_dim
+        expected = ("num_pages", P_S, KV, D) if self.kv_layout == "NHD" else ("num_pages", KV, P_S, D)
+        if len(info.shape) != 4 or tuple(info.shape[1:]) != expected[1:]:
+            raise ValueError(f"{argument} must be {self.kv_layout} [{', '.join(map(str, expected))}], "
+                             f"got {list(info.shape)}")
+        _dtype(info, argument, self.kv_dtype)
+        _vector_rows(info, argument)
+        s = info.strides
+        return (s[0], s[1], s[2]) if self.kv_layout == "NHD" else (s[0], s[2], s[1])
+
+    def _check_indices(self, block_tables, seq_lens, num_pages: int, max_pages: int) -> None:
+        lens = np.asarray(self.backend.host_copy(seq_lens))
+        table = np.asarray(self.backend.host_copy(block_tables))
+        capacity = max_pages * self.page_size
+        bad = np.flatnonzero((lens < 0) | (lens > capacity))
+        if bad.size:
+            s = int(bad[0])
+            raise ValueError(f"seq_lens[{s}] = {int(lens[s])} is outside 0..{capacity} "
+                             f"(max_pages {max_pages} x page_size {self.page_size})")
+        used = np.arange(max_pages)[None, :] < -(-lens[:, None] // self.page_size)
+        wild = used & ((table < 0) | (table >= num_pages))
+        if wild.any():
+            s, j = map(int, np.argwhere(wild)[0])
+            raise ValueError(f"block_tables[{s}, {j}] = {int(table[s, j])} is not a page id in 0..{num_pages - 1}")
+
+    def _launch(self, plan: DecodePlan, common: tuple, out_ptr, lse_ptr) -> None:
+        """Launch ``plan``'s kernels; ``common`` are the attention kernels' shared arguments."""
+        module, first = self._modules[plan.arm], plan.launches[0]
+        block = (self._threads, 1, 1)
+        if plan.arm != "splitk":
+            module.launch(Launch(first.kernel, first.grid, block, 0, common + (out_ptr, lse_ptr)))
+            return
+        module.launch(Launch(first.kernel, first.grid, block, 0, common + (self._workspace_ptr,)))
+        merge = plan.launches[1]
+        module.launch(Launch(merge.kernel, merge.grid, (self._merge_threads, 1, 1), 0,
+                             (self._workspace_ptr, np.int32(plan.num_splits), out_ptr, lse_ptr)))
+
+
+def _np(dtype):
+    """A NumPy dtype for a library dtype (torch dtypes by name)."""
+    text = str(dtype)
+    if text.startswith("torch."):
+        return {"torch.int32": np.int32, "torch.float32": np.float32}.get(text, np.void)
+    return dtype
+
+
+def _dtype(info: ArrayInfo, argument: str, expected: str) -> None:
+    name = dtypes._name_of(info.dtype)
+    if name != expected:
+        raise ValueError(f"{argument} must hold {expected} values (as this DecodeAttention was built), got {info.dtype}")
+
+
+def _aligned(info: ArrayInfo, argument: str) -> None:
+    if info.ptr % VECTOR_BYTES:
+        raise ValueError(f"{argument} must start on a {VECTOR_BYTES}-byte boundary for vector loads "
+                         f"(address {info.ptr:#x})")
+
+
+def _vector_rows(info: ArrayInfo, argument: str) -> None:
+    """Last dim contiguous; base and every other stride a multiple of 16 bytes."""
+    if info.strides[-1] != 1:
+        raise ValueError(f"{argument} must be contiguous in its last dim (stride 1), got strides {list(info.strides)}")
+    _aligned(info, argument)
+    per_vector = VECTOR_BYTES // info.itemsize
+    odd = [s for s in info.strides[:-1] if s % per_vector]
+    if odd:
+        raise ValueError(f"{argument} strides must be multiples of {per_vector} elements ({VECTOR_BYTES} bytes) "
+                         f"for vector loads, got {list(info.strides)}")
+
+
+def _positive(argument: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
+        raise TypeError(f"{argument} must be a Python or NumPy float, got {type(value).__name__}")
+    value = float(value)
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{argument} must be a finite float > 0, got {value}")
+    return value

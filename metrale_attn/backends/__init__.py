@@ -1,0 +1,95 @@
+"""Backends: where a plan's kernels are compiled and launched.
+
+Both backends take the same launch description (``Launch``: kernel name, 3-D grid,
+3-D block, dynamic shared bytes, arguments) and hand out the same array
+description (``ArrayInfo``), so the dispatch above them is written and tested once.
+
+- ``cupy``: NVRTC through ``cupy.RawModule`` on a CUDA device.
+- ``cpu``: the same sources built with the host C++ compiler against the
+  CUDA-on-CPU shim (``metrale_attn.cuda_on_cpu``); NumPy arrays. For tests and demos.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Protocol
+
+BACKENDS = ("cupy", "cpu")
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch. ``args`` are typed NumPy scalars and ``Pointer``s."""
+
+    kernel: str
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    shared_bytes: int
+    args: tuple
+
+
+@dataclass(frozen=True)
+class ArrayInfo:
+    """What the launcher needs of an array, whatever library holds it.
+
+    ``strides`` are in elements; ``dtype`` is the library's own dtype object or
+    name; ``device`` is a device ordinal, or ``None`` for host memory.
+    """
+
+    ptr: int
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    dtype: Any
+    itemsize: int
+    device: Optional[int]
+
+
+class Module(Protocol):
+    def launch(self, launch: Launch) -> None: ...
+
+
+class Backend(Protocol):
+    name: str
+
+    def load(self, variant) -> Module:
+        """Compile (or fetch from cache) one kernel variant."""
+
+    def describe(self, array, argument: str) -> ArrayInfo:
+        """Pointer, shape, strides and dtype of an array this backend can launch on."""
+
+    def empty(self, shape: tuple[int, ...], dtype, like=None):
+        """An uninitialized array on this backend (in ``like``'s library when given)."""
+
+    def pointer(self, array, info: Optional[ArrayInfo] = None) -> Any:
+        """The launch argument for a pointer parameter (``None`` -> null); ``info``
+        is ``describe(array)`` when the caller already has it."""
+
+    def host_copy(self, array):
+        """A NumPy copy, for the optional full index validation."""
+
+
+def cuda_available() -> bool:
+    """True when CuPy imports and sees at least one CUDA device."""
+    try:
+        import cupy
+    except Exception:
+        return False
+    try:
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+def get_backend(name: Optional[str] = None) -> Backend:
+    """The named backend, or the best one present: CuPy with a GPU, else the CPU."""
+    if name is None:
+        name = "cupy" if cuda_available() else "cpu"
+    if name == "cupy":
+        from .cupy_backend import CupyBackend
+
+        return CupyBackend()
+    if name == "cpu":
+        from .cpu_backend import CpuBackend
+
+        return CpuBackend()
+    raise ValueError(f"backend must be one of {', '.join(BACKENDS)} or None; got {name!r}")

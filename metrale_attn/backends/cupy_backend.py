@@ -1,0 +1,140 @@
+"""The CuPy backend: kernels compiled by NVRTC through ``cupy.RawModule``.
+
+Each variant is compiled on first use per device (CuPy adds ``-arch`` for the
+device and keeps its own on-disk cache keyed by source and options, which is why
+the headers are inlined into the source rather than passed with ``-I``) and
+memoized here per ``(device, variant)``. ``nvrtc_program`` is the single
+definition of what NVRTC sees; ``compile_cubin`` runs it without a device, which
+is how CI proves every variant compiles for sm_90, sm_100 and sm_120.
+
+Launches go to CuPy's current stream; PyTorch callers wrap the call in
+``cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..kernels import Variant
+from . import ArrayInfo, Launch
+
+DIALECT_PRELUDE = "#define DYNAMIC_SHARED(T, name) extern __shared__ __align__(16) T name[]\n"
+"""How the shared dialect's dynamic shared memory reads on the GPU."""
+
+BASE_OPTIONS = ("-std=c++17",)
+
+
+def nvrtc_program(variant: Variant, text: str | None = None) -> tuple[str, tuple[str, ...]]:
+    """``(source, options)`` NVRTC compiles for ``variant``; no ``-arch`` (the caller adds it)."""
+    options = BASE_OPTIONS + tuple(f"-D{k}={v}" for k, v in sorted(variant.defines().items()))
+    return DIALECT_PRELUDE + variant.source(text), options
+
+
+def compile_cubin(variant: Variant, arch: str) -> bytes:
+    """Compile ``variant`` for ``arch`` (``"sm_90"``) with NVRTC, no GPU needed."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    source, options = nvrtc_program(variant)
+    program = nvrtc.createProgram(source, f"{variant.name}.cu", [], [])
+    try:
+        try:
+            nvrtc.compileProgram(program, [*options, f"--gpu-architecture={arch}"])
+        except nvrtc.NVRTCError as err:
+            raise RuntimeError(f"NVRTC failed on {variant.name} for {arch}:\n{nvrtc.getProgramLog(program)}") from err
+        return nvrtc.getCUBIN(program)
+    finally:
+        nvrtc.destroyProgram(program)
+
+
+_TORCH_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+
+
+def _is_torch(x) -> bool:
+    return type(x).__module__.startswith("torch")
+
+
+class _CupyModule:
+    def __init__(self, functions: dict):
+        self._functions = functions
+
+    def launch(self, launch: Launch) -> None:
+        self._functions[launch.kernel](launch.grid, launch.block, launch.args, shared_mem=launch.shared_bytes)
+
+
+class CupyBackend:
+    name = "cupy"
+    _modules: dict = {}
+
+    def __init__(self) -> None:
+        import cupy
+
+        self._cupy = cupy
+
+    def device(self) -> tuple[int, tuple[int, int], int, str]:
+        """``(ordinal, compute capability, SM count, name)`` of the current device."""
+        cupy = self._cupy
+        dev = cupy.cuda.Device()
+        props = cupy.cuda.runtime.getDeviceProperties(dev.id)
+        name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+        return dev.id, (props["major"], props["minor"]), props["multiProcessorCount"], name
+
+    def load(self, variant: Variant) -> _CupyModule:
+        device = self._cupy.cuda.Device().id
+        key = (device, variant.name)
+        module = self._modules.get(key)
+        if module is None:
+            source, options = nvrtc_program(variant)
+            raw = self._cupy.RawModule(code=source, options=options, backend="nvrtc")
+            module = _CupyModule({k: raw.get_function(k) for k in variant.kernels})
+            self._modules[key] = module
+        return module
+
+    def describe(self, array, argument: str) -> ArrayInfo:
+        cupy = self._cupy
+        if isinstance(array, cupy.ndarray):
+            item = array.dtype.itemsize
+            return ArrayInfo(array.data.ptr, array.shape, tuple(s // item for s in array.strides), array.dtype,
+                             item, array.device.id)
+        if _is_torch(array) and hasattr(array, "data_ptr"):
+            if not array.is_cuda:
+                raise ValueError(f"{argument} must be on a CUDA device, got a tensor on {array.device}")
+            return ArrayInfo(array.data_ptr(), tuple(array.shape), tuple(array.stride()), array.dtype,
+                             array.element_size(), array.device.index)
+        cai = getattr(array, "__cuda_array_interface__", None)
+        if cai is None:
+            raise TypeError(
+                f"{argument} must be a CuPy array, a torch CUDA tensor or expose __cuda_array_interface__; "
+                f"got {type(array).__name__}"
+            )
+        dtype = np.dtype(cai["typestr"])
+        shape = tuple(cai["shape"])
+        if cai.get("strides") is None:
+            strides, acc = [], 1
+            for n in reversed(shape):
+                strides.append(acc)
+                acc *= n
+            strides = tuple(reversed(strides))
+        else:
+            strides = tuple(s // dtype.itemsize for s in cai["strides"])
+        ptr = cai["data"][0]
+        return ArrayInfo(ptr, shape, strides, dtype, dtype.itemsize, cupy.cuda.runtime.pointerGetAttributes(ptr).device)
+
+    def empty(self, shape, dtype, like=None):
+        if like is not None and _is_torch(like):
+            import torch
+
+            return torch.empty(shape, dtype=getattr(torch, _TORCH_DTYPES[np.dtype(dtype).name]), device=like.device)
+        return self._cupy.empty(shape, dtype=dtype)
+
+    def pointer(self, array, info: ArrayInfo | None = None):
+        if array is None:
+            return np.uint64(0)
+        return np.uint64((info or self.describe(array, "array")).ptr)
+
+    def host_copy(self, array):
+        if _is_torch(array):
+            return array.detach().cpu().numpy()
+        return self._cupy.asnumpy(self._cupy.asarray(array))
+
+    def synchronize(self) -> None:
+        self._cupy.cuda.get_current_stream().synchronize()

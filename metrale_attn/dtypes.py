@@ -1,0 +1,61 @@
+"""The element types q, out and the KV cache may have, and their spellings.
+
+One canonical short name per type (``bf16``, ``fp16``, ``fp8``), used in variant
+names and mapped to the ``PD_DTYPE_*`` codes the kernels read. Users may spell a
+dtype as a string (``"bfloat16"``, ``"float16"``, ``"fp8_e4m3"``), a NumPy or
+ml_dtypes dtype, or a torch dtype.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+BF16, FP16, FP8 = "bf16", "fp16", "fp8"
+Q_DTYPES = (BF16, FP16)
+KV_DTYPES = (BF16, FP16, FP8)
+
+NUMPY_DTYPES = {
+    BF16: np.dtype(ml_dtypes.bfloat16),
+    FP16: np.dtype(np.float16),
+    FP8: np.dtype(ml_dtypes.float8_e4m3fn),
+}
+ITEMSIZE = {name: dtype.itemsize for name, dtype in NUMPY_DTYPES.items()}
+CODE_DEFINES = {BF16: "PD_DTYPE_BF16", FP16: "PD_DTYPE_FP16", FP8: "PD_DTYPE_FP8_E4M3"}
+"""The kernels' ``#define`` naming each type's code (read back from the header)."""
+
+_SPELLINGS = {
+    "bf16": BF16, "bfloat16": BF16,
+    "fp16": FP16, "float16": FP16, "half": FP16,
+    "fp8": FP8, "fp8_e4m3": FP8, "fp8e4m3": FP8, "float8_e4m3fn": FP8, "e4m3": FP8,
+}
+
+
+def canonical(dtype, *, argument: str, allowed: tuple[str, ...]) -> str:
+    """The canonical name of ``dtype``, or a ValueError naming ``argument``.
+
+    A ``uint8`` array dtype stands for fp8 e4m3 bits where fp8 is allowed.
+    """
+    name = _name_of(dtype)
+    if name not in allowed:
+        raise ValueError(f"{argument} must be one of {', '.join(allowed)}; got {dtype!r}")
+    return name
+
+
+def _name_of(dtype) -> str | None:
+    if isinstance(dtype, str):
+        return _SPELLINGS.get(dtype.strip().lower())
+    text = str(dtype)
+    if text.startswith("torch."):  # a torch dtype, without importing torch
+        return {"torch.bfloat16": BF16, "torch.float16": FP16, "torch.float8_e4m3fn": FP8,
+                "torch.uint8": FP8}.get(text)
+    try:
+        npd = np.dtype(dtype)
+    except TypeError:
+        return None
+    if npd == np.uint8:
+        return FP8
+    for name, candidate in NUMPY_DTYPES.items():
+        if npd == candidate:
+            return name
+    return None

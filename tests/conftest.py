@@ -1,0 +1,57 @@
+"""Shared helpers: build a problem, run it through DecodeAttention, check it against the reference."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from metrale_attn import DecodeAttention, policy, reference
+
+
+@pytest.fixture(autouse=True)
+def _fresh_gqa_gate():
+    """The GQA gate is resolved once per process; each test starts from the environment it sets."""
+    policy.gqa_pack_enabled.cache_clear()
+    yield
+    policy.gqa_pack_enabled.cache_clear()
+
+
+ARM_OPTIONS = {
+    "unpacked": dict(splitk="off", gqa_pack=False),
+    "splitk": dict(splitk="auto", gqa_pack=False),
+    "gqa_packed": dict(splitk="off", gqa_pack=True),
+}
+
+
+def problem(*, seed=0, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16, seq_lens=(0, 1, 37),
+            kv_dtype="bf16", q_dtype="bf16", layout="NHD", **kwargs):
+    return reference.make_problem(
+        np.random.default_rng(seed), num_seqs=len(seq_lens), num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+        head_dim=head_dim, page_size=page_size, seq_lens=list(seq_lens), kv_dtype=kv_dtype, q_dtype=q_dtype,
+        layout=layout, **kwargs)
+
+
+def decoder(p: reference.Problem, *, max_batch=None, backend="cpu", **options) -> DecodeAttention:
+    return DecodeAttention(
+        p.q.shape[1], p.k_cache.shape[2] if p.kv_layout == "NHD" else p.k_cache.shape[1], p.q.shape[2],
+        p.k_cache.shape[1] if p.kv_layout == "NHD" else p.k_cache.shape[2],
+        q_dtype=p.q.dtype, kv_dtype=p.k_cache.dtype, kv_layout=p.kv_layout,
+        max_batch=max_batch or max(len(p.seq_lens), 1), backend=backend, **options)
+
+
+def run_poisoned(attn: DecodeAttention, p: reference.Problem, **kwargs):
+    """Run with out and lse pre-filled with NaN, so anything the kernel fails to write shows."""
+    n, h, d = p.q.shape
+    out = np.full((n, h, d), np.nan, dtype=p.q.dtype)
+    lse = np.full((n, h), np.nan, dtype=np.float32)
+    attn.run(p.q, p.k_cache, p.v_cache, p.block_tables, p.seq_lens, k_scale=p.k_scale, v_scale=p.v_scale,
+             out=out, lse=lse, **kwargs)
+    return out, lse
+
+
+def check_against_reference(p: reference.Problem, out, lse, sm_scale=None):
+    ref_out, ref_lse = p.reference(return_lse=True, sm_scale=sm_scale)
+    reference.assert_close_to_reference(out, ref_out, v_absmax=p.v_absmax())
+    empty = p.seq_lens == 0
+    assert np.all(np.isneginf(lse[empty]))
+    np.testing.assert_allclose(lse[~empty], ref_lse[~empty], rtol=2e-6, atol=2e-6)

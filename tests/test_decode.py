@@ -1,0 +1,131 @@
+"""Every arm, dtype, head dim and layout on the CPU backend, byte-compared with the float64 reference."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from metrale_attn import reference
+from metrale_attn.policy import PD_MIN_KV_PER_SPLIT
+
+from conftest import ARM_OPTIONS, check_against_reference, decoder, problem, run_poisoned
+
+KV_DTYPES = ("bf16", "fp16", "fp8")
+Q_DTYPES = ("bf16", "fp16")
+LAYOUTS = ("NHD", "HND")
+PAGE_SIZES = (1, 16, 7)
+
+
+def _grid():
+    cases = []
+    for arm in ARM_OPTIONS:
+        head_dims = (256,) if arm == "gqa_packed" else (64, 128, 256)
+        for i, (kv, q, d, layout) in enumerate(itertools.product(KV_DTYPES, Q_DTYPES, head_dims, LAYOUTS)):
+            cases.append(pytest.param(arm, kv, q, d, layout, PAGE_SIZES[i % 3], id=f"{arm}-kv{kv}-q{q}-hd{d}-{layout}"))
+    return cases
+
+
+def _heads(arm):
+    return dict(num_q_heads=6, num_kv_heads=1) if arm == "gqa_packed" else dict(num_q_heads=4, num_kv_heads=2)
+
+
+@pytest.mark.parametrize("arm, kv, q, head_dim, layout, page_size", _grid())
+def test_every_arm_dtype_head_dim_and_layout_is_within_one_ulp_of_the_reference(arm, kv, q, head_dim, layout, page_size):
+    seq_lens = (0, 1, 2 * page_size + 1, 300)
+    p = problem(seed=head_dim + page_size, head_dim=head_dim, page_size=page_size, seq_lens=seq_lens, kv_dtype=kv,
+                q_dtype=q, layout=layout, share_prefix_pages=1, **_heads(arm))
+    attn = decoder(p, **ARM_OPTIONS[arm])
+    assert attn.plan(len(seq_lens)).arm == arm
+    out, lse = run_poisoned(attn, p)
+    check_against_reference(p, out, lse)
+
+
+EDGE_LENGTHS = {
+    1: (1, 2, 3, 255, 256, 257),
+    16: (15, 16, 17, 32, 33, 511, 512, 513),
+    7: (6, 7, 8, 21, 1000, 3001),
+}
+
+
+@pytest.mark.parametrize("arm", list(ARM_OPTIONS))
+@pytest.mark.parametrize("page_size", sorted(EDGE_LENGTHS))
+@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+def test_edge_lengths_at_page_and_split_boundaries_match_the_reference(arm, page_size, kv):
+    head_dim = 256 if arm == "gqa_packed" else 128
+    p = problem(seed=page_size, head_dim=head_dim, page_size=page_size, seq_lens=EDGE_LENGTHS[page_size],
+                kv_dtype=kv, **_heads(arm))
+    out, lse = run_poisoned(decoder(p, **ARM_OPTIONS[arm]), p)
+    check_against_reference(p, out, lse)
+
+
+def test_more_splits_than_pages_leaves_empty_splits_that_merge_without_nan():
+    p = problem(page_size=16, seq_lens=(1, 5, 40), head_dim=128)
+    attn = decoder(p, splitk="16")
+    assert attn.plan(3).num_splits == 16
+    out, lse = run_poisoned(attn, p)
+    check_against_reference(p, out, lse)
+
+
+def test_a_sequence_of_thousands_of_pages_matches_the_reference():
+    p = problem(page_size=1, seq_lens=(4099,), head_dim=64, kv_dtype="fp8")
+    for arm in ("unpacked", "splitk"):
+        out, lse = run_poisoned(decoder(p, **ARM_OPTIONS[arm]), p)
+        check_against_reference(p, out, lse)
+
+
+def test_the_split_k_workspace_holds_the_reference_partials():
+    p = problem(page_size=16, seq_lens=(0, 3, 700, 1500), head_dim=128, kv_dtype="fp8", num_q_heads=4, num_kv_heads=1)
+    attn = decoder(p, splitk="5")
+    run_poisoned(attn, p)
+    n, h, d = p.q.shape
+    ws = attn.workspace[: n * h * 5 * (d + 2)].reshape(n, h, 5, d + 2).astype(np.float64)
+    ref = reference.splitk_partials(p.q, p.k_cache, p.v_cache, p.block_tables, p.seq_lens, 5, kv_layout=p.kv_layout,
+                                    k_scale=p.k_scale, v_scale=p.v_scale)
+    empty = ref[..., -1] == 0
+    assert np.all(np.isneginf(ws[..., -2][empty])) and np.all(ws[..., -1][empty] == 0)
+    assert np.all(ws[..., :-2][empty] == 0)
+    np.testing.assert_allclose(ws[~empty], ref[~empty], rtol=1e-5, atol=1e-5)
+    lengths = [b - a for a, b in reference.split_bounds(700, 5)]
+    assert lengths == [PD_MIN_KV_PER_SPLIT, PD_MIN_KV_PER_SPLIT, 700 - 2 * PD_MIN_KV_PER_SPLIT, 0, 0]
+
+
+def test_sm_scale_and_kv_scales_are_applied():
+    p = problem(page_size=16, seq_lens=(50, 300), head_dim=64, kv_dtype="fp16", k_scale=0.5, v_scale=3.0)
+    out, lse = run_poisoned(decoder(p, sm_scale=0.3, splitk="3"), p)
+    check_against_reference(p, out, lse, sm_scale=0.3)
+
+
+def test_views_of_a_combined_kv_tensor_work_through_strides():
+    p = problem(page_size=16, seq_lens=(20, 90), head_dim=128, layout="HND")
+    kv = np.stack([p.k_cache, p.v_cache], axis=1)  # [pages, 2, kv_heads, page, D]
+    k, v = kv[:, 0], kv[:, 1]
+    assert not k.flags.c_contiguous
+    attn = decoder(p, splitk="2")
+    out, lse = attn.run(p.q, k, v, p.block_tables, p.seq_lens, return_lse=True)
+    check_against_reference(p, out, lse)
+
+
+def test_a_q_view_with_padded_heads_works_through_strides():
+    p = problem(page_size=16, seq_lens=(20, 90), head_dim=64)
+    padded = np.zeros((2, 6, 64), dtype=p.q.dtype)
+    padded[:, :4] = p.q
+    out, lse = decoder(p).run(padded[:, :4], p.k_cache, p.v_cache, p.block_tables, p.seq_lens, return_lse=True)
+    check_against_reference(p, out, lse)
+
+
+def test_fp8_caches_given_as_uint8_bits_give_the_same_bytes():
+    p = problem(page_size=16, seq_lens=(77,), head_dim=64, kv_dtype="fp8")
+    attn = decoder(p)
+    a = attn.run(p.q, p.k_cache, p.v_cache, p.block_tables, p.seq_lens, k_scale=p.k_scale, v_scale=p.v_scale)
+    b = attn.run(p.q, p.k_cache.view(np.uint8), p.v_cache.view(np.uint8), p.block_tables, p.seq_lens,
+                 k_scale=p.k_scale, v_scale=p.v_scale)
+    assert a.tobytes() == b.tobytes()
+
+
+def test_an_empty_batch_launches_nothing_and_returns_empty_outputs():
+    p = problem(seq_lens=(5,))
+    attn = decoder(p)
+    out, lse = attn.run(p.q[:0], p.k_cache, p.v_cache, p.block_tables[:0], p.seq_lens[:0], return_lse=True)
+    assert out.shape == (0, 4, 64) and lse.shape == (0, 4)

@@ -1,0 +1,99 @@
+"""Kernel sources: inlining, constants read back from the CUDA text, and NVRTC compiles without a GPU."""
+
+import re
+
+import pytest
+
+from metrale_attn import policy
+from metrale_attn.kernels import (
+    FAMILIES,
+    KernelSourceError,
+    Variant,
+    all_variants,
+    inline,
+    read_define,
+    read_source,
+    source_constants,
+)
+
+ARCHES = ("sm_90", "sm_100", "sm_120")
+
+
+def test_headers_are_inlined_with_line_directives_naming_the_real_files():
+    text = Variant("splitk", 128, "bf16", "fp8").source()
+    assert '#include "' not in text
+    assert text.startswith('#line 1 "kernels_cu/paged_decode_splitk.cu"')
+    assert '#line 1 "kernels_cu/pd_common.cuh"' in text
+
+
+def test_the_line_after_an_include_is_numbered_as_in_the_original_file():
+    original = read_source("paged_decode_unpacked.cu").splitlines()
+    text = inline("paged_decode_unpacked.cu")
+    directive = re.findall(r'#line (\d+) "kernels_cu/paged_decode_unpacked.cu"\n(.*)', text)[-1]
+    line, first = int(directive[0]), directive[1]
+    assert original[line - 1] == first
+
+
+def test_the_packed_source_declares_the_pack_width_and_head_dim_the_dispatch_uses():
+    text = Variant("gqa_packed", 256, "bf16", "bf16").source()
+    assert read_define(text, "PD_GQA") == policy.DECODE_GQA_PACK_WIDTH
+    assert read_define(text, "PD_HDIM") == policy.DECODE_GQA_PACK_HEAD_DIM
+
+
+@pytest.mark.parametrize("define, value", [("PD_GQA", 8), ("PD_HDIM", 128)])
+def test_a_packed_source_whose_defines_disagree_with_the_policy_is_refused(define, value):
+    original = read_source(FAMILIES["gqa_packed"][0])
+    edited = re.sub(rf"(#define {define}) \d+", rf"\1 {value}", original)
+    assert edited != original
+    with pytest.raises(KernelSourceError, match=f"{define} {value}"):
+        Variant("gqa_packed", 256, "bf16", "bf16").source(edited)
+
+
+def test_a_packed_source_without_the_define_is_refused():
+    original = read_source(FAMILIES["gqa_packed"][0])
+    edited = re.sub(r"#define PD_GQA \d+", "", original)
+    with pytest.raises(KernelSourceError, match="PD_GQA"):
+        Variant("gqa_packed", 256, "bf16", "bf16").source(edited)
+
+
+def test_block_sizes_and_dtype_codes_are_read_from_the_common_header():
+    c = source_constants()
+    assert c.threads % 32 == 0 and c.merge_threads % 32 == 0
+    assert sorted(c.dtype_codes.values()) == [0, 1, 2]
+
+
+def test_variant_names_carry_every_specialization_parameter():
+    assert Variant("splitk", 128, "bf16", "fp8").name == "paged_decode_splitk_qbf16_kvfp8_hd128"
+    names = [v.name for v in all_variants()]
+    assert len(names) == len(set(names)) == 3 * 2 * 3 + 3 * 2 * 3 + 1 * 2 * 3
+
+
+def test_the_packed_variant_exists_only_at_its_head_dim():
+    with pytest.raises(ValueError, match="head_dim"):
+        Variant("gqa_packed", 128, "bf16", "bf16")
+
+
+def test_every_kernel_an_arm_launches_is_defined_in_its_source():
+    for family, (filename, kernels) in FAMILIES.items():
+        text = read_source(filename)
+        for kernel in kernels:
+            assert re.search(rf'extern "C" __global__ void\s+(?:\w+\([^)]*\)\s+)?{kernel}\(', text), kernel
+
+
+def test_sources_follow_the_shared_dialect():
+    for path in ("pd_common.cuh", *(f for f, _ in FAMILIES.values())):
+        text = read_source(path)
+        includes = re.findall(r'#\s*include\s*[<"]([^>"]+)', text)
+        assert all(name.endswith(".cuh") for name in includes), (path, includes)
+        assert not re.search(r"\bINFINITY\b|\batomic\w*\s*\(", text), path
+
+
+nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="NVRTC (cupy) is not installed")
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+@pytest.mark.parametrize("variant", all_variants(), ids=lambda v: v.name)
+def test_every_variant_compiles_through_nvrtc(variant, arch):
+    from metrale_attn.backends.cupy_backend import compile_cubin
+
+    assert len(compile_cubin(variant, arch)) > 1000

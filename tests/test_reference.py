@@ -1,0 +1,730 @@
+"""Tests of the float64 reference (metrale_attn.reference) and of its correctness bar."""
+
+from __future__ import annotations
+
+import math
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from metrale_attn import reference as R
+from metrale_attn.policy import PD_MIN_KV_PER_SPLIT
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+FP16 = np.dtype(np.float16)
+FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
+
+
+# --------------------------------------------------------------------------------------
+# A deliberately naive implementation: explicit loops, element-by-element cache reads,
+# fp8 bits decoded by hand.
+# --------------------------------------------------------------------------------------
+
+
+def decode_e4m3fn_bits(byte: int) -> float:
+    """fp8 e4m3fn: 1 sign bit, 4 exponent bits (bias 7), 3 mantissa bits, no inf."""
+    sign = -1.0 if byte & 0x80 else 1.0
+    exponent = (byte >> 3) & 0xF
+    mantissa = byte & 0x7
+    if exponent == 0xF and mantissa == 0x7:
+        return math.nan
+    if exponent == 0:
+        return sign * (mantissa / 8.0) * 2.0**-6
+    return sign * (1.0 + mantissa / 8.0) * 2.0 ** (exponent - 7)
+
+
+def stored_value(cache, page, offset, kv_head, d, layout) -> float:
+    if layout.upper() == "NHD":
+        element = cache[page, offset, kv_head, d]
+    else:
+        element = cache[page, kv_head, offset, d]
+    if cache.dtype == np.uint8:
+        return decode_e4m3fn_bits(int(element))
+    return float(element)
+
+
+def naive_paged_decode(q, k_cache, v_cache, block_tables, seq_lens, layout, sm_scale, k_scale, v_scale):
+    num_seqs, num_q_heads, head_dim = q.shape
+    if layout.upper() == "NHD":
+        page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    else:
+        num_kv_heads, page_size = k_cache.shape[1], k_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    out = np.zeros((num_seqs, num_q_heads, head_dim))
+    lse = np.full((num_seqs, num_q_heads), -np.inf)
+    for s in range(num_seqs):
+        length = int(seq_lens[s])
+        for h in range(num_q_heads):
+            kv_head = h // group
+            qv = [float(q[s, h, d]) for d in range(head_dim)]
+            logits, values = [], []
+            for t in range(length):
+                page = int(block_tables[s, t // page_size])
+                offset = t % page_size
+                k = [k_scale * stored_value(k_cache, page, offset, kv_head, d, layout) for d in range(head_dim)]
+                values.append(
+                    [v_scale * stored_value(v_cache, page, offset, kv_head, d, layout) for d in range(head_dim)]
+                )
+                logits.append(sm_scale * math.fsum(qv[d] * k[d] for d in range(head_dim)))
+            if not logits:
+                continue
+            m = max(logits)
+            weights = [math.exp(x - m) for x in logits]
+            denom = math.fsum(weights)
+            for d in range(head_dim):
+                out[s, h, d] = math.fsum(w * vt[d] for w, vt in zip(weights, values)) / denom
+            lse[s, h] = m + math.log(denom)
+    return out, lse
+
+
+def decode_args(p: R.Problem) -> dict:
+    return dict(kv_layout=p.kv_layout, k_scale=p.k_scale, v_scale=p.v_scale)
+
+
+# --------------------------------------------------------------------------------------
+# Reference against the naive loops
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp16", "fp8", "uint8"])
+@pytest.mark.parametrize("gqa_ratio", [1, 4, 6])
+@pytest.mark.parametrize("page_size", [1, 16, 7])
+def test_reference_matches_a_naive_loop_implementation(layout, kv_dtype, gqa_ratio, page_size):
+    rng = np.random.default_rng([page_size, gqa_ratio, len(kv_dtype), len(layout)])
+    num_kv_heads = 2
+    scales = {} if kv_dtype in ("fp8", "uint8") else dict(k_scale=0.75, v_scale=1.5)
+    p = R.make_problem(
+        rng,
+        num_seqs=4,
+        num_q_heads=num_kv_heads * gqa_ratio,
+        num_kv_heads=num_kv_heads,
+        head_dim=8,
+        page_size=page_size,
+        seq_lens=[0, 1, 17, 40],
+        kv_dtype=kv_dtype,
+        q_dtype="fp16" if kv_dtype == "fp16" else "bf16",
+        layout=layout,
+        share_prefix_pages=1,
+        **scales,
+    )
+    sm_scale = 0.3
+    out, lse = R.paged_decode(
+        p.q, p.k_cache, p.v_cache, p.block_tables, p.seq_lens, sm_scale=sm_scale, return_lse=True, **decode_args(p)
+    )
+    want_out, want_lse = naive_paged_decode(
+        p.q, p.k_cache, p.v_cache, p.block_tables, p.seq_lens, layout, sm_scale, p.k_scale, p.v_scale
+    )
+    assert out.dtype == np.float64 and out.shape == p.q.shape
+    assert lse.dtype == np.float64 and lse.shape == p.q.shape[:2]
+    np.testing.assert_allclose(out, want_out, rtol=1e-12, atol=1e-13)
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(want_lse))
+    finite = np.isfinite(want_lse)
+    np.testing.assert_allclose(lse[finite], want_lse[finite], rtol=1e-12, atol=1e-13)
+
+
+def test_every_finite_fp8_bit_pattern_decodes_like_the_hand_written_e4m3fn_decoder():
+    bits = np.arange(256, dtype=np.uint8)
+    decoded = R.to_float64(bits)
+    for byte in range(256):
+        want = decode_e4m3fn_bits(byte)
+        if math.isnan(want):
+            assert math.isnan(decoded[byte])
+        else:
+            assert decoded[byte] == want, byte
+
+
+def test_fp8_as_uint8_bits_and_as_float8_dtype_give_identical_results():
+    p = R.make_problem(
+        np.random.default_rng(1), num_seqs=3, num_q_heads=4, num_kv_heads=2, head_dim=16,
+        page_size=16, seq_lens=[5, 33, 64], kv_dtype="fp8", q_dtype="bf16", layout="NHD",
+    )
+    as_float8 = R.paged_decode(p.q, p.k_cache, p.v_cache, p.block_tables, p.seq_lens, **decode_args(p))
+    as_bits = R.paged_decode(
+        p.q, p.k_cache.view(np.uint8), p.v_cache.view(np.uint8), p.block_tables, p.seq_lens, **decode_args(p)
+    )
+    np.testing.assert_array_equal(as_float8, as_bits)
+
+
+def test_the_nhd_and_hnd_layouts_of_the_same_cache_give_identical_results():
+    p = R.make_problem(
+        np.random.default_rng(2), num_seqs=3, num_q_heads=6, num_kv_heads=3, head_dim=16,
+        page_size=7, seq_lens=[1, 20, 50], kv_dtype="bf16", q_dtype="bf16", layout="NHD",
+    )
+    nhd = R.paged_decode(p.q, p.k_cache, p.v_cache, p.block_tables, p.seq_lens, kv_layout="NHD", return_lse=True)
+    hnd = R.paged_decode(
+        p.q,
+        np.ascontiguousarray(p.k_cache.transpose(0, 2, 1, 3)),
+        np.ascontiguousarray(p.v_cache.transpose(0, 2, 1, 3)),
+        p.block_tables,
+        p.seq_lens,
+        kv_layout="HND",
+        return_lse=True,
+    )
+    np.testing.assert_array_equal(nhd[0], hnd[0])
+    np.testing.assert_array_equal(nhd[1], hnd[1])
+
+
+def test_layout_names_are_case_insensitive_and_a_bad_one_is_rejected_naming_the_argument():
+    p = R.make_problem(
+        np.random.default_rng(3), num_seqs=2, num_q_heads=2, num_kv_heads=1, head_dim=8,
+        page_size=4, seq_lens=[3, 9], kv_dtype="fp16", q_dtype="fp16", layout="HND",
+    )
+    upper = R.paged_decode(p.q, p.k_cache, p.v_cache, p.block_tables, p.seq_lens, kv_layout="HND")
+    lower = R.paged_decode(p.q, p.k_cache, p.v_cache, p.block_tables, p.seq_lens, kv_layout="hnd")
+    np.testing.assert_array_equal(upper, lower)
+    with pytest.raises(ValueError, match="kv_layout"):
+        R.paged_decode(p.q, p.k_cache, p.v_cache, p.block_tables, p.seq_lens, kv_layout="NDH")
+    with pytest.raises(ValueError, match="layout"):
+        R.gather_kv(p.k_cache, p.block_tables, p.seq_lens, 0, "BHSD")
+
+
+def test_gather_kv_returns_the_stored_tokens_in_order_without_scaling():
+    page_size, num_kv_heads, head_dim = 4, 2, 3
+    num_pages = 5
+    # Stored value encodes (page, offset, head, d) so the gather order is visible.
+    cache = np.zeros((num_pages, page_size, num_kv_heads, head_dim))
+    for idx in np.ndindex(cache.shape):
+        cache[idx] = 1000 * idx[0] + 100 * idx[1] + 10 * idx[2] + idx[3]
+    block_tables = np.array([[3, 0, 4, R.GARBAGE_PAGE_ID]], dtype=np.int32)
+    seq_lens = np.array([10], dtype=np.int32)
+    got = R.gather_kv(cache, block_tables, seq_lens, 0, "nhd")
+    assert got.shape == (10, num_kv_heads, head_dim) and got.dtype == np.float64
+    for t in range(10):
+        page = block_tables[0, t // page_size]
+        np.testing.assert_array_equal(got[t], cache[page, t % page_size])
+    got_hnd = R.gather_kv(np.ascontiguousarray(cache.transpose(0, 2, 1, 3)), block_tables, seq_lens, 0, "HND")
+    np.testing.assert_array_equal(got_hnd, got)
+
+
+# --------------------------------------------------------------------------------------
+# Paging: order, sharing, garbage
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_permuting_the_page_pool_and_the_block_table_together_changes_nothing(layout):
+    rng = np.random.default_rng(4)
+    p = R.make_problem(
+        rng, num_seqs=3, num_q_heads=8, num_kv_heads=2, head_dim=16, page_size=16,
+        seq_lens=[1, 100, 300], kv_dtype="bf16", q_dtype="bf16", layout=layout, shuffle_pages=False,
+    )
+    before = R.paged_decode(p.q, p.k_cache, p.v_cache, p.block_tables, p.seq_lens, return_lse=True, **decode_args(p))
+    num_pages = p.k_cache.shape[0]
+    perm = rng.permutation(num_pages)  # new page j holds old page perm[j]
+    new_id_of_old = np.argsort(perm)
+    tables = p.block_tables.copy()
+    used = tables != R.GARBAGE_PAGE_ID
+    tables[used] = new_id_of_old[tables[used]]
+    after = R.paged_decode(p.q, p.k_cache[perm], p.v_cache[perm], tables, p.seq_lens, return_lse=True, **decode_args(p))
+    np.testing.assert_array_equal(before[0], after[0])
+    np.testing.assert_array_equal(before[1], after[1])
+
+
+def test_sequences_sharing_pages_read_the_shared_pages_and_match_the_naive_loops():
+    rng = np.random.default_rng(5)
+    p = R.make_problem(
+        rng, num_seqs=3, num_q_heads=4, num_kv_heads=4, head_dim=8, page_size=8,
+        seq_lens=[40, 20, 3], kv_dtype="fp16", q_dtype="fp16", layout="NHD", share_prefix_pages=2,
+    )
+    assert p.block_tables[0, 0] == p.block_tables[1, 0] == p.block_tables[2, 0]
+    assert p.block_tables[0, 1] == p.block_tables[1, 1]
+    # Same query and same length on the same shared pages -> same result.
+    q = p.q.copy()
+    q[1] = q[0]
+    lens = np.array([16, 16, 3], dtype=np.int32)
+    out = R.paged_decode(q, p.k_cache, p.v_cache, p.block_tables, lens, **decode_args(p))
+    np.testing.assert_array_equal(out[0], out[1])
+    want, _ = naive_paged_decode(
+        p.q, p.k_cache, p.v_cache, p.block_tables, p.seq_lens, "NHD", 1 / math.sqrt(8), 1.0, 1.0
+    )
+    np.testing.assert_allclose(R.paged_decode(p.q, p.k_cache, p.v_cache, p.block_tables, p.seq_lens), want, rtol=1e-12)
+
+
+@pytest.mark.parametrize("garbage", [R.GARBAGE_PAGE_ID, -1, -(2**31), 2**31 - 1])
+def test_garbage_block_table_entries_past_the_last_page_are_never_read(garbage):
+    rng = np.random.default_rng(6)
+    p = R.make_problem(
+        rng, num_seqs=3, num_q_heads=4, num_kv_heads=2, head_dim=8, page_size=16,
+        seq_lens=[0, 16, 17], kv_dtype="bf16", q_dtype="bf16", layout="HND",
+    )
+    clean = p.block_tables.copy()
+    clean[clean == R.GARBAGE_PAGE_ID] = 0  # a valid page, whose contents must not matter
+    dirty = p.block_tables.copy()
+    dirty[dirty == R.GARBAGE_PAGE_ID] = garbage
+    assert (dirty == garbage).sum() >= 3  # every row has a garbage tail
+    want = R.paged_decode(p.q, p.k_cache, p.v_cache, clean, p.seq_lens, return_lse=True, **decode_args(p))
+    got = R.paged_decode(p.q, p.k_cache, p.v_cache, dirty, p.seq_lens, return_lse=True, **decode_args(p))
+    np.testing.assert_array_equal(want[0], got[0])
+    np.testing.assert_array_equal(want[1], got[1])
+    parts = R.splitk_partials(p.q, p.k_cache, p.v_cache, dirty, p.seq_lens, 3, **decode_args(p))
+    assert not np.isnan(parts).any()
+
+
+@pytest.mark.parametrize("bad_page", [-1, 10**6])
+def test_a_needed_page_id_outside_the_pool_raises_instead_of_wrapping(bad_page):
+    rng = np.random.default_rng(7)
+    p = R.make_problem(
+        rng, num_seqs=1, num_q_heads=2, num_kv_heads=1, head_dim=8, page_size=4,
+        seq_lens=[9], kv_dtype="bf16", q_dtype="bf16", layout="NHD",
+    )
+    tables = p.block_tables.copy()
+    tables[0, 2] = bad_page  # token 8 lives here
+    with pytest.raises(IndexError, match=r"block_tables\[0, 2\]"):
+        R.paged_decode(p.q, p.k_cache, p.v_cache, tables, p.seq_lens)
+
+
+def test_a_sequence_longer_than_its_block_table_row_is_rejected():
+    rng = np.random.default_rng(8)
+    p = R.make_problem(
+        rng, num_seqs=1, num_q_heads=2, num_kv_heads=1, head_dim=8, page_size=4,
+        seq_lens=[8], kv_dtype="bf16", q_dtype="bf16", layout="NHD",
+    )
+    with pytest.raises(ValueError, match="columns"):
+        R.paged_decode(p.q, p.k_cache, p.v_cache, p.block_tables[:, :1], p.seq_lens)
+
+
+# --------------------------------------------------------------------------------------
+# LSE, sm_scale, empty sequences
+# --------------------------------------------------------------------------------------
+
+
+def test_lse_is_the_natural_log_of_the_sum_of_exponentiated_scaled_logits():
+    rng = np.random.default_rng(9)
+    p = R.make_problem(
+        rng, num_seqs=2, num_q_heads=4, num_kv_heads=2, head_dim=16, page_size=16,
+        seq_lens=[7, 50], kv_dtype="fp8", q_dtype="bf16", layout="NHD",
+    )
+    sm_scale = 0.2
+    _, lse = R.paged_decode(
+        p.q, p.k_cache, p.v_cache, p.block_tables, p.seq_lens, sm_scale=sm_scale, return_lse=True, **decode_args(p)
+    )
+    for s in range(2):
+        k_stored = R.gather_kv(p.k_cache, p.block_tables, p.seq_lens, s, "NHD")
+        for h in range(4):
+            logits = sm_scale * p.k_scale * (k_stored[:, h // 2, :] @ R.to_float64(p.q[s, h]))
+            assert lse[s, h] == pytest.approx(np.log(np.sum(np.exp(logits))), rel=1e-13)
+
+
+def test_default_sm_scale_is_one_over_the_square_root_of_head_dim():
+    p = R.make_problem(
+        np.random.default_rng(10), num_seqs=2, num_q_heads=2, num_kv_heads=1, head_dim=32,
+        page_size=16, seq_lens=[5, 30], kv_dtype="bf16", q_dtype="bf16", layout="NHD",
+    )
+    default = R.paged_decode(p.q, p.k_cache, p.v_cache, p.block_tables, p.seq_lens, return_lse=True)
+    explicit = R.paged_decode(
+        p.q, p.k_cache, p.v_cache, p.block_tables, p.seq_lens, sm_scale=1 / math.sqrt(32), return_lse=True
+    )
+    np.testing.assert_array_equal(default[0], explicit[0])
+    np.testing.assert_array_equal(default[1], explicit[1])
+
+
+def test_an_empty_sequence_gives_zeros_and_minus_infinite_lse_without_nan_or_warnings():
+    p = R.make_problem(
+        np.random.default_rng(11), num_seqs=3, num_q_heads=4, num_kv_heads=2, head_dim=8,
+        page_size=16, seq_lens=[0, 5, 0], kv_dtype="fp16", q_dtype="fp16", layout="NHD",
+    )
+    with np.errstate(all="raise"):
+        out, lse = R.paged_decode(p.q, p.k_cache, p.v_cache, p.block_tables, p.seq_lens, return_lse=True)
+        parts = R.splitk_partials(p.q, p.k_cache, p.v_cache, p.block_tables, p.seq_lens, 4, kv_layout="NHD")
+        merged_out, merged_lse = R.merge_partials(parts)
+    for s in (0, 2):
+        assert (out[s] == 0).all() and np.isneginf(lse[s]).all()
+        assert (merged_out[s] == 0).all() and np.isneginf(merged_lse[s]).all()
+        assert (parts[s, :, :, :8] == 0).all()
+        assert np.isneginf(parts[s, :, :, 8]).all()
+        assert (parts[s, :, :, 9] == 0).all()
+    assert not np.isnan(out).any() and not np.isnan(merged_out).any() and not np.isnan(merged_lse).any()
+    a_out, a_lse = R.attention(np.ones((4, 8)), np.zeros((0, 2, 8)), np.zeros((0, 2, 8)), 1.0)
+    assert (a_out == 0).all() and np.isneginf(a_lse).all()
+
+
+# --------------------------------------------------------------------------------------
+# Split-K
+# --------------------------------------------------------------------------------------
+
+
+def _lengths_around_min_split_multiples():
+    base = PD_MIN_KV_PER_SPLIT
+    return [0, 1, base - 1, base, base + 1, 2 * base - 1, 2 * base, 2 * base + 1, 3 * base + 5, 16 * base + 1]
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 16])
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_merged_split_k_partials_equal_the_unsplit_result(num_splits, layout):
+    lens = _lengths_around_min_split_multiples()
+    p = R.make_problem(
+        np.random.default_rng([12, num_splits]), num_seqs=len(lens), num_q_heads=4, num_kv_heads=2,
+        head_dim=8, page_size=16, seq_lens=lens, kv_dtype="uint8", q_dtype="bf16", layout=layout,
+    )
+    sm_scale = 0.9  # sharper softmax than the default, so split weights differ a lot
+    want_out, want_lse = R.paged_decode(
+        p.q, p.k_cache, p.v_cache, p.block_tables, p.seq_lens, sm_scale=sm_scale, return_lse=True, **decode_args(p)
+    )
+    parts = R.splitk_partials(
+        p.q, p.k_cache, p.v_cache, p.block_tables, p.seq_lens, num_splits, sm_scale=sm_scale, **decode_args(p)
+    )
+    assert parts.shape == (len(lens), 4, num_splits, 8 + 2) and parts.dtype == np.float64
+    got_out, got_lse = R.merge_partials(parts)
+    np.testing.assert_allclose(got_out, want_out, rtol=1e-12, atol=1e-12)
+    np.testing.assert_array_equal(np.isneginf(got_lse), np.isneginf(want_lse))
+    finite = np.isfinite(want_lse)
+    np.testing.assert_allclose(got_lse[finite], want_lse[finite], rtol=1e-12, atol=1e-12)
+
+
+def test_more_splits_than_tokens_leave_trailing_splits_empty_with_neutral_values():
+    p = R.make_problem(
+        np.random.default_rng(13), num_seqs=2, num_q_heads=2, num_kv_heads=1, head_dim=8,
+        page_size=1, seq_lens=[3, PD_MIN_KV_PER_SPLIT + 2], kv_dtype="bf16", q_dtype="bf16", layout="NHD",
+    )
+    num_splits = 8
+    parts = R.splitk_partials(p.q, p.k_cache, p.v_cache, p.block_tables, p.seq_lens, num_splits)
+    # Sequence 0: 3 tokens, all in split 0. Sequence 1: splits 0 and 1 hold tokens.
+    for s, nonempty in ((0, 1), (1, 2)):
+        assert np.isfinite(parts[s, :, :nonempty, 8]).all() and (parts[s, :, :nonempty, 9] >= 1).all()
+        assert (parts[s, :, nonempty:, :8] == 0).all()
+        assert np.isneginf(parts[s, :, nonempty:, 8]).all()
+        assert (parts[s, :, nonempty:, 9] == 0).all()
+    with np.errstate(all="raise"):
+        out, lse = R.merge_partials(parts)
+    want_out, want_lse = R.paged_decode(p.q, p.k_cache, p.v_cache, p.block_tables, p.seq_lens, return_lse=True)
+    np.testing.assert_allclose(out, want_out, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-12, atol=1e-12)
+
+
+def test_partials_follow_the_workspace_formulas_in_log2_units():
+    p = R.make_problem(
+        np.random.default_rng(14), num_seqs=1, num_q_heads=6, num_kv_heads=2, head_dim=8,
+        page_size=7, seq_lens=[2 * PD_MIN_KV_PER_SPLIT + 10], kv_dtype="fp8", q_dtype="bf16", layout="HND",
+    )
+    sm_scale, num_splits = 0.4, 3
+    parts = R.splitk_partials(
+        p.q, p.k_cache, p.v_cache, p.block_tables, p.seq_lens, num_splits, sm_scale=sm_scale, **decode_args(p)
+    )
+    k = R.gather_kv(p.k_cache, p.block_tables, p.seq_lens, 0, "HND")
+    v = R.gather_kv(p.v_cache, p.block_tables, p.seq_lens, 0, "HND")
+    for h in range(6):
+        for i, (begin, end) in enumerate(R.split_bounds(int(p.seq_lens[0]), num_splits)):
+            x = (sm_scale * p.k_scale * math.log2(math.e)) * (k[begin:end, h // 3] @ R.to_float64(p.q[0, h]))
+            m = x.max()
+            w = 2.0 ** (x - m)
+            np.testing.assert_allclose(parts[0, h, i, 8], m, rtol=1e-14)
+            np.testing.assert_allclose(parts[0, h, i, 9], w.sum(), rtol=1e-13)
+            np.testing.assert_allclose(parts[0, h, i, :8], p.v_scale * (w @ v[begin:end, h // 3]) / w.sum(), rtol=1e-12, atol=1e-14)
+
+
+def test_partials_are_laid_out_in_the_kernel_workspace_slot_order():
+    p = R.make_problem(
+        np.random.default_rng(15), num_seqs=3, num_q_heads=4, num_kv_heads=2, head_dim=8,
+        page_size=16, seq_lens=[10, 600, 300], kv_dtype="bf16", q_dtype="bf16", layout="NHD",
+    )
+    num_splits, head_dim = 3, 8
+    parts = R.splitk_partials(p.q, p.k_cache, p.v_cache, p.block_tables, p.seq_lens, num_splits)
+    workspace = parts.ravel()  # what the kernel writes, flat
+    for s, h, i in np.ndindex(3, 4, num_splits):
+        slot = (s * 4 + h) * num_splits + i
+        np.testing.assert_array_equal(workspace[slot * (head_dim + 2) : (slot + 1) * (head_dim + 2)], parts[s, h, i])
+
+
+def test_merge_of_only_empty_splits_is_zero_and_minus_infinity_without_nan():
+    parts = np.zeros((2, 3, 5, 4 + 2))
+    parts[..., 4] = -np.inf
+    with np.errstate(all="raise"):
+        out, lse = R.merge_partials(parts)
+    assert out.shape == (2, 3, 4) and lse.shape == (2, 3)
+    assert (out == 0).all() and np.isneginf(lse).all()
+
+
+def test_merge_weights_splits_by_their_denominators_and_maxima():
+    # Two splits in log2 units: split 0 has m=1, l=2 (weight 2), split 1 has m=3, l=1
+    # (weight 4 relative to split 0's maximum); an empty split in between.
+    parts = np.array([[[10.0, 1.0, 2.0], [0.0, -np.inf, 0.0], [40.0, 3.0, 1.0]]])
+    out, lse = R.merge_partials(parts)
+    # M = 3, w = [2 * 2**-2, 0, 1] = [0.5, 0, 1], L = 1.5
+    assert out[0, 0] == pytest.approx((0.5 * 10 + 40) / 1.5, rel=1e-15)
+    assert lse[0] == pytest.approx((3 + math.log2(1.5)) * math.log(2), rel=1e-15)
+
+
+@settings(max_examples=300, deadline=None)
+@given(seq_len=st.integers(0, 40_000), num_splits=st.integers(1, 128))
+def test_split_bounds_tile_the_sequence_in_order_and_respect_the_minimum_chunk(seq_len, num_splits):
+    bounds = R.split_bounds(seq_len, num_splits)
+    assert len(bounds) == num_splits
+    chunk = max(-(-seq_len // num_splits), PD_MIN_KV_PER_SPLIT)
+    position = 0
+    for i, (begin, end) in enumerate(bounds):
+        assert begin == position and begin <= end  # contiguous, in order, no overlap
+        assert begin == min(i * chunk, seq_len) and end == min((i + 1) * chunk, seq_len)
+        if end < seq_len:  # every split before the last non-empty one is a full chunk
+            assert end - begin == chunk >= PD_MIN_KV_PER_SPLIT
+        position = end
+    assert position == seq_len
+
+
+def test_split_bounds_rejects_nonsense():
+    with pytest.raises(ValueError):
+        R.split_bounds(10, 0)
+    with pytest.raises(ValueError):
+        R.split_bounds(-1, 2)
+
+
+# --------------------------------------------------------------------------------------
+# Rounding and ulps
+# --------------------------------------------------------------------------------------
+
+
+def bits_to(dtype, bits):
+    return np.array(bits, dtype=np.uint16).view(dtype)
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP16])
+def test_adjacent_values_are_one_ulp_apart(dtype):
+    one = np.array([1.0], dtype=dtype).view(np.uint16)[0]
+    a = bits_to(dtype, [one, one, 0x0001, 0x8001, 0x0100, 0x8100])
+    b = bits_to(dtype, [one + 1, one - 1, 0x0002, 0x8002, 0x0101, 0x80FF])
+    np.testing.assert_array_equal(R.ulp_distance(a, b), [1, 1, 1, 1, 1, 1])
+    np.testing.assert_array_equal(R.ulp_distance(a, a), 0)
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP16])
+def test_positive_and_negative_zero_are_zero_ulps_apart(dtype):
+    assert R.ulp_distance(bits_to(dtype, [0x0000]), bits_to(dtype, [0x8000]))[0] == 0
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP16])
+def test_ulp_distance_across_zero_counts_the_steps_on_both_sides(dtype):
+    tiny, minus_tiny = bits_to(dtype, [0x0001]), bits_to(dtype, [0x8001])
+    minus_zero = bits_to(dtype, [0x8000])
+    assert R.ulp_distance(tiny, minus_tiny)[0] == 2
+    assert R.ulp_distance(minus_zero, tiny)[0] == 1
+    assert R.ulp_distance(bits_to(dtype, [0x0003]), bits_to(dtype, [0x8002]))[0] == 5
+
+
+def test_ulp_distance_of_known_bf16_and_fp16_values():
+    assert R.ulp_distance(np.array([1.0], BF16), np.array([1.0 + 2**-7], BF16))[0] == 1
+    assert R.ulp_distance(np.array([1.0], BF16), np.array([2.0], BF16))[0] == 128
+    assert R.ulp_distance(np.array([1.0], FP16), np.array([1.0 + 2**-10], FP16))[0] == 1
+    assert R.ulp_distance(np.array([-1.0], FP16), np.array([1.0], FP16))[0] == 2 * 0x3C00
+    assert R.ulp_distance(np.array([65504.0], FP16), np.array([np.inf], FP16))[0] == 1
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP16])
+def test_nan_is_flagged_as_infinitely_far_from_everything(dtype):
+    nan = np.array([np.nan, np.nan, 1.0], dtype=dtype)
+    other = np.array([1.0, np.nan, np.nan], dtype=dtype)
+    assert (R.ulp_distance(nan, other) == R.ULP_NAN).all()
+    assert R.ULP_NAN > 2**17
+
+
+def test_ulp_distance_refuses_mixed_dtypes():
+    with pytest.raises(TypeError):
+        R.ulp_distance(np.zeros(2, BF16), np.zeros(2, FP16))
+
+
+def test_round_to_rounds_once_from_float64_to_nearest_even():
+    # Just above the bf16 halfway point between 1 and 1 + 2**-7: rounding through
+    # float32 first would land exactly on the tie and go down to 1.
+    x = np.array([1 + 2**-8 + 2**-30, 1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8 + 2**-30)])
+    np.testing.assert_array_equal(R.round_to(x, BF16).astype(np.float64), [1 + 2**-7, 1.0, 1 + 2**-6, -(1 + 2**-7)])
+    y = np.array([1 + 2**-11 + 2**-40, 1 + 2**-11, 1 + 3 * 2**-11])
+    np.testing.assert_array_equal(R.round_to(y, FP16).astype(np.float64), [1 + 2**-10, 1.0, 1 + 2**-9])
+
+
+def test_round_to_handles_zero_signs_subnormals_overflow_and_nan():
+    x = np.array([-0.0, 0.0, -(2.0**-140), 2.0**-133 * 0.75, 1e300, -1e300, np.inf, np.nan, 3.39e38])
+    got = R.round_to(x, BF16)
+    assert got.dtype == BF16
+    bits = got.view(np.uint16)
+    assert bits[0] == 0x8000 and bits[1] == 0x0000 and bits[2] == 0x8000
+    assert bits[3] == 0x0001  # 0.75 of the smallest subnormal rounds up to it
+    assert np.isposinf(got[4]) and np.isneginf(got[5]) and np.isposinf(got[6]) and np.isnan(got[7])
+    assert np.isfinite(got[8])
+    bf16_max = (2 - 2.0**-7) * 2.0**127
+    halfway_to_inf = (2 - 2.0**-8) * 2.0**127  # a tie: even goes up, to infinity
+    edge = R.round_to(np.array([halfway_to_inf, np.nextafter(halfway_to_inf, 0)]), BF16)
+    assert np.isposinf(edge[0]) and float(edge[1]) == bf16_max
+    f16 = R.round_to(np.array([65520.0, 65519.9, 2.0**-25, 2.0**-25 * 1.01]), FP16)
+    assert np.isposinf(f16[0]) and f16[1] == 65504.0
+    assert f16.view(np.uint16)[2] == 0x0000 and f16.view(np.uint16)[3] == 0x0001
+
+
+def test_round_to_fp16_agrees_with_numpys_correctly_rounded_cast():
+    rng = np.random.default_rng(16)
+    x = rng.standard_normal(20000) * np.exp2(rng.uniform(-30, 17, 20000))
+    with np.errstate(over="ignore"):  # numpy warns when its cast overflows to inf
+        want = x.astype(FP16)
+    np.testing.assert_array_equal(R.round_to(x, FP16).view(np.uint16), want.view(np.uint16))
+
+
+def test_round_to_bf16_agrees_with_ml_dtypes_on_values_already_in_float32():
+    rng = np.random.default_rng(17)
+    x32 = (rng.standard_normal(20000) * np.exp2(rng.uniform(-140, 127, 20000))).astype(np.float32)
+    np.testing.assert_array_equal(
+        R.round_to(x32.astype(np.float64), BF16).view(np.uint16), x32.astype(BF16).view(np.uint16)
+    )
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.floats(min_value=-3e38, max_value=3e38, allow_nan=False))
+def test_round_to_bf16_picks_the_nearer_neighbour(x):
+    r = R.round_to(np.array([x]), BF16)
+    bits = int(r.view(np.uint16)[0])
+    err = abs(float(r[0]) - x)
+    for neighbour_bits in (bits + 1, bits - 1):
+        neighbour = float(np.array([neighbour_bits & 0xFFFF], np.uint16).view(BF16)[0])
+        if math.isfinite(neighbour) and (neighbour >= 0) == (float(r[0]) >= 0):
+            assert err <= abs(neighbour - x)
+
+
+# --------------------------------------------------------------------------------------
+# THE correctness bar
+# --------------------------------------------------------------------------------------
+
+
+def _shift_ulps(values, dtype, ulps):
+    """Move each (positive) value by `ulps` steps in `dtype`."""
+    bits = np.asarray(values, dtype=dtype).view(np.uint16).astype(np.int64) + ulps
+    return bits.astype(np.uint16).view(dtype)
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP16])
+def test_the_bar_accepts_one_ulp_and_rejects_two_ulps_away_from_zero(dtype):
+    ref = np.array([0.5, 1.25, 3.0, 0.1])
+    rounded = R.round_to(ref, dtype)
+    R.assert_close_to_reference(rounded, ref, v_absmax=4.0)
+    R.assert_close_to_reference(_shift_ulps(rounded, dtype, 1), ref, v_absmax=4.0)
+    R.assert_close_to_reference(_shift_ulps(rounded, dtype, -1), ref, v_absmax=4.0)
+    with pytest.raises(AssertionError):
+        R.assert_close_to_reference(_shift_ulps(rounded, dtype, 2), ref, v_absmax=4.0)
+    bad = rounded.copy()
+    bad[2] = _shift_ulps(rounded[2:3], dtype, -2)[0]
+    assert list(R.close_to_reference_mask(bad, ref, v_absmax=4.0)) == [True, True, False, True]
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP16])
+def test_the_near_zero_allowance_accepts_absolute_errors_up_to_two_to_the_minus_20_of_max_v(dtype):
+    v_absmax = 8.0
+    allowance = R.NEAR_ZERO_ABS * v_absmax  # 2**-17
+    ref = np.array([0.0, 1e-7, -3e-6, 2.0**-30])
+    within = (ref + 0.9 * allowance).astype(dtype)  # many ulps off, but tiny in absolute terms
+    assert (R.ulp_distance(within, R.round_to(ref, dtype)) > 1).any()
+    R.assert_close_to_reference(within, ref, v_absmax=v_absmax)
+    beyond = (ref + 1.5 * allowance).astype(dtype)
+    assert not R.close_to_reference_mask(beyond, ref, v_absmax=v_absmax).any()
+    with pytest.raises(AssertionError):
+        R.assert_close_to_reference(beyond, ref, v_absmax=v_absmax)
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP16])
+def test_nan_in_the_kernel_output_always_fails(dtype):
+    ref = np.array([1.0, 0.0])
+    out = np.array([1.0, np.nan], dtype=dtype)
+    with pytest.raises(AssertionError, match="NaN"):
+        R.assert_close_to_reference(out, ref, v_absmax=1e30)
+
+
+def test_a_failure_message_gives_the_count_the_worst_ulp_its_index_and_both_values():
+    ref = np.array([[1.0, 2.0, 4.0], [8.0, 16.0, 32.0]])
+    out = R.round_to(ref, BF16)
+    out[1, 2] = _shift_ulps(out[1, 2:3], BF16, 5)[0]
+    out[0, 1] = _shift_ulps(out[0, 1:2], BF16, 3)[0]
+    with pytest.raises(AssertionError) as info:
+        R.assert_close_to_reference(out, ref, v_absmax=32.0, what="paged_decode out")
+    message = str(info.value)
+    assert "paged_decode out" in message
+    assert "2 of 6" in message
+    assert "worst 5 ulp" in message
+    assert "(1, 2)" in message
+    assert repr(float(out[1, 2])) in message and "32.0" in message
+
+
+def test_a_shape_mismatch_fails_the_bar():
+    with pytest.raises(AssertionError, match="shape"):
+        R.assert_close_to_reference(np.zeros((2, 3), BF16), np.zeros((3, 2)), v_absmax=1.0)
+
+
+def test_the_reference_rounded_to_the_output_dtype_passes_its_own_bar():
+    p = R.make_problem(
+        np.random.default_rng(18), num_seqs=3, num_q_heads=8, num_kv_heads=1, head_dim=16,
+        page_size=16, seq_lens=[1, 77, 400], kv_dtype="fp8", q_dtype="bf16", layout="NHD",
+    )
+    ref = p.reference()
+    for dtype in (BF16, FP16):
+        R.assert_close_to_reference(R.round_to(ref, dtype), ref, v_absmax=p.v_absmax())
+
+
+def test_max_abs_v_read_only_counts_tokens_that_are_attended_to():
+    p = R.make_problem(
+        np.random.default_rng(19), num_seqs=2, num_q_heads=2, num_kv_heads=1, head_dim=4,
+        page_size=4, seq_lens=[5, 2], kv_dtype="fp16", q_dtype="fp16", layout="NHD", v_scale=0.5,
+    )
+    v_cache = p.v_cache.copy()
+    want = p.v_absmax()
+    last_page = p.block_tables[0, 1]
+    v_cache[last_page, 1:] = 1000.0  # past token 4 of sequence 0
+    unused = sorted(set(range(v_cache.shape[0])) - set(p.block_tables[p.block_tables != R.GARBAGE_PAGE_ID].tolist()))
+    v_cache[unused] = -2000.0
+    got = R.max_abs_v_read(v_cache, p.block_tables, p.seq_lens, kv_layout="NHD", v_scale=0.5)
+    assert got == want
+    v_cache[last_page, 0, 0, 0] = 100.0  # token 4 of sequence 0 is read
+    assert R.max_abs_v_read(v_cache, p.block_tables, p.seq_lens, kv_layout="NHD", v_scale=0.5) == 50.0
+
+
+# --------------------------------------------------------------------------------------
+# make_problem
+# --------------------------------------------------------------------------------------
+
+
+def _problem(seed, **overrides):
+    args = dict(
+        num_seqs=4, num_q_heads=4, num_kv_heads=2, head_dim=8, page_size=16,
+        seq_lens=[0, 20, 40, 70], kv_dtype="fp8", q_dtype="bf16", layout="HND", share_prefix_pages=1,
+    )
+    args.update(overrides)
+    return R.make_problem(np.random.default_rng(seed), **args)
+
+
+def test_make_problem_is_deterministic_from_the_rng():
+    a, b, c = _problem(20), _problem(20), _problem(21)
+    for field in ("q", "k_cache", "v_cache", "block_tables", "seq_lens"):
+        np.testing.assert_array_equal(getattr(a, field).view(np.uint8), getattr(b, field).view(np.uint8))
+    assert a.k_scale == b.k_scale and a.v_scale == b.v_scale
+    assert not np.array_equal(a.k_cache.view(np.uint8), c.k_cache.view(np.uint8))
+
+
+def test_make_problem_fills_block_table_tails_with_an_out_of_range_page_id():
+    p = _problem(22)
+    num_pages = p.k_cache.shape[0]
+    assert p.block_tables.dtype == np.int32 and p.seq_lens.dtype == np.int32
+    for s, length in enumerate(p.seq_lens):
+        used = -(-int(length) // 16)
+        assert ((p.block_tables[s, :used] >= 0) & (p.block_tables[s, :used] < num_pages)).all()
+        assert (p.block_tables[s, used:] == R.GARBAGE_PAGE_ID).all() and used < p.block_tables.shape[1]
+    assert R.GARBAGE_PAGE_ID >= 2**24
+
+
+def test_make_problem_gives_each_page_to_one_sequence_except_the_shared_prefix():
+    p = _problem(23, share_prefix_pages=2, seq_lens=[10, 40, 40, 100], num_pages=40)
+    assert p.k_cache.shape[0] == 40
+    shared = {int(p.block_tables[3, 0]), int(p.block_tables[3, 1])}
+    assert p.block_tables[0, 0] in shared  # the short sequence shares what it has
+    private = [int(x) for s in range(4) for x in p.block_tables[s, 2 : -(-int(p.seq_lens[s]) // 16)]]
+    assert len(private) == len(set(private)) and not shared & set(private)
+    unshuffled = _problem(23, shuffle_pages=False, share_prefix_pages=0, seq_lens=[16, 32, 0, 5])
+    assert unshuffled.block_tables[:, :2].tolist()[:2] == [[0, R.GARBAGE_PAGE_ID], [1, 2]]
+
+
+def test_make_problem_fp8_caches_span_the_e4m3_range_and_dequantize_near_unit_scale():
+    p = _problem(24, kv_dtype="uint8")
+    assert p.k_cache.dtype == np.uint8
+    stored = R.to_float64(p.k_cache)
+    assert not np.isnan(stored).any()
+    assert np.abs(stored).max() == 448.0
+    dequantized = stored * p.k_scale
+    assert 0.8 < dequantized.std() < 1.2
+    assert 0.0 < p.k_scale < 0.05 and 0.0 < p.v_scale < 0.05
+    bf = _problem(24, kv_dtype="bf16")
+    assert bf.k_cache.dtype == BF16 and bf.k_scale == 1.0 and bf.v_scale == 1.0
