@@ -129,3 +129,14 @@ def test_an_empty_batch_launches_nothing_and_returns_empty_outputs():
     attn = decoder(p)
     out, lse = attn.run(p.q[:0], p.k_cache, p.v_cache, p.block_tables[:0], p.seq_lens[:0], return_lse=True)
     assert out.shape == (0, 4, 64) and lse.shape == (0, 4)
+
+
+@pytest.mark.parametrize("arm", list(ARM_OPTIONS))
+def test_every_arm_runs_clean_under_address_sanitizer(arm):
+    from metrale_attn.backends.cpu_backend import CpuBackend
+
+    head_dim = 256 if arm == "gqa_packed" else 128
+    p = problem(seed=9, page_size=7, seq_lens=(0, 1, 300), head_dim=head_dim, kv_dtype="fp8", layout="HND",
+                **_heads(arm))
+    out, lse = run_poisoned(decoder(p, backend=CpuBackend(asan=True), **ARM_OPTIONS[arm]), p)
+    check_against_reference(p, out, lse)
