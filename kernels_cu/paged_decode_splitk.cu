@@ -1,0 +1,140 @@
+// paged_decode_splitk.cu: paged-decode attention split along the KV sequence (split-K),
+// and the merge of the splits.
+//
+// paged_decode_splitk: grid (num_q_heads, num_splits, num_seqs), block PD_THREADS.
+//   CTA (h, i, s) attends query head h of sequence s (kv head h / (num_q_heads /
+//   num_kv_heads)) over its split's tokens. The split length comes from the sequence's
+//   own length L only (never from the batch), floored at PD_MIN_KV_PER_SPLIT:
+//     chunk = max(ceil(L / num_splits), PD_MIN_KV_PER_SPLIT),
+//     split i covers [i * chunk, min((i + 1) * chunk, L))   (possibly empty).
+//   It writes workspace slot ((s * num_q_heads) + h) * num_splits + i, PD_HEAD_DIM + 2
+//   fp32 values: o[D] = v_scale * sum_t 2^(x_t - m) v_t / l (normalized within the split,
+//   v_scale included), then m = max_t x_t (log2 units), then l = sum_t 2^(x_t - m).
+//   An empty split writes o = 0, m = -inf, l = 0: every slot is always written, the
+//   workspace is never initialized by the host.
+//
+// paged_decode_splitk_merge: grid (num_q_heads, num_seqs), block PD_MERGE_THREADS.
+//   Combines the splits of (s, h) in the fixed order 0..n-1:
+//     M = max m_i; w_i = l_i 2^(m_i - M); L = sum w_i; out = sum w_i o_i / L;
+//     lse = (M + log2 L) ln 2 (natural log; lse may be null).
+//   M = -inf (no token at all, seq_len 0) gives out = 0 and lse = -inf.
+//
+// Layout: as paged_decode_unpacked.cu (strides in elements, NHD and HND alike);
+// workspace [num_seqs, num_q_heads, num_splits, D + 2] fp32 (slots are not 16-byte
+// aligned, so they are written and read with scalar accesses).
+//
+// Defines: PD_HEAD_DIM, PD_Q_DTYPE, PD_KV_DTYPE (pd_common.cuh), PD_MIN_KV_PER_SPLIT
+// (the policy's constant, 256, passed by Python).
+//
+// Batch invariance: a split's range, the order of every reduction inside the CTA and
+// the merge order depend only on (L, num_splits), so a sequence's output bytes do not
+// depend on what it is batched with as long as num_splits does not (auto / pinned).
+//
+// Performance notes (not measured yet; see benchmarks/NOTES.md): the split kernel is
+// the unpacked kernel's loop over a sub-range (same per-CTA bandwidth behaviour); the
+// point is CTA count: num_q_heads * num_splits CTAs for one long sequence. The cost
+// over the unpacked arm is the workspace round trip (D + 2 floats per split per head:
+// ~1 KB per (head, split) at D=256, i.e. <1% of the KV bytes of a 256-token split) and
+// a second launch. The floor of 256 tokens per split keeps that overhead bounded for
+// short sequences. Next steps: fuse the merge into the last CTA of each (seq, head)
+// (needs a counter and atomics, which the determinism rules here exclude today), or
+// launch the merge with programmatic dependent launch to hide its launch latency.
+
+#include "pd_common.cuh"
+
+#ifndef PD_MIN_KV_PER_SPLIT
+#error "PD_MIN_KV_PER_SPLIT must be defined (the split-K policy's constant, 256)"
+#endif
+
+extern "C" __global__ void PD_LAUNCH_BOUNDS(PD_THREADS, 4) paged_decode_splitk(
+    const pd_q_t* __restrict__ q, long long q_stride_seq, long long q_stride_head,
+    const pd_kv_t* __restrict__ k_cache, long long k_stride_page, long long k_stride_token,
+    long long k_stride_head,
+    const pd_kv_t* __restrict__ v_cache, long long v_stride_page, long long v_stride_token,
+    long long v_stride_head,
+    const int* __restrict__ block_tables, long long block_tables_stride,
+    const int* __restrict__ seq_lens,
+    int num_kv_heads, int page_size,
+    float qk_scale_log2, float v_scale,
+    float* __restrict__ workspace) {
+  constexpr int VEC = 16 / (int)sizeof(pd_kv_t);
+  constexpr int UNROLL = 4;
+
+  __shared__ float s_m[PD_WARPS];
+  __shared__ float s_l[PD_WARPS];
+  __shared__ float s_acc[PD_WARPS * PD_HEAD_DIM];
+
+  const int head = blockIdx.x;
+  const int split = blockIdx.y;
+  const int seq = blockIdx.z;
+  const int num_q_heads = gridDim.x;
+  const int num_splits = gridDim.y;
+  const int kv_head = head / (num_q_heads / num_kv_heads);
+  const int slice = (threadIdx.x & 31) % (PD_HEAD_DIM / VEC);
+  int seq_len = seq_lens[seq];
+  seq_len = seq_len > 0 ? seq_len : 0;
+
+  // This split's token range, from the sequence's own length (no overflow for any
+  // int32 length: ceil without L + n - 1, products in 64 bits).
+  long long chunk = seq_len / num_splits + (seq_len % num_splits != 0 ? 1 : 0);
+  chunk = chunk > PD_MIN_KV_PER_SPLIT ? chunk : PD_MIN_KV_PER_SPLIT;
+  const long long start64 = (long long)split * chunk;
+  const long long end64 = start64 + chunk;
+  const int start = start64 < seq_len ? (int)start64 : seq_len;
+  const int end = end64 < seq_len ? (int)end64 : seq_len;
+
+  float qf[1][VEC];
+  pd_load_q<VEC>(q + seq * q_stride_seq + head * q_stride_head + slice * VEC, qf[0]);
+
+  float m[1], l[1], acc[1][VEC];
+  pd_attend<1, VEC, UNROLL>(qf, k_cache + kv_head * k_stride_head + slice * VEC, k_stride_page, k_stride_token,
+                            v_cache + kv_head * v_stride_head + slice * VEC, v_stride_page, v_stride_token,
+                            block_tables + seq * block_tables_stride, page_size, start, end, qk_scale_log2,
+                            m, l, acc);
+  pd_cta_publish<1, VEC>(m, l, acc, s_m, s_l, s_acc);
+
+  float* slot = workspace + (((long long)seq * num_q_heads + head) * num_splits + split) * (PD_HEAD_DIM + 2);
+  for (int d = threadIdx.x; d < PD_HEAD_DIM; d += PD_THREADS) {
+    float M, L, O;
+    pd_cta_combine(s_m, s_l, s_acc, 0, d, M, L, O);
+    // Empty split: M = -inf, L = 0, O = 0 -> o = 0, m = -inf, l = 0.
+    slot[d] = pd_normalize(O, L, v_scale);
+    if (d == 0) {
+      slot[PD_HEAD_DIM] = M;
+      slot[PD_HEAD_DIM + 1] = L;
+    }
+  }
+}
+
+extern "C" __global__ void PD_LAUNCH_BOUNDS(PD_MERGE_THREADS, 4) paged_decode_splitk_merge(
+    const float* __restrict__ workspace, int num_splits,
+    pd_q_t* __restrict__ out, float* __restrict__ lse) {
+  __shared__ unsigned short s_out[PD_HEAD_DIM];
+
+  const int head = blockIdx.x;
+  const int seq = blockIdx.y;
+  const int num_q_heads = gridDim.x;
+  const float neg_inf = pd_neg_inf();
+  const float* slots = workspace + ((long long)seq * num_q_heads + head) * num_splits * (PD_HEAD_DIM + 2);
+
+  for (int d = threadIdx.x; d < PD_HEAD_DIM; d += PD_MERGE_THREADS) {
+    float mx = neg_inf;
+    for (int i = 0; i < num_splits; ++i) mx = fmaxf(mx, slots[i * (PD_HEAD_DIM + 2) + PD_HEAD_DIM]);
+    // The -inf - -inf trap: when every split is empty, M = -inf and m_i - M would be NaN.
+    // Subtract 0 instead; an empty split (m_i = -inf, l_i = 0) then gets
+    // w_i = 0 * 2^-inf = 0 * 0 = 0, with M finite or not.
+    const float ms = (mx == neg_inf) ? 0.f : mx;
+    float L = 0.f, o = 0.f;
+    for (int i = 0; i < num_splits; ++i) {
+      const float* sl = slots + i * (PD_HEAD_DIM + 2);
+      const float w = sl[PD_HEAD_DIM + 1] * exp2f(sl[PD_HEAD_DIM] - ms);
+      L += w;
+      o = fmaf(w, sl[d], o);
+    }
+    // L >= w of the split holding the max (its l >= 1) unless every split is empty (L = 0).
+    s_out[d] = (unsigned short)pd_float_to_q(pd_normalize(o, L, 1.f));
+    if (d == 0 && lse != nullptr) lse[(long long)seq * num_q_heads + head] = pd_lse(mx, L);
+  }
+  __syncthreads();
+  pd_store_span(out + ((long long)seq * num_q_heads + head) * PD_HEAD_DIM, s_out, PD_HEAD_DIM);
+}
