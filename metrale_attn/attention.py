@@ -81,6 +81,7 @@ class DecodeAttention:
         self.backend = get_backend(backend) if backend is None or isinstance(backend, str) else backend
         self.defaults: Defaults = resolve_defaults(self._target(target), splitk=splitk, gqa_pack=gqa_pack)
         self.check_indices = check_indices or self.backend.name == "cpu"
+        self._device = self.backend.current_device()
         self.workspace_spec = workspace_for(
             self.defaults, self.shape, max_batch=max_batch, max_decode_seqs=max_decode_seqs)
         self.workspace = self.backend.empty((self.workspace_spec.slots * self.workspace_spec.slot_floats,), np.float32)
@@ -161,7 +162,7 @@ class DecodeAttention:
         want_lse = return_lse or lse is not None
         if lse is None and want_lse:
             lse = be.empty((num_seqs, H), np.float32, like=q)
-        described = [qi, ki, vi, bi, si, oi]
+        described, li = [qi, ki, vi, bi, si, oi], None
         if lse is not None:
             li = be.describe(lse, "lse")
             described.append(li)
@@ -169,8 +170,9 @@ class DecodeAttention:
                 raise ValueError(f"lse must be a contiguous float32 [{num_seqs}, {H}] array, got {li.dtype} "
                                  f"{list(li.shape)}")
         devices = {x.device for x in described}
-        if len(devices) != 1:
-            raise ValueError(f"q, k_cache, v_cache, block_tables, seq_lens, out and lse must be on one device, got {devices}")
+        if devices != {self._device}:
+            raise ValueError(f"q, k_cache, v_cache, block_tables, seq_lens, out and lse must all be on the device this "
+                             f"DecodeAttention was built on ({_where(self._device)}), got {sorted(map(_where, devices))}")
         if self.check_indices:
             self._check_indices(block_tables, seq_lens, ki.shape[0], bi.shape[1])
 
@@ -185,7 +187,7 @@ class DecodeAttention:
                 np.int32(self.shape.num_kv_heads), np.int32(self.page_size),
                 np.float32(self.sm_scale * k_scale * LOG2E), np.float32(v_scale),
             )
-            self._launch(plan, common, ptr(out, oi), ptr(lse))
+            self._launch(plan, common, ptr(out, oi), ptr(lse, li))
         return (out, lse) if want_lse else out
 
     # -- helpers ------------------------------------------------------------
@@ -230,6 +232,10 @@ class DecodeAttention:
                              (self._workspace_ptr, np.int32(plan.num_splits), out_ptr, lse_ptr)))
 
 
+def _where(device) -> str:
+    return "host memory" if device is None else f"cuda:{device}"
+
+
 def _np(dtype):
     """A NumPy dtype for a library dtype (torch dtypes by name)."""
     text = str(dtype)
@@ -239,7 +245,7 @@ def _np(dtype):
 
 
 def _dtype(info: ArrayInfo, argument: str, expected: str) -> None:
-    name = dtypes._name_of(info.dtype)
+    name = dtypes.name_of(info.dtype)
     if name != expected:
         raise ValueError(f"{argument} must hold {expected} values (as this DecodeAttention was built), got {info.dtype}")
 

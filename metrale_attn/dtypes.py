@@ -36,13 +36,14 @@ def canonical(dtype, *, argument: str, allowed: tuple[str, ...]) -> str:
 
     A ``uint8`` array dtype stands for fp8 e4m3 bits where fp8 is allowed.
     """
-    name = _name_of(dtype)
+    name = name_of(dtype)
     if name not in allowed:
         raise ValueError(f"{argument} must be one of {', '.join(allowed)}; got {dtype!r}")
     return name
 
 
-def _name_of(dtype) -> str | None:
+def name_of(dtype) -> str | None:
+    """The canonical name of a dtype or spelling, or None when it is none of ours."""
     if isinstance(dtype, str):
         return _SPELLINGS.get(dtype.strip().lower())
     text = str(dtype)

@@ -64,6 +64,9 @@ class Backend(Protocol):
         """The launch argument for a pointer parameter (``None`` -> null); ``info``
         is ``describe(array)`` when the caller already has it."""
 
+    def current_device(self) -> Optional[int]:
+        """The device launches go to (``None``: host memory)."""
+
     def host_copy(self, array):
         """A NumPy copy, for the optional full index validation."""
 

@@ -54,6 +54,9 @@ class CpuBackend:
     def pointer(self, array, info: Optional[ArrayInfo] = None):
         return None if array is None else _contiguous_alias(array)
 
+    def current_device(self) -> None:
+        return None
+
     def host_copy(self, array):
         return np.asarray(array)
 

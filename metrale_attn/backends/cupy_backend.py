@@ -131,6 +131,9 @@ class CupyBackend:
             return np.uint64(0)
         return np.uint64((info or self.describe(array, "array")).ptr)
 
+    def current_device(self) -> int:
+        return self._cupy.cuda.Device().id
+
     def host_copy(self, array):
         if _is_torch(array):
             return array.detach().cpu().numpy()
