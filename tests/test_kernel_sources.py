@@ -97,3 +97,14 @@ def test_every_variant_compiles_through_nvrtc(variant, arch):
     from metrale_attn.backends.cupy_backend import compile_cubin
 
     assert len(compile_cubin(variant, arch)) > 1000
+
+
+def test_plans_launch_exactly_the_kernels_their_arm_compiles():
+    from metrale_attn.cli import MODELS
+    from metrale_attn.plan import make_plan
+    from metrale_attn.targets import get_target, resolve_defaults
+
+    for options in (dict(splitk="4"), dict(splitk="off"), dict(splitk="off", gqa_pack=True)):
+        defaults = resolve_defaults(get_target("hopper"), environ={}, **options)
+        plan = make_plan(defaults, MODELS["qwen3.8-27b"], 2, max_batch=2)
+        assert tuple(g.kernel for g in plan.launches) == FAMILIES[plan.arm][1]
