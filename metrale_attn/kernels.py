@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import importlib.resources
+import pathlib
 import re
 from dataclasses import dataclass
 
@@ -37,10 +38,20 @@ class KernelSourceError(RuntimeError):
 
 
 @functools.cache
+def _source_dir():
+    """``metrale_attn/kernels_cu`` of an install, else ``kernels_cu/`` of a source checkout
+    run without installing (the GPU check runs that way on a bare machine)."""
+    try:
+        return importlib.resources.files(SOURCE_PACKAGE)
+    except ModuleNotFoundError:
+        return pathlib.Path(__file__).resolve().parent.parent / "kernels_cu"
+
+
+@functools.cache
 def read_source(filename: str) -> str:
     """The raw text of ``kernels_cu/<filename>``."""
     try:
-        return (importlib.resources.files(SOURCE_PACKAGE) / filename).read_text(encoding="utf-8")
+        return (_source_dir() / filename).read_text(encoding="utf-8")
     except FileNotFoundError:
         raise KernelSourceError(f"kernel source kernels_cu/{filename} not found") from None
 

@@ -1,0 +1,434 @@
+"""The alternatives a user would pick for paged decode, run on the same data as ours.
+
+This module owns the baselines of ``bench_decode.py`` and nothing about timing. Each
+``prepare_*`` function takes a ``Case`` (one configuration's tensors, already on the
+device) and returns a zero-argument callable that computes the decode output
+``[num_seqs, num_q_heads, head_dim]`` (bf16) for it, or raises ``Unavailable`` with
+the reason it cannot run. The caller warms the callable up, checks its output, then
+captures and times it exactly like ours.
+
+- ``sdpa_gather``: ``torch.nn.functional.scaled_dot_product_attention`` after
+  gathering each sequence's pages into a contiguous ``[B, KV, T, D]`` tensor (fp8
+  dequantized to bf16 in the gather: ``stored * scale``). The gather is INCLUDED in
+  the call: this is what a serving stack without a paged kernel pays every step.
+- ``sdpa_nogather``: the same SDPA over a tensor gathered once before timing: the
+  gather EXCLUDED (an upper bound for dense attention on the same bytes).
+- ``flex_paged``: FlexAttention over the paged pool (the physical cache viewed as
+  one ``[1, KV, num_pages * page_size, D]`` sequence, block mask and mask_mod
+  mapped from logical to physical pages with PyTorch's experimental
+  ``PagedAttention`` helper), compiled with ``torch.compile(dynamic=False)`` so
+  its decode kernel (static batch) is used. The query group is folded into the
+  query-length axis (``[B, KV, G, D]``), which the decode kernel needs for group
+  sizes that are not powers of two (6 here). No fp8 K/V.
+- ``flashinfer``: ``flashinfer.BatchDecodeWithPagedKVCacheWrapper`` on the same NHD
+  pool and page table (CUDA-core decode kernel; the tensor-core path where its
+  decode kernel has no instance for the group size, e.g. 6). Its kernels are
+  compiled by FlashInfer's JIT (nvcc) on first use, which takes minutes; that
+  compile runs ahead of the benchmark in separate processes with a time cap
+  (``python3 benchmarks/baselines.py flashinfer-prewarm``), and the benchmark only
+  runs the variants that compiled.
+
+Every baseline works on the CPU too (except FlashInfer), which is how its wiring is
+tested without a GPU (``tests/test_benchmarks.py`` does not need PyTorch; a
+developer with PyTorch can run ``python3 benchmarks/baselines.py selftest``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+FLASHINFER_DECODE_GROUP_SIZES = (1, 2, 3, 4, 8)
+"""Group sizes FlashInfer's CUDA-core decode kernel is instantiated for (DISPATCH_GQA_GROUP_SIZE);
+other group sizes go through its tensor-core (prefill) kernels."""
+
+FLASHINFER_WORKSPACE_BYTES = 128 * 1024 * 1024  # the size FlashInfer's documentation recommends
+
+
+class Unavailable(Exception):
+    """This baseline cannot run on this configuration or machine; the message says why."""
+
+
+@dataclass
+class Case:
+    """One configuration's data (PyTorch tensors on one device).
+
+    ``q``: ``[B, H, D]`` bf16. ``k_pool``/``v_pool``: NHD ``[num_pages, page_size, KV, D]``,
+    bf16 or ``torch.float8_e4m3fn`` (dequantized value = stored * scale).
+    ``block_tables``: int32 ``[B, max_pages]``; ``seq_lens``: int32 ``[B]``, all equal to
+    ``context`` here. ``sm_scale`` multiplies q.k before the softmax (natural exp).
+    """
+
+    q: object
+    k_pool: object
+    v_pool: object
+    block_tables: object
+    seq_lens: object
+    context: int
+    page_size: int
+    num_kv_heads: int
+    k_scale: float
+    v_scale: float
+    sm_scale: float
+    kv_dtype: str  # "bf16" or "fp8"
+
+    @property
+    def batch(self) -> int:
+        return int(self.q.shape[0])
+
+    @property
+    def num_q_heads(self) -> int:
+        return int(self.q.shape[1])
+
+    @property
+    def head_dim(self) -> int:
+        return int(self.q.shape[2])
+
+    @property
+    def pages_per_seq(self) -> int:
+        return -(-self.context // self.page_size)
+
+
+# -- PyTorch SDPA ----------------------------------------------------------------
+
+
+def gather_dense(case: Case, pool):
+    """``[B, KV, T, D]`` bf16: each sequence's pages gathered in order, fp8 dequantized (x scale)."""
+    import torch
+
+    B, P, T, page = case.batch, case.pages_per_seq, case.context, case.page_size
+    pages = case.block_tables[:, :P].long()
+    if pool.dtype == torch.float8_e4m3fn:
+        # Index the bytes (indexing fp8 tensors is not supported everywhere), then dequantize.
+        scale = case.k_scale if pool is case.k_pool else case.v_scale
+        raw = pool.view(torch.uint8)[pages].view(torch.float8_e4m3fn)
+        dense = raw.to(torch.bfloat16) * scale
+    else:
+        dense = pool[pages]
+    # [B, P, page, KV, D] -> [B, P * page, KV, D] -> first T tokens -> [B, KV, T, D] (a strided view).
+    return dense.reshape(B, P * page, case.num_kv_heads, case.head_dim)[:, :T].transpose(1, 2)
+
+
+def _sdpa(case: Case, k, v):
+    import torch
+    import torch.nn.functional as F
+
+    q = case.q.unsqueeze(2)  # [B, H, 1, D]
+    out = F.scaled_dot_product_attention(q, k, v, scale=case.sm_scale, enable_gqa=True)
+    return out.squeeze(2).to(torch.bfloat16)
+
+
+def prepare_sdpa_gather(case: Case) -> Callable[[], object]:
+    """SDPA with the page gather (and fp8 dequantization) inside the timed call."""
+    _require_sdpa_gqa()
+    return lambda: _sdpa(case, gather_dense(case, case.k_pool), gather_dense(case, case.v_pool))
+
+
+def prepare_sdpa_nogather(case: Case) -> Callable[[], object]:
+    """SDPA over K/V gathered once, contiguous ``[B, KV, T, D]`` bf16: the gather excluded."""
+    _require_sdpa_gqa()
+    k = gather_dense(case, case.k_pool).contiguous()
+    v = gather_dense(case, case.v_pool).contiguous()
+    return lambda: _sdpa(case, k, v)
+
+
+def _require_sdpa_gqa() -> None:
+    import inspect
+
+    import torch.nn.functional as F
+
+    try:
+        params = inspect.signature(F.scaled_dot_product_attention).parameters
+    except (TypeError, ValueError):  # a builtin without a signature: assume the modern one
+        return
+    if "enable_gqa" not in params:
+        raise Unavailable("this PyTorch's scaled_dot_product_attention has no enable_gqa (needs >= 2.5)")
+
+
+def gathered_bytes(case_batch: int, context: int, num_kv_heads: int, head_dim: int) -> int:
+    """Bytes of the bf16 K and V the SDPA baselines gather: what they need on top of the pool."""
+    return 2 * case_batch * context * num_kv_heads * head_dim * 2
+
+
+# -- FlexAttention ---------------------------------------------------------------
+
+_FLEX = {}
+
+
+def _flex_compiled():
+    """``torch.compile(flex_attention, dynamic=False)``, once per process.
+
+    Static shapes on purpose: FlexAttention's decode kernel needs a statically known
+    batch; with dynamic shapes it falls back to its prefill kernel.
+    """
+    if "fn" not in _FLEX:
+        import torch
+        from torch.nn.attention.flex_attention import flex_attention
+
+        for name in ("recompile_limit", "cache_size_limit"):  # one compile per (shape, batch)
+            if hasattr(torch._dynamo.config, name):
+                setattr(torch._dynamo.config, name, 256)
+                break
+        _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
+    return _FLEX["fn"]
+
+
+def prepare_flex_paged(case: Case, *, compiled: bool = True) -> Callable[[], object]:
+    """FlexAttention over the paged pool through PyTorch's ``PagedAttention`` block-mask conversion."""
+    import torch
+
+    if case.kv_dtype != "bf16":
+        raise Unavailable("FlexAttention computes q.k in the K/V dtype and takes no fp8 K/V with a bf16 query "
+                          "(dequantizing the whole pool first would be a different baseline)")
+    try:
+        from torch.nn.attention.experimental._paged_attention import PagedAttention
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    except ImportError as err:
+        raise Unavailable(f"this PyTorch has no FlexAttention paged attention ({err})") from None
+
+    B, H, D, KV = case.batch, case.num_q_heads, case.head_dim, case.num_kv_heads
+    G, page, P = H // KV, case.page_size, case.pages_per_seq
+    n_pages = int(case.k_pool.shape[0])
+    device = case.q.device
+
+    # The page table of our block_tables, written straight into PagedAttention's tensors
+    # (its reserve() allocates pages itself, one sequence at a time).
+    paged = PagedAttention(n_pages, page, B, device=str(device))
+    table = case.block_tables[:, :P].long()
+    paged.page_table[:, :P] = table
+    paged.physical_to_logical.scatter_(1, table, torch.arange(P, device=device).expand(B, P).contiguous())
+    paged.capacity.fill_(P * page)
+    kv_len = case.seq_lens.long()
+
+    def in_sequence(b, h, q_idx, kv_idx):
+        return kv_idx < kv_len[b]
+
+    # Query "length" G: the G query heads of a KV head ride along the query axis.
+    logical = create_block_mask(in_sequence, B, 1, G, P * page, device=device, BLOCK_SIZE=(128, page))
+    physical = paged.convert_logical_block_mask(logical, kv_len=kv_len)
+    # NHD [n_pages, page, KV, D] -> [1, KV, n_pages * page, D]: a view (page and token strides merge).
+    k = case.k_pool.permute(2, 0, 1, 3).reshape(1, KV, n_pages * page, D)
+    v = case.v_pool.permute(2, 0, 1, 3).reshape(1, KV, n_pages * page, D)
+    q = case.q.view(B, KV, G, D)
+    attend = _flex_compiled() if compiled else flex_attention
+
+    def call():
+        return attend(q, k, v, block_mask=physical, scale=case.sm_scale).reshape(B, H, D)
+
+    return call
+
+
+# -- FlashInfer ------------------------------------------------------------------
+
+
+def flashinfer_variant(num_q_heads: int, num_kv_heads: int, head_dim: int, kv_dtype: str) -> str:
+    """The name of the FlashInfer JIT module a shape needs (what the prewarm compiles)."""
+    tc = (num_q_heads // num_kv_heads) not in FLASHINFER_DECODE_GROUP_SIZES
+    return f"hd{head_dim}-kv{kv_dtype}-{'tensorcore' if tc else 'decode'}"
+
+
+def prepare_flashinfer(case: Case, *, status: Optional[dict] = None) -> Callable[[], object]:
+    """FlashInfer's batch decode on the same NHD pool (``status``: the prewarm's results, if any)."""
+    import torch
+
+    variant = flashinfer_variant(case.num_q_heads, case.num_kv_heads, case.head_dim, case.kv_dtype)
+    if status is not None:
+        entry = status.get("variants", {}).get(variant)
+        if entry is None:
+            raise Unavailable(status.get("import_error") or f"FlashInfer variant {variant} was not compiled ahead "
+                                                            "of the run")
+        if entry.get("status") != "ok":
+            raise Unavailable(f"FlashInfer variant {variant}: JIT prewarm {entry.get('status')}: "
+                              f"{entry.get('reason', '')}"[:400])
+    try:
+        import flashinfer
+    except Exception as err:
+        raise Unavailable(f"flashinfer does not import ({type(err).__name__}: {err})"[:400]) from None
+    B, H, D, KV, page, P = (case.batch, case.num_q_heads, case.head_dim, case.num_kv_heads, case.page_size,
+                            case.pages_per_seq)
+    device = case.q.device
+    use_tc = (H // KV) not in FLASHINFER_DECODE_GROUP_SIZES
+    workspace = torch.zeros(FLASHINFER_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=use_tc)
+    indptr = torch.arange(B + 1, dtype=torch.int32, device=device) * P
+    indices = case.block_tables[:, :P].contiguous().view(-1)
+    last_page_len = (case.seq_lens - (P - 1) * page).to(torch.int32)
+    wrapper.plan(indptr, indices, last_page_len, H, KV, D, page, q_data_type=case.q.dtype,
+                 kv_data_type=case.k_pool.dtype, sm_scale=case.sm_scale)
+    scales = {} if case.kv_dtype == "bf16" else dict(k_scale=case.k_scale, v_scale=case.v_scale)
+    kv = (case.k_pool, case.v_pool)
+    return lambda: wrapper.run(case.q, kv, **scales)
+
+
+def _flashinfer_warm_one(num_q_heads: int, num_kv_heads: int, head_dim: int, kv_dtype: str) -> None:
+    """Build and run FlashInfer on a tiny problem of this shape: compiles its JIT module into the cache."""
+    import torch
+
+    torch.manual_seed(0)
+    page, pages = 16, 8
+    dt = torch.bfloat16 if kv_dtype == "bf16" else torch.float8_e4m3fn
+    pool = lambda: torch.randn(pages, page, num_kv_heads, head_dim, device="cuda").to(dt)
+    case = Case(q=torch.randn(1, num_q_heads, head_dim, device="cuda").to(torch.bfloat16), k_pool=pool(),
+                v_pool=pool(), block_tables=torch.arange(4, dtype=torch.int32, device="cuda").view(1, 4),
+                seq_lens=torch.tensor([64], dtype=torch.int32, device="cuda"), context=64, page_size=page,
+                num_kv_heads=num_kv_heads, k_scale=1.0, v_scale=1.0, sm_scale=1 / math.sqrt(head_dim),
+                kv_dtype=kv_dtype)
+    out = prepare_flashinfer(case)()
+    torch.cuda.synchronize()
+    if not bool(torch.isfinite(out.float()).all()):
+        raise RuntimeError("FlashInfer produced non-finite values on the warm-up problem")
+
+
+def flashinfer_prewarm(shapes: list[tuple[int, int, int]], kv_dtypes: list[str], *, timeout_s: float,
+                       log_dir: Optional[str] = None) -> dict:
+    """Compile every FlashInfer variant the sweep needs, each in its own process, all at once,
+    each killed after ``timeout_s``. Returns ``{"variants": {name: {status, seconds, reason}}}``."""
+    try:
+        import flashinfer  # noqa: F401  (import errors are the same for every variant)
+    except Exception as err:
+        reason = f"flashinfer does not import ({type(err).__name__}: {err})"[:400]
+        return {"import_error": reason, "variants": {
+            flashinfer_variant(h, kv, d, dt): {"status": "unavailable", "reason": reason}
+            for h, kv, d in shapes for dt in kv_dtypes}}
+    if log_dir is None:  # the logs carry the reason a variant failed: keep them somewhere
+        import tempfile
+
+        log_dir = tempfile.mkdtemp(prefix="flashinfer_prewarm_")
+    jobs = {}
+    for h, kv, d in shapes:
+        for dt in kv_dtypes:
+            name = flashinfer_variant(h, kv, d, dt)
+            if name in jobs:
+                continue
+            log = open(os.path.join(log_dir, f"flashinfer_{name}.log"), "w")
+            cmd = [sys.executable, os.path.abspath(__file__), "flashinfer-warm-one", "--q-heads", str(h),
+                   "--kv-heads", str(kv), "--head-dim", str(d), "--kv-dtype", dt]
+            jobs[name] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True),
+                          time.monotonic(), log)
+    results = {}
+    deadline = time.monotonic() + timeout_s
+    for name, (proc, t0, log) in jobs.items():
+        try:
+            rc = proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+            status = "ok" if rc == 0 else "failed"
+            reason = "" if rc == 0 else f"exit code {rc} (flashinfer_{name}.log)"
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # the whole group: nvcc and ninja too
+            proc.wait()
+            status, reason = "timeout", f"JIT compile did not finish within {timeout_s:g} s"
+        log.close()
+        if status == "failed":
+            reason += ": " + _last_line(log.name)
+        results[name] = {"status": status, "seconds": round(time.monotonic() - t0, 1), "reason": reason}
+    return {"variants": results, "timeout_s": timeout_s}
+
+
+def _last_line(path: str) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            lines = [line.strip() for line in f if line.strip()]
+        return lines[-1][:300] if lines else ""
+    except OSError:
+        return ""
+
+
+# -- registry ----------------------------------------------------------------------
+
+BASELINES = {
+    "sdpa_gather": ("PyTorch SDPA, page gather + fp8 dequant included", prepare_sdpa_gather),
+    "sdpa_nogather": ("PyTorch SDPA over pre-gathered contiguous bf16 K/V (gather excluded)", prepare_sdpa_nogather),
+    "flex_paged": ("FlexAttention paged decode (torch.compile, PagedAttention block mask)", prepare_flex_paged),
+    "flashinfer": ("FlashInfer BatchDecodeWithPagedKVCacheWrapper", prepare_flashinfer),
+}
+
+
+# -- self test (CPU, needs PyTorch) ------------------------------------------------------
+
+
+def selftest() -> int:
+    """Check the SDPA and FlexAttention wiring on the CPU against a float64 computation."""
+    import torch
+
+    torch.manual_seed(0)
+    B, H, KV, D, page, ctx, n_pages = 2, 6, 1, 64, 16, 100, 32
+    pages = -(-ctx // page)
+    perm = torch.randperm(n_pages)[: B * pages].view(B, pages).to(torch.int32)
+    for kv_dtype in ("bf16", "fp8"):
+        dt = torch.bfloat16 if kv_dtype == "bf16" else torch.float8_e4m3fn
+        scale = 1.0 if kv_dtype == "bf16" else 6 / 448
+        pool = lambda: (torch.randn(n_pages, page, KV, D) / scale).clamp(-448, 448).to(dt)
+        case = Case(q=torch.randn(B, H, D).to(torch.bfloat16), k_pool=pool(), v_pool=pool(), block_tables=perm,
+                    seq_lens=torch.full((B,), ctx, dtype=torch.int32), context=ctx, page_size=page,
+                    num_kv_heads=KV, k_scale=scale, v_scale=scale, sm_scale=1 / math.sqrt(D), kv_dtype=kv_dtype)
+        ref = _reference(case)
+        for name in ("sdpa_gather", "sdpa_nogather", "flex_paged"):
+            try:
+                fn = (lambda c: prepare_flex_paged(c, compiled=False)) if name == "flex_paged" else BASELINES[name][1]
+                out = fn(case)().double()
+            except Unavailable as err:
+                print(f"{kv_dtype} {name}: unavailable: {err}")
+                continue
+            err = (out - ref).abs().max().item()
+            print(f"{kv_dtype} {name}: max abs error {err:.2e}")
+            if not err < 2e-2:
+                return 1
+    return 0
+
+
+def _reference(case: Case):
+    """float64 decode of every sequence (small problems only)."""
+    import torch
+
+    out = []
+    G = case.num_q_heads // case.num_kv_heads
+    for s in range(case.batch):
+        k = gather_dense(case, case.k_pool)[s].double()  # [KV, T, D]
+        v = gather_dense(case, case.v_pool)[s].double()
+        q = case.q[s].double().view(case.num_kv_heads, G, case.head_dim)
+        p = torch.softmax(torch.einsum("kgd,ktd->kgt", q, k) * case.sm_scale, dim=-1)
+        out.append(torch.einsum("kgt,ktd->kgd", p, v).reshape(case.num_q_heads, case.head_dim))
+    return torch.stack(out)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    warm = sub.add_parser("flashinfer-prewarm", help="compile the FlashInfer variants a sweep needs, with a cap")
+    warm.add_argument("--shapes", default="24/4/256,32/8/128,64/8/128", help="q/kv/head_dim, comma-separated")
+    warm.add_argument("--kv-dtypes", default="bf16,fp8")
+    warm.add_argument("--timeout-s", type=float, default=150.0)
+    warm.add_argument("--out", required=True, help="status JSON to write")
+    warm.add_argument("--log-dir")
+    one = sub.add_parser("flashinfer-warm-one", help="(internal) compile one variant")
+    one.add_argument("--q-heads", type=int, required=True)
+    one.add_argument("--kv-heads", type=int, required=True)
+    one.add_argument("--head-dim", type=int, required=True)
+    one.add_argument("--kv-dtype", required=True)
+    sub.add_parser("selftest", help="check the SDPA/Flex wiring on the CPU (needs PyTorch)")
+    args = parser.parse_args(argv)
+    if args.command == "selftest":
+        return selftest()
+    if args.command == "flashinfer-warm-one":
+        _flashinfer_warm_one(args.q_heads, args.kv_heads, args.head_dim, args.kv_dtype)
+        return 0
+    shapes = [tuple(int(x) for x in s.split("/")) for s in args.shapes.split(",") if s]
+    t0 = time.monotonic()
+    status = flashinfer_prewarm(shapes, args.kv_dtypes.split(","), timeout_s=args.timeout_s, log_dir=args.log_dir)
+    status["elapsed_s"] = round(time.monotonic() - t0, 1)
+    with open(args.out, "w") as f:
+        json.dump(status, f, indent=2)
+    for name, entry in status["variants"].items():
+        print(f"flashinfer {name}: {entry['status']} {entry.get('seconds', '')} {entry.get('reason', '')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,492 @@
+"""Turns a benchmark result (the dict ``bench_decode.py`` builds) into files a reader uses.
+
+This module owns the presentation of a run, not its measurement:
+
+- ``evaluate_targets``: the performance bar of DESIGN.md as pass/fail lines:
+  T1 >= 90% of the copy bandwidth for batch >= 16 at context >= 4k (the policy's
+  default arm), T2 >= 80% for batch 1 at context >= 32k on the split-K arm, T3
+  faster than every baseline that ran (same configuration, default arm), and C
+  every timed output of ours met the correctness bar.
+- ``render_markdown``: environment, copy bandwidth, targets, one table per (model,
+  KV dtype), baseline status with reasons, skipped and unmeasured configurations,
+  host overhead.
+- ``plot``: TB/s (left axis) and % of copy bandwidth (right axis, same curve) against
+  context, one line per batch size: ours (default arm) against the baselines, and
+  ours arm by arm. Needs matplotlib; without it the plots are skipped and the
+  markdown says so.
+- ``write_outputs``: ``STEM_bench.json``, ``STEM_bench.md``, ``STEM_bench.png``,
+  ``STEM_arms.png`` where STEM is ``DATE_DEVICE`` (``2026-11-30_H200``).
+
+Re-render a saved result: ``python3 benchmarks/bench_report.py RESULT.json --out-dir DIR``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from typing import Optional
+
+T1_PCT, T1_MIN_BATCH, T1_MIN_CONTEXT = 90.0, 16, 4096
+T2_PCT, T2_BATCH, T2_MIN_CONTEXT = 80.0, 1, 32768
+BASELINE_LABELS = {
+    "sdpa_gather": "SDPA+gather",
+    "sdpa_nogather": "SDPA (pre-gathered)",
+    "flex_paged": "FlexAttention",
+    "flashinfer": "FlashInfer",
+}
+ARM_LABELS = {"unpacked": "unpacked", "splitk": "split-K", "gqa_packed": "GQA-packed", "default": "default"}
+
+
+# -- selection helpers ---------------------------------------------------------------
+
+
+def _key(r: dict) -> tuple:
+    return (r["model"], r["kv_dtype"], r["batch"], r["context"])
+
+
+def _timed(r: dict) -> bool:
+    return r.get("median_us") is not None
+
+
+def default_rows(result: dict) -> list[dict]:
+    """Ours, the policy's default geometry, one per configuration."""
+    return [r for r in result["rows"] if r["impl"] == "metrale" and r.get("default")]
+
+
+def _fmt_pct(x: Optional[float]) -> str:
+    return "-" if x is None else f"{x:.1f}%"
+
+
+# -- targets -------------------------------------------------------------------------
+
+
+def evaluate_targets(result: dict) -> list[dict]:
+    """The performance and correctness bar as a list of ``{id, description, status, value, detail}``."""
+    rows = result["rows"]
+    if result.get("mode") == "cpu":
+        note = "CPU backend simulator; not kernel performance"
+        targets = [dict(id=t, description=d, status="N/A", value=None, detail=note) for t, d in _DESCRIPTIONS[:3]]
+    else:
+        targets = [_t1(result), _t2(result), _t3(result)]
+    targets.append(_correctness(rows))
+    return targets
+
+
+_DESCRIPTIONS = [
+    ("T1", f">= {T1_PCT:.0f}% of copy bandwidth, batch >= {T1_MIN_BATCH}, context >= {T1_MIN_CONTEXT // 1024}k "
+           "(default arm)"),
+    ("T2", f">= {T2_PCT:.0f}% of copy bandwidth, batch {T2_BATCH}, context >= {T2_MIN_CONTEXT // 1024}k "
+           "(split-K arm)"),
+    ("T3", "faster than every baseline that ran (default arm, same configuration)"),
+    ("C", "every timed output of ours met the correctness bar before timing"),
+]
+
+
+def _pct_target(tid: str, rows: list[dict], bar: float, copy_known: bool) -> dict:
+    desc = dict(_DESCRIPTIONS)[tid]
+    if not copy_known:
+        return dict(id=tid, description=desc, status="NOT MEASURED", value=None, detail="no copy bandwidth")
+    if not rows:
+        return dict(id=tid, description=desc, status="NOT MEASURED", value=None, detail="no such configuration ran")
+    timed = [r for r in rows if _timed(r)]
+    failing = [r for r in timed if r["pct_of_copy"] < bar]
+    untimed = [r for r in rows if not _timed(r)]
+    worst = min(timed, key=lambda r: r["pct_of_copy"]) if timed else None
+    status = "PASS" if timed and not failing and not untimed else ("FAIL" if timed else "NOT MEASURED")
+    detail = f"{len(timed) - len(failing)}/{len(rows)} configurations at or above {bar:.0f}%"
+    if worst:
+        detail += f"; worst {worst['pct_of_copy']:.1f}% ({_label(worst)})"
+    if untimed:
+        detail += f"; {len(untimed)} not timed"
+    return dict(id=tid, description=desc, status=status, value=worst["pct_of_copy"] if worst else None,
+                detail=detail, failures=[_label(r) for r in failing + untimed][:20])
+
+
+def _label(r: dict) -> str:
+    arm = f" {r['arm']}" if r.get("arm") else ""
+    return f"{r['model']} {r['kv_dtype']} b{r['batch']} ctx{r['context']}{arm}"
+
+
+def _t1(result: dict) -> dict:
+    rows = [r for r in default_rows(result) if r["batch"] >= T1_MIN_BATCH and r["context"] >= T1_MIN_CONTEXT]
+    return _pct_target("T1", rows, T1_PCT, bool(result.get("copy_tb_per_s")))
+
+
+def _t2(result: dict) -> dict:
+    rows = [r for r in result["rows"] if r["impl"] == "metrale" and r.get("arm") == "splitk"
+            and r["batch"] == T2_BATCH and r["context"] >= T2_MIN_CONTEXT]
+    return _pct_target("T2", rows, T2_PCT, bool(result.get("copy_tb_per_s")))
+
+
+def _t3(result: dict) -> dict:
+    desc = dict(_DESCRIPTIONS)["T3"]
+    ours = {_key(r): r for r in default_rows(result) if _timed(r)}
+    per_baseline: dict = {}
+    losses = []
+    for r in result["rows"]:
+        if r["impl"] == "metrale" or not _timed(r) or _key(r) not in ours:
+            continue
+        mine = ours[_key(r)]
+        won = mine["median_us"] < r["median_us"]
+        entry = per_baseline.setdefault(r["impl"], {"wins": 0, "total": 0, "min_speedup": math.inf})
+        entry["total"] += 1
+        entry["wins"] += int(won)
+        entry["min_speedup"] = min(entry["min_speedup"], r["median_us"] / mine["median_us"])
+        if not won:
+            losses.append(f"{BASELINE_LABELS.get(r['impl'], r['impl'])} at {_label(mine)}: "
+                          f"{r['median_us']:.1f} us vs ours {mine['median_us']:.1f} us")
+    if not per_baseline:
+        return dict(id="T3", description=desc, status="NOT MEASURED", value=None, detail="no baseline ran")
+    parts = [f"{BASELINE_LABELS.get(k, k)} {v['wins']}/{v['total']} (min speed-up {v['min_speedup']:.2f}x)"
+             for k, v in per_baseline.items()]
+    return dict(id="T3", description=desc, status="FAIL" if losses else "PASS",
+                value=min(v["min_speedup"] for v in per_baseline.values()), detail="; ".join(parts),
+                failures=losses[:20])
+
+
+def _correctness(rows: list[dict]) -> dict:
+    desc = dict(_DESCRIPTIONS)["C"]
+    ours = [r for r in rows if r["impl"] == "metrale"]
+    checked = [r for r in ours if r.get("check")]
+    bad = [r for r in checked if r["check"].get("status") != "ok"]
+    failed = [r for r in ours if r["status"] == "failed"]
+    if not checked:
+        return dict(id="C", description=desc, status="NOT MEASURED", value=None, detail="nothing checked")
+    detail = f"{len(checked) - len(bad)}/{len(checked)} outputs met the bar"
+    if failed:
+        detail += f"; {len(failed)} runs failed before checking"
+    return dict(id="C", description=desc, status="FAIL" if bad or failed else "PASS", value=len(bad),
+                detail=detail, failures=[f"{_label(r)}: {r['check'].get('message', '')[:200]}" for r in bad][:20]
+                + [f"{_label(r)}: {r.get('reason', '')[:200]}" for r in failed][:20])
+
+
+def targets_table(targets: list[dict]) -> str:
+    """Plain-text target lines for a terminal."""
+    lines = [f"{'target':<6} {'status':<13} description / detail"]
+    for t in targets:
+        lines.append(f"{t['id']:<6} {t['status']:<13} {t['description']}")
+        lines.append(f"{'':<6} {'':<13} {t['detail']}")
+    return "\n".join(lines)
+
+
+# -- markdown ------------------------------------------------------------------------
+
+
+def render_markdown(result: dict, plot_files: Optional[list[str]] = None, plot_note: str = "") -> str:
+    env, copy = result.get("environment", {}), result.get("copy_bandwidth", {})
+    dev = env.get("device", {})
+    libs = env.get("libraries", {})
+    smi = env.get("nvidia_smi", {})
+    out = [f"# metrale-attn paged decode benchmark: {result.get('device_label')} ({result.get('created_utc')})", ""]
+    if result.get("mode") == "cpu":
+        out += ["**CPU backend simulator; not kernel performance.** A smoke run of the harness on the CUDA-on-CPU "
+                "simulator: the times are the simulator's wall clock and the 'copy bandwidth' is host memory.", ""]
+    out += [f"- timing: {result.get('timing_note')}"]
+    if dev:
+        out.append(f"- device: {dev.get('name')} (compute capability {dev.get('compute_capability', '-')}, "
+                   f"{dev.get('sm_count', '-')} SMs, L2 {_mb(dev.get('l2_bytes'))}, memory "
+                   f"{_gb(dev.get('memory_bytes'))}); driver {smi.get('driver_version', dev.get('cuda_driver', '-'))}, "
+                   f"CUDA runtime {dev.get('cuda_runtime', '-')}, nvcc {env.get('cuda_tools', {}).get('nvcc', '-')}")
+    if smi and "clocks.sm" in smi:
+        out.append(f"- clocks at probe: SM {smi.get('clocks.sm')} (max {smi.get('clocks.max.sm')}), memory "
+                   f"{smi.get('clocks.mem')} (max {smi.get('clocks.max.mem')}); power {smi.get('power.draw')} / "
+                   f"{smi.get('power.limit')}; {smi.get('pstate', '')}")
+    out.append("- libraries: " + ", ".join(f"{k} {v}" for k, v in libs.items() if v))
+    if copy.get("tb_per_s"):
+        out.append(f"- **copy bandwidth: {copy['tb_per_s']:.3f} TB/s** (decimal; {copy.get('method')}); every % "
+                   "below is against it")
+    else:
+        out.append(f"- copy bandwidth: not measured ({copy.get('error', 'unknown')})")
+    budget = result.get("budget", {})
+    line = f"- sweep: {budget.get('elapsed_s', '-')} s of a {budget.get('time_budget_s', '-')} s budget"
+    if budget.get("stopped_early"):
+        line += f"; **stopped early: {budget.get('reason')}**"
+        if result.get("not_measured"):
+            line += f" ({len(result['not_measured'])} configurations not measured, listed below)"
+    out += [line, "", "## Targets", "", "| target | status | bar | detail |", "| --- | --- | --- | --- |"]
+    for t in result.get("targets", []):
+        out.append(f"| {t['id']} | **{t['status']}** | {t['description']} | {t['detail']} |")
+    for t in result.get("targets", []):
+        if t.get("failures"):
+            out += ["", f"{t['id']} misses:", ""] + [f"- {f}" for f in t["failures"]]
+    out += ["", "## Results", "",
+            "Bytes per call = K+V touched + q + out; TB/s decimal; % of the copy bandwidth above. `default` is the "
+            "policy's choice (arm and split count); the arm columns force each arm; baselines are charged the same "
+            "bytes. `x best base` = fastest baseline time / ours (> 1: ours faster).", ""]
+    out += _result_tables(result)
+    if plot_files:
+        out += ["", "## Plots", ""] + [f"![{os.path.basename(p)}]({os.path.basename(p)})" for p in plot_files]
+    elif plot_note:
+        out += ["", f"Plots: {plot_note}"]
+    out += ["", "## Baselines", ""]
+    for name, entry in result.get("baselines", {}).items():
+        label = BASELINE_LABELS.get(name, name)
+        reasons = entry.get("not_run_reasons") or {}
+        line = f"- **{label}**: {entry.get('status')}; ran on {entry.get('ran', 0)}/{entry.get('configs', 0)} " \
+               "configurations"
+        if entry.get("reason"):
+            line += f"; {entry['reason']}"
+        out.append(line)
+        for why, n in sorted(reasons.items(), key=lambda kv: -kv[1]):
+            out.append(f"  - not run on {n}: {why}")
+    prewarm = result.get("flashinfer_prewarm")
+    if prewarm:
+        parts = [f"{k}: {v.get('status')} ({v.get('seconds', '-')} s) {v.get('reason', '')}".strip()
+                 for k, v in prewarm.get("variants", {}).items()]
+        if prewarm.get("import_error"):
+            parts.append(prewarm["import_error"])
+        out.append("- FlashInfer JIT prewarm: " + "; ".join(parts))
+    if result.get("host_overhead"):
+        out += ["", "## Host overhead", "",
+                "Python microseconds per call, no synchronization in the loop: an eager `run` (validation, plan "
+                "lookup, 1-2 launches) and a CUDA-graph launch, beside the GPU time of the same call.", "",
+                "| model | kv | batch | context | arm | eager run us | graph launch us | GPU us |",
+                "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for h in result["host_overhead"]:
+            if "error" in h:
+                out.append(f"| {h['model']} | {h['kv_dtype']} | | | {h['arm']} | {h['error']} | | |")
+            else:
+                out.append(f"| {h['model']} | {h['kv_dtype']} | {h['batch']} | {h['context']} | {h['arm']} "
+                           f"({h['plan_arm']}) | {h['eager_run_us']:.1f} | {h['graph_launch_us']:.1f} | "
+                           f"{h['gpu_median_us']:.1f} |")
+    for title, key in (("Skipped (over the memory cap)", "skipped"), ("Not measured", "not_measured")):
+        items = result.get(key) or []
+        if items:
+            out += ["", f"## {title}", ""]
+            out += [f"- {r['model']} {r['kv_dtype']} b{r['batch']} ctx{r['context']}: {r['reason']}" for r in items]
+    failed = [r for r in result["rows"] if r["status"] in ("failed", "wrong")]
+    if failed:
+        out += ["", "## Failures", ""]
+        for r in failed:
+            why = r.get("reason") or (r.get("check") or {}).get("message", "")
+            out.append(f"- {BASELINE_LABELS.get(r['impl'], r['impl'])} {_label(r)}: {r['status']}: {why[:300]}")
+    if result.get("compile_s"):
+        out += ["", "Construction (compile or cache load) seconds: " +
+                ", ".join(f"{k} {v}" for k, v in result["compile_s"].items())]
+    return "\n".join(out) + "\n"
+
+
+def _mb(x) -> str:
+    return "-" if not x else f"{x / 1e6:.0f} MB"
+
+
+def _gb(x) -> str:
+    return "-" if not x else f"{x / 1e9:.0f} GB"
+
+
+def _us(r: Optional[dict]) -> str:
+    if r is None:
+        return ""
+    if _timed(r):
+        flag = "" if r["status"] == "ok" else " (!)"
+        return f"{r['median_us']:.1f}{flag}"
+    return "n/a" if r["status"] == "unavailable" else r["status"]
+
+
+def _result_tables(result: dict) -> list[str]:
+    rows = result["rows"]
+    groups: dict = {}
+    for r in rows:
+        by_cfg = groups.setdefault((r["model"], r["shape"], r["kv_dtype"]), {})
+        by_cfg.setdefault((r["batch"], r["context"]), []).append(r)
+    arms = [a for a in ("unpacked", "splitk", "gqa_packed") if any(r.get("arm") == a for r in rows)]
+    arms += sorted({r["arm"] for r in rows if r.get("arm", "") and r["arm"].startswith("splitk:")})
+    bases = [b for b in BASELINE_LABELS if any(r["impl"] == b for r in rows)]
+    bases += sorted({r["impl"] for r in rows if r["impl"] != "metrale" and r["impl"] not in BASELINE_LABELS})
+    out = []
+    for (model, shape, kv), by_cfg in groups.items():
+        title = f"{model} ({shape} q/kv/head_dim)" if model != shape else f"{shape} (q/kv/head_dim)"
+        out += [f"### {title}, KV {kv}", ""]
+        head = ["batch", "context", "MB", "default (splits)", "us", "TB/s", "% copy"]
+        head += [f"{ARM_LABELS.get(a, a)} us" for a in arms] + [f"{BASELINE_LABELS.get(b, b)} us" for b in bases]
+        head += ["x best base"]
+        out += ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+        for (batch, context), rs in sorted(by_cfg.items()):
+            d = next((r for r in rs if r["impl"] == "metrale" and r.get("default")), None)
+            cells = [str(batch), _ctx(context), f"{rs[0]['bytes'] / 1e6:.1f}"]
+            if d is not None:
+                cells += [f"{d.get('plan_arm', d.get('arm'))} ({d.get('num_splits', '-')})", _us(d),
+                          _tb(d['tb_per_s']) if _timed(d) else "-", _fmt_pct(d.get("pct_of_copy"))]
+            else:
+                cells += ["-", "-", "-", "-"]
+            for a in arms:
+                cells.append(_us(next((r for r in rs if r["impl"] == "metrale" and r.get("arm") == a), None)))
+            base_times = []
+            for b in bases:
+                r = next((r for r in rs if r["impl"] == b), None)
+                cells.append(_us(r))
+                if r is not None and _timed(r):
+                    base_times.append(r["median_us"])
+            cells.append(f"{min(base_times) / d['median_us']:.2f}x" if base_times and d is not None and _timed(d)
+                         else "-")
+            out.append("| " + " | ".join(cells) + " |")
+        out.append("")
+    return out
+
+
+def _tb(x: float) -> str:
+    return f"{x:.2f}" if x >= 0.01 else f"{x:.2e}"
+
+
+def _ctx(n: int) -> str:
+    return f"{n // 1024}k" if n % 1024 == 0 else str(n)
+
+
+# -- plots ---------------------------------------------------------------------------
+
+
+def plot(result: dict, bench_path: str, arms_path: str) -> tuple[list[str], str]:
+    """Write the two figures; returns (paths written, note). Without matplotlib: ([], why)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.lines import Line2D
+    except ImportError as err:
+        return [], f"not drawn: matplotlib missing ({err})"
+    rows = [r for r in result["rows"] if _timed(r)]
+    if not rows:
+        return [], "not drawn: nothing was timed"
+    panels = sorted({(r["model"], r["shape"], r["kv_dtype"]) for r in rows},
+                    key=lambda k: (_first_index(result, k[0]), k[2]))
+    models = list(dict.fromkeys(p[0] for p in panels))
+    dtypes = list(dict.fromkeys(p[2] for p in sorted(panels, key=lambda p: p[2])))
+    batches = sorted({r["batch"] for r in rows})
+    colors = {b: plt.get_cmap("viridis")(i / max(len(batches) - 1, 1)) for i, b in enumerate(batches)}
+    copy = result.get("copy_tb_per_s")
+    unit = "TB/s" if result.get("mode") != "cpu" else "TB/s (CPU simulator)"
+    written = []
+
+    contexts = sorted({r["context"] for r in rows})
+    overlay = bool(copy) and result.get("mode") != "cpu"  # the host memcpy is no ceiling for the simulator
+
+    def figure(series: list[tuple[str, callable, str, str]], path: str, title: str):
+        fig, axes = plt.subplots(len(dtypes), len(models), figsize=(max(5.2 * len(models), 7.0), 3.9 * len(dtypes)),
+                                 squeeze=False)
+        for (model, shape, kv) in panels:
+            ax = axes[dtypes.index(kv)][models.index(model)]
+            for label, select, style, marker in series:
+                for b in batches:
+                    pts = sorted((r["context"], r["tb_per_s"]) for r in rows
+                                 if (r["model"], r["kv_dtype"], r["batch"]) == (model, kv, b) and select(r))
+                    if pts:
+                        ax.plot([p[0] for p in pts], [p[1] for p in pts], linestyle=style, marker=marker,
+                                color=colors[b], markersize=3.5, linewidth=1.3)
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(contexts)
+            ax.set_xticklabels([_ctx(c) for c in contexts])
+            ax.minorticks_off()
+            ax.set_title(f"{model} ({shape}), KV {kv}" if model != shape else f"{shape}, KV {kv}", fontsize=9)
+            ax.set_xlabel("context (tokens)", fontsize=8)
+            ax.set_ylabel(unit, fontsize=8)
+            ax.tick_params(labelsize=7)
+            ax.grid(True, alpha=0.3)
+            ax.set_ylim(bottom=0)
+            if overlay:
+                top = max(ax.get_ylim()[1], copy * 1.02)
+                ax.set_ylim(0, top)
+                for pct, ls in ((T1_PCT, ":"), (T2_PCT, "-.")):
+                    ax.axhline(copy * pct / 100, color="tab:red", linestyle=ls, linewidth=0.9, alpha=0.7)
+                ax.axhline(copy, color="black", linewidth=0.8)
+                right = ax.twinx()
+                right.set_ylim(0, 100 * top / copy)
+                right.set_ylabel("% of copy bandwidth", fontsize=8)
+                right.tick_params(labelsize=7)
+        for r_i in range(len(dtypes)):
+            for c_i in range(len(models)):
+                if not axes[r_i][c_i].has_data():
+                    axes[r_i][c_i].set_visible(False)
+        handles = [Line2D([], [], color=colors[b], label=f"batch {b}") for b in batches]
+        handles += [Line2D([], [], color="black", linestyle=s, marker=m, label=lab) for lab, _, s, m in series]
+        if overlay:
+            handles += [Line2D([], [], color="black", linewidth=0.8, label=f"copy {copy:.2f} TB/s"),
+                        Line2D([], [], color="tab:red", linestyle=":", label=f"{T1_PCT:.0f}% of copy (T1)"),
+                        Line2D([], [], color="tab:red", linestyle="-.", label=f"{T2_PCT:.0f}% of copy (T2)")]
+        ncol = max(3, min(len(handles), 4 * len(models)))
+        legend_rows = math.ceil(len(handles) / ncol)
+        fig.legend(handles=handles, loc="lower center", ncol=ncol, fontsize=7, frameon=False)
+        fig.suptitle(title, fontsize=10)
+        bottom = (0.02 + 0.3 * legend_rows) / fig.get_size_inches()[1]
+        fig.tight_layout(rect=(0, bottom, 1, 0.96))
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+
+    styles = ["--", ":", "-.", (0, (5, 1, 1, 1))]
+    ours = [("ours (default arm)", lambda r: r["impl"] == "metrale" and r.get("default"), "-", "o")]
+    base_names = [b for b in dict.fromkeys(r["impl"] for r in rows) if b != "metrale"]
+    base_series = [(BASELINE_LABELS.get(b, b), (lambda name: lambda r: r["impl"] == name)(b),
+                    styles[i % len(styles)], "x") for i, b in enumerate(base_names)]
+    device = result.get("device_label")
+    figure(ours + base_series, bench_path, f"paged decode on {device}: ours vs baselines "
+                                           f"({result.get('created_utc', '')[:10]})")
+    arm_names = [a for a in dict.fromkeys(r.get("arm") for r in rows if r["impl"] == "metrale") if a]
+    arm_series = [(ARM_LABELS.get(a, a), (lambda name: lambda r: r["impl"] == "metrale" and r.get("arm") == name)(a),
+                   ["-", "--", ":", "-."][i % 4], "os^dv"[i % 5]) for i, a in enumerate(arm_names)]
+    figure(arm_series, arms_path, f"paged decode on {device}: each arm forced")
+    return written, ""
+
+
+def _first_index(result: dict, model: str) -> int:
+    for i, r in enumerate(result["rows"]):
+        if r["model"] == model:
+            return i
+    return 0
+
+
+# -- files -----------------------------------------------------------------------------
+
+
+def default_stem(result: dict) -> str:
+    date = (result.get("created_utc") or time.strftime("%Y-%m-%d", time.gmtime()))[:10]
+    return f"{date}_{result.get('device_label') or 'unknown'}"
+
+
+def write_outputs(result: dict, out_dir: str, stem: Optional[str] = None) -> list[str]:
+    """Write JSON, markdown and plots; returns their paths."""
+    os.makedirs(out_dir, exist_ok=True)
+    stem = stem or default_stem(result)
+    base = os.path.join(out_dir, stem)
+    try:
+        plots, note = plot(result, f"{base}_bench.png", f"{base}_arms.png")
+    except Exception as err:  # a plotting bug must not lose the numbers
+        plots, note = [], f"not drawn: {type(err).__name__}: {err}"
+    result["plots"] = [os.path.basename(p) for p in plots]
+    result["plot_note"] = note
+    with open(f"{base}_bench.json", "w") as f:
+        json.dump(result, f, indent=1, default=_json_default)
+    with open(f"{base}_bench.md", "w") as f:
+        f.write(render_markdown(result, plots, note))
+    return [f"{base}_bench.json", f"{base}_bench.md"] + plots
+
+
+def _json_default(x):
+    if hasattr(x, "item"):
+        return x.item()
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    return str(x)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description="Re-render a benchmark result JSON.")
+    parser.add_argument("result")
+    parser.add_argument("--out-dir", default=".")
+    parser.add_argument("--stem")
+    args = parser.parse_args(argv)
+    with open(args.result) as f:
+        result = json.load(f)
+    result["targets"] = evaluate_targets(result)
+    for path in write_outputs(result, args.out_dir, args.stem):
+        print(f"wrote {path}")
+    print(targets_table(result["targets"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
