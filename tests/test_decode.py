@@ -6,6 +6,8 @@ import itertools
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from metrale_attn import reference
 from metrale_attn.policy import PD_MIN_KV_PER_SPLIT
@@ -139,4 +141,35 @@ def test_every_arm_runs_clean_under_address_sanitizer(arm):
     p = problem(seed=9, page_size=7, seq_lens=(0, 1, 300), head_dim=head_dim, kv_dtype="fp8", layout="HND",
                 **_heads(arm))
     out, lse = run_poisoned(decoder(p, backend=CpuBackend(asan=True), **ARM_OPTIONS[arm]), p)
+    check_against_reference(p, out, lse)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    arm=st.sampled_from(list(ARM_OPTIONS)),
+    kv=st.sampled_from(KV_DTYPES),
+    q=st.sampled_from(Q_DTYPES),
+    layout=st.sampled_from(LAYOUTS),
+    page_size=st.sampled_from([1, 2, 3, 5, 16, 31, 64, 256]),
+    splits=st.integers(2, 16),
+    lengths=st.lists(st.integers(0, 1200), min_size=1, max_size=5),
+    seed=st.integers(0, 2**16),
+)
+def test_random_problems_on_every_arm_match_the_reference(arm, kv, q, layout, page_size, splits, lengths, seed):
+    head_dim = 256 if arm == "gqa_packed" else (64, 128, 256)[seed % 3]
+    p = problem(seed=seed, head_dim=head_dim, page_size=page_size, seq_lens=tuple(lengths), kv_dtype=kv, q_dtype=q,
+                layout=layout, share_prefix_pages=seed % 2, **_heads(arm))
+    options = dict(ARM_OPTIONS[arm], splitk=str(splits)) if arm == "splitk" else ARM_OPTIONS[arm]
+    out, lse = run_poisoned(decoder(p, **options), p)
+    check_against_reference(p, out, lse)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("page_size", [1, 7, 16, 64, 256])
+@pytest.mark.parametrize("arm, kv, q, head_dim, layout, _", _grid())
+def test_the_full_sweep_of_page_sizes_and_lengths_matches_the_reference(arm, kv, q, head_dim, layout, _, page_size):
+    lengths = (0, 1, page_size - 1 or 1, page_size, page_size + 1, 2 * PD_MIN_KV_PER_SPLIT + 1, 2500)
+    p = problem(seed=page_size, head_dim=head_dim, page_size=page_size, seq_lens=lengths, kv_dtype=kv, q_dtype=q,
+                layout=layout, share_prefix_pages=1, **_heads(arm))
+    out, lse = run_poisoned(decoder(p, **ARM_OPTIONS[arm]), p)
     check_against_reference(p, out, lse)

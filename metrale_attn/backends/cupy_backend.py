@@ -101,10 +101,12 @@ class CupyBackend:
             return ArrayInfo(array.data_ptr(), tuple(array.shape), tuple(array.stride()), array.dtype,
                              array.element_size(), array.device.index)
         cai = getattr(array, "__cuda_array_interface__", None)
+        if cai is None and hasattr(array, "__dlpack__"):
+            return self.describe(cupy.from_dlpack(array), argument)  # zero-copy view
         if cai is None:
             raise TypeError(
-                f"{argument} must be a CuPy array, a torch CUDA tensor or expose __cuda_array_interface__; "
-                f"got {type(array).__name__}"
+                f"{argument} must be a CuPy array, a torch CUDA tensor, or expose __cuda_array_interface__ "
+                f"or __dlpack__; got {type(array).__name__}"
             )
         dtype = np.dtype(cai["typestr"])
         shape = tuple(cai["shape"])
