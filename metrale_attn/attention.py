@@ -143,10 +143,10 @@ class DecodeAttention:
         if ki.shape != vi.shape:
             raise ValueError(f"k_cache and v_cache must have the same shape, got {list(ki.shape)} and {list(vi.shape)}")
         bi, si = be.describe(block_tables, "block_tables"), be.describe(seq_lens, "seq_lens")
-        if len(bi.shape) != 2 or bi.shape[0] != num_seqs or np.dtype(_np(bi.dtype)) != np.int32 or bi.strides[1] != 1:
+        if len(bi.shape) != 2 or bi.shape[0] != num_seqs or dtypes.name_of(bi.dtype) != dtypes.INT32 or bi.strides[1] != 1:
             raise ValueError(f"block_tables must be int32 [{num_seqs}, max_pages] with contiguous rows, got "
                              f"{bi.dtype} {list(bi.shape)} strides {list(bi.strides)}")
-        if len(si.shape) != 1 or si.shape[0] != num_seqs or np.dtype(_np(si.dtype)) != np.int32 or (
+        if len(si.shape) != 1 or si.shape[0] != num_seqs or dtypes.name_of(si.dtype) != dtypes.INT32 or (
                 num_seqs > 1 and si.strides[0] != 1):
             raise ValueError(f"seq_lens must be contiguous int32 [{num_seqs}], got {si.dtype} {list(si.shape)}")
         k_scale, v_scale = _positive("k_scale", k_scale), _positive("v_scale", v_scale)
@@ -166,7 +166,7 @@ class DecodeAttention:
         if lse is not None:
             li = be.describe(lse, "lse")
             described.append(li)
-            if li.shape != (num_seqs, H) or (num_seqs and li.strides != (H, 1)) or np.dtype(_np(li.dtype)) != np.float32:
+            if li.shape != (num_seqs, H) or (num_seqs and li.strides != (H, 1)) or dtypes.name_of(li.dtype) != dtypes.FLOAT32:
                 raise ValueError(f"lse must be a contiguous float32 [{num_seqs}, {H}] array, got {li.dtype} "
                                  f"{list(li.shape)}")
         devices = {x.device for x in described}
@@ -234,14 +234,6 @@ class DecodeAttention:
 
 def _where(device) -> str:
     return "host memory" if device is None else f"cuda:{device}"
-
-
-def _np(dtype):
-    """A NumPy dtype for a library dtype (torch dtypes by name)."""
-    text = str(dtype)
-    if text.startswith("torch."):
-        return {"torch.int32": np.int32, "torch.float32": np.float32}.get(text, np.void)
-    return dtype
 
 
 def _dtype(info: ArrayInfo, argument: str, expected: str) -> None:

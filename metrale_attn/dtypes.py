@@ -8,6 +8,8 @@ ml_dtypes dtype, or a torch dtype.
 
 from __future__ import annotations
 
+import functools
+
 import ml_dtypes
 import numpy as np
 
@@ -24,6 +26,9 @@ ITEMSIZE = {name: dtype.itemsize for name, dtype in NUMPY_DTYPES.items()}
 CODE_DEFINES = {BF16: "PD_DTYPE_BF16", FP16: "PD_DTYPE_FP16", FP8: "PD_DTYPE_FP8_E4M3"}
 """The kernels' ``#define`` naming each type's code (read back from the header)."""
 
+INT32, FLOAT32 = "int32", "float32"
+_TORCH = {"torch.bfloat16": BF16, "torch.float16": FP16, "torch.float8_e4m3fn": FP8, "torch.uint8": FP8,
+          "torch.int32": INT32, "torch.float32": FLOAT32}
 _SPELLINGS = {
     "bf16": BF16, "bfloat16": BF16,
     "fp16": FP16, "float16": FP16, "half": FP16,
@@ -36,20 +41,25 @@ def canonical(dtype, *, argument: str, allowed: tuple[str, ...]) -> str:
 
     A ``uint8`` array dtype stands for fp8 e4m3 bits where fp8 is allowed.
     """
-    name = name_of(dtype)
+    try:
+        name = name_of(dtype)
+    except TypeError:  # unhashable: certainly not a dtype
+        name = None
     if name not in allowed:
         raise ValueError(f"{argument} must be one of {', '.join(allowed)}; got {dtype!r}")
     return name
 
 
+@functools.lru_cache(maxsize=256)
 def name_of(dtype) -> str | None:
-    """The canonical name of a dtype or spelling, or None when it is none of ours."""
+    """The canonical name of a dtype or spelling (``bf16``, ``fp16``, ``fp8``, and
+    ``int32``/``float32`` for the index and lse arrays), or None when it is none of
+    ours. Memoized: ``run`` asks this for every argument of every call."""
     if isinstance(dtype, str):
         return _SPELLINGS.get(dtype.strip().lower())
     text = str(dtype)
     if text.startswith("torch."):  # a torch dtype, without importing torch
-        return {"torch.bfloat16": BF16, "torch.float16": FP16, "torch.float8_e4m3fn": FP8,
-                "torch.uint8": FP8}.get(text)
+        return _TORCH.get(text)
     try:
         npd = np.dtype(dtype)
     except TypeError:
@@ -59,4 +69,4 @@ def name_of(dtype) -> str | None:
     for name, candidate in NUMPY_DTYPES.items():
         if npd == candidate:
             return name
-    return None
+    return {np.dtype(np.int32): INT32, np.dtype(np.float32): FLOAT32}.get(npd)

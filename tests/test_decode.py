@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 
 import numpy as np
 import pytest
@@ -144,7 +145,8 @@ def test_every_arm_runs_clean_under_address_sanitizer(arm):
     check_against_reference(p, out, lse)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=int(os.environ.get("METRALE_FUZZ_EXAMPLES", 60)), deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
 @given(
     arm=st.sampled_from(list(ARM_OPTIONS)),
     kv=st.sampled_from(KV_DTYPES),
