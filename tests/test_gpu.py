@@ -106,6 +106,7 @@ def test_a_captured_cuda_graph_replays_with_seq_lens_changed_in_place():
     shorter = np.array([300, 39, 0], np.int32)
     sl.set(shorter)
     out.fill(np.nan)
+    cupy.cuda.Device().synchronize()  # the graph's stream does not wait on the null stream
     graph.launch(stream)
     stream.synchronize()
     changed = reference.Problem(p.q, p.k_cache, p.v_cache, p.block_tables, shorter, p.k_scale, p.v_scale,
