@@ -25,8 +25,8 @@ def run_gpu(attn, p, *, lse=True):
     import cupy
 
     n, h, d = p.q.shape
-    out = cupy.full((n, h, d), np.nan, dtype=p.q.dtype)
-    lse_buf = cupy.full((n, h), np.nan, dtype=np.float32)
+    out = cupy.asarray(np.full((n, h, d), np.nan, dtype=p.q.dtype))  # poisoned; built on the host
+    lse_buf = cupy.asarray(np.full((n, h), np.nan, dtype=np.float32))
     attn.run(_device(p.q), _device(p.k_cache), _device(p.v_cache), _device(p.block_tables), _device(p.seq_lens),
              k_scale=p.k_scale, v_scale=p.v_scale, out=out, lse=lse_buf)
     return cupy.asnumpy(out), cupy.asnumpy(lse_buf)
@@ -105,7 +105,7 @@ def test_a_captured_cuda_graph_replays_with_seq_lens_changed_in_place():
         graph = stream.end_capture()
     shorter = np.array([300, 39, 0], np.int32)
     sl.set(shorter)
-    out.fill(np.nan)
+    out.set(np.full(p.q.shape, np.nan, dtype=p.q.dtype))
     cupy.cuda.Device().synchronize()  # the graph's stream does not wait on the null stream
     graph.launch(stream)
     stream.synchronize()
