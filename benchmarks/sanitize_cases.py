@@ -72,7 +72,7 @@ def run_case(arm: str, kv: str, layout: str, page: int, head_dim: int, backend: 
         import cupy
 
         dev = lambda a: cupy.asarray(a.view(np.uint8) if a.dtype.itemsize == 1 else a)
-        out_d = cupy.full(shape_out, np.nan, dtype=p.q.dtype)
+        out_d = cupy.asarray(np.full(shape_out, np.nan, dtype=p.q.dtype))  # poison built on the host
         lse_d = cupy.full(shape_lse, np.nan, dtype=np.float32)
         attn.run(dev(p.q), dev(p.k_cache), dev(p.v_cache), dev(p.block_tables), dev(p.seq_lens), k_scale=p.k_scale,
                  v_scale=p.v_scale, out=out_d, lse=lse_d)
