@@ -7,6 +7,7 @@ import sys
 from typing import Optional, Sequence
 
 from .plan import ModelShape, make_plan, workspace_for
+from .policy import parse_gqa_pack
 from .targets import TARGETS, get_target, resolve_defaults
 
 MODELS: dict[str, ModelShape] = {
@@ -27,8 +28,6 @@ def _batches(text: str) -> list[int]:
 
 
 def _on_off(text: str) -> bool:
-    from .policy import parse_gqa_pack
-
     value = parse_gqa_pack(text)
     if value is None:
         raise argparse.ArgumentTypeError(f"--gqa-pack must be on or off, got {text!r}")
