@@ -6,24 +6,23 @@
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
 #       --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 #
-# The target is CPython 3.12 on x86-64 Linux (the device image's python3). Every
-# version is pinned and there is one version of each package (two versions of one
-# package in .whl/ stop the whole install). What each is for:
+# The target is CPython 3.12 on x86-64 Linux (the device image's python3). The image
+# already holds numpy, cupy-cuda13x, ml-dtypes, pytest, pytest-xdist, hypothesis,
+# matplotlib, torch, ninja, filelock and nvidia-ml-py (the device tool's KINDS.md), and
+# a carried copy of one of those would shadow it on PYTHONPATH (a carried pytest next
+# to the image's pytest-xdist is a version clash waiting to happen), so only what the
+# image lacks travels:
 #
-#   ml_dtypes            bf16 / fp8 NumPy dtypes (the package's one runtime dependency
-#                        besides NumPy; CuPy 14's bf16 goes through it)
-#   hypothesis, attrs, sortedcontainers
-#                        the test suite's property tests (hypothesis needs the other two)
-#   pytest, pluggy, iniconfig, packaging, pygments
-#                        pytest and its requirements, in case the image lacks them
-#   flashinfer-python, apache-tvm-ffi, filelock, nvidia-ml-py, ninja
+#   flashinfer-python, apache-tvm-ffi
 #                        the FlashInfer baseline (optional; FLASHINFER=0 skips it).
-#                        flashinfer-python 0.6.6 imports with these plus packages the
-#                        image has (requests, einops, cuda-bindings); filelock,
-#                        nvidia-ml-py and ninja are on the image too but travel anyway
-#                        (small). Its cutlass-dsl / cudnn-frontend requirements are
-#                        imported lazily by kernels the benchmark does not use. Its
-#                        kernels are compiled by its JIT (nvcc + ninja) on the device.
+#                        flashinfer-python 0.6.6 imports with apache-tvm-ffi plus
+#                        packages the image has (requests, einops, cuda-bindings,
+#                        filelock, nvidia-ml-py, ninja). Its cutlass-dsl /
+#                        cudnn-frontend requirements are imported lazily by kernels the
+#                        benchmark does not use; its kernels are compiled by its JIT
+#                        (nvcc + ninja) on the device.
+#
+# Every version is pinned, one version of each package (two stop the whole install).
 #
 # Usage: bash benchmarks/fetch_wheels.sh   (FLASHINFER=0 to leave FlashInfer out)
 set -euo pipefail
@@ -32,20 +31,11 @@ PY=${PYTHON:-python3}
 DEST=.whl
 mkdir -p "$DEST"
 
-WHEELS=(
-  ml_dtypes==0.6.0
-  hypothesis==6.170.17
-  attrs==26.1.0
-  sortedcontainers==2.4.0
-  pytest==9.2.0
-  pluggy==1.7.0
-  iniconfig==2.3.1
-  packaging==26.4
-  pygments==2.21.0
-)
+WHEELS=()
 if [ "${FLASHINFER:-1}" != 0 ]; then
-  WHEELS+=(flashinfer-python==0.6.6 apache-tvm-ffi==0.1.9 filelock==4.3.1 nvidia-ml-py==13.615.71 ninja==1.13.2)
+  WHEELS+=(flashinfer-python==0.6.6 apache-tvm-ffi==0.1.9)
 fi
+if [ "${#WHEELS[@]}" -eq 0 ]; then echo "nothing to fetch"; exit 0; fi
 
 PLATFORMS=(manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64 manylinux_2_17_x86_64
            manylinux2014_x86_64 manylinux1_x86_64)
