@@ -143,7 +143,7 @@ if [ "$MODE" = gpu ]; then
 
   t=$(date +%s)
   PT_CAP=${PYTEST_TIMEOUT_S:-120}
-  # The image's pytest plugins are not auto-loaded: the carried pytest may be newer than they are.
+  # The image has many pytest plugins (cov, benchmark, ...): load none but xdist, explicitly.
   export PYTEST_DISABLE_PLUGIN_AUTOLOAD=1
   XDIST=()
   if "$PY" -c "import xdist.plugin" >/dev/null 2>&1; then XDIST=(-p xdist.plugin -n "${PYTEST_WORKERS:-6}"); fi
@@ -152,7 +152,7 @@ if [ "$MODE" = gpu ]; then
     "${XDIST[@]}" >"$WORK/pytest_gpu.log" 2>&1
   rc=$?
   if [ ${#XDIST[@]} -gt 0 ] && { [ $rc -eq 3 ] || [ $rc -eq 4 ]; }; then
-    # pytest-xdist of the image and the carried pytest disagree: run serially in the time left.
+    # xdist could not start its workers: run serially in the time left.
     say "pytest with xdist failed to start (rc=$rc); running serially"
     mv "$WORK/pytest_gpu.log" "$WORK/pytest_gpu_xdist.log"
     left=$(( PT_CAP - ($(date +%s) - t) ))
