@@ -1,0 +1,65 @@
+"""The file tree reads as the architecture: policy -> plan -> launch, and no module reaches upward."""
+
+import ast
+import pathlib
+
+PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "metrale_attn"
+
+# Lower layers first; a module may import only modules of lower layers (or its own subpackage).
+LAYERS = [
+    {"policy"},
+    {"targets", "dtypes", "reference"},
+    {"plan", "kernels", "cuda_on_cpu"},
+    {"backends"},
+    {"attention"},
+    {"demo"},
+    {"cli"},
+    {"__init__", "__main__"},
+]
+RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}
+ALLOWED = {"reference": {"policy"}, "dtypes": set(), "cuda_on_cpu": set()}
+"""Modules that may import even less than their layer allows (DESIGN: the reference and
+the CPU shim stand alone)."""
+
+
+def _top(path: pathlib.Path) -> str:
+    rel = path.relative_to(PACKAGE)
+    return rel.parts[0].removesuffix(".py")
+
+
+def _imports(path: pathlib.Path) -> set[str]:
+    """Package modules ``path`` imports (relative or absolute), as top-level names."""
+    tree = ast.parse(path.read_text())
+    depth = len(path.relative_to(PACKAGE).parts) - 1  # 0 for metrale_attn/x.py
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                if node.level - 1 < depth:  # stays inside the subpackage
+                    continue
+                parts = (node.module or "").split(".")
+                names = [parts[0]] if parts[0] else [a.name for a in node.names]
+            elif (node.module or "").startswith("metrale_attn."):
+                names = [node.module.split(".")[1]]
+            else:
+                continue
+            found.update(names)
+        elif isinstance(node, ast.Import):
+            found.update(a.name.split(".")[1] for a in node.names if a.name.startswith("metrale_attn."))
+    return found
+
+
+def test_every_module_imports_only_from_layers_below_it():
+    offences = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        me = _top(path)
+        for other in _imports(path) - {me}:
+            allowed = ALLOWED.get(me)
+            if RANK[other] >= RANK[me] or (allowed is not None and other not in allowed):
+                offences.append(f"{path.relative_to(PACKAGE)} imports {other}")
+    assert not offences
+
+
+def test_every_module_has_a_layer():
+    names = {_top(p) for p in PACKAGE.rglob("*.py")}
+    assert names <= set(RANK), names - set(RANK)
