@@ -93,10 +93,28 @@ nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="NVRTC (cupy
 
 @pytest.mark.parametrize("arch", ARCHES)
 @pytest.mark.parametrize("variant", all_variants(), ids=lambda v: v.name)
-def test_every_variant_compiles_through_nvrtc(variant, arch):
-    from metrale_attn.backends.cupy_backend import compile_cubin
+def test_every_variant_compiles_through_nvrtc_with_no_stack_frame_and_no_spills(variant, arch):
+    """No stack frame means every register array is indexed by constants and nothing spilled."""
+    from metrale_attn.backends.cupy_backend import nvrtc_compile
 
-    assert len(compile_cubin(variant, arch)) > 1000
+    cubin, log = nvrtc_compile(variant, arch, ptxas_verbose=True)
+    assert len(cubin) > 1000
+    frames = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    assert len(frames) == len(variant.kernels), log
+    assert all(f == ("0", "0", "0") for f in frames), log
+
+
+@pytest.mark.parametrize("variant", all_variants(), ids=lambda v: v.name)
+def test_k_and_v_rows_are_read_with_vector_loads_and_nothing_touches_local_memory(variant):
+    from metrale_attn.backends.cupy_backend import nvrtc_compile
+
+    ptx, _ = nvrtc_compile(variant, "compute_90")
+    ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
+    assert not re.search(r"\b(ld|st)\.local\b", ptx)
+    # 16-byte loads everywhere but the packed fp8 kernel, which reads 8 bytes per thread
+    # so that its 6 q vectors and 6 accumulators stay in registers.
+    vector = "v2" if (variant.family, variant.kv_dtype) == ("gqa_packed", "fp8") else "v4"
+    assert re.search(rf"ld\.global\.nc\.{vector}\.u32", ptx)
 
 
 def test_plans_launch_exactly_the_kernels_their_arm_compiles():

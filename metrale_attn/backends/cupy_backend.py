@@ -30,20 +30,29 @@ def nvrtc_program(variant: Variant, text: str | None = None) -> tuple[str, tuple
     return DIALECT_PRELUDE + variant.source(text), options
 
 
-def compile_cubin(variant: Variant, arch: str) -> bytes:
-    """Compile ``variant`` for ``arch`` (``"sm_90"``) with NVRTC, no GPU needed."""
+def nvrtc_compile(variant: Variant, arch: str, *, ptxas_verbose: bool = False) -> tuple[bytes, str]:
+    """Compile ``variant`` with NVRTC, no GPU needed: ``arch="sm_90"`` gives a cubin,
+    ``"compute_90"`` PTX. Returns ``(binary, log)``; with ``ptxas_verbose`` the log
+    holds ptxas's registers, stack frame and spills per kernel."""
     from cupy_backends.cuda.libs import nvrtc
 
     source, options = nvrtc_program(variant)
+    options = (*options, f"--gpu-architecture={arch}") + (("--ptxas-options=-v",) if ptxas_verbose else ())
     program = nvrtc.createProgram(source, f"{variant.name}.cu", [], [])
     try:
         try:
-            nvrtc.compileProgram(program, [*options, f"--gpu-architecture={arch}"])
+            nvrtc.compileProgram(program, list(options))
         except nvrtc.NVRTCError as err:
             raise RuntimeError(f"NVRTC failed on {variant.name} for {arch}:\n{nvrtc.getProgramLog(program)}") from err
-        return nvrtc.getCUBIN(program)
+        binary = nvrtc.getPTX(program) if arch.startswith("compute_") else nvrtc.getCUBIN(program)
+        return binary, nvrtc.getProgramLog(program)
     finally:
         nvrtc.destroyProgram(program)
+
+
+def compile_cubin(variant: Variant, arch: str) -> bytes:
+    """Compile ``variant`` for ``arch`` (``"sm_90"``) with NVRTC, no GPU needed."""
+    return nvrtc_compile(variant, arch)[0]
 
 
 _TORCH_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
