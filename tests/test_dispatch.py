@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from metrale_attn import DecodeAttention
+from metrale_attn.backends import cuda_available
 from metrale_attn.backends.cpu_backend import CpuBackend
 
 from conftest import decoder, problem, run_poisoned
@@ -152,3 +153,9 @@ def test_construction_compiles_every_arm_the_policy_can_reach_so_run_never_compi
     attn = decoder(problem(seq_lens=(10,)), splitk="legacy", target="gb10", max_batch=64)
     assert sorted(attn._modules) == ["splitk", "unpacked"]
     assert sorted(decoder(problem(seq_lens=(10,)), splitk="auto")._modules) == ["splitk"]
+
+
+@pytest.mark.skipif(cuda_available(), reason="a GPU is present")
+def test_asking_for_the_cupy_backend_without_a_gpu_is_a_clear_error():
+    with pytest.raises(ValueError, match="backend 'cupy' needs"):
+        decoder(problem(seq_lens=(3,)), backend="cupy")

@@ -88,6 +88,8 @@ def get_backend(name: Optional[str] = None) -> Backend:
     if name is None:
         name = "cupy" if cuda_available() else "cpu"
     if name == "cupy":
+        if not cuda_available():
+            raise ValueError("backend 'cupy' needs CuPy and a visible CUDA device; none is here (use backend='cpu')")
         from .cupy_backend import CupyBackend
 
         return CupyBackend()
