@@ -119,12 +119,14 @@ class DecodeAttention:
         return self.defaults.line()
 
     def run(self, q, k_cache, v_cache, block_tables, seq_lens, *, k_scale: float = 1.0, v_scale: float = 1.0,
-            out=None, return_lse: bool = False, lse=None):
+            out=None, return_lse: bool = False, lse=None, stream=None):
         """Decode one step. Returns ``out`` (and ``lse`` when ``return_lse`` or ``lse`` is given).
 
         ``k_scale``/``v_scale`` dequantize the cache: value = stored * scale (fp8
-        mostly; any dtype). Errors name the argument and what was expected, and
-        are raised before anything is launched.
+        mostly; any dtype). ``stream``: a CuPy or torch stream or a raw handle;
+        ``None`` launches on torch's current stream for torch inputs, else on CuPy's.
+        Errors name the argument and what was expected, and are raised before
+        anything is launched.
         """
         be = self.backend
         H, D = self.shape.num_q_heads, self.shape.head_dim
@@ -176,6 +178,7 @@ class DecodeAttention:
         if self.check_indices:
             self._check_indices(block_tables, seq_lens, ki.shape[0], bi.shape[1])
 
+        launch_stream = be.launch_stream(stream, like=q)
         plan = self.plan(num_seqs)
         if num_seqs:
             ptr = be.pointer
@@ -187,7 +190,8 @@ class DecodeAttention:
                 np.int32(self.shape.num_kv_heads), np.int32(self.page_size),
                 np.float32(self.sm_scale * k_scale * LOG2E), np.float32(v_scale),
             )
-            self._launch(plan, common, ptr(out, oi), ptr(lse, li))
+            with launch_stream:
+                self._launch(plan, common, ptr(out, oi), ptr(lse, li))
         return (out, lse) if want_lse else out
 
     # -- helpers ------------------------------------------------------------

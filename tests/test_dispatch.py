@@ -120,6 +120,7 @@ def _refused(match, **changes):
         ("v_scale must be a finite float > 0", dict(v_scale=0.0)),
         ("k_scale must be a Python or NumPy float", dict(k_scale="1")),
         ("q must be a NumPy array", dict(q=P.q.tolist())),
+        ("stream must be None on the cpu backend", dict(stream=7)),
     ],
     ids=lambda x: x if isinstance(x, str) else "",
 )

@@ -74,19 +74,43 @@ def test_gpu_bytes_do_not_depend_on_the_batch(splitk):
         assert run_gpu(attn, p)[0].tobytes() == full.tobytes()
 
 
+def _torch_inputs(torch, p):
+    """q, k, v (bf16), block_tables, seq_lens as torch CUDA tensors."""
+    bf16 = lambda a: torch.from_numpy(a.view(np.int16)).view(torch.bfloat16).cuda()
+    return (bf16(p.q), bf16(p.k_cache), bf16(p.v_cache), torch.from_numpy(p.block_tables).cuda(),
+            torch.from_numpy(p.seq_lens).cuda())
+
+
+def _to_numpy_bf16(torch, t, like):
+    return t.view(torch.int16).cpu().numpy().view(like.dtype)
+
+
 def test_torch_tensors_go_in_and_come_out_without_copies():
     torch = pytest.importorskip("torch")
     p = problem(seed=2, page_size=16, seq_lens=(100, 1000), head_dim=128, num_q_heads=8, num_kv_heads=2)
     attn = decoder(p, backend="cupy")
-    t = lambda a: torch.from_numpy(a.view(np.int16) if a.dtype.itemsize == 2 and a.dtype.kind == "V" else a)
-    q = t(p.q).view(torch.bfloat16).cuda()
-    k = t(p.k_cache).view(torch.bfloat16).cuda()
-    v = t(p.v_cache).view(torch.bfloat16).cuda()
-    out, lse = attn.run(q, k, v, torch.from_numpy(p.block_tables).cuda(), torch.from_numpy(p.seq_lens).cuda(),
-                        return_lse=True)
+    q, k, v, bt, sl = _torch_inputs(torch, p)
+    out, lse = attn.run(q, k, v, bt, sl, return_lse=True)
     assert isinstance(out, torch.Tensor) and out.dtype == torch.bfloat16 and out.device == q.device
-    host = out.view(torch.int16).cpu().numpy().view(p.q.dtype)
-    check_against_reference(p, host, lse.cpu().numpy())
+    check_against_reference(p, _to_numpy_bf16(torch, out, p.q), lse.cpu().numpy())
+
+
+def test_torch_inputs_launch_on_torchs_current_stream_so_a_torch_graph_captures_them():
+    torch = pytest.importorskip("torch")
+    p = problem(seed=6, page_size=16, seq_lens=(700, 5), head_dim=128, num_q_heads=8, num_kv_heads=2)
+    attn = decoder(p, backend="cupy", splitk="4")
+    q, k, v, bt, sl = _torch_inputs(torch, p)
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+    attn.run(q, k, v, bt, sl, out=out, lse=lse)  # warm-up outside capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):  # captures on a side stream it makes current
+        attn.run(q, k, v, bt, sl, out=out, lse=lse)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    check_against_reference(p, _to_numpy_bf16(torch, out, p.q), lse.cpu().numpy())
 
 
 def test_a_captured_cuda_graph_replays_with_seq_lens_changed_in_place():

@@ -64,6 +64,10 @@ class Backend(Protocol):
         """The launch argument for a pointer parameter (``None`` -> null); ``info``
         is ``describe(array)`` when the caller already has it."""
 
+    def launch_stream(self, stream, like=None):
+        """A context manager under which launches go to ``stream`` (``None``: the
+        caller's current stream, torch's when ``like`` is a torch tensor)."""
+
     def current_device(self) -> Optional[int]:
         """The device launches go to (``None``: host memory)."""
 

@@ -8,6 +8,7 @@ AddressSanitizer.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import numpy as np
@@ -53,6 +54,11 @@ class CpuBackend:
 
     def pointer(self, array, info: Optional[ArrayInfo] = None):
         return None if array is None else _contiguous_alias(array)
+
+    def launch_stream(self, stream, like=None):
+        if stream is not None:
+            raise ValueError("stream must be None on the cpu backend (launches run synchronously)")
+        return contextlib.nullcontext()
 
     def current_device(self) -> None:
         return None

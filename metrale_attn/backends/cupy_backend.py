@@ -7,11 +7,14 @@ memoized here per ``(device, variant)``. ``nvrtc_program`` is the single
 definition of what NVRTC sees; ``compile_cubin`` runs it without a device, which
 is how CI proves every variant compiles for sm_90, sm_100 and sm_120.
 
-Launches go to CuPy's current stream; PyTorch callers wrap the call in
-``cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)``.
+Launches go to the stream ``launch_stream`` picks: the one the caller names, else
+PyTorch's current stream when the inputs are torch tensors (so a decode step joins
+the caller's stream and its CUDA-graph capture), else CuPy's current stream.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import numpy as np
 
@@ -73,6 +76,7 @@ class _CupyModule:
 class CupyBackend:
     name = "cupy"
     _modules: dict = {}
+    _external_streams: dict = {}
 
     def __init__(self) -> None:
         import cupy
@@ -141,6 +145,29 @@ class CupyBackend:
         if array is None:
             return np.uint64(0)
         return np.uint64((info or self.describe(array, "array")).ptr)
+
+    def launch_stream(self, stream, like=None):
+        """A context manager making the launch stream current.
+
+        ``stream`` is a CuPy stream, a torch stream (``.cuda_stream``) or a raw
+        ``cudaStream_t`` int; ``None`` means torch's current stream when ``like`` is a
+        torch tensor, else CuPy's current stream (nothing to enter).
+        """
+        if stream is None and _is_torch(like):
+            import torch
+
+            stream = torch.cuda.current_stream(like.device)
+        if stream is None:
+            return contextlib.nullcontext()
+        if isinstance(stream, self._cupy.cuda.stream._BaseStream):
+            return stream
+        handle = getattr(stream, "cuda_stream", stream)
+        if isinstance(handle, bool) or not isinstance(handle, int):
+            raise TypeError(f"stream must be a CuPy stream, a torch CUDA stream or a cudaStream_t int, got {stream!r}")
+        external = self._external_streams.get(handle)
+        if external is None:
+            external = self._external_streams[handle] = self._cupy.cuda.ExternalStream(handle)
+        return external
 
     def current_device(self) -> int:
         return self._cupy.cuda.Device().id
