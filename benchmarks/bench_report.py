@@ -93,13 +93,17 @@ def _pct_target(tid: str, rows: list[dict], bar: float, copy_known: bool) -> dic
     if not rows:
         return dict(id=tid, description=desc, status="NOT MEASURED", value=None, detail="no such configuration ran")
     timed = [r for r in rows if _timed(r)]
-    failing = [r for r in timed if r["pct_of_copy"] < bar]
+    # A row whose output missed the bar does not pass on speed (an empty or broken launch is fast).
+    wrong = [r for r in timed if r.get("status") not in (None, "ok")]
+    failing = [r for r in timed if r["pct_of_copy"] < bar or r in wrong]
     untimed = [r for r in rows if not _timed(r)]
     worst = min(timed, key=lambda r: r["pct_of_copy"]) if timed else None
     status = "PASS" if timed and not failing and not untimed else ("FAIL" if timed else "NOT MEASURED")
     detail = f"{len(timed) - len(failing)}/{len(rows)} configurations at or above {bar:.0f}%"
     if worst:
         detail += f"; worst {worst['pct_of_copy']:.1f}% ({_label(worst)})"
+    if wrong:
+        detail += f"; {len(wrong)} with a wrong output"
     if untimed:
         detail += f"; {len(untimed)} not timed"
     return dict(id=tid, description=desc, status=status, value=worst["pct_of_copy"] if worst else None,

@@ -105,6 +105,12 @@ def gpu_properties() -> dict:
     name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
     mem_clock_khz = props.get("memoryClockRate", 0)
     bus_bits = props.get("memoryBusWidth", 0)
+    if not (mem_clock_khz and bus_bits):  # CUDA 13 dropped these fields from cudaDeviceProp
+        try:
+            mem_clock_khz = cupy.cuda.runtime.deviceGetAttribute(36, dev.id)  # cudaDevAttrMemoryClockRate
+            bus_bits = cupy.cuda.runtime.deviceGetAttribute(37, dev.id)  # cudaDevAttrGlobalMemoryBusWidth
+        except Exception:
+            mem_clock_khz = bus_bits = 0
     out = {
         "name": name,
         "compute_capability": f"{props['major']}.{props['minor']}",

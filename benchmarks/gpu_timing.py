@@ -123,10 +123,15 @@ class GpuTimer:
 
     def capture_cupy(self, fn: Callable[[], object]) -> Callable[[], None]:
         """Capture ``fn`` (CuPy launches, e.g. ``DecodeAttention.run`` with ``out``) into a CUDA graph;
-        returns a function that launches the graph on this timer's stream."""
+        returns a function that launches the graph on this timer's stream.
+
+        The stream is made current for CuPy AND PyTorch (``on_stream``): ``run`` given torch
+        tensors launches on torch's current stream, and outside ``on_stream`` that is torch's
+        default (legacy) stream, which is not the capturing one: the kernels would run eagerly
+        there (or fail), and the graph would come back empty."""
         stream = self.stream
         self.synchronize_device()
-        with stream:
+        with self.on_stream():
             stream.begin_capture()
             try:
                 fn()

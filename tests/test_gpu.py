@@ -136,3 +136,34 @@ def test_a_captured_cuda_graph_replays_with_seq_lens_changed_in_place():
     changed = reference.Problem(p.q, p.k_cache, p.v_cache, p.block_tables, shorter, p.k_scale, p.v_scale,
                                 p.kv_layout)
     check_against_reference(changed, cupy.asnumpy(out), cupy.asnumpy(lse))
+
+
+def test_the_benchmark_timer_captures_torch_inputs_on_its_own_stream():
+    """bench_decode.py times ``run`` on torch tensors through ``GpuTimer.capture_cupy``: the graph
+    must hold the launch (torch's current stream is the timer's inside the capture), or the
+    sweep would time an empty graph and read NaN back."""
+    torch = pytest.importorskip("torch")
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+    from gpu_timing import GpuTimer
+
+    p = problem(seed=7, page_size=16, seq_lens=(700, 5), head_dim=128, num_q_heads=8, num_kv_heads=2)
+    attn = decoder(p, backend="cupy")
+    q, k, v, bt, sl = _torch_inputs(torch, p)
+    out = torch.empty_like(q)
+    call = lambda: attn.run(q, k, v, bt, sl, out=out)  # noqa: E731
+    timer = GpuTimer(flush_bytes=1 << 20, min_iters=2, max_iters=3, target_ms=0.1, warmup=1)
+    with timer.on_stream():
+        call()  # warm-up outside capture
+    launch = timer.capture_cupy(call)
+    out.fill_(float("nan"))
+    timer.synchronize_device()
+    with timer.on_stream():
+        launch()
+    timer.synchronize_device()
+    ref_out = p.reference()
+    reference.assert_close_to_reference(_to_numpy_bf16(torch, out, p.q), ref_out, v_absmax=p.v_absmax())
+    timing = timer.measure(launch)
+    assert timing.iters >= 2 and timing.median_us > 0
