@@ -1,5 +1,6 @@
 """Kernel sources: inlining, constants read back from the CUDA text, and NVRTC compiles without a GPU."""
 
+import pathlib
 import re
 
 import pytest
@@ -115,6 +116,22 @@ def test_k_and_v_rows_are_read_with_vector_loads_and_nothing_touches_local_memor
     # so that its 6 q vectors and 6 accumulators stay in registers.
     vector = "v2" if (variant.family, variant.kv_dtype) == ("gqa_packed", "fp8") else "v4"
     assert re.search(rf"ld\.global\.nc\.{vector}\.u32", ptx)
+
+
+def test_the_gpu_build_keeps_fp32_denormals_and_is_the_one_ci_compiles(monkeypatch, tmp_path):
+    """CuPy's RawModule would append -ftz=true; the backend compiles its own cubin instead."""
+    from metrale_attn.backends import cupy_backend
+
+    _, options = cupy_backend.nvrtc_program(Variant("splitk", 128, "bf16", "fp8"))
+    assert "-ftz=false" in options and not any("ftz=true" in o or "fast_math" in o for o in options)
+    monkeypatch.setenv("METRALE_ATTN_CACHE_DIR", str(tmp_path))
+    calls = []
+    real = cupy_backend.compile_cubin
+    monkeypatch.setattr(cupy_backend, "compile_cubin", lambda v, a: calls.append(a) or real(v, a))
+    first = cupy_backend.cubin_path(Variant("unpacked", 64, "fp16", "fp8"), "sm_90")
+    again = cupy_backend.cubin_path(Variant("unpacked", 64, "fp16", "fp8"), "sm_90")
+    assert first == again and calls == ["sm_90"]
+    assert pathlib.Path(first).read_bytes()[:4] == b"\x7fELF"
 
 
 def test_plans_launch_exactly_the_kernels_their_arm_compiles():

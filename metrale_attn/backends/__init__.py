@@ -4,7 +4,7 @@ Both backends take the same launch description (``Launch``: kernel name, 3-D gri
 3-D block, dynamic shared bytes, arguments) and hand out the same array
 description (``ArrayInfo``), so the dispatch above them is written and tested once.
 
-- ``cupy``: NVRTC through ``cupy.RawModule`` on a CUDA device.
+- ``cupy``: cubins compiled by NVRTC (no ``-ftz``), loaded by ``cupy.RawModule`` on a CUDA device.
 - ``cpu``: the same sources built with the host C++ compiler against the
   CUDA-on-CPU shim (``metrale_attn.cuda_on_cpu``); NumPy arrays. For tests and demos.
 """

@@ -1,11 +1,13 @@
-"""The CuPy backend: kernels compiled by NVRTC through ``cupy.RawModule``.
+"""The CuPy backend: kernels compiled by NVRTC, loaded and launched through CuPy.
 
-Each variant is compiled on first use per device (CuPy adds ``-arch`` for the
-device and keeps its own on-disk cache keyed by source and options, which is why
-the headers are inlined into the source rather than passed with ``-I``) and
-memoized here per ``(device, variant)``. ``nvrtc_program`` is the single
-definition of what NVRTC sees; ``compile_cubin`` runs it without a device, which
-is how CI proves every variant compiles for sm_90, sm_100 and sm_120.
+``nvrtc_program`` is the single definition of what NVRTC sees and ``nvrtc_compile``
+the single way it is compiled, for the device's exact ``sm_XY``: CI runs the same
+function without a GPU for sm_90, sm_100 and sm_120, so the binary a GPU loads is
+one CI has compiled and inspected. (Handing the source to ``cupy.RawModule`` instead
+would let CuPy append ``-ftz=true``, which flushes the fp32 denormals the fp16/fp8
+fast path relies on: a build neither CI nor the CPU backend ever runs.) Cubins are
+cached on disk by a hash of source, options, architecture and NVRTC version, loaded
+with ``cupy.RawModule(path=...)`` and memoized per ``(device, variant)``.
 
 Launches go to the stream ``launch_stream`` picks: the one the caller names, else
 PyTorch's current stream when the inputs are torch tensors (so a decode step joins
@@ -15,16 +17,21 @@ the caller's stream and its CUDA-graph capture), else CuPy's current stream.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import os
+import tempfile
 
 import numpy as np
 
+from ..cache import cache_root
 from ..kernels import Variant
 from . import ArrayInfo, Launch
 
 DIALECT_PRELUDE = "#define DYNAMIC_SHARED(T, name) extern __shared__ __align__(16) T name[]\n"
 """How the shared dialect's dynamic shared memory reads on the GPU."""
 
-BASE_OPTIONS = ("-std=c++17",)
+BASE_OPTIONS = ("-std=c++17", "-ftz=false")
+"""NVRTC's default, spelled out: the fp16/fp8 fast path needs fp32 denormals (pd_common.cuh)."""
 
 
 def nvrtc_program(variant: Variant, text: str | None = None) -> tuple[str, tuple[str, ...]]:
@@ -58,6 +65,33 @@ def compile_cubin(variant: Variant, arch: str) -> bytes:
     return nvrtc_compile(variant, arch)[0]
 
 
+def cubin_path(variant: Variant, arch: str) -> str:
+    """The cached cubin of ``variant`` for ``arch``, compiled on a miss (no GPU needed)."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    source, options = nvrtc_program(variant)
+    key = hashlib.sha256(repr((source, options, arch, nvrtc.getVersion())).encode()).hexdigest()[:20]
+    path = cache_root() / "cubin" / f"{variant.name}_{arch}_{key}.cubin"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+        with os.fdopen(fd, "wb") as f:
+            f.write(compile_cubin(variant, arch))
+        os.replace(tmp, path)
+    return str(path)
+
+
+class _StreamHandle:
+    """A raw ``cudaStream_t`` dressed in the CUDA stream protocol, for ``Stream.from_external``."""
+
+    def __init__(self, handle: int):
+        self.handle = handle
+
+    def __cuda_stream__(self):
+        return (0, self.handle)
+
+
+_DLPACK_CUDA = (2, 13)  # kDLCUDA, kDLCUDAManaged
 _TORCH_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
 
@@ -92,12 +126,11 @@ class CupyBackend:
         return dev.id, (props["major"], props["minor"]), props["multiProcessorCount"], name
 
     def load(self, variant: Variant) -> _CupyModule:
-        device = self._cupy.cuda.Device().id
+        device, capability, _, _ = self.device()
         key = (device, variant.name)
         module = self._modules.get(key)
         if module is None:
-            source, options = nvrtc_program(variant)
-            raw = self._cupy.RawModule(code=source, options=options, backend="nvrtc")
+            raw = self._cupy.RawModule(path=cubin_path(variant, "sm_{}{}".format(*capability)))
             module = _CupyModule({k: raw.get_function(k) for k in variant.kernels})
             self._modules[key] = module
         return module
@@ -114,12 +147,12 @@ class CupyBackend:
             return ArrayInfo(array.data_ptr(), tuple(array.shape), tuple(array.stride()), array.dtype,
                              array.element_size(), array.device.index)
         cai = getattr(array, "__cuda_array_interface__", None)
-        if cai is None and hasattr(array, "__dlpack__"):
+        if cai is None and hasattr(array, "__dlpack__") and array.__dlpack_device__()[0] in _DLPACK_CUDA:
             return self.describe(cupy.from_dlpack(array), argument)  # zero-copy view
         if cai is None:
             raise TypeError(
-                f"{argument} must be a CuPy array, a torch CUDA tensor, or expose __cuda_array_interface__ "
-                f"or __dlpack__; got {type(array).__name__}"
+                f"{argument} must be a CUDA array: a CuPy array, a torch CUDA tensor, or an object exposing "
+                f"__cuda_array_interface__ or a CUDA __dlpack__; got {type(array).__name__}"
             )
         dtype = np.dtype(cai["typestr"])
         shape = tuple(cai["shape"])
@@ -161,12 +194,13 @@ class CupyBackend:
             return contextlib.nullcontext()
         if isinstance(stream, self._cupy.cuda.stream._BaseStream):
             return stream
-        handle = getattr(stream, "cuda_stream", stream)
+        handle = getattr(stream, "cuda_stream", stream)  # torch streams carry their handle
         if isinstance(handle, bool) or not isinstance(handle, int):
             raise TypeError(f"stream must be a CuPy stream, a torch CUDA stream or a cudaStream_t int, got {stream!r}")
         external = self._external_streams.get(handle)
         if external is None:
-            external = self._external_streams[handle] = self._cupy.cuda.ExternalStream(handle)
+            external = self._cupy.cuda.Stream.from_external(_StreamHandle(handle))
+            self._external_streams[handle] = external
         return external
 
     def current_device(self) -> int:

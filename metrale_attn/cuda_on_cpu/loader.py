@@ -49,6 +49,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..cache import cache_root
+
 __all__ = [
     "CudaOnCpuCompileError",
     "CudaOnCpuError",
@@ -115,11 +117,7 @@ class Param:
 
 def cache_dir() -> Path:
     """Where compiled libraries live (created on demand)."""
-    root = os.environ.get("METRALE_ATTN_CACHE_DIR")
-    if not root:
-        xdg = os.environ.get("XDG_CACHE_HOME")
-        root = os.path.join(xdg, "metrale-attn") if xdg else os.path.join(Path.home(), ".cache", "metrale-attn")
-    return Path(root) / "cuda_on_cpu"
+    return cache_root() / "cuda_on_cpu"
 
 
 def _cxx() -> list[str]:
