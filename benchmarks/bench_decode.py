@@ -492,7 +492,7 @@ class GpuSweep:
                                          **arm_options(arm))
             self.result["compile_s"][f"{first.model}/{kv_dtype}/{arm}"] = round(time.monotonic() - t1, 2)
         print(f"[{first.model} {kv_dtype}] pool {2 * pool.k.numel() * pool.k.element_size() / GB:.1f} GB, "
-              f"set-up {time.monotonic() - t0:.1f} s; {attns['default'].describe()}", flush=True)
+              f"set-up {time.monotonic() - t0:.1f} s; {attns['default'].target_line()}", flush=True)
         for config in group:
             if self._over_budget():
                 return

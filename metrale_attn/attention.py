@@ -80,7 +80,7 @@ class DecodeAttention:
 
         self.backend = get_backend(backend) if backend is None or isinstance(backend, str) else backend
         self.defaults: Defaults = resolve_defaults(self._target(target), splitk=splitk, gqa_pack=gqa_pack)
-        self.check_indices = check_indices or self.backend.name == "cpu"
+        self.check_indices = check_indices or self.backend.always_check_indices
         self._device = self.backend.current_device()
         self.workspace_spec = workspace_for(
             self.defaults, self.shape, max_batch=max_batch, max_decode_seqs=max_decode_seqs)
@@ -98,9 +98,10 @@ class DecodeAttention:
                 self._modules[arm] = self.backend.load(Variant(arm, head_dim, self.q_dtype, self.kv_dtype))
 
     def _target(self, name: Optional[str]):
-        if self.backend.name == "cpu":
+        device = self.backend.device()
+        if device is None:  # no GPU: the target's table stands in
             return get_target(name or DEFAULT_TARGET)
-        _, capability, sm_count, _ = self.backend.device()
+        _, capability, sm_count, _ = device
         if name is None:
             return detect_target(capability, sm_count)
         return replace(get_target(name), sm_count=sm_count)
@@ -114,8 +115,8 @@ class DecodeAttention:
             self._plans[num_seqs] = plan
         return plan
 
-    def describe(self) -> str:
-        """The target line, for logs and the CLI."""
+    def target_line(self) -> str:
+        """``target defaults (...): ...``, for logs and the CLI."""
         return self.defaults.line()
 
     def run(self, q, k_cache, v_cache, block_tables, seq_lens, *, k_scale: float = 1.0, v_scale: float = 1.0,

@@ -32,7 +32,7 @@ def run_demo(backend: Optional[str] = None, target: Optional[str] = None, seed: 
     attn = DecodeAttention(**SHAPE, page_size=PAGE_SIZE, q_dtype="bfloat16", kv_dtype="fp8_e4m3",
                            max_batch=64, target=target, backend=be)
     plan = attn.plan(len(SEQ_LENS))
-    print(attn.describe())
+    print(attn.target_line())
     print(f"backend: {be.name}; batch {len(SEQ_LENS)} seqs, lengths {list(SEQ_LENS)}, page size {PAGE_SIZE}, "
           f"KV fp8 e4m3 (k_scale {problem.k_scale:.4g}, v_scale {problem.v_scale:.4g}), one shared prefix page")
     print(f"plan: arm={plan.arm} splits={plan.num_splits} grids="

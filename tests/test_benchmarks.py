@@ -226,7 +226,7 @@ class CpuBackedAttention:  # DecodeAttention on the CPU backend, taking and fill
     def __init__(self, *args, backend=None, **kwargs):
         self._real = DecodeAttention(*args, backend="cpu", **kwargs)
     def plan(self, n): return self._real.plan(n)
-    def describe(self): return self._real.describe()
+    def target_line(self): return self._real.target_line()
     def run(self, q, k, v, bt, sl, *, k_scale, v_scale, out):
         o = self._real.run(*map(to_numpy, (q, k, v, bt, sl)), k_scale=k_scale, v_scale=v_scale)
         out.copy_(torch.from_numpy(o.view(np.int16)).view(torch.bfloat16))

@@ -50,6 +50,10 @@ class Module(Protocol):
 
 class Backend(Protocol):
     name: str
+    always_check_indices: bool
+
+    def device(self) -> Optional[tuple[int, tuple[int, int], int, str]]:
+        """``(ordinal, compute capability, SM count, name)`` of the current GPU, or None."""
 
     def load(self, variant) -> Module:
         """Compile (or fetch from cache) one kernel variant."""
@@ -73,6 +77,9 @@ class Backend(Protocol):
 
     def host_copy(self, array):
         """A NumPy copy, for the optional full index validation."""
+
+    def synchronize(self) -> None:
+        """Wait for every launch so far (timing, demos)."""
 
 
 def cuda_available() -> bool:

@@ -31,6 +31,7 @@ class _CpuModule:
 
 class CpuBackend:
     name = "cpu"
+    always_check_indices = True  # host memory: proving indices in range costs no copy
 
     def __init__(self, *, order: Optional[str] = None, asan: bool = False) -> None:
         self.order = order
@@ -59,6 +60,10 @@ class CpuBackend:
         if stream is not None:
             raise ValueError("stream must be None on the cpu backend (launches run synchronously)")
         return contextlib.nullcontext()
+
+    def device(self) -> None:
+        """No GPU: the target's table stands in for the device."""
+        return None
 
     def current_device(self) -> None:
         return None

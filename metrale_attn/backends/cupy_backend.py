@@ -109,6 +109,7 @@ class _CupyModule:
 
 class CupyBackend:
     name = "cupy"
+    always_check_indices = False  # checking needs a synchronizing host copy; opt in
     _modules: dict = {}
     _external_streams: dict = {}
 
