@@ -41,10 +41,7 @@
 // launch the merge with programmatic dependent launch to hide its launch latency.
 
 #include "pd_common.cuh"
-
-#ifndef PD_MIN_KV_PER_SPLIT
-#error "PD_MIN_KV_PER_SPLIT must be defined (the split-K policy's constant, 256)"
-#endif
+#include "pd_splitk.cuh"
 
 extern "C" __global__ void PD_LAUNCH_BOUNDS(PD_THREADS, 4) paged_decode_splitk(
     const pd_q_t* __restrict__ q, long long q_stride_seq, long long q_stride_head,
@@ -74,14 +71,8 @@ extern "C" __global__ void PD_LAUNCH_BOUNDS(PD_THREADS, 4) paged_decode_splitk(
   int seq_len = seq_lens[seq];
   seq_len = seq_len > 0 ? seq_len : 0;
 
-  // This split's token range, from the sequence's own length (no overflow for any
-  // int32 length: ceil without L + n - 1, products in 64 bits).
-  long long chunk = seq_len / num_splits + (seq_len % num_splits != 0 ? 1 : 0);
-  chunk = chunk > PD_MIN_KV_PER_SPLIT ? chunk : PD_MIN_KV_PER_SPLIT;
-  const long long start64 = (long long)split * chunk;
-  const long long end64 = start64 + chunk;
-  const int start = start64 < seq_len ? (int)start64 : seq_len;
-  const int end = end64 < seq_len ? (int)end64 : seq_len;
+  int start, end;
+  pd_split_range(seq_len, split, num_splits, start, end);
 
   float qf[1][VEC];
   pd_load_q<VEC>(q + seq * q_stride_seq + head * q_stride_head + slice * VEC, qf[0]);
@@ -93,16 +84,11 @@ extern "C" __global__ void PD_LAUNCH_BOUNDS(PD_THREADS, 4) paged_decode_splitk(
                             m, l, acc);
   pd_cta_publish<1, VEC>(m, l, acc, s_m, s_l, s_acc);
 
-  float* slot = workspace + (((long long)seq * num_q_heads + head) * num_splits + split) * (PD_HEAD_DIM + 2);
+  float* slot = pd_split_slot(workspace, seq, num_q_heads, head, split, num_splits);
   for (int d = threadIdx.x; d < PD_HEAD_DIM; d += PD_THREADS) {
     float M, L, O;
     pd_cta_combine(s_m, s_l, s_acc, 0, d, M, L, O);
-    // Empty split: M = -inf, L = 0, O = 0 -> o = 0, m = -inf, l = 0.
-    slot[d] = pd_normalize(O, L, v_scale);
-    if (d == 0) {
-      slot[PD_HEAD_DIM] = M;
-      slot[PD_HEAD_DIM + 1] = L;
-    }
+    pd_store_split(slot, d, M, L, O, v_scale);
   }
 }
 
@@ -110,31 +96,5 @@ extern "C" __global__ void PD_LAUNCH_BOUNDS(PD_MERGE_THREADS, 4) paged_decode_sp
     const float* __restrict__ workspace, int num_splits,
     pd_q_t* __restrict__ out, float* __restrict__ lse) {
   __shared__ unsigned short s_out[PD_HEAD_DIM];
-
-  const int head = blockIdx.x;
-  const int seq = blockIdx.y;
-  const int num_q_heads = gridDim.x;
-  const float neg_inf = pd_neg_inf();
-  const float* slots = workspace + ((long long)seq * num_q_heads + head) * num_splits * (PD_HEAD_DIM + 2);
-
-  for (int d = threadIdx.x; d < PD_HEAD_DIM; d += PD_MERGE_THREADS) {
-    float mx = neg_inf;
-    for (int i = 0; i < num_splits; ++i) mx = fmaxf(mx, slots[i * (PD_HEAD_DIM + 2) + PD_HEAD_DIM]);
-    // The -inf - -inf trap: when every split is empty, M = -inf and m_i - M would be NaN.
-    // Subtract 0 instead; an empty split (m_i = -inf, l_i = 0) then gets
-    // w_i = 0 * 2^-inf = 0 * 0 = 0, with M finite or not.
-    const float ms = (mx == neg_inf) ? 0.f : mx;
-    float L = 0.f, o = 0.f;
-    for (int i = 0; i < num_splits; ++i) {
-      const float* sl = slots + i * (PD_HEAD_DIM + 2);
-      const float w = sl[PD_HEAD_DIM + 1] * exp2f(sl[PD_HEAD_DIM] - ms);
-      L += w;
-      o = fmaf(w, sl[d], o);
-    }
-    // L >= w of the split holding the max (its l >= 1) unless every split is empty (L = 0).
-    s_out[d] = (unsigned short)pd_float_to_q(pd_normalize(o, L, 1.f));
-    if (d == 0 && lse != nullptr) lse[(long long)seq * num_q_heads + head] = pd_lse(mx, L);
-  }
-  __syncthreads();
-  pd_store_span(out + ((long long)seq * num_q_heads + head) * PD_HEAD_DIM, s_out, PD_HEAD_DIM);
+  pd_merge_splits(workspace, num_splits, out, lse, s_out);
 }

@@ -10,6 +10,8 @@ allocates nothing and never synchronizes, so a CUDA graph can capture it.
 from __future__ import annotations
 
 import math
+import os
+import warnings
 from dataclasses import replace
 from typing import Optional
 
@@ -17,11 +19,23 @@ import numpy as np
 
 from . import dtypes
 from .backends import ArrayInfo, Launch, get_backend
-from .kernels import Variant, source_constants
-from .plan import LEGACY_MAX_DECODE_SEQS, DecodePlan, ModelShape, make_plan, workspace_for
+from .kernels import Variant, kernel_params, source_constants
+from .plan import (ENV_HEADS_PER_CTA, ENV_IMPL, LEGACY_MAX_DECODE_SEQS, DecodePlan, ModelShape,
+                   heads_per_cta_choices, make_plan, resolve_heads_per_cta, resolve_impl, workspace_for)
 from .targets import DEFAULT_TARGET, Defaults, detect_target, get_target, resolve_defaults
 
 LAYOUTS = ("NHD", "HND")
+LAUNCH_ARGUMENTS = {
+    "q": "pointer", "q_stride_seq": "int", "q_stride_head": "int",
+    "k_cache": "pointer", "k_stride_page": "int", "k_stride_token": "int", "k_stride_head": "int",
+    "v_cache": "pointer", "v_stride_page": "int", "v_stride_token": "int", "v_stride_head": "int",
+    "block_tables": "pointer", "block_tables_stride": "int", "seq_lens": "pointer",
+    "num_kv_heads": "int", "page_size": "int", "heads_per_cta": "int", "num_splits": "int",
+    "qk_scale_log2": "float", "v_scale": "float",
+    "out": "pointer", "lse": "pointer", "workspace": "pointer",
+}
+"""Every argument ``run`` can hand a kernel, by the parameter name the sources use (the
+launch ABI is read from the sources; a test checks each kernel's names against this)."""
 MAX_PAGE_SIZE = 256
 LOG2E = 1.4426950408889634
 VECTOR_BYTES = 16  # kernels load K/V and q rows with 16-byte vector loads
@@ -39,7 +53,12 @@ class DecodeAttention:
 
     ``splitk`` (``"auto"``, ``"legacy"``, ``"off"``, ``"4"``, ...) and ``gqa_pack``
     override ``METRALE_ATTN_DECODE_SPLITK``/``METRALE_ATTN_DECODE_GQA_PACK`` and the
-    target's declaration; ``None`` means as declared. ``max_decode_seqs`` is the
+    target's declaration; ``None`` means as declared. ``impl`` (``"mma"``, the
+    tensor-core kernels, default; ``"simt"``, the first CUDA-core ones) overrides
+    ``METRALE_ATTN_DECODE_IMPL``. ``heads_per_cta`` (``mma``: query heads one CTA
+    serves, a divisor of the group size up to 16) overrides
+    ``METRALE_ATTN_DECODE_HEADS_PER_CTA`` and the plan's rule; a head's output bytes
+    are the same for every value. ``max_decode_seqs`` is the
     floor of the reference batch only ``legacy`` reads. ``check_indices`` copies
     block_tables and seq_lens to the host on every call to prove every page id
     and length is in range (always on for the CPU backend).
@@ -63,6 +82,8 @@ class DecodeAttention:
         sm_scale: Optional[float] = None,
         max_decode_seqs: int = LEGACY_MAX_DECODE_SEQS,
         check_indices: bool = False,
+        impl: Optional[str] = None,
+        heads_per_cta: Optional[int] = None,
     ) -> None:
         self.shape = ModelShape(num_q_heads, num_kv_heads, head_dim)
         if isinstance(page_size, bool) or not isinstance(page_size, int) or not 1 <= page_size <= MAX_PAGE_SIZE:
@@ -86,16 +107,36 @@ class DecodeAttention:
             self.defaults, self.shape, max_batch=max_batch, max_decode_seqs=max_decode_seqs)
         self.workspace = self.backend.empty((self.workspace_spec.slots * self.workspace_spec.slot_floats,), np.float32)
         self._workspace_ptr = self.backend.pointer(self.workspace)
+        self.impl = resolve_impl(impl, os.environ.get(ENV_IMPL))
+        if self.impl == "mma":
+            disagree = self.backend.verify_mma()
+            if disagree:  # never return bytes from instructions that differ from their emulation
+                warnings.warn(f"metrale-attn: this device's {', '.join(disagree)} disagree with the emulation the "
+                              "mma kernels were verified on; using impl='simt' instead", RuntimeWarning, stacklevel=2)
+                self.impl = "simt"
+        self.heads_per_cta = resolve_heads_per_cta(heads_per_cta, os.environ.get(ENV_HEADS_PER_CTA),
+                                                   self.shape.group_size)
         self._plans: dict[int, DecodePlan] = {}
         constants = source_constants()
         self._threads, self._merge_threads = constants.threads, constants.merge_threads
-        # Compile every arm the policy can reach now, so that run() never compiles.
-        # Legacy's count only falls as the batch grows, so batch 1 and max_batch bound it.
-        self._modules = {}
-        for n in (1, max_batch):
-            arm = self.plan(n).arm
-            if arm not in self._modules:
-                self._modules[arm] = self.backend.load(Variant(arm, head_dim, self.q_dtype, self.kv_dtype))
+        # Compile every variant a batch size can reach now, so that run() never compiles:
+        # legacy's split count only falls as the batch grows, so batch 1 and max_batch
+        # bound the arms; the row tiles follow heads_per_cta, which may be any choice.
+        self._modules: dict[tuple[str, int], tuple] = {}
+        self._abi: dict[str, tuple] = {}  # kernel -> ((argument name, scalar type or None), ...)
+        for plan in (self.plan(1), self.plan(max_batch)):
+            if plan.impl == "simt" or plan.arm == "gqa_packed":
+                row_tiles = {plan.row_tiles}
+            elif self.heads_per_cta is not None:
+                row_tiles = {replace(plan, heads_per_cta=self.heads_per_cta).row_tiles}
+            else:
+                row_tiles = {replace(plan, heads_per_cta=h).row_tiles for h in heads_per_cta_choices(self.shape.group_size)}
+            for rt in sorted(row_tiles):
+                if (plan.arm, rt) not in self._modules:
+                    variant = Variant(plan.arm, head_dim, self.q_dtype, self.kv_dtype, plan.impl, rt)
+                    self._modules[plan.arm, rt] = (variant, self.backend.load(variant))
+                    for kernel, params in kernel_params(variant).items():
+                        self._abi[kernel] = tuple((p.name, None if p.is_pointer else p.numpy_type) for p in params)
 
     def _target(self, name: Optional[str]):
         device = self.backend.device()
@@ -111,7 +152,8 @@ class DecodeAttention:
         plan = self._plans.get(num_seqs)
         if plan is None:
             plan = make_plan(self.defaults, self.shape, num_seqs, max_batch=self.max_batch,
-                             max_decode_seqs=self.max_decode_seqs, workspace=self.workspace_spec)
+                             max_decode_seqs=self.max_decode_seqs, workspace=self.workspace_spec,
+                             impl=self.impl, heads_per_cta=self.heads_per_cta)
             self._plans[num_seqs] = plan
         return plan
 
@@ -183,16 +225,19 @@ class DecodeAttention:
         plan = self.plan(num_seqs)
         if num_seqs:
             ptr = be.pointer
-            common = (
-                ptr(q, qi), np.int64(qi.strides[0]), np.int64(qi.strides[1]),
-                ptr(k_cache, ki), *map(np.int64, k_strides),
-                ptr(v_cache, vi), *map(np.int64, v_strides),
-                ptr(block_tables, bi), np.int64(bi.strides[0]), ptr(seq_lens, si),
-                np.int32(self.shape.num_kv_heads), np.int32(self.page_size),
-                np.float32(self.sm_scale * k_scale * LOG2E), np.float32(v_scale),
+            args = dict(
+                q=ptr(q, qi), q_stride_seq=qi.strides[0], q_stride_head=qi.strides[1],
+                k_cache=ptr(k_cache, ki), k_stride_page=k_strides[0], k_stride_token=k_strides[1],
+                k_stride_head=k_strides[2],
+                v_cache=ptr(v_cache, vi), v_stride_page=v_strides[0], v_stride_token=v_strides[1],
+                v_stride_head=v_strides[2],
+                block_tables=ptr(block_tables, bi), block_tables_stride=bi.strides[0], seq_lens=ptr(seq_lens, si),
+                num_kv_heads=self.shape.num_kv_heads, page_size=self.page_size, heads_per_cta=plan.heads_per_cta,
+                qk_scale_log2=self.sm_scale * k_scale * LOG2E, v_scale=v_scale,
+                out=ptr(out, oi), lse=ptr(lse, li), workspace=self._workspace_ptr, num_splits=plan.num_splits,
             )
             with launch_stream:
-                self._launch(plan, common, ptr(out, oi), ptr(lse, li))
+                self._launch(plan, args)
         return (out, lse) if want_lse else out
 
     # -- helpers ------------------------------------------------------------
@@ -224,17 +269,15 @@ class DecodeAttention:
             s, j = map(int, np.argwhere(wild)[0])
             raise ValueError(f"block_tables[{s}, {j}] = {int(table[s, j])} is not a page id in 0..{num_pages - 1}")
 
-    def _launch(self, plan: DecodePlan, common: tuple, out_ptr, lse_ptr) -> None:
-        """Launch ``plan``'s kernels; ``common`` are the attention kernels' shared arguments."""
-        module, first = self._modules[plan.arm], plan.launches[0]
-        block = (self._threads, 1, 1)
-        if plan.arm != "splitk":
-            module.launch(Launch(first.kernel, first.grid, block, 0, common + (out_ptr, lse_ptr)))
-            return
-        module.launch(Launch(first.kernel, first.grid, block, 0, common + (self._workspace_ptr,)))
-        merge = plan.launches[1]
-        module.launch(Launch(merge.kernel, merge.grid, (self._merge_threads, 1, 1), 0,
-                             (self._workspace_ptr, np.int32(plan.num_splits), out_ptr, lse_ptr)))
+    def _launch(self, plan: DecodePlan, args: dict) -> None:
+        """Launch ``plan``'s kernels, each with the parameters its source declares, by name."""
+        variant, module = self._modules[plan.arm, plan.row_tiles]
+        for i, grid in enumerate(plan.launches):
+            values = tuple(args[name] if typ is None else typ(args[name]) for name, typ in self._abi[grid.kernel])
+            if i == 0:  # the attention kernel
+                module.launch(Launch(grid.kernel, grid.grid, (self._threads, 1, 1), variant.shared_bytes, values))
+            else:  # the merge
+                module.launch(Launch(grid.kernel, grid.grid, (self._merge_threads, 1, 1), 0, values))
 
 
 def _where(device) -> str:

@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
-from .plan import ModelShape, make_plan, workspace_for
+from .plan import ModelShape, make_plan, resolve_heads_per_cta, resolve_impl, workspace_for
 from .policy import parse_gqa_pack
 from .targets import TARGETS, get_target, resolve_defaults
 
@@ -52,21 +52,25 @@ def render_plan_table(args: argparse.Namespace) -> str:
     shape = _shape(args)
     max_batch = args.max_batch or max(args.batch)
     workspace = workspace_for(defaults, shape, max_batch=max_batch, max_decode_seqs=args.max_decode_seqs)
+    impl = resolve_impl(args.impl, None)
+    heads_per_cta = resolve_heads_per_cta(args.heads_per_cta, None, shape.group_size)
     lines = [
         defaults.line(),
         f"model: q_heads={shape.num_q_heads} kv_heads={shape.num_kv_heads} head_dim={shape.head_dim} "
-        f"max_batch={max_batch}; workspace {workspace.slots} slots x {workspace.slot_floats} fp32 = "
+        f"max_batch={max_batch}; impl {impl}; workspace {workspace.slots} slots x {workspace.slot_floats} fp32 = "
         f"{workspace.nbytes} bytes",
         "",
-        f"{'batch':>6}  {'arm':<10}  {'splits':>6}  {'grids':<32}  {'CTAs':>7}  {'waves':>6}  {'ws bytes':>10}",
+        f"{'batch':>6}  {'arm':<10}  {'splits':>6}  {'h/CTA':>5}  {'grids':<28}  {'CTAs':>7}  {'waves':>6}  "
+        f"{'ws bytes':>10}",
     ]
     for batch in args.batch:
-        plan = make_plan(defaults, shape, batch, max_batch=max_batch, max_decode_seqs=args.max_decode_seqs, workspace=workspace)
+        plan = make_plan(defaults, shape, batch, max_batch=max_batch, max_decode_seqs=args.max_decode_seqs,
+                         workspace=workspace, impl=impl, heads_per_cta=heads_per_cta)
         grids = " + ".join("({},{},{})".format(*g.grid) for g in plan.launches)
         used = plan.slots_used * workspace.slot_floats * 4
         lines.append(
-            f"{batch:>6}  {plan.arm:<10}  {plan.num_splits:>6}  {grids:<32}  {plan.ctas:>7}  "
-            f"{plan.waves(defaults.sm_count):>6.2f}  {used:>10}"
+            f"{batch:>6}  {plan.arm:<10}  {plan.num_splits:>6}  {plan.heads_per_cta:>5}  {grids:<28}  "
+            f"{plan.ctas:>7}  {plan.waves(defaults.sm_count):>6.2f}  {used:>10}"
         )
     return "\n".join(lines)
 
@@ -86,6 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--max-decode-seqs", type=int, default=1, help="floor of legacy's reference batch (default 1)")
     plan.add_argument("--splitk", help="override: auto, legacy, off or a split count")
     plan.add_argument("--gqa-pack", type=_on_off, help="override: on or off")
+    plan.add_argument("--impl", help="mma (tensor cores, default) or simt (the first CUDA-core kernels)")
+    plan.add_argument("--heads-per-cta", type=int, help="override the rule: a divisor of the group size up to 16")
 
     demo = sub.add_parser("demo", help="run a mixed decode batch on the best backend and check it")
     demo.add_argument("--backend", choices=["cupy", "cpu"], help="default: cupy with a GPU, else cpu")

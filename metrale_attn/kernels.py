@@ -6,9 +6,18 @@ sibling header is inlined textually with ``#line`` directives, so both compilers
 see one self-contained string and their errors name the real file and line.
 Nothing is compiled here, and nothing at import time.
 
-Constants the Python side relies on that live in the sources (``PD_GQA``,
-``PD_HDIM``, block sizes, dtype codes) are read back from the source text;
-``PD_GQA``/``PD_HDIM`` must equal the policy's constants or loading is refused.
+Two implementations (``plan.IMPLS``) serve the same three arms (``plan.ARMS``):
+
+- ``mma`` (the default): one tensor-core core (``decode_core.cuh``): a CTA serves
+  ``heads_per_cta`` query heads of one KV head, K and V stream through cp.async
+  rings in shared memory, QK^T and PV run on ``mma.sync``.
+- ``simt``: the first CUDA-core kernels (``pd_common.cuh``), one query head per CTA
+  (the packed arm: ``PD_GQA``). Kept selectable until a GPU has measured ``mma``.
+
+What the Python side relies on that lives in the sources is read back from them:
+the constants (``PD_GQA``, ``PD_HDIM``, block sizes, dtype codes; ``PD_GQA``/
+``PD_HDIM`` must equal the policy's constants) and each kernel's parameter list,
+which is the launch ABI (``kernel_params``): the dispatch passes arguments by name.
 """
 
 from __future__ import annotations
@@ -19,16 +28,26 @@ import pathlib
 import re
 from dataclasses import dataclass
 
+import numpy as np
+
 from . import dtypes, policy
+from .plan import ARMS, DEFAULT_IMPL, HEAD_DIMS, IMPLS, KERNELS, MAX_HEADS_PER_CTA
 
 SOURCE_PACKAGE = "metrale_attn.kernels_cu"
 COMMON_HEADER = "pd_common.cuh"
-FAMILIES = {
-    "unpacked": ("paged_decode_unpacked.cu", ("paged_decode_unpacked",)),
-    "splitk": ("paged_decode_splitk.cu", ("paged_decode_splitk", "paged_decode_splitk_merge")),
-    "gqa_packed": ("paged_decode_gqa_packed.cu", ("paged_decode_gqa_packed",)),
+CORE_HEADER = "decode_core.cuh"
+SOURCE_FILES = {
+    ("mma", "unpacked"): "decode_unpacked.cu",
+    ("mma", "splitk"): "decode_splitk.cu",
+    ("mma", "gqa_packed"): "decode_gqa_packed.cu",
+    ("simt", "unpacked"): "paged_decode_unpacked.cu",
+    ("simt", "splitk"): "paged_decode_splitk.cu",
+    ("simt", "gqa_packed"): "paged_decode_gqa_packed.cu",
 }
-"""Plan arm -> (source file, its ``extern "C"`` kernels)."""
+"""(impl, arm) -> the source that defines the kernels ``plan.KERNELS`` names."""
+
+SMEM_LIMIT_BYTES = 227 * 1024
+"""Dynamic shared memory one block may use on sm_90 and sm_100 (opt-in maximum)."""
 
 _INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"[ \t]*$', re.MULTILINE)
 
@@ -58,16 +77,24 @@ def read_source(filename: str) -> str:
 
 def inline(filename: str, text: str | None = None, _seen: tuple[str, ...] = ()) -> str:
     """``kernels_cu/<filename>`` with its sibling headers inlined, each part
-    preceded by a ``#line`` directive naming its real file. ``text`` overrides the
-    file's own contents (tests edit copies this way)."""
-    if filename in _seen:
-        raise KernelSourceError(f"include cycle: {' -> '.join(_seen + (filename,))}")
+    preceded by a ``#line`` directive naming its real file. A header included
+    twice is inlined once (the sources' include guards make the rest empty).
+    ``text`` overrides the file's own contents (tests edit copies this way)."""
+    return _inline(filename, text, _seen, set())
+
+
+def _inline(filename: str, text: str | None, seen: tuple[str, ...], done: set) -> str:
+    if filename in seen:
+        raise KernelSourceError(f"include cycle: {' -> '.join(seen + (filename,))}")
     body = read_source(filename) if text is None else text
     parts, last, line = [f'#line 1 "kernels_cu/{filename}"\n'], 0, 1
     for match in _INCLUDE.finditer(body):
         parts.append(body[last:match.start()])
         line += body.count("\n", last, match.end()) + 1
-        parts.append(inline(match.group(1), None, _seen + (filename,)))
+        header = match.group(1)
+        if header not in done:
+            done.add(header)
+            parts.append(_inline(header, None, seen + (filename,), done))
         parts.append(f'\n#line {line} "kernels_cu/{filename}"')
         last = match.end()
     parts.append(body[last:])
@@ -101,75 +128,225 @@ def source_constants() -> SourceConstants:
     )
 
 
-def check_pack_constants(text: str) -> None:
+def check_pack_constants(text: str, filename: str) -> None:
     """Refuse a packed source whose ``PD_GQA``/``PD_HDIM`` differ from the policy's."""
     for define, expected in (("PD_GQA", policy.DECODE_GQA_PACK_WIDTH), ("PD_HDIM", policy.DECODE_GQA_PACK_HEAD_DIM)):
         found = read_define(text, define)
         if found != expected:
             raise KernelSourceError(
-                f"kernels_cu/{FAMILIES['gqa_packed'][0]} defines {define} {found}, but the dispatch uses "
+                f"kernels_cu/{filename} defines {define} {found}, but the dispatch uses "
                 f"{expected} (policy.{'DECODE_GQA_PACK_WIDTH' if define == 'PD_GQA' else 'DECODE_GQA_PACK_HEAD_DIM'}); "
                 "refusing to load a kernel that would read the wrong heads"
             )
+
+
+# ---------------------------------------------------------------------------------------
+# The launch ABI, read from the sources
+# ---------------------------------------------------------------------------------------
+
+_KERNEL_DEF = re.compile(
+    r'extern\s+"C"\s+__global__\s+void\s+(?:[A-Z_][A-Z0-9_]*\s*\([^)]*\)\s*)?(\w+)\s*\(([^)]*)\)\s*\{')
+
+SCALAR_TYPES = {"int": np.int32, "unsigned": np.uint32, "long long": np.int64, "float": np.float32}
+"""C scalar types a kernel parameter may have, and the NumPy type the launcher passes."""
+
+
+@dataclass(frozen=True)
+class Param:
+    """One kernel parameter as the source declares it: a pointer, or a scalar whose
+    launch value is ``numpy_type(value)``."""
+
+    name: str
+    ctype: str
+
+    @property
+    def is_pointer(self) -> bool:
+        return "*" in self.ctype
+
+    @property
+    def numpy_type(self):
+        return SCALAR_TYPES[self.ctype]
+
+
+def parse_kernel_params(text: str) -> dict[str, tuple[Param, ...]]:
+    """``extern "C" __global__`` kernel name -> its parameters, from source text."""
+    kernels = {}
+    for match in _KERNEL_DEF.finditer(text):
+        params = []
+        for decl in match.group(2).split(","):
+            words = decl.replace("*", " * ").split()
+            if len(words) < 2:
+                raise KernelSourceError(f"kernel {match.group(1)}: cannot read the parameter {decl.strip()!r}")
+            ctype = " ".join(w for w in words[:-1] if w not in ("const", "__restrict__"))
+            if "*" not in ctype and ctype not in SCALAR_TYPES:
+                raise KernelSourceError(f"kernel {match.group(1)}: parameter {words[-1]} has type {ctype!r}, "
+                                        f"not a pointer or one of {', '.join(SCALAR_TYPES)}")
+            params.append(Param(words[-1], ctype))
+        kernels[match.group(1)] = tuple(params)
+    return kernels
+
+
+# ---------------------------------------------------------------------------------------
+# Variants
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Tiling:
+    """How an ``mma`` variant streams K and V: each of the 4 warps owns a ring of
+    ``stages`` stages of ``tile_tokens`` tokens (K and V rows, 16 bytes of padding
+    per row), and the launch gives ``smem_bytes`` of dynamic shared memory (the
+    carve of ``decode_core.cuh``, which checks this number at compile time)."""
+
+    tile_tokens: int
+    stages: int
+    smem_bytes: int
+
+
+WARPS = 4
+STAGE_TARGET_BYTES = 8192
+"""K+V bytes one warp's stage aims at: with 3 stages and 4 warps a CTA keeps 64 KiB of
+loads in flight, twice what Little's law asks of one SM at 4.3 TB/s and 800 ns."""
+
+
+def mma_tiling(head_dim: int, q_dtype: str, kv_dtype: str, row_tiles: int,
+               smem_limit: int = SMEM_LIMIT_BYTES) -> Tiling | None:
+    """The stage shape of an ``mma`` variant: 32-token stages where 32 rows of K and V
+    fit ``STAGE_TARGET_BYTES``, else 16 (an MMA needs 16 tokens); 4 stages for stages
+    of 4 KiB, else 3, or fewer when ``smem_limit`` says so; None when not even 2 fit."""
+    row_bytes = head_dim * dtypes.NUMPY_DTYPES[kv_dtype].itemsize
+    tile = 32 if 2 * 32 * row_bytes <= STAGE_TARGET_BYTES else 16
+    q_parts = 2 if (kv_dtype, q_dtype) == (dtypes.BF16, dtypes.FP16) else 1
+    rows = 8 * row_tiles
+    front = q_parts * rows * (2 * head_dim + 16) + rows * 4 + WARPS * tile * 16
+    ring_off = -(-front // 128) * 128
+    for stages in ((4, 3, 2) if 2 * tile * row_bytes <= 4096 else (3, 2)):
+        smem = ring_off + WARPS * stages * 2 * tile * (row_bytes + 16)
+        if smem <= smem_limit:
+            return Tiling(tile, stages, smem)
+    return None
 
 
 @dataclass(frozen=True)
 class Variant:
     """One compiled specialization. Its ``name`` carries every parameter and is the memo key.
 
-    The KV layout is not a parameter: kernels address the cache by strides.
+    ``row_tiles`` (``mma`` only): query-row tiles of 8 the CTA holds, so it serves up
+    to ``8 * row_tiles`` heads. The KV layout is not a parameter: kernels address the
+    cache by strides.
     """
 
-    family: str
+    arm: str
     head_dim: int
     q_dtype: str
     kv_dtype: str
+    impl: str = DEFAULT_IMPL
+    row_tiles: int = 1
 
     def __post_init__(self) -> None:
-        if self.family not in FAMILIES:
-            raise ValueError(f"family must be one of {', '.join(FAMILIES)}, got {self.family!r}")
+        if self.impl not in IMPLS:
+            raise ValueError(f"impl must be one of {', '.join(IMPLS)}, got {self.impl!r}")
+        if self.arm not in ARMS:
+            raise ValueError(f"arm must be one of {', '.join(ARMS)}, got {self.arm!r}")
         if self.q_dtype not in dtypes.Q_DTYPES or self.kv_dtype not in dtypes.KV_DTYPES:
             raise ValueError(f"unsupported dtypes q={self.q_dtype!r} kv={self.kv_dtype!r}")
-        allowed = (policy.DECODE_GQA_PACK_HEAD_DIM,) if self.family == "gqa_packed" else (64, 128, 256)
+        allowed = (policy.DECODE_GQA_PACK_HEAD_DIM,) if self.arm == "gqa_packed" else HEAD_DIMS
         if self.head_dim not in allowed:
-            raise ValueError(f"the {self.family} kernel supports head_dim {allowed}, got {self.head_dim}")
+            raise ValueError(f"the {self.arm} kernel supports head_dim {allowed}, got {self.head_dim}")
+        if self.row_tiles not in ((1, MAX_HEADS_PER_CTA // 8) if self.impl == "mma" else (1,)):
+            raise ValueError(f"row_tiles must be 1 or 2 (mma) or 1 (simt), got {self.row_tiles!r}")
 
     @property
     def name(self) -> str:
-        return f"paged_decode_{self.family}_q{self.q_dtype}_kv{self.kv_dtype}_hd{self.head_dim}"
+        dt = f"q{self.q_dtype}_kv{self.kv_dtype}_hd{self.head_dim}"
+        if self.impl == "simt":
+            return f"paged_decode_{self.arm}_{dt}"
+        return f"decode_{self.arm}_{dt}_r{8 * self.row_tiles}"
 
     @property
     def filename(self) -> str:
-        return FAMILIES[self.family][0]
+        return SOURCE_FILES[self.impl, self.arm]
 
     @property
     def kernels(self) -> tuple[str, ...]:
-        return FAMILIES[self.family][1]
+        return KERNELS[self.impl, self.arm]
+
+    @property
+    def max_rows(self) -> int:
+        """Query heads one CTA of this variant serves at most."""
+        return 8 * self.row_tiles if self.impl == "mma" else 1
+
+    @functools.cached_property
+    def tiling(self) -> Tiling | None:
+        """The K/V stream of an ``mma`` variant (None for ``simt``)."""
+        if self.impl != "mma":
+            return None
+        tiling = mma_tiling(self.head_dim, self.q_dtype, self.kv_dtype, self.row_tiles)
+        assert tiling is not None, "every mma variant fits sm_90's shared memory"
+        return tiling
+
+    @property
+    def shared_bytes(self) -> int:
+        """Dynamic shared memory of the attention kernel's launch (the merge takes none)."""
+        return self.tiling.smem_bytes if self.tiling else 0
 
     def source(self, text: str | None = None) -> str:
-        """The self-contained source; ``text`` replaces the family file (tests)."""
+        """The self-contained source; ``text`` replaces the arm's file (tests)."""
         full = inline(self.filename, text)
-        if self.family == "gqa_packed":
-            check_pack_constants(full)
+        if self.arm == "gqa_packed":
+            check_pack_constants(full, self.filename)
         return full
 
     def defines(self) -> dict[str, int]:
         """``-D`` values: everything the kernels take from Python."""
         codes = source_constants().dtype_codes
-        return {
+        out = {
             "PD_HEAD_DIM": self.head_dim,
             "PD_Q_DTYPE": codes[self.q_dtype],
             "PD_KV_DTYPE": codes[self.kv_dtype],
             "PD_MIN_KV_PER_SPLIT": policy.PD_MIN_KV_PER_SPLIT,
         }
+        if self.tiling:
+            out.update(PD_ROW_TILES=self.row_tiles, PD_TILE_TOKENS=self.tiling.tile_tokens,
+                       PD_STAGES=self.tiling.stages, PD_SMEM_BYTES=self.tiling.smem_bytes)
+        return out
+
+
+@dataclass(frozen=True)
+class SelfTest:
+    """The known-answer test of the mma kernels' instructions (``kernels_cu/pd_selftest.cu``;
+    expected values in ``backends/selftest.py``). Builds like a variant."""
+
+    name: str = "pd_selftest"
+    filename: str = "pd_selftest.cu"
+    kernels: tuple[str, ...] = ("pd_selftest",)
+    shared_bytes: int = 0
+
+    def source(self, text: str | None = None) -> str:
+        return inline(self.filename, text)
+
+    def defines(self) -> dict[str, int]:
+        return {}
+
+
+@functools.cache
+def kernel_params(variant: Variant) -> dict[str, tuple[Param, ...]]:
+    """The parameters of each kernel of ``variant``, read from its source: the ABI."""
+    found = parse_kernel_params(variant.source())
+    missing = [k for k in variant.kernels if k not in found]
+    if missing:
+        raise KernelSourceError(f"kernels_cu/{variant.filename} defines no kernel {', '.join(missing)}")
+    return {k: found[k] for k in variant.kernels}
 
 
 def all_variants() -> list[Variant]:
     """Every variant the dispatch can ask for."""
     return [
-        Variant(family, head_dim, q, kv)
-        for family in FAMILIES
-        for head_dim in ((policy.DECODE_GQA_PACK_HEAD_DIM,) if family == "gqa_packed" else (64, 128, 256))
+        Variant(arm, head_dim, q, kv, impl, row_tiles)
+        for impl in IMPLS
+        for arm in ARMS
+        for row_tiles in ((1, 2) if impl == "mma" and arm != "gqa_packed" else (1,))
+        for head_dim in ((policy.DECODE_GQA_PACK_HEAD_DIM,) if arm == "gqa_packed" else HEAD_DIMS)
         for q in dtypes.Q_DTYPES
         for kv in dtypes.KV_DTYPES
     ]

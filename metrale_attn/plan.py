@@ -1,22 +1,53 @@
 """Launch plans: the geometry of one decode call, as a pure function of configuration.
 
-policy (rules) -> plan (this module: arm, split count, grids, workspace) -> launch
-(backends). A plan is frozen and cheap; ``DecodeAttention`` memoizes one per
-batch size. Dispatch rule: one split -> the GQA-packed kernel if armed and the
-shape fits, else the unpacked kernel; more -> split-K, then merge.
+policy (rules) -> plan (this module: implementation, arm, split count, heads per
+CTA, grids, workspace) -> kernels (what to compile) -> launch (backends). A plan is
+frozen and cheap; ``DecodeAttention`` memoizes one per batch size. Dispatch rule:
+one split -> the GQA-packed kernel if armed and the shape fits, else the unpacked
+kernel; more -> split-K, then merge. The split count comes from the seed's policy
+alone; ``heads_per_cta`` from ``heads_per_cta_for``, which may read the batch
+because a head's bytes do not depend on which heads share its CTA.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
 from . import policy
 from .targets import Defaults
 
-ARMS = ("unpacked", "gqa_packed", "splitk")
+ARMS = ("unpacked", "splitk", "gqa_packed")
+IMPLS = ("mma", "simt")
+"""``mma``: the tensor-core core, a CTA serves ``heads_per_cta`` heads of one KV head;
+``simt``: the first CUDA-core kernels, one head per CTA (the packed arm: the pack)."""
+DEFAULT_IMPL = "mma"
+ENV_IMPL = "METRALE_ATTN_DECODE_IMPL"
+ENV_HEADS_PER_CTA = "METRALE_ATTN_DECODE_HEADS_PER_CTA"
 HEAD_DIMS = (64, 128, 256)
 FP32_BYTES = 4
+
+KERNELS = {
+    ("mma", "unpacked"): ("decode_unpacked",),
+    ("mma", "splitk"): ("decode_splitk", "decode_splitk_merge"),
+    ("mma", "gqa_packed"): ("decode_gqa_packed",),
+    ("simt", "unpacked"): ("paged_decode_unpacked",),
+    ("simt", "splitk"): ("paged_decode_splitk", "paged_decode_splitk_merge"),
+    ("simt", "gqa_packed"): ("paged_decode_gqa_packed",),
+}
+"""(impl, arm) -> the ``extern "C"`` kernels a plan launches, in order (their sources:
+``kernels.SOURCE_FILES``; tests check that each source defines them)."""
+
+MAX_HEADS_PER_CTA = 16
+"""Query heads one ``mma`` CTA can hold: two row tiles of 8 (the MMA's N side)."""
+
+MIN_CTAS_PER_SM = 0.5
+"""``heads_per_cta_for`` keeps at least this many attention CTAs per SM. One CTA keeps
+4 warps x 2 stages x 8 KiB = 64 KiB of K/V loads in flight; by Little's law at 800 ns
+that sustains ~80 GB/s, so the 4.3 TB/s of an H200 needs ~54 busy CTAs: half of its
+132 SMs, with margin. Below that, smaller groups buy CTAs (each KV row is then read
+once per group of the KV head instead of once)."""
 
 
 @dataclass(frozen=True)
@@ -89,6 +120,13 @@ class DecodePlan:
     workspace: Workspace
     slots_used: int
     reason: str
+    impl: str = DEFAULT_IMPL
+    heads_per_cta: int = 1
+
+    @property
+    def row_tiles(self) -> int:
+        """Query-row tiles of 8 the ``mma`` kernel needs (1 for ``simt``)."""
+        return 1 if self.impl == "simt" or self.heads_per_cta <= 8 else 2
 
     @property
     def ctas(self) -> int:
@@ -120,6 +158,75 @@ def workspace_for(
     return Workspace(slots, shape.head_dim)
 
 
+def resolve_impl(impl: Optional[str], env_raw: Optional[str]) -> str:
+    """The implementation: the ``impl`` argument, else a non-empty ``METRALE_ATTN_DECODE_IMPL``,
+    else ``mma``. Either spelling must be one of ``IMPLS`` (trimmed, case-insensitive)."""
+    for value, where in ((impl, "impl"), (env_raw, ENV_IMPL)):
+        if value is None or (where == ENV_IMPL and not value.strip()):
+            continue
+        name = str(value).strip().lower()
+        if name not in IMPLS:
+            raise ValueError(f"{where} must be one of {', '.join(IMPLS)}, got {value!r}")
+        return name
+    return DEFAULT_IMPL
+
+
+def heads_per_cta_choices(group_size: int) -> tuple[int, ...]:
+    """The divisors of the group size an ``mma`` CTA can hold (1 .. ``MAX_HEADS_PER_CTA``)."""
+    return tuple(d for d in range(1, min(group_size, MAX_HEADS_PER_CTA) + 1) if group_size % d == 0)
+
+
+def resolve_heads_per_cta(value, env_raw: Optional[str], group_size: int) -> Optional[int]:
+    """An override of the rule: the ``heads_per_cta`` argument, else a non-empty
+    ``METRALE_ATTN_DECODE_HEADS_PER_CTA``; None when neither is set. It must be one of
+    ``heads_per_cta_choices(group_size)``: a value the kernels cannot serve is an error,
+    never silently replaced."""
+    where = "heads_per_cta"
+    if value is None:
+        if env_raw is None or not env_raw.strip():
+            return None
+        value, where = env_raw.strip(), ENV_HEADS_PER_CTA
+        if not value.isdigit():
+            raise ValueError(f"{ENV_HEADS_PER_CTA} must be a positive integer, got {env_raw!r}")
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"heads_per_cta must be an int or None, got {value!r}")
+    choices = heads_per_cta_choices(group_size)
+    if value not in choices:
+        raise ValueError(f"{where} must divide the group size {group_size} and be at most {MAX_HEADS_PER_CTA}: "
+                         f"one of {', '.join(map(str, choices))}; got {value}")
+    return value
+
+
+def heads_per_cta_for(shape: ModelShape, num_seqs: int, num_splits: int, sm_count: int) -> int:
+    """Query heads per ``mma`` CTA: the largest divisor of the group size G (at most
+    ``MAX_HEADS_PER_CTA``) whose grid, ``num_kv_heads * (G / h) * num_splits *
+    num_seqs`` CTAs, still gives ``MIN_CTAS_PER_SM`` per SM; 1 when none does.
+
+    Larger is better as long as the device stays covered: each KV row is read once
+    per CTA, so G / h CTAs read every row of a group. Worked numbers on 132 SMs (at
+    least 66 CTAs), ``auto`` splits:
+
+    * Llama-3-8B (32/8, G = 4, 9 splits), one sequence: h = 4 gives 8 x 1 x 9 = 72
+      CTAs: 4. Any batch: 4.
+    * Llama-3-70B (64/8, G = 8, 5 splits), one sequence: h = 8 gives 40 CTAs, h = 4
+      gives 80: 4. Two sequences: 80 CTAs at h = 8: 8.
+    * 24/4/256 (G = 6, 11 splits), one sequence: 44 CTAs at 6, 88 at 3: 3; from two
+      sequences on: 6.
+    * Llama-3-8B with split-K off (one split), batch 8: 64 CTAs at 4, 128 at 2: 2;
+      from batch 9 on: 4.
+
+    The batch may move this choice (unlike the split count) because a head's output
+    bytes do not depend on which heads share its CTA.
+    """
+    need = math.ceil(MIN_CTAS_PER_SM * max(sm_count, 1))
+    choices = heads_per_cta_choices(shape.group_size)
+    for h in reversed(choices):
+        if shape.num_kv_heads * (shape.group_size // h) * num_splits * num_seqs >= need:
+            return h
+    return choices[0]
+
+
 def make_plan(
     defaults: Defaults,
     shape: ModelShape,
@@ -128,11 +235,16 @@ def make_plan(
     max_batch: int,
     max_decode_seqs: int = LEGACY_MAX_DECODE_SEQS,
     workspace: Optional[Workspace] = None,
+    impl: str = DEFAULT_IMPL,
+    heads_per_cta: Optional[int] = None,
 ) -> DecodePlan:
     """Plan a call of ``num_seqs`` sequences (``0 <= num_seqs <= max_batch``).
 
     ``legacy`` reads ``split_ref_seqs(num_seqs, max_decode_seqs)``; ``auto`` and
     pinned policies read neither, which is the batch-invariance guarantee.
+    ``heads_per_cta`` (``mma`` only) overrides ``heads_per_cta_for``; it must be one of
+    ``heads_per_cta_choices``. The packed arm always serves ``DECODE_GQA_PACK_WIDTH``
+    heads per CTA, and ``simt`` one (its packed arm: the pack).
 
     ``workspace`` is what was allocated (default: ``workspace_for`` the same
     arguments); a split-K geometry that needs more slots is refused here, with
@@ -142,12 +254,29 @@ def make_plan(
         raise ValueError(f"max_batch must be an int >= 1, got {max_batch!r}")
     if isinstance(num_seqs, bool) or not isinstance(num_seqs, int) or not 0 <= num_seqs <= max_batch:
         raise ValueError(f"num_seqs must be an int in 0..max_batch={max_batch}, got {num_seqs!r}")
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {', '.join(IMPLS)}, got {impl!r}")
+    if heads_per_cta is not None and heads_per_cta not in heads_per_cta_choices(shape.group_size):
+        raise ValueError(f"heads_per_cta must be one of {heads_per_cta_choices(shape.group_size)}, got {heads_per_cta!r}")
     if workspace is None:
         workspace = workspace_for(defaults, shape, max_batch=max_batch, max_decode_seqs=max_decode_seqs)
     sms, heads = defaults.sm_count, shape.num_q_heads
     ref = policy.split_ref_seqs(num_seqs, max_decode_seqs)
     splits = policy.num_splits(defaults.splitk, sms, heads, ref)
     why = _why_splits(defaults, heads, ref, splits)
+
+    pack_fits = policy.gqa_pack_shape_ok(shape.num_q_heads, shape.num_kv_heads, shape.head_dim)
+    if splits == 1 and defaults.gqa_pack and pack_fits:
+        hpc, why_h = policy.DECODE_GQA_PACK_WIDTH, "the pack"
+    elif impl == "simt":
+        hpc, why_h = 1, "simt: one"
+    elif heads_per_cta is not None:
+        hpc, why_h = heads_per_cta, "override"
+    else:
+        hpc = heads_per_cta_for(shape, max(num_seqs, 1), splits, sms)
+        why_h = f"rule (>= {MIN_CTAS_PER_SM:g} CTAs per SM)"
+    why += f"; {impl}: {hpc} head(s) per CTA ({why_h})"
+    ctas_x = heads // hpc
 
     if splits > 1:
         needed = num_seqs * heads * splits
@@ -158,23 +287,24 @@ def make_plan(
                 f"holds {workspace.slots} slots ({workspace.nbytes} bytes)"
             )
         launches = (
-            KernelGrid("paged_decode_splitk", (heads, splits, num_seqs)),
-            KernelGrid("paged_decode_splitk_merge", (heads, num_seqs, 1)),
+            KernelGrid(KERNELS[impl, "splitk"][0], (ctas_x, splits, num_seqs)),
+            KernelGrid(KERNELS[impl, "splitk"][1], (heads, num_seqs, 1)),
         )
-        return DecodePlan("splitk", num_seqs, splits, launches, workspace, needed, why + "; split-K then merge")
+        return DecodePlan("splitk", num_seqs, splits, launches, workspace, needed, why + "; split-K then merge",
+                          impl, hpc)
 
-    pack_fits = policy.gqa_pack_shape_ok(shape.num_q_heads, shape.num_kv_heads, shape.head_dim)
     if defaults.gqa_pack and pack_fits:
-        grid = KernelGrid("paged_decode_gqa_packed", (shape.num_kv_heads, num_seqs, 1))
+        grid = KernelGrid(KERNELS[impl, "gqa_packed"][0], (shape.num_kv_heads, num_seqs, 1))
         assert grid.ctas == policy.gqa_pack_ctas(shape.num_kv_heads, num_seqs)
-        return DecodePlan("gqa_packed", num_seqs, 1, (grid,), workspace, 0, why + "; GQA pack armed and shape fits")
+        return DecodePlan("gqa_packed", num_seqs, 1, (grid,), workspace, 0, why + "; GQA pack armed and shape fits",
+                          impl, hpc)
     if defaults.gqa_pack:
         why += (
             f"; GQA pack armed but the shape does not fit (needs q_heads = kv_heads x "
             f"{policy.DECODE_GQA_PACK_WIDTH} at head_dim {policy.DECODE_GQA_PACK_HEAD_DIM})"
         )
-    grid = KernelGrid("paged_decode_unpacked", (heads, num_seqs, 1))
-    return DecodePlan("unpacked", num_seqs, 1, (grid,), workspace, 0, why + "; unpacked")
+    grid = KernelGrid(KERNELS[impl, "unpacked"][0], (ctas_x, num_seqs, 1))
+    return DecodePlan("unpacked", num_seqs, 1, (grid,), workspace, 0, why + "; unpacked", impl, hpc)
 
 
 def _why_splits(defaults: Defaults, heads: int, ref: int, splits: int) -> str:

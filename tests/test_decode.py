@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from metrale_attn import reference
+from metrale_attn.plan import IMPLS
 from metrale_attn.policy import PD_MIN_KV_PER_SPLIT
 
 from conftest import ARM_OPTIONS, check_against_reference, decoder, problem, run_poisoned
@@ -21,12 +22,14 @@ LAYOUTS = ("NHD", "HND")
 PAGE_SIZES = (1, 16, 7)
 
 
-def _grid():
+def _grid(impls=IMPLS):
     cases = []
-    for arm in ARM_OPTIONS:
-        head_dims = (256,) if arm == "gqa_packed" else (64, 128, 256)
-        for i, (kv, q, d, layout) in enumerate(itertools.product(KV_DTYPES, Q_DTYPES, head_dims, LAYOUTS)):
-            cases.append(pytest.param(arm, kv, q, d, layout, PAGE_SIZES[i % 3], id=f"{arm}-kv{kv}-q{q}-hd{d}-{layout}"))
+    for impl in impls:
+        for arm in ARM_OPTIONS:
+            head_dims = (256,) if arm == "gqa_packed" else (64, 128, 256)
+            for i, (kv, q, d, layout) in enumerate(itertools.product(KV_DTYPES, Q_DTYPES, head_dims, LAYOUTS)):
+                cases.append(pytest.param(impl, arm, kv, q, d, layout, PAGE_SIZES[i % 3],
+                                          id=f"{impl}-{arm}-kv{kv}-q{q}-hd{d}-{layout}"))
     return cases
 
 
@@ -34,13 +37,14 @@ def _heads(arm):
     return dict(num_q_heads=6, num_kv_heads=1) if arm == "gqa_packed" else dict(num_q_heads=4, num_kv_heads=2)
 
 
-@pytest.mark.parametrize("arm, kv, q, head_dim, layout, page_size", _grid())
-def test_every_arm_dtype_head_dim_and_layout_is_within_one_ulp_of_the_reference(arm, kv, q, head_dim, layout, page_size):
+@pytest.mark.parametrize("impl, arm, kv, q, head_dim, layout, page_size", _grid())
+def test_every_arm_dtype_head_dim_and_layout_is_within_one_ulp_of_the_reference(impl, arm, kv, q, head_dim, layout,
+                                                                                 page_size):
     seq_lens = (0, 1, 2 * page_size + 1, 300)
     p = problem(seed=head_dim + page_size, head_dim=head_dim, page_size=page_size, seq_lens=seq_lens, kv_dtype=kv,
                 q_dtype=q, layout=layout, share_prefix_pages=1, **_heads(arm))
-    attn = decoder(p, **ARM_OPTIONS[arm])
-    assert attn.plan(len(seq_lens)).arm == arm
+    attn = decoder(p, impl=impl, **ARM_OPTIONS[arm])
+    assert (attn.plan(len(seq_lens)).arm, attn.plan(len(seq_lens)).impl) == (arm, impl)
     out, lse = run_poisoned(attn, p)
     check_against_reference(p, out, lse)
 
@@ -52,14 +56,15 @@ EDGE_LENGTHS = {
 }
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("arm", list(ARM_OPTIONS))
 @pytest.mark.parametrize("page_size", sorted(EDGE_LENGTHS))
 @pytest.mark.parametrize("kv", ["bf16", "fp8"])
-def test_edge_lengths_at_page_and_split_boundaries_match_the_reference(arm, page_size, kv):
+def test_edge_lengths_at_page_and_split_boundaries_match_the_reference(impl, arm, page_size, kv):
     head_dim = 256 if arm == "gqa_packed" else 128
     p = problem(seed=page_size, head_dim=head_dim, page_size=page_size, seq_lens=EDGE_LENGTHS[page_size],
                 kv_dtype=kv, **_heads(arm))
-    out, lse = run_poisoned(decoder(p, **ARM_OPTIONS[arm]), p)
+    out, lse = run_poisoned(decoder(p, impl=impl, **ARM_OPTIONS[arm]), p)
     check_against_reference(p, out, lse)
 
 
@@ -73,9 +78,10 @@ def test_more_splits_than_pages_leaves_empty_splits_that_merge_without_nan():
 
 def test_a_sequence_of_thousands_of_pages_matches_the_reference():
     p = problem(page_size=1, seq_lens=(4099,), head_dim=64, kv_dtype="fp8")
-    for arm in ("unpacked", "splitk"):
-        out, lse = run_poisoned(decoder(p, **ARM_OPTIONS[arm]), p)
-        check_against_reference(p, out, lse)
+    for impl in IMPLS:
+        for arm in ("unpacked", "splitk"):
+            out, lse = run_poisoned(decoder(p, impl=impl, **ARM_OPTIONS[arm]), p)
+            check_against_reference(p, out, lse)
 
 
 def test_the_split_k_workspace_holds_the_reference_partials():
@@ -134,20 +140,22 @@ def test_an_empty_batch_launches_nothing_and_returns_empty_outputs():
     assert out.shape == (0, 4, 64) and lse.shape == (0, 4)
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("arm", list(ARM_OPTIONS))
-def test_every_arm_runs_clean_under_address_sanitizer(arm):
+def test_every_arm_runs_clean_under_address_sanitizer(impl, arm):
     from metrale_attn.backends.cpu_backend import CpuBackend
 
     head_dim = 256 if arm == "gqa_packed" else 128
     p = problem(seed=9, page_size=7, seq_lens=(0, 1, 300), head_dim=head_dim, kv_dtype="fp8", layout="HND",
                 **_heads(arm))
-    out, lse = run_poisoned(decoder(p, backend=CpuBackend(asan=True), **ARM_OPTIONS[arm]), p)
+    out, lse = run_poisoned(decoder(p, backend=CpuBackend(asan=True), impl=impl, **ARM_OPTIONS[arm]), p)
     check_against_reference(p, out, lse)
 
 
 @settings(max_examples=int(os.environ.get("METRALE_FUZZ_EXAMPLES", 60)), deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow])
 @given(
+    impl=st.sampled_from(IMPLS),
     arm=st.sampled_from(list(ARM_OPTIONS)),
     kv=st.sampled_from(KV_DTYPES),
     q=st.sampled_from(Q_DTYPES),
@@ -157,21 +165,22 @@ def test_every_arm_runs_clean_under_address_sanitizer(arm):
     lengths=st.lists(st.integers(0, 1200), min_size=1, max_size=5),
     seed=st.integers(0, 2**16),
 )
-def test_random_problems_on_every_arm_match_the_reference(arm, kv, q, layout, page_size, splits, lengths, seed):
+def test_random_problems_on_every_arm_match_the_reference(impl, arm, kv, q, layout, page_size, splits, lengths, seed):
     head_dim = 256 if arm == "gqa_packed" else (64, 128, 256)[seed % 3]
     p = problem(seed=seed, head_dim=head_dim, page_size=page_size, seq_lens=tuple(lengths), kv_dtype=kv, q_dtype=q,
                 layout=layout, share_prefix_pages=seed % 2, **_heads(arm))
     options = dict(ARM_OPTIONS[arm], splitk=str(splits)) if arm == "splitk" else ARM_OPTIONS[arm]
-    out, lse = run_poisoned(decoder(p, **options), p)
+    out, lse = run_poisoned(decoder(p, impl=impl, **options), p)
     check_against_reference(p, out, lse)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("page_size", [1, 7, 16, 64, 256])
-@pytest.mark.parametrize("arm, kv, q, head_dim, layout, _", _grid())
-def test_the_full_sweep_of_page_sizes_and_lengths_matches_the_reference(arm, kv, q, head_dim, layout, _, page_size):
+@pytest.mark.parametrize("impl, arm, kv, q, head_dim, layout, _", _grid())
+def test_the_full_sweep_of_page_sizes_and_lengths_matches_the_reference(impl, arm, kv, q, head_dim, layout, _,
+                                                                        page_size):
     lengths = (0, 1, page_size - 1 or 1, page_size, page_size + 1, 2 * PD_MIN_KV_PER_SPLIT + 1, 2500)
     p = problem(seed=page_size, head_dim=head_dim, page_size=page_size, seq_lens=lengths, kv_dtype=kv, q_dtype=q,
                 layout=layout, share_prefix_pages=1, **_heads(arm))
-    out, lse = run_poisoned(decoder(p, **ARM_OPTIONS[arm]), p)
+    out, lse = run_poisoned(decoder(p, impl=impl, **ARM_OPTIONS[arm]), p)
     check_against_reference(p, out, lse)

@@ -18,8 +18,10 @@ class CountingBackend(CpuBackend):
     def __init__(self):
         super().__init__()
         self.launches = []
+        self.loaded = []
 
     def load(self, variant):
+        self.loaded.append(variant.name)
         module, record = super().load(variant), self.launches
 
         class Counting:
@@ -67,11 +69,13 @@ def test_arguments_override_the_environment(monkeypatch):
     assert decoder(problem(seq_lens=(10,)), splitk="2").plan(1).num_splits == 2
 
 
-def test_a_split_run_launches_the_split_kernel_then_the_merge():
+@pytest.mark.parametrize("impl, kernels", [("mma", ["decode_splitk", "decode_splitk_merge"]),
+                                           ("simt", ["paged_decode_splitk", "paged_decode_splitk_merge"])])
+def test_a_split_run_launches_the_split_kernel_then_the_merge(impl, kernels):
     p = problem(seq_lens=(10, 300))
     be = CountingBackend()
-    run_poisoned(decoder(p, backend=be, splitk="3"), p)
-    assert be.launches == ["paged_decode_splitk", "paged_decode_splitk_merge"]
+    run_poisoned(decoder(p, backend=be, splitk="3", impl=impl), p)
+    assert be.launches == kernels
 
 
 # -- refusals ---------------------------------------------------------------
@@ -150,10 +154,27 @@ def test_a_bad_construction_is_refused_with_the_argument_named(kwargs, match):
         DecodeAttention(*args, **base)
 
 
-def test_construction_compiles_every_arm_the_policy_can_reach_so_run_never_compiles():
-    attn = decoder(problem(seq_lens=(10,)), splitk="legacy", target="gb10", max_batch=64)
-    assert sorted(attn._modules) == ["splitk", "unpacked"]
-    assert sorted(decoder(problem(seq_lens=(10,)), splitk="auto")._modules) == ["splitk"]
+def test_construction_compiles_every_variant_the_policy_can_reach_so_run_never_compiles():
+    p = problem(seq_lens=(10,))
+    be = CountingBackend()
+    attn = decoder(p, backend=be, splitk="legacy", target="gb10", max_batch=64)
+    assert sorted(be.loaded) == ["decode_splitk_qbf16_kvbf16_hd64_r8", "decode_unpacked_qbf16_kvbf16_hd64_r8"]
+    for n in (1, 64):
+        attn.run(p.q[:1].repeat(n, 0), p.k_cache, p.v_cache, p.block_tables[:1].repeat(n, 0), p.seq_lens[:1].repeat(n))
+    assert len(be.loaded) == 2 and be.launches
+    be = CountingBackend()
+    decoder(p, backend=be, splitk="auto")
+    assert be.loaded == ["decode_splitk_qbf16_kvbf16_hd64_r8"]
+
+
+def test_a_group_of_sixteen_compiles_both_row_tiles_unless_heads_per_cta_is_pinned():
+    p = problem(seq_lens=(10,), num_q_heads=16, num_kv_heads=1)
+    be = CountingBackend()
+    decoder(p, backend=be, splitk="off")
+    assert sorted(be.loaded) == ["decode_unpacked_qbf16_kvbf16_hd64_r16", "decode_unpacked_qbf16_kvbf16_hd64_r8"]
+    be = CountingBackend()
+    decoder(p, backend=be, splitk="off", heads_per_cta=16)
+    assert be.loaded == ["decode_unpacked_qbf16_kvbf16_hd64_r16"]
 
 
 @pytest.mark.skipif(cuda_available(), reason="a GPU is present")

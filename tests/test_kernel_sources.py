@@ -6,12 +6,15 @@ import re
 import pytest
 
 from metrale_attn import policy
+from metrale_attn.plan import IMPLS, KERNELS
 from metrale_attn.kernels import (
-    FAMILIES,
+    SOURCE_FILES,
     KernelSourceError,
     Variant,
     all_variants,
     inline,
+    kernel_params,
+    parse_kernel_params,
     read_define,
     read_source,
     source_constants,
@@ -23,8 +26,9 @@ ARCHES = ("sm_90", "sm_100", "sm_120")
 def test_headers_are_inlined_with_line_directives_naming_the_real_files():
     text = Variant("splitk", 128, "bf16", "fp8").source()
     assert '#include "' not in text
-    assert text.startswith('#line 1 "kernels_cu/paged_decode_splitk.cu"')
-    assert '#line 1 "kernels_cu/pd_common.cuh"' in text
+    assert text.startswith('#line 1 "kernels_cu/decode_splitk.cu"')
+    for header in ("decode_core.cuh", "pd_common.cuh", "pd_ptx.cuh", "pd_splitk.cuh"):
+        assert text.count(f'#line 1 "kernels_cu/{header}"') == 1, header
 
 
 def test_the_line_after_an_include_is_numbered_as_in_the_original_file():
@@ -43,18 +47,20 @@ def test_the_packed_source_declares_the_pack_width_and_head_dim_the_dispatch_use
 
 @pytest.mark.parametrize("define, value", [("PD_GQA", 8), ("PD_HDIM", 128)])
 def test_a_packed_source_whose_defines_disagree_with_the_policy_is_refused(define, value):
-    original = read_source(FAMILIES["gqa_packed"][0])
-    edited = re.sub(rf"(#define {define}) \d+", rf"\1 {value}", original)
-    assert edited != original
-    with pytest.raises(KernelSourceError, match=f"{define} {value}"):
-        Variant("gqa_packed", 256, "bf16", "bf16").source(edited)
+    for impl in IMPLS:
+        original = read_source(SOURCE_FILES[impl, "gqa_packed"])
+        edited = re.sub(rf"(#define {define}) \d+", rf"\1 {value}", original)
+        assert edited != original
+        with pytest.raises(KernelSourceError, match=f"{define} {value}"):
+            Variant("gqa_packed", 256, "bf16", "bf16", impl).source(edited)
 
 
 def test_a_packed_source_without_the_define_is_refused():
-    original = read_source(FAMILIES["gqa_packed"][0])
-    edited = re.sub(r"#define PD_GQA \d+", "", original)
-    with pytest.raises(KernelSourceError, match="PD_GQA"):
-        Variant("gqa_packed", 256, "bf16", "bf16").source(edited)
+    for impl in IMPLS:
+        original = read_source(SOURCE_FILES[impl, "gqa_packed"])
+        edited = re.sub(r"#define PD_GQA \d+", "", original)
+        with pytest.raises(KernelSourceError, match="PD_GQA"):
+            Variant("gqa_packed", 256, "bf16", "bf16", impl).source(edited)
 
 
 def test_block_sizes_and_dtype_codes_are_read_from_the_common_header():
@@ -64,9 +70,12 @@ def test_block_sizes_and_dtype_codes_are_read_from_the_common_header():
 
 
 def test_variant_names_carry_every_specialization_parameter():
-    assert Variant("splitk", 128, "bf16", "fp8").name == "paged_decode_splitk_qbf16_kvfp8_hd128"
+    assert Variant("splitk", 128, "bf16", "fp8", "simt").name == "paged_decode_splitk_qbf16_kvfp8_hd128"
+    assert Variant("splitk", 128, "bf16", "fp8", "mma", 2).name == "decode_splitk_qbf16_kvfp8_hd128_r16"
     names = [v.name for v in all_variants()]
-    assert len(names) == len(set(names)) == 3 * 2 * 3 + 3 * 2 * 3 + 1 * 2 * 3
+    simt = 3 * 2 * 3 + 3 * 2 * 3 + 1 * 2 * 3
+    mma = 2 * (3 * 2 * 3 + 3 * 2 * 3) + 1 * 2 * 3  # unpacked and split-K at 1 or 2 row tiles
+    assert len(names) == len(set(names)) == simt + mma
 
 
 def test_the_packed_variant_exists_only_at_its_head_dim():
@@ -75,14 +84,32 @@ def test_the_packed_variant_exists_only_at_its_head_dim():
 
 
 def test_every_kernel_an_arm_launches_is_defined_in_its_source():
-    for family, (filename, kernels) in FAMILIES.items():
-        text = read_source(filename)
-        for kernel in kernels:
-            assert re.search(rf'extern "C" __global__ void\s+(?:\w+\([^)]*\)\s+)?{kernel}\(', text), kernel
+    for (impl, arm), filename in SOURCE_FILES.items():
+        declared = parse_kernel_params(read_source(filename))
+        assert set(KERNELS[impl, arm]) <= set(declared), (filename, KERNELS[impl, arm])
+
+
+def test_the_dispatch_passes_every_parameter_every_kernel_declares():
+    """The launch ABI is each kernel's parameter list, read from its source; the dispatch
+    passes arguments by name, so a parameter it does not know is caught here."""
+    from metrale_attn.attention import LAUNCH_ARGUMENTS
+
+    for variant in all_variants():
+        for kernel, params in kernel_params(variant).items():
+            unknown = [p.name for p in params if p.name not in LAUNCH_ARGUMENTS]
+            assert not unknown, (kernel, unknown)
+            for p in params:
+                assert p.is_pointer == (LAUNCH_ARGUMENTS[p.name] == "pointer"), (kernel, p)
+
+
+def test_a_parameter_of_an_unknown_type_is_refused_when_the_abi_is_read():
+    text = 'extern "C" __global__ void k(const int* __restrict__ a, double b) {}'
+    with pytest.raises(KernelSourceError, match="double"):
+        parse_kernel_params(text)
 
 
 def test_sources_follow_the_shared_dialect():
-    for path in ("pd_common.cuh", *(f for f, _ in FAMILIES.values())):
+    for path in ("pd_common.cuh", "decode_core.cuh", "pd_splitk.cuh", *SOURCE_FILES.values()):
         text = read_source(path)
         includes = re.findall(r'#\s*include\s*[<"]([^>"]+)', text)
         assert all(name.endswith(".cuh") for name in includes), (path, includes)
@@ -114,7 +141,7 @@ def test_k_and_v_rows_are_read_with_vector_loads_and_nothing_touches_local_memor
     assert not re.search(r"\b(ld|st)\.local\b", ptx)
     # 16-byte loads everywhere but the packed fp8 kernel, which reads 8 bytes per thread
     # so that its 6 q vectors and 6 accumulators stay in registers.
-    vector = "v2" if (variant.family, variant.kv_dtype) == ("gqa_packed", "fp8") else "v4"
+    vector = "v2" if (variant.arm, variant.kv_dtype) == ("gqa_packed", "fp8") else "v4"
     assert re.search(rf"ld\.global\.nc\.{vector}\.u32", ptx)
 
 
@@ -141,5 +168,6 @@ def test_plans_launch_exactly_the_kernels_their_arm_compiles():
 
     for options in (dict(splitk="4"), dict(splitk="off"), dict(splitk="off", gqa_pack=True)):
         defaults = resolve_defaults(get_target("hopper"), environ={}, **options)
-        plan = make_plan(defaults, MODELS["qwen3.8-27b"], 2, max_batch=2)
-        assert tuple(g.kernel for g in plan.launches) == FAMILIES[plan.arm][1]
+        for impl in IMPLS:
+            plan = make_plan(defaults, MODELS["qwen3.8-27b"], 2, max_batch=2, impl=impl)
+            assert tuple(g.kernel for g in plan.launches) == Variant(plan.arm, 256, "bf16", "bf16", impl).kernels

@@ -9,7 +9,8 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "metrale_attn"
 LAYERS = [
     {"policy", "cache"},
     {"targets", "dtypes", "reference"},
-    {"plan", "kernels", "cuda_on_cpu"},
+    {"plan", "cuda_on_cpu"},
+    {"kernels"},
     {"backends"},
     {"attention"},
     {"demo"},

@@ -7,7 +7,18 @@ import pytest
 
 from metrale_attn import policy
 from metrale_attn.cli import MODELS, main
-from metrale_attn.plan import ModelShape, Workspace, WorkspaceTooSmall, make_plan, workspace_for
+from metrale_attn.plan import (
+    IMPLS,
+    ModelShape,
+    Workspace,
+    WorkspaceTooSmall,
+    heads_per_cta_choices,
+    heads_per_cta_for,
+    make_plan,
+    resolve_heads_per_cta,
+    resolve_impl,
+    workspace_for,
+)
 from metrale_attn.policy import SplitkPolicy
 from metrale_attn.targets import TARGETS, detect_target, get_target, resolve_defaults
 
@@ -111,19 +122,26 @@ LLAMA70 = MODELS["llama-3-70b"]
 def test_auto_plans_split_the_same_way_for_every_batch_with_exact_cta_counts(target, shape, splits):
     d = defaults(target)
     for batch in (1, 8, 64, 256):
-        plan = make_plan(d, shape, batch, max_batch=256)
-        assert plan.arm == "splitk" and plan.num_splits == splits
-        assert [g.grid for g in plan.launches] == [
-            (shape.num_q_heads, splits, batch), (shape.num_q_heads, batch, 1)]
-        assert plan.ctas == shape.num_q_heads * splits * batch
-        assert plan.slots_used == batch * shape.num_q_heads * splits
+        for impl in IMPLS:
+            plan = make_plan(d, shape, batch, max_batch=256, impl=impl)
+            hpc = plan.heads_per_cta
+            assert plan.arm == "splitk" and plan.num_splits == splits
+            assert hpc == 1 if impl == "simt" else shape.group_size % hpc == 0
+            assert [g.grid for g in plan.launches] == [
+                (shape.num_q_heads // hpc, splits, batch), (shape.num_q_heads, batch, 1)]
+            assert plan.ctas == shape.num_q_heads // hpc * splits * batch
+            assert plan.slots_used == batch * shape.num_q_heads * splits
 
 
 def test_gb10_legacy_plans_move_with_the_batch():
     d = defaults("gb10")
-    rows = [(b, make_plan(d, QWEN, b, max_batch=64)) for b in (1, 2, 8)]
+    rows = [(b, make_plan(d, QWEN, b, max_batch=64, impl="simt")) for b in (1, 2, 8)]
     assert [(b, p.arm, p.num_splits, p.ctas) for b, p in rows] == [
         (1, "splitk", 2, 48), (2, "unpacked", 1, 48), (8, "unpacked", 1, 192)]
+    # mma: the same split counts; grouped heads while the grid keeps 24 of 48 SMs busy.
+    rows = [(b, make_plan(d, QWEN, b, max_batch=64)) for b in (1, 2, 8)]
+    assert [(b, p.arm, p.num_splits, p.heads_per_cta, p.ctas) for b, p in rows] == [
+        (1, "splitk", 2, 2, 24), (2, "unpacked", 1, 2, 24), (8, "unpacked", 1, 6, 32)]
 
 
 def test_legacy_reads_the_configured_reference_batch_when_it_is_larger():
@@ -133,10 +151,11 @@ def test_legacy_reads_the_configured_reference_batch_when_it_is_larger():
 
 def test_one_split_with_the_pack_armed_and_a_fitting_shape_takes_the_packed_arm():
     d = defaults("gb10", gqa_pack=True)
-    plan = make_plan(d, QWEN, 8, max_batch=64)
-    assert (plan.arm, plan.launches[0].kernel, plan.launches[0].grid, plan.ctas) == (
-        "gqa_packed", "paged_decode_gqa_packed", (4, 8, 1), 32)
-    assert plan.ctas == policy.gqa_pack_ctas(4, 8)
+    for impl, kernel in (("simt", "paged_decode_gqa_packed"), ("mma", "decode_gqa_packed")):
+        plan = make_plan(d, QWEN, 8, max_batch=64, impl=impl)
+        assert (plan.arm, plan.launches[0].kernel, plan.launches[0].grid, plan.ctas, plan.heads_per_cta) == (
+            "gqa_packed", kernel, (4, 8, 1), 32, policy.DECODE_GQA_PACK_WIDTH)
+        assert plan.ctas == policy.gqa_pack_ctas(4, 8)
 
 
 def test_the_packed_arm_is_never_used_under_split_k():
@@ -146,7 +165,7 @@ def test_the_packed_arm_is_never_used_under_split_k():
 
 
 def test_an_armed_pack_with_a_shape_that_does_not_fit_keeps_the_unpacked_kernel_and_says_why():
-    plan = make_plan(defaults("hopper", gqa_pack=True, splitk="off"), LLAMA8, 8, max_batch=64)
+    plan = make_plan(defaults("hopper", gqa_pack=True, splitk="off"), LLAMA8, 8, max_batch=64, impl="simt")
     assert plan.arm == "unpacked" and plan.launches[0].grid == (32, 8, 1)
     assert "does not fit" in plan.reason
 
@@ -201,15 +220,24 @@ def test_the_plan_command_prints_the_target_line_and_one_row_per_batch(capsys):
     out = capsys.readouterr().out.splitlines()
     assert out[0] == "target defaults (hopper: H100/H200): attn_decode_splitk=auto gqa_pack=off sm_count=132"
     rows = [line.split() for line in out[4:]]
-    assert [r[:3] for r in rows] == [["1", "splitk", "11"], ["8", "splitk", "11"], ["64", "splitk", "11"]]
-    assert rows[0][-3:] == ["264", "2.00", str(24 * 11 * 258 * 4)]
+    assert [r[:4] for r in rows] == [["1", "splitk", "11", "3"], ["8", "splitk", "11", "6"], ["64", "splitk", "11", "6"]]
+    assert rows[0][-3:] == ["88", "0.67", str(24 * 11 * 258 * 4)]
+
+
+def test_the_plan_command_shows_the_simt_grids_and_a_heads_per_cta_override(capsys):
+    assert main(["plan", "--model", "qwen3.8-27b", "--batch", "1", "--impl", "simt"]) == 0
+    assert capsys.readouterr().out.splitlines()[4].split()[:6] == ["1", "splitk", "11", "1", "(24,11,1)", "+"]
+    assert main(["plan", "--model", "qwen3.8-27b", "--batch", "1", "--heads-per-cta", "2"]) == 0
+    assert capsys.readouterr().out.splitlines()[4].split()[:5] == ["1", "splitk", "11", "2", "(12,11,1)"]
+    assert main(["plan", "--model", "qwen3.8-27b", "--batch", "1", "--heads-per-cta", "4"]) == 2
+    assert "heads_per_cta must divide the group size 6" in capsys.readouterr().err
 
 
 def test_the_plan_command_takes_presets_and_overrides(capsys):
     assert main(["plan", "--model", "llama-3-70b", "--target", "b200", "--splitk", "off", "--batch", "2"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert "attn_decode_splitk=1" in out[0] and "from argument" in out[0]
-    assert out[4].split()[:5] == ["2", "unpacked", "1", "(64,2,1)", "128"]
+    assert out[4].split()[:6] == ["2", "unpacked", "1", "1", "(64,2,1)", "128"]
 
 
 def test_the_plan_command_reports_a_bad_request_as_an_error(capsys):
@@ -221,3 +249,80 @@ def test_python_dash_m_runs_the_cli():
     done = subprocess.run([sys.executable, "-m", "metrale_attn", "plan", "--model", "llama-3-8b", "--batch", "1"],
                           capture_output=True, text=True, check=True)
     assert done.stdout.startswith("target defaults (hopper")
+
+
+# -- heads per CTA (the mma implementation) -------------------------------------------
+
+
+@pytest.mark.parametrize("shape, batch, splits, expected", [
+    (LLAMA8, 1, 9, 4), (LLAMA8, 64, 9, 4),
+    (LLAMA70, 1, 5, 4), (LLAMA70, 2, 5, 8),
+    (QWEN, 1, 11, 3), (QWEN, 2, 11, 6),
+    (LLAMA8, 8, 1, 2), (LLAMA8, 9, 1, 4),
+])
+def test_heads_per_cta_is_the_largest_divisor_whose_grid_keeps_half_the_sms_busy(shape, batch, splits, expected):
+    """The worked numbers of heads_per_cta_for's docstring (132 SMs: at least 66 CTAs)."""
+    assert heads_per_cta_for(shape, batch, splits, 132) == expected
+
+
+def test_heads_per_cta_falls_back_to_one_head_when_no_grouping_covers_the_device():
+    assert heads_per_cta_for(ModelShape(8, 1, 128), 1, 1, 132) == 1
+
+
+def test_heads_per_cta_choices_are_the_divisors_of_the_group_up_to_sixteen():
+    assert heads_per_cta_choices(1) == (1,)
+    assert heads_per_cta_choices(6) == (1, 2, 3, 6)
+    assert heads_per_cta_choices(16) == (1, 2, 4, 8, 16)
+    assert heads_per_cta_choices(32) == (1, 2, 4, 8, 16)
+    assert heads_per_cta_choices(7) == (1, 7)
+
+
+def test_the_split_count_and_the_workspace_never_read_heads_per_cta():
+    d = defaults("hopper")
+    for batch in (1, 3, 64):
+        plans = [make_plan(d, LLAMA70, batch, max_batch=64, heads_per_cta=h) for h in heads_per_cta_choices(8)]
+        assert {p.num_splits for p in plans} == {5}
+        assert {p.slots_used for p in plans} == {batch * 64 * 5}
+        assert [p.heads_per_cta for p in plans] == [1, 2, 4, 8]
+
+
+def test_a_heads_per_cta_override_wins_over_the_rule_and_shows_in_the_reason():
+    plan = make_plan(defaults("hopper"), LLAMA8, 1, max_batch=8, heads_per_cta=1)
+    assert plan.heads_per_cta == 1 and plan.launches[0].grid == (32, 9, 1) and "override" in plan.reason
+    assert "rule" in make_plan(defaults("hopper"), LLAMA8, 1, max_batch=8).reason
+
+
+def test_sixteen_heads_per_cta_need_the_second_row_tile():
+    shape = ModelShape(32, 2, 128)
+    assert make_plan(defaults("hopper"), shape, 64, max_batch=64).heads_per_cta == 16
+    assert make_plan(defaults("hopper"), shape, 64, max_batch=64).row_tiles == 2
+    assert make_plan(defaults("hopper"), shape, 64, max_batch=64, heads_per_cta=8).row_tiles == 1
+
+
+@pytest.mark.parametrize("value, env, match", [
+    (3, None, "heads_per_cta must divide the group size 4"),
+    (0, None, "one of 1, 2, 4"),
+    (None, "3", "METRALE_ATTN_DECODE_HEADS_PER_CTA must divide"),
+    (None, "two", "METRALE_ATTN_DECODE_HEADS_PER_CTA must be a positive integer"),
+])
+def test_a_heads_per_cta_the_kernels_cannot_serve_is_refused_naming_where_it_came_from(value, env, match):
+    with pytest.raises(ValueError, match=match):
+        resolve_heads_per_cta(value, env, 4)
+
+
+def test_heads_per_cta_from_the_argument_wins_over_the_environment():
+    assert resolve_heads_per_cta(2, "4", 4) == 2
+    assert resolve_heads_per_cta(None, " 4 ", 4) == 4
+    assert resolve_heads_per_cta(None, "", 4) is None
+    with pytest.raises(TypeError):
+        resolve_heads_per_cta(True, None, 4)
+
+
+def test_the_implementation_comes_from_the_argument_then_the_environment_then_mma():
+    assert resolve_impl(None, None) == "mma"
+    assert resolve_impl(None, " SIMT ") == "simt"
+    assert resolve_impl("mma", "simt") == "mma"
+    with pytest.raises(ValueError, match="METRALE_ATTN_DECODE_IMPL must be one of mma, simt"):
+        resolve_impl(None, "tensor")
+    with pytest.raises(ValueError, match="impl must be one of"):
+        resolve_impl("cuda", None)

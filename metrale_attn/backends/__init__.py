@@ -75,6 +75,13 @@ class Backend(Protocol):
     def current_device(self) -> Optional[int]:
         """The device launches go to (``None``: host memory)."""
 
+    def upload(self, array):
+        """A backend array holding a copy of the NumPy ``array``."""
+
+    def verify_mma(self) -> list[str]:
+        """The PTX instructions of the ``mma`` kernels whose results on this backend
+        disagree with what the kernels were verified against (empty: trust them)."""
+
     def host_copy(self, array):
         """A NumPy copy, for the optional full index validation."""
 

@@ -92,6 +92,7 @@ class _StreamHandle:
 
 
 _DLPACK_CUDA = (2, 13)  # kDLCUDA, kDLCUDAManaged
+_VERIFIED: dict[int, list[str]] = {}  # device ordinal -> what the known-answer test found
 _TORCH_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
 
@@ -132,7 +133,10 @@ class CupyBackend:
         module = self._modules.get(key)
         if module is None:
             raw = self._cupy.RawModule(path=cubin_path(variant, "sm_{}{}".format(*capability)))
-            module = _CupyModule({k: raw.get_function(k) for k in variant.kernels})
+            functions = {k: raw.get_function(k) for k in variant.kernels}
+            if variant.shared_bytes:  # past 48 KiB a kernel must opt in to its dynamic shared memory
+                functions[variant.kernels[0]].max_dynamic_shared_size_bytes = variant.shared_bytes
+            module = _CupyModule(functions)
             self._modules[key] = module
         return module
 
@@ -206,6 +210,18 @@ class CupyBackend:
 
     def current_device(self) -> int:
         return self._cupy.cuda.Device().id
+
+    def upload(self, array):
+        return self._cupy.asarray(array)
+
+    def verify_mma(self) -> list[str]:
+        """Run the known-answer test (backends/selftest.py) once per device."""
+        device = self.current_device()
+        if device not in _VERIFIED:
+            from . import selftest
+
+            _VERIFIED[device] = selftest.run(self)
+        return _VERIFIED[device]
 
     def host_copy(self, array):
         if _is_torch(array):

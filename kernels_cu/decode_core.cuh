@@ -1,0 +1,624 @@
+// decode_core.cuh: the tensor-core decode core of the "mma" implementation, shared by
+// its three arms (decode_unpacked.cu, decode_splitk.cu, decode_gqa_packed.cu).
+//
+// What one CTA computes
+//   PD_THREADS threads (W = 4 warps) attend `rows` query heads head0 .. head0 + rows - 1
+//   (1 <= rows <= 8 * PD_ROW_TILES, all of one KV head) over the tokens [start, end) of
+//   one sequence, and leave per head the state (M, L, O): M = max_t x_t, L = sum_t
+//   2^(x_t - M), O[d] = sum_t 2^(x_t - M) v_t[d], with x_t = qk_scale_log2 * (q . k_t)
+//   in log2 units (the host folds sm_scale * k_scale * log2 e into qk_scale_log2).
+//
+// Data flow
+//   * Q: staged once into shared memory as MMA operands (bf16 or fp16 bits, rows >= `rows`
+//     zero). q fp16 with bf16 K is split exactly into two bf16 parts (hi + lo); q bf16
+//     with fp16/fp8 K is stored as fp16 of q * 2^c_h, a power of two per head chosen so
+//     that max |q_h| lands in [2^14, 2^15) (exact but for elements below 2^-28 max |q_h|,
+//     which round to fp16 subnormals: < 2^-39 max |q_h| absolute), and 2^-c_h is folded
+//     into that head's score scale.
+//   * K and V: each warp streams its own tiles of TT tokens (tile t of the CTA goes to
+//     warp t % W) through a ring of PD_STAGES shared-memory stages with cp.async: every
+//     copy of a stage is issued before any of it is used, rows past `end` are zero-filled
+//     (src-size 0) and masked in the scores, so full and ragged tiles run the same
+//     branch-free code. Page lookups: lane i < TT owns token i of the warp's next tile;
+//     its (page, slot) advances by W * TT tokens per tile without a division, its
+//     block-table entry is loaded one tile ahead, and the 64-bit K and V row offsets are
+//     computed once per token and handed to the copying lanes through a small
+//     shared-memory table.
+//   * Scores on tensor cores, transposed: S^T[token][head] = K Q^T, mma.m16n8k16 with the
+//     16 tokens of an MMA tile as M and the query rows (heads; later heads x q tokens) as
+//     N, 8 per row tile. Decode has at most 16 query rows per KV head, so putting them on
+//     the 8-wide N side wastes half as much as padding them to M = 16.
+//   * Online softmax per head column in fp32 (exp2f), then P^T is split into PP parts of
+//     the PV operand type (3 bf16 parts carry all 24 bits of an fp32 p; 2 fp16 parts of
+//     p * 2^15 carry 22), moved into the B-operand layout with movmatrix, and
+//     O^T[dim][head] += V^T P^T on tensor cores, one MMA per part, so rounding of p never
+//     reaches the output.
+//   * fp8 e4m3 K and V are converted exactly by cvt.rn.f16x2.e4m3x2 after an ldmatrix of
+//     their bytes as b16 pairs; the byte order that gives is absorbed by permuting q's
+//     dims (K) and the output dims (V), never by moving data.
+//
+// Bytes do not depend on which heads share the CTA: a head's column of every MMA is
+// computed from that column alone, the token -> warp -> tile order, the online softmax,
+// the shuffle reductions and the warp combine (pd_mma::cta_combine, warps 0..W-1) are
+// the same code for every `rows` and both row-tile counts. On the CPU backend this holds
+// by construction of the MMA emulation (each output element summed in one fixed order);
+// on a GPU it rests on the tensor core computing each column independently, which the
+// GPU tests check.
+//
+// Defines (all required, from Python): PD_HEAD_DIM, PD_Q_DTYPE, PD_KV_DTYPE (pd_common.cuh),
+//   PD_ROW_TILES   1 | 2      query-row tiles of 8 (rows <= 8 * PD_ROW_TILES)
+//   PD_TILE_TOKENS 16 | 32    tokens of one warp's stage
+//   PD_STAGES      2 .. 4     depth of each warp's cp.async ring
+//   PD_SMEM_BYTES             the dynamic shared memory the launch gives; must equal
+//                             pd_mma::SMEM_BYTES (checked at compile time), so the host's
+//                             sizing and this carve cannot drift apart.
+//
+// Numerics: fp32 denormals must be preserved (never -ftz=true / --use_fast_math), as for
+// pd_common.cuh. bf16 V with |v| < 2^-100 can give products that are fp32 denormals; the
+// CPU emulation keeps them, a tensor core may flush them (see benchmarks/NOTES.md).
+
+#ifndef PD_DECODE_CORE_CUH
+#define PD_DECODE_CORE_CUH
+
+#include "pd_common.cuh"
+#include "pd_ptx.cuh"
+
+#ifndef PD_ROW_TILES
+#error "PD_ROW_TILES must be defined (-DPD_ROW_TILES=1|2)"
+#endif
+#ifndef PD_TILE_TOKENS
+#error "PD_TILE_TOKENS must be defined (-DPD_TILE_TOKENS=16|32)"
+#endif
+#ifndef PD_STAGES
+#error "PD_STAGES must be defined (-DPD_STAGES=2..4)"
+#endif
+#ifndef PD_SMEM_BYTES
+#error "PD_SMEM_BYTES must be defined (the dynamic shared memory of the launch)"
+#endif
+
+namespace pd_mma {
+
+constexpr int D = PD_HEAD_DIM;
+constexpr int W = PD_WARPS;
+constexpr int NT = PD_ROW_TILES;  // query-row tiles of 8 (the MMA's N)
+constexpr int ROWS = 8 * NT;
+constexpr int TT = PD_TILE_TOKENS;  // tokens of one warp's stage
+constexpr int MT = TT / 16;         // 16-token MMA tiles (the MMA's M) per stage
+constexpr int S = PD_STAGES;
+constexpr int KS = D / 16;  // 16-dim steps: the K dimension of QK, the M tiles of PV
+
+constexpr bool FP8 = PD_KV_DTYPE == PD_DTYPE_FP8_E4M3;
+constexpr bool MMA_BF16 = PD_KV_DTYPE == PD_DTYPE_BF16;               // else fp16 operands
+constexpr int QP = (MMA_BF16 && PD_Q_DTYPE == PD_DTYPE_FP16) ? 2 : 1;  // q parts
+constexpr bool Q_SCALED = !MMA_BF16 && PD_Q_DTYPE == PD_DTYPE_BF16;    // q * 2^c_h as fp16
+constexpr int PP = MMA_BF16 ? 3 : 2;                                   // p parts
+
+constexpr int ES = (int)sizeof(pd_kv_t);
+constexpr int RB = D * ES;        // bytes of one K or V row
+constexpr int RS = RB + 16;       // its shared-memory stride: 16-byte pad, conflict-free ldmatrix
+constexpr int CPR = RB / 16;      // 16-byte chunks per row
+constexpr int RPI = 32 / CPR;     // rows one warp-wide cp.async covers
+constexpr int RPL = TT / RPI;     // rows each lane copies per tile
+constexpr int QS = 2 * D + 16;    // q row stride in shared memory (bytes)
+
+static_assert(W == 4 && PD_THREADS == 128, "the core is written for 4 warps");
+static_assert(NT == 1 || NT == 2, "one or two row tiles");
+static_assert(TT == 16 || TT == 32, "stages of 16 or 32 tokens");
+static_assert(S >= 2 && S <= 4, "2..4 stages");
+static_assert(CPR >= 4 && CPR <= 32 && 32 % CPR == 0 && TT % RPI == 0, "rows split evenly over lanes");
+static_assert(KS % 2 == 0, "ldmatrix.x4 takes two 16-dim steps");
+
+// -- shared memory carve (bytes, every region 16-byte aligned) -------------------------
+constexpr int Q_OFF = 0;                               // QP x ROWS x QS  (after the loop: s_out)
+constexpr int SCALE_OFF = Q_OFF + QP * ROWS * QS;      // ROWS floats: per-head score scale
+constexpr int TABLE_OFF = SCALE_OFF + ROWS * 4;        // W x TT x {k offset, v offset}
+constexpr int RING_OFF = (TABLE_OFF + W * TT * 16 + 127) / 128 * 128;
+constexpr int TILE_BYTES = TT * RS;                    // one K or one V tile
+constexpr int STAGE_BYTES = 2 * TILE_BYTES;            // K then V
+constexpr int RING_BYTES = S * STAGE_BYTES;            // one warp's ring
+constexpr int SMEM_BYTES = RING_OFF + W * RING_BYTES;
+// After the loop the rings hold the warp states: m, l [ROWS * W] and o [ROWS * W * D].
+constexpr int EPI_M_OFF = RING_OFF;
+constexpr int EPI_L_OFF = EPI_M_OFF + ROWS * W * 4;
+constexpr int EPI_O_OFF = EPI_L_OFF + ROWS * W * 4;
+static_assert(SCALE_OFF % 16 == 0 && TABLE_OFF % 16 == 0, "aligned regions");
+static_assert(EPI_O_OFF + ROWS * W * D * 4 <= SMEM_BYTES, "the warp states fit in the rings");
+static_assert(ROWS * D * 2 <= QP * ROWS * QS, "the output rows fit where q was");
+static_assert(SMEM_BYTES == PD_SMEM_BYTES, "the host sized the dynamic shared memory differently");
+
+// fp16 path: p is scaled by 2^15 before it is split (so its parts stay clear of fp16
+// subnormals) and O by 2^-15 at the end; both exact.
+__device__ __forceinline__ float p_scale() { return MMA_BF16 ? 1.f : __uint_as_float(0x47000000u); }    // 2^15
+__device__ __forceinline__ float o_unscale() { return MMA_BF16 ? 1.f : __uint_as_float(0x38000000u); }  // 2^-15
+
+// Position of dim d of a 16-dim block in q's shared-memory row. fp8 K is read by
+// ldmatrix as b16 pairs, so lane (g, t) of the A operand receives dims 4t, 4t+1 (k = 2t,
+// 2t+1) and 4t+2, 4t+3 (k = 2t+8, 2t+9) of its token; storing q with dim d at k-position
+// 8 * ((d >> 1) & 1) + 2 * ((d >> 2) & 3) + (d & 1) lines the B operand up with that.
+__device__ __forceinline__ int q_position(int d) {
+  if (!FP8) return d;
+  return (d & ~15) | (((d >> 1) & 1) << 3) | (((d >> 2) & 3) << 1) | (d & 1);
+}
+
+// -- Q staging -----------------------------------------------------------------------
+
+// Stage the CTA's query rows (warp w converts rows w, w + W, ...; lane c holds dims
+// 8c .. 8c + 7) and each row's score scale qk_scale_log2 * 2^-c_h. Ends with
+// __syncthreads(); every thread of the CTA calls it.
+__device__ __forceinline__ void stage_q(unsigned char* smem, const pd_q_t* q_head0, long long q_stride_head,
+                                        int rows, float qk_scale_log2) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  PD_UNROLL
+  for (int k = 0; k < ROWS / W; ++k) {
+    const int r = warp + k * W;
+    unsigned bits[8];
+    float x[8];
+    const bool mine = r < rows && lane < D / 8;
+    {
+      unsigned w4[4] = {0u, 0u, 0u, 0u};
+      if (mine) pd_load_words(q_head0 + r * q_stride_head + lane * 8, w4);
+      PD_UNROLL
+      for (int j = 0; j < 8; ++j) {
+        bits[j] = (w4[j >> 1] >> ((j & 1) * 16)) & 0xffffu;
+        x[j] = pd_q_to_float(bits[j]);
+      }
+    }
+    float scale = qk_scale_log2;
+    if (Q_SCALED) {
+      float amax = 0.f;
+      PD_UNROLL
+      for (int j = 0; j < 8; ++j) amax = fmaxf(amax, fabsf(x[j]));
+      PD_UNROLL
+      for (int off = 16; off >= 1; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(PD_FULL_MASK, amax, off));
+      // c = 14 - floor(log2 amax), clamped so that 2^c and 2^-c are normal floats; a zero
+      // row (or one of denormals) takes c = 100.
+      const int e = (int)((__float_as_uint(amax) >> 23) & 0xffu) - 127;
+      int c = 14 - e;
+      c = c < -100 ? -100 : (c > 100 ? 100 : c);
+      const float up = __uint_as_float((unsigned)(127 + c) << 23);
+      PD_UNROLL
+      for (int j = 0; j < 8; ++j) bits[j] = pd_float_to_fp16(x[j] * up);  // x * 2^c exact in fp32
+      scale = qk_scale_log2 * __uint_as_float((unsigned)(127 - c) << 23);
+    }
+    if (lane == 0) reinterpret_cast<float*>(smem + SCALE_OFF)[r] = scale;
+    PD_UNROLL
+    for (int part = 0; part < QP; ++part) {
+      unsigned v[8];
+      PD_UNROLL
+      for (int j = 0; j < 8; ++j) {
+        if (QP == 2) {  // fp16 q for a bf16 MMA: hi = bf16(q), lo = bf16(q - hi), both exact
+          const unsigned hi = pd_float_to_bf16(x[j]);
+          v[j] = part == 0 ? hi : pd_float_to_bf16(x[j] - pd_bf16_to_float(hi));
+        } else {
+          v[j] = bits[j];
+        }
+      }
+      if (lane < D / 8) {
+        unsigned char* row = smem + Q_OFF + (part * ROWS + r) * QS;
+        PD_UNROLL
+        for (int j = 0; j < 8; j += 2)
+          *reinterpret_cast<unsigned*>(row + 2 * q_position(lane * 8 + j)) = v[j] | (v[j + 1] << 16);
+      }
+    }
+  }
+  __syncthreads();
+}
+
+// -- the K/V stream ------------------------------------------------------------------
+
+// One warp's producer: lane i < TT owns token i of the warp's next tile to issue.
+struct Stream {
+  const unsigned char* k_lane;  // k_cache + kv_head * k_stride_head + this lane's 16-byte chunk
+  const unsigned char* v_lane;
+  long long k_page, k_token, v_page, v_token;  // strides in bytes
+  const int* bt_row;
+  int page_size, end;
+  int tok, page, slot, row;  // this lane's token of the next tile; its page index, slot, page id
+  int step_pages, step_slots;  // W * TT tokens as whole pages + slots
+};
+
+// A __syncwarp, then the offsets of the next tile's rows into the warp's table, its
+// cp.async copies into `stage`, and one commit (an empty group when the tile does not exist, so the
+// wait_group arithmetic stays uniform). Advances the producer by W tiles and prefetches
+// the block-table entry that tile will need.
+__device__ __forceinline__ void issue_tile(Stream& st, bool exists, int tile_first, unsigned char* stage,
+                                           unsigned char* table) {
+  const int lane = threadIdx.x & 31;
+  __syncwarp();  // every lane is done with the table, the stage and the copies it waited for
+  if (exists) {
+    if (lane < TT) {
+      const bool valid = st.tok < st.end;
+      long long koff = 0, voff = 0;  // an invalid row is copied with src-size 0 from row 0
+      if (valid) {
+        koff = (long long)st.row * st.k_page + (long long)st.slot * st.k_token;
+        voff = (long long)st.row * st.v_page + (long long)st.slot * st.v_token;
+      }
+      *reinterpret_cast<longlong2*>(table + lane * 16) = make_longlong2(koff, voff);
+    }
+    __syncwarp();
+    const int nvalid = st.end - tile_first;
+    const int row0 = lane / CPR;
+    PD_UNROLL
+    for (int j = 0; j < RPL; ++j) {
+      const int r = row0 + j * RPI;
+      const longlong2 off = *reinterpret_cast<const longlong2*>(table + r * 16);
+      const unsigned n = r < nvalid ? 16u : 0u;
+      unsigned char* dst = stage + r * RS + (lane % CPR) * 16;
+      pd_cp_async_cg_16(dst, st.k_lane + off.x, n);
+      pd_cp_async_cg_16(dst + TILE_BYTES, st.v_lane + off.y, n);
+    }
+  }
+  pd_cp_async_commit();
+  // Advance to the warp's next tile: W * TT tokens on, no division.
+  st.tok += W * TT;
+  st.slot += st.step_slots;
+  st.page += st.step_pages;
+  if (st.slot >= st.page_size) {
+    st.slot -= st.page_size;
+    st.page += 1;
+  }
+  st.row = (lane < TT && st.tok < st.end) ? st.bt_row[st.page] : 0;
+}
+
+// -- MMA operand builders -------------------------------------------------------------
+
+__device__ __forceinline__ void mma(float (&acc)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
+  if (MMA_BF16)
+    pd_mma_bf16_m16n8k16(acc, a, b, acc);
+  else
+    pd_mma_f16_m16n8k16(acc, a, b, acc);
+}
+
+// Two e4m3 bytes (the low or high half of w) as an f16x2 pair.
+__device__ __forceinline__ unsigned fp8_lo(unsigned w) { return pd_cvt_f16x2_e4m3x2((unsigned short)(w & 0xffffu)); }
+__device__ __forceinline__ unsigned fp8_hi(unsigned w) { return pd_cvt_f16x2_e4m3x2((unsigned short)(w >> 16)); }
+
+// The PP parts of four probabilities as B operands of the PV MMA: p[0..1] are token g,
+// heads 2t, 2t+1 and p[2..3] token g + 8 (the S^T accumulator layout). Part k rounds
+// what parts < k left (each residual exact in fp32); movmatrix turns each 8x8 (tokens x
+// heads) b16 block into the B layout (k = tokens 2t, 2t+1, n = head g).
+__device__ __forceinline__ void p_operands(const float (&p)[4], unsigned (&b)[PP][2]) {
+  float r[4] = {p[0], p[1], p[2], p[3]};
+  PD_UNROLL
+  for (int part = 0; part < PP; ++part) {
+    PD_UNROLL
+    for (int h = 0; h < 2; ++h) {
+      const unsigned v = MMA_BF16 ? pd_cvt_bf16x2_f32(r[2 * h + 1], r[2 * h]) : pd_cvt_f16x2_f32(r[2 * h + 1], r[2 * h]);
+      b[part][h] = pd_movmatrix_trans(v);
+      if (part + 1 < PP) {
+        r[2 * h] -= MMA_BF16 ? __uint_as_float(v << 16) : pd_cvt_f32_f16((unsigned short)(v & 0xffffu));
+        r[2 * h + 1] -= MMA_BF16 ? __uint_as_float(v & 0xffff0000u) : pd_cvt_f32_f16((unsigned short)(v >> 16));
+      }
+    }
+  }
+}
+
+// -- the core --------------------------------------------------------------------------
+
+// The per-warp state: for row tile nt and head column j in {0, 1} (head nt * 8 + 2t + j,
+// t = lane % 4): m (identical on the 8 lanes of a column), this lane's share of l, and
+// O^T fragments o[dt][nt][4] (dims of 16-dim block dt, see out_dim).
+struct State {
+  float m[NT][2];
+  float l[NT][2];
+  float o[KS][NT][4];
+};
+
+// Dim of O^T fragment element e (0..3) of block dt held by lane (g, t): rows g and g + 8
+// of the block. bf16/fp16 V: block rows are its 16 dims in order; fp8 V: the byte pairs
+// of ldmatrix.trans put even dims on rows 0..7 and odd dims on rows 8..15.
+__device__ __forceinline__ int out_dim(int dt, int g, int e) {
+  const int upper = e >> 1;
+  return FP8 ? dt * 16 + 2 * g + upper : dt * 16 + 8 * upper + g;
+}
+
+// Attend the tokens [start, end) (end - start may be 0) and leave the warp state in
+// `st`. `smem` is the launch's dynamic shared memory, Q staged (stage_q).
+__device__ __forceinline__ void attend(unsigned char* smem, const unsigned char* k_head, long long k_stride_page,
+                                       long long k_stride_token, const unsigned char* v_head, long long v_stride_page,
+                                       long long v_stride_token, const int* __restrict__ bt_row, int page_size,
+                                       int start, int end, State& st) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const float neg_inf = pd_neg_inf();
+
+  PD_UNROLL
+  for (int nt = 0; nt < NT; ++nt)
+    PD_UNROLL
+    for (int j = 0; j < 2; ++j) {
+      st.m[nt][j] = neg_inf;
+      st.l[nt][j] = 0.f;
+    }
+  PD_UNROLL
+  for (int dt = 0; dt < KS; ++dt)
+    PD_UNROLL
+    for (int nt = 0; nt < NT; ++nt)
+      PD_UNROLL
+      for (int e = 0; e < 4; ++e) st.o[dt][nt][e] = 0.f;
+
+  float scale[NT][2];
+  PD_UNROLL
+  for (int nt = 0; nt < NT; ++nt)
+    PD_UNROLL
+    for (int j = 0; j < 2; ++j) scale[nt][j] = reinterpret_cast<const float*>(smem + SCALE_OFF)[nt * 8 + 2 * t + j];
+
+  const int n = end > start ? end - start : 0;
+  const int num_tiles = (n + TT - 1) / TT;
+  const int my_tiles = num_tiles > warp ? (num_tiles - warp + W - 1) / W : 0;  // tiles warp, warp + W, ...
+
+  unsigned char* ring = smem + RING_OFF + warp * RING_BYTES;
+  unsigned char* table = smem + TABLE_OFF + warp * TT * 16;
+
+  Stream s;
+  s.k_lane = k_head + (lane % CPR) * 16;
+  s.v_lane = v_head + (lane % CPR) * 16;
+  s.k_page = k_stride_page * ES;
+  s.k_token = k_stride_token * ES;
+  s.v_page = v_stride_page * ES;
+  s.v_token = v_stride_token * ES;
+  s.bt_row = bt_row;
+  s.page_size = page_size;
+  s.end = end;
+  s.step_pages = (W * TT) / page_size;
+  s.step_slots = W * TT - s.step_pages * page_size;
+  s.tok = start + warp * TT + lane;
+  s.page = 0;
+  s.slot = 0;
+  s.row = 0;
+  if (lane < TT && s.tok < end) {
+    s.page = s.tok / page_size;
+    s.slot = s.tok - s.page * page_size;
+    s.row = bt_row[s.page];
+  }
+
+  PD_UNROLL
+  for (int k = 0; k < S - 1; ++k)
+    issue_tile(s, k < my_tiles, start + (warp + k * W) * TT, ring + k * STAGE_BYTES, table);
+
+  // ldmatrix row address of this lane within a tile: token ((lane >> 3) & 1) * 8 +
+  // (lane & 7) of a 16-token block, 16-byte chunk lane >> 4 of a chunk pair.
+  const int kv_lane = ((((lane >> 3) & 1) * 8) + (lane & 7)) * RS + (lane >> 4) * 16;
+  const unsigned char* q_lane = smem + Q_OFF + (lane & 7) * QS + (lane >> 3) * 16;
+
+  for (int k = 0; k < my_tiles; ++k) {
+    pd_cp_async_wait<S - 2>();  // this lane's copies of tile k have landed; issue_tile's
+                                // __syncwarp makes every lane's visible and frees the stage read last
+    issue_tile(s, k + S - 1 < my_tiles, start + (warp + (k + S - 1) * W) * TT,
+               ring + ((k + S - 1) % S) * STAGE_BYTES, table);
+
+    const unsigned char* kt = ring + (k % S) * STAGE_BYTES;
+    const unsigned char* vt = kt + TILE_BYTES;
+    const int nvalid = end - (start + (warp + k * W) * TT);
+
+    // -- scores S^T[token][row] = K Q^T, two 16-dim steps per ldmatrix.x4
+    float sc[MT][NT][4];
+    PD_UNROLL
+    for (int mt = 0; mt < MT; ++mt)
+      PD_UNROLL
+      for (int nt = 0; nt < NT; ++nt)
+        PD_UNROLL
+        for (int e = 0; e < 4; ++e) sc[mt][nt][e] = 0.f;
+    PD_UNROLL
+    for (int kk = 0; kk < KS / 2; ++kk) {
+      unsigned qb[QP][NT][4];  // [ks 2kk: b0b1, b2b3, ks 2kk + 1: b0b1, b2b3]
+      PD_UNROLL
+      for (int part = 0; part < QP; ++part)
+        PD_UNROLL
+        for (int nt = 0; nt < NT; ++nt)
+          pd_ldmatrix_x4(qb[part][nt], q_lane + (part * ROWS + nt * 8) * QS + kk * 64);
+      PD_UNROLL
+      for (int mt = 0; mt < MT; ++mt) {
+        unsigned a[2][4];
+        if (FP8) {  // chunks 2kk, 2kk + 1 of 16 dims each: one step per chunk
+          unsigned r[4];
+          pd_ldmatrix_x4(r, kt + mt * 16 * RS + kk * 32 + kv_lane);
+          PD_UNROLL
+          for (int h = 0; h < 2; ++h) {
+            a[h][0] = fp8_lo(r[2 * h]);
+            a[h][1] = fp8_lo(r[2 * h + 1]);
+            a[h][2] = fp8_hi(r[2 * h]);
+            a[h][3] = fp8_hi(r[2 * h + 1]);
+          }
+        } else {  // chunks of 8 dims: two per step
+          PD_UNROLL
+          for (int h = 0; h < 2; ++h) {
+            unsigned r[4];
+            pd_ldmatrix_x4(r, kt + mt * 16 * RS + (2 * kk + h) * 32 + kv_lane);
+            a[h][0] = r[0];
+            a[h][1] = r[1];
+            a[h][2] = r[2];
+            a[h][3] = r[3];
+          }
+        }
+        PD_UNROLL
+        for (int h = 0; h < 2; ++h)
+          PD_UNROLL
+          for (int part = 0; part < QP; ++part)
+            PD_UNROLL
+            for (int nt = 0; nt < NT; ++nt) {
+              const unsigned b[2] = {qb[part][nt][2 * h], qb[part][nt][2 * h + 1]};
+              mma(sc[mt][nt], a[h], b);
+            }
+      }
+    }
+
+    // -- mask rows past `end`, update m and l, rescale O by alpha = 2^(m_old - m_new)
+    PD_UNROLL
+    for (int mt = 0; mt < MT; ++mt)
+      PD_UNROLL
+      for (int e = 0; e < 4; ++e) {
+        const bool valid = mt * 16 + g + 8 * (e >> 1) < nvalid;
+        PD_UNROLL
+        for (int nt = 0; nt < NT; ++nt) sc[mt][nt][e] = valid ? sc[mt][nt][e] : neg_inf;
+      }
+    float alpha[NT][2];
+    PD_UNROLL
+    for (int nt = 0; nt < NT; ++nt)
+      PD_UNROLL
+      for (int j = 0; j < 2; ++j) {
+        float mx = neg_inf;  // of the raw scores: scale > 0 keeps the order
+        PD_UNROLL
+        for (int mt = 0; mt < MT; ++mt) mx = fmaxf(mx, fmaxf(sc[mt][nt][j], sc[mt][nt][j + 2]));
+        PD_UNROLL
+        for (int off = 4; off <= 16; off <<= 1) mx = fmaxf(mx, __shfl_xor_sync(PD_FULL_MASK, mx, off));
+        const float m_new = fmaxf(st.m[nt][j], mx * scale[nt][j]);
+        // Nothing valid seen yet (m_new = -inf): subtract 0, so -inf - -inf = NaN never
+        // happens; alpha and every p are then exp2f(-inf) = 0.
+        const float ms = m_new == neg_inf ? 0.f : m_new;
+        alpha[nt][j] = exp2f(st.m[nt][j] - ms);
+        st.m[nt][j] = m_new;
+        float lsum = 0.f;
+        PD_UNROLL
+        for (int mt = 0; mt < MT; ++mt)
+          PD_UNROLL
+          for (int e = j; e < 4; e += 2) {
+            const float p = exp2f(fmaf(sc[mt][nt][e], scale[nt][j], -ms));
+            lsum += p;
+            sc[mt][nt][e] = p * p_scale();  // exact (a power of two)
+          }
+        st.l[nt][j] = fmaf(st.l[nt][j], alpha[nt][j], lsum);
+      }
+    PD_UNROLL
+    for (int dt = 0; dt < KS; ++dt)
+      PD_UNROLL
+      for (int nt = 0; nt < NT; ++nt)
+        PD_UNROLL
+        for (int e = 0; e < 4; ++e) st.o[dt][nt][e] *= alpha[nt][e & 1];
+
+    // -- O^T[dim][row] += V^T P^T, one MMA per part of p
+    PD_UNROLL
+    for (int mt = 0; mt < MT; ++mt) {
+      unsigned pb[NT][PP][2];
+      PD_UNROLL
+      for (int nt = 0; nt < NT; ++nt) p_operands(sc[mt][nt], pb[nt]);
+      PD_UNROLL
+      for (int dp = 0; dp < KS / 2; ++dp) {  // two 16-dim blocks per ldmatrix.x4.trans
+        unsigned a[2][4];
+        if (FP8) {  // one chunk per block; bytes (token 2t, 2t+1) x (dim 2g, 2g+1) per register
+          unsigned r[4];
+          pd_ldmatrix_x4_trans(r, vt + mt * 16 * RS + dp * 32 + kv_lane);
+          PD_UNROLL
+          for (int h = 0; h < 2; ++h) {
+            const unsigned lo = pd_prmt(r[2 * h], 0u, 0x3120u);      // tokens 0..7: (dim 2g | dim 2g + 1) pairs
+            const unsigned hi = pd_prmt(r[2 * h + 1], 0u, 0x3120u);  // tokens 8..15
+            a[h][0] = fp8_lo(lo);
+            a[h][1] = fp8_hi(lo);
+            a[h][2] = fp8_lo(hi);
+            a[h][3] = fp8_hi(hi);
+          }
+        } else {  // two chunks of 8 dims per block
+          PD_UNROLL
+          for (int h = 0; h < 2; ++h) {
+            unsigned r[4];
+            pd_ldmatrix_x4_trans(r, vt + mt * 16 * RS + (2 * (2 * dp + h)) * 16 + kv_lane);
+            a[h][0] = r[0];
+            a[h][1] = r[2];
+            a[h][2] = r[1];
+            a[h][3] = r[3];
+          }
+        }
+        PD_UNROLL
+        for (int h = 0; h < 2; ++h)
+          PD_UNROLL
+          for (int nt = 0; nt < NT; ++nt)
+            PD_UNROLL
+            for (int part = 0; part < PP; ++part) mma(st.o[2 * dp + h][nt], a[h], pb[nt][part]);
+      }
+    }
+  }
+  pd_cp_async_wait_all();  // only empty groups can be left; the rings are reused next
+
+  // This lane's share of l over the 8 lanes of its column (xor butterfly: every lane of
+  // the column ends with the same bits).
+  PD_UNROLL
+  for (int nt = 0; nt < NT; ++nt)
+    PD_UNROLL
+    for (int j = 0; j < 2; ++j)
+      PD_UNROLL
+      for (int off = 4; off <= 16; off <<= 1) st.l[nt][j] += __shfl_xor_sync(PD_FULL_MASK, st.l[nt][j], off);
+}
+
+// Publish every warp's state to shared memory (the rings are free once every warp has
+// left `attend`: the first __syncthreads here ensures it) for cta_combine. Ends with
+// __syncthreads(); every thread of the CTA calls it.
+__device__ __forceinline__ void publish(unsigned char* smem, const State& st) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  __syncthreads();
+  float* s_m = reinterpret_cast<float*>(smem + EPI_M_OFF);
+  float* s_l = reinterpret_cast<float*>(smem + EPI_L_OFF);
+  float* s_o = reinterpret_cast<float*>(smem + EPI_O_OFF);
+  PD_UNROLL
+  for (int nt = 0; nt < NT; ++nt)
+    PD_UNROLL
+    for (int j = 0; j < 2; ++j) {
+      const int h = nt * 8 + 2 * t + j;
+      if (g == 0) {
+        s_m[h * W + warp] = st.m[nt][j];
+        s_l[h * W + warp] = st.l[nt][j];
+      }
+      PD_UNROLL
+      for (int dt = 0; dt < KS; ++dt)
+        PD_UNROLL
+        for (int e = j; e < 4; e += 2) s_o[(h * W + warp) * D + out_dim(dt, g, e)] = st.o[dt][nt][e];
+    }
+  __syncthreads();
+}
+
+// The CTA's state of row h, dim d over the warps in order 0..W-1: M = max m_w (-inf when
+// the CTA saw no token), L = sum l_w 2^(m_w - M), O = sum o_w 2^(m_w - M).
+__device__ __forceinline__ void cta_combine(const unsigned char* smem, int h, int d, float& M, float& L, float& O) {
+  const float* s_m = reinterpret_cast<const float*>(smem + EPI_M_OFF);
+  const float* s_l = reinterpret_cast<const float*>(smem + EPI_L_OFF);
+  const float* s_o = reinterpret_cast<const float*>(smem + EPI_O_OFF);
+  const float neg_inf = pd_neg_inf();
+  float mx = neg_inf;
+  PD_UNROLL
+  for (int w = 0; w < W; ++w) mx = fmaxf(mx, s_m[h * W + w]);
+  const float ms = mx == neg_inf ? 0.f : mx;  // every warp empty: avoid -inf - -inf
+  float lsum = 0.f, o = 0.f;
+  PD_UNROLL
+  for (int w = 0; w < W; ++w) {
+    const float wt = exp2f(s_m[h * W + w] - ms);  // an empty warp: 2^-inf = 0, and its l = o = 0
+    lsum = fmaf(s_l[h * W + w], wt, lsum);
+    o = fmaf(s_o[(h * W + w) * D + d], wt, o);
+  }
+  M = mx;
+  L = lsum;
+  O = o * o_unscale();  // exact
+}
+
+// The whole CTA: stage q, attend [start, end), publish. Afterwards cta_combine(h, d)
+// gives row h's state; the caller writes the outputs of rows < `rows`.
+__device__ __forceinline__ void run_cta(unsigned char* smem, const pd_q_t* q_head0, long long q_stride_head, int rows,
+                                        float qk_scale_log2, const pd_kv_t* k_head, long long k_stride_page,
+                                        long long k_stride_token, const pd_kv_t* v_head, long long v_stride_page,
+                                        long long v_stride_token, const int* __restrict__ bt_row, int page_size,
+                                        int start, int end) {
+  stage_q(smem, q_head0, q_stride_head, rows, qk_scale_log2);
+  State st;
+  attend(smem, reinterpret_cast<const unsigned char*>(k_head), k_stride_page, k_stride_token,
+         reinterpret_cast<const unsigned char*>(v_head), v_stride_page, v_stride_token, bt_row, page_size, start,
+         end, st);
+  publish(smem, st);
+}
+
+// Write rows 0..rows-1 of the CTA's normalized output (bf16/fp16 bits) to out_rows (rows
+// contiguous rows of D) and, when lse != nullptr, lse_rows[h]. Every thread calls it.
+__device__ __forceinline__ void store_rows(unsigned char* smem, int rows, float v_scale, pd_q_t* out_rows,
+                                           float* lse_rows) {
+  unsigned short* s_out = reinterpret_cast<unsigned short*>(smem + Q_OFF);
+  for (int idx = threadIdx.x; idx < rows * D; idx += PD_THREADS) {
+    const int h = idx / D, d = idx - h * D;
+    float M, L, O;
+    cta_combine(smem, h, d, M, L, O);
+    s_out[idx] = (unsigned short)pd_float_to_q(pd_normalize(O, L, v_scale));  // zeros for an empty state
+    if (d == 0 && lse_rows != nullptr) lse_rows[h] = pd_lse(M, L);
+  }
+  __syncthreads();
+  pd_store_span(out_rows, s_out, rows * D);
+}
+
+}  // namespace pd_mma
+
+#endif  // PD_DECODE_CORE_CUH
