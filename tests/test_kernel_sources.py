@@ -4,6 +4,7 @@ import pathlib
 import re
 
 import pytest
+from conftest import nvrtc_build
 
 from metrale_attn import policy
 from metrale_attn.kernels import (
@@ -96,9 +97,7 @@ nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="NVRTC (cupy
 @pytest.mark.parametrize("variant", all_variants(), ids=lambda v: v.name)
 def test_every_variant_compiles_through_nvrtc_with_no_stack_frame_and_no_spills(variant, arch):
     """No stack frame means every register array is indexed by constants and nothing spilled."""
-    from metrale_attn.backends.cupy_backend import nvrtc_compile
-
-    cubin, log = nvrtc_compile(variant, arch, ptxas_verbose=True)
+    cubin, log = nvrtc_build(variant, arch)
     assert len(cubin) > 1000
     frames = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log)
     assert len(frames) == len(variant.kernels), log
