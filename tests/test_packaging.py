@@ -48,3 +48,11 @@ def test_the_cpu_backend_ships_its_shim(wheel_names):
 def test_the_console_script_is_declared():
     text = (ROOT / "pyproject.toml").read_text()
     assert 'metrale-attn = "metrale_attn.cli:main"' in text
+
+
+def test_every_subpackage_is_in_the_wheel(wheel_names):
+    """A subpackage missing from pyproject's list (backends once was) breaks every non-editable install."""
+    packages = sorted(p.parent.relative_to(ROOT).as_posix() for p in (ROOT / "metrale_attn").rglob("__init__.py"))
+    missing = [pkg for pkg in packages if f"{pkg}/__init__.py" not in wheel_names]
+    assert not missing
+    assert "metrale_attn/backends/cupy_backend.py" in wheel_names
