@@ -16,9 +16,15 @@ def wheel_names(tmp_path_factory):
     if shutil.which("pip") is None and not _has_module("pip"):
         pytest.skip("pip is not available")
     out = tmp_path_factory.mktemp("wheel")
+    # Build from a clean copy: a checkout's build/ and *.egg-info (an editable install
+    # leaves one) would let setuptools ship files pyproject.toml forgot.
+    src = tmp_path_factory.mktemp("src") / "metrale-attn"
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(
+        ".git", "build", "dist", "*.egg-info", "__pycache__", ".venv", ".pytest_cache", ".hypothesis", ".whl",
+        "gpu_check_out"))
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation", "-w", str(out), "."],
-        cwd=ROOT, check=True, capture_output=True,
+        cwd=src, check=True, capture_output=True,
     )
     (wheel,) = out.glob("metrale_attn-*.whl")
     with zipfile.ZipFile(wheel) as zf:
