@@ -7,12 +7,14 @@ see one self-contained string and their errors name the real file and line.
 Nothing is compiled here, and nothing at import time.
 
 Constants the Python side relies on that live in the sources (``PD_GQA``,
-``PD_HDIM``, block sizes, dtype codes) are read back from the source text;
-``PD_GQA``/``PD_HDIM`` must equal the policy's constants or loading is refused.
+``PD_HDIM``, block sizes, dtype codes, the hot loop's ``VEC``/``UNROLL``) are read
+back from the source text; ``PD_GQA``/``PD_HDIM`` must equal the policy's constants
+or loading is refused.
 """
 
 from __future__ import annotations
 
+import ast
 import functools
 import importlib.resources
 import pathlib
@@ -101,6 +103,36 @@ def source_constants() -> SourceConstants:
     )
 
 
+def read_constexpr(text: str, name: str, *, kv_itemsize: int) -> int:
+    """The value of the one ``constexpr int <name> = <expr>;`` in ``text``, where
+    ``<expr>`` is integer arithmetic on literals and ``sizeof(pd_kv_t)`` (the KV
+    element size, ``kv_itemsize``), e.g. ``16 / (int)sizeof(pd_kv_t)``."""
+    found = re.findall(rf"\bconstexpr[ \t]+int[ \t]+{name}[ \t]*=[ \t]*([^;]+);", text)
+    if len(found) != 1:
+        raise KernelSourceError(f"expected exactly one 'constexpr int {name} = ...;' in the kernel source, "
+                                f"found {len(found)}")
+    expr = re.sub(r"\(int\)\s*sizeof\(pd_kv_t\)|sizeof\(pd_kv_t\)", str(kv_itemsize), found[0])
+    try:
+        return _int_arithmetic(ast.parse(expr.strip(), mode="eval").body)
+    except (SyntaxError, ValueError):
+        raise KernelSourceError(f"cannot evaluate constexpr {name} = {found[0]!r} (only integer arithmetic and "
+                                "sizeof(pd_kv_t) are understood)") from None
+
+
+_C_INT_OPS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
+              ast.Div: lambda a, b: int(a / b)}  # C's int division truncates toward zero
+
+
+def _int_arithmetic(node: ast.AST) -> int:
+    if isinstance(node, ast.Constant) and type(node.value) is int:
+        return node.value
+    if isinstance(node, ast.BinOp) and type(node.op) in _C_INT_OPS:
+        return _C_INT_OPS[type(node.op)](_int_arithmetic(node.left), _int_arithmetic(node.right))
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        return -_int_arithmetic(node.operand)
+    raise ValueError(f"not integer arithmetic: {ast.dump(node)}")
+
+
 def check_pack_constants(text: str) -> None:
     """Refuse a packed source whose ``PD_GQA``/``PD_HDIM`` differ from the policy's."""
     for define, expected in (("PD_GQA", policy.DECODE_GQA_PACK_WIDTH), ("PD_HDIM", policy.DECODE_GQA_PACK_HEAD_DIM)):
@@ -111,6 +143,33 @@ def check_pack_constants(text: str) -> None:
                 f"{expected} (policy.{'DECODE_GQA_PACK_WIDTH' if define == 'PD_GQA' else 'DECODE_GQA_PACK_HEAD_DIM'}); "
                 "refusing to load a kernel that would read the wrong heads"
             )
+
+
+@dataclass(frozen=True)
+class HotLoop:
+    """What the static SASS report (``benchmarks/sass_report.py``) must know about a
+    variant beyond its SASS: the shape of the CTA and what one iteration of one warp
+    of the steady-state K/V loop consumes. Units: bytes, tokens, per CTA or per warp
+    as named. A new kernel implementation fills these in for its variants
+    (``Variant.hot_loop``) and the report needs no edit.
+    """
+
+    kernel: str
+    """The ``extern "C"`` kernel that runs the loop."""
+    heads_per_cta: int
+    """Query heads one CTA serves; the ``G / heads_per_cta`` CTAs of a GQA group each read the same K/V."""
+    warps_per_cta: int
+    tokens_per_warp_iter: int
+    """K/V tokens one warp consumes in one iteration of the loop."""
+    kv_bytes_per_warp_iter: int
+    """Their K + V bytes: ``tokens_per_warp_iter * head_dim * kv itemsize * 2``."""
+    pipeline_stages: int = 0
+    """Depth of a ``cp.async``/TMA ring of shared-memory stages; 0 = plain loads into
+    registers (the report then reads the loads in flight off the SASS)."""
+    stage_bytes: int = 0
+    """K + V bytes of one stage of one CTA (with ``pipeline_stages``)."""
+    dynamic_smem_bytes: int = 0
+    """Dynamic shared memory per CTA at launch."""
 
 
 @dataclass(frozen=True)
@@ -153,6 +212,11 @@ class Variant:
             check_pack_constants(full)
         return full
 
+    @property
+    def hot_loop(self) -> HotLoop:
+        """The steady-state K/V loop, from the sources' own constants (see ``HotLoop``)."""
+        return _hot_loop(self)
+
     def defines(self) -> dict[str, int]:
         """``-D`` values: everything the kernels take from Python."""
         codes = source_constants().dtype_codes
@@ -162,6 +226,26 @@ class Variant:
             "PD_KV_DTYPE": codes[self.kv_dtype],
             "PD_MIN_KV_PER_SPLIT": policy.PD_MIN_KV_PER_SPLIT,
         }
+
+
+@functools.cache
+def _hot_loop(variant: Variant) -> HotLoop:
+    """Today's CUDA-core loop (``pd_attend`` in pd_common.cuh): a thread owns ``VEC``
+    elements of the head dim, ``D / VEC`` threads a row, so a warp covers
+    ``R = 32 / (D / VEC)`` rows per load and an iteration takes ``R * UNROLL``
+    tokens; ``VEC`` and ``UNROLL`` are the family file's ``constexpr``s."""
+    text = variant.source()
+    itemsize = dtypes.ITEMSIZE[variant.kv_dtype]
+    vec = read_constexpr(text, "VEC", kv_itemsize=itemsize)
+    unroll = read_constexpr(text, "UNROLL", kv_itemsize=itemsize)
+    tokens = 32 // (variant.head_dim // vec) * unroll
+    return HotLoop(
+        kernel=variant.kernels[0],
+        heads_per_cta=read_define(text, "PD_GQA") if variant.family == "gqa_packed" else 1,
+        warps_per_cta=source_constants().threads // 32,
+        tokens_per_warp_iter=tokens,
+        kv_bytes_per_warp_iter=tokens * variant.head_dim * itemsize * 2,
+    )
 
 
 def all_variants() -> list[Variant]:

@@ -13,6 +13,7 @@ from metrale_attn.kernels import (
     Variant,
     all_variants,
     inline,
+    read_constexpr,
     read_define,
     read_source,
     source_constants,
@@ -88,6 +89,30 @@ def test_sources_follow_the_shared_dialect():
         includes = re.findall(r'#\s*include\s*[<"]([^>"]+)', text)
         assert all(name.endswith(".cuh") for name in includes), (path, includes)
         assert not re.search(r"\bINFINITY\b|\batomic\w*\s*\(", text), path
+
+
+@pytest.mark.parametrize("variant, vec, tokens, kv_bytes, heads", [
+    (Variant("unpacked", 128, "bf16", "bf16"), 8, 8, 4096, 1),     # 16 threads a row, 2 rows x UNROLL 4
+    (Variant("splitk", 64, "fp16", "fp8"), 16, 32, 4096, 1),       # 4 threads a row, 8 rows x 4
+    (Variant("unpacked", 256, "bf16", "fp16"), 8, 4, 4096, 1),     # a row per warp
+    (Variant("gqa_packed", 256, "bf16", "fp8"), 8, 4, 2048, 6),    # 8-byte fp8 slices, 6 heads per CTA
+], ids=lambda x: x.name if isinstance(x, Variant) else None)
+def test_the_hot_loop_is_described_from_the_sources_own_constants(variant, vec, tokens, kv_bytes, heads):
+    itemsize = 1 if variant.kv_dtype == "fp8" else 2
+    assert read_constexpr(variant.source(), "VEC", kv_itemsize=itemsize) == vec
+    assert read_constexpr(variant.source(), "UNROLL", kv_itemsize=itemsize) == 4
+    loop = variant.hot_loop
+    assert (loop.tokens_per_warp_iter, loop.kv_bytes_per_warp_iter, loop.heads_per_cta) == (tokens, kv_bytes, heads)
+    assert loop.kernel == FAMILIES[variant.family][1][0] and loop.warps_per_cta == source_constants().threads // 32
+    assert (loop.pipeline_stages, loop.stage_bytes, loop.dynamic_smem_bytes) == (0, 0, 0)  # plain loads today
+
+
+def test_a_constexpr_the_loader_cannot_evaluate_is_refused():
+    assert read_constexpr("constexpr int VEC = 16 / (int)sizeof(pd_kv_t);", "VEC", kv_itemsize=1) == 16
+    with pytest.raises(KernelSourceError, match="cannot evaluate"):
+        read_constexpr("constexpr int VEC = kVec<T>;", "VEC", kv_itemsize=2)
+    with pytest.raises(KernelSourceError, match="exactly one"):
+        read_constexpr("constexpr int UNROLL = 4; constexpr int UNROLL = 2;", "UNROLL", kv_itemsize=2)
 
 
 nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="NVRTC (cupy) is not installed")
