@@ -2,11 +2,14 @@
 
 CuPy's ``nvrtc.getCUBIN`` returns NVRTC's buffer minus its last byte; the backend asks
 NVRTC for the full size instead (``backends.cubin.nvrtc_cubin``). These tests parse
-every compiled cubin's ELF header and damage cache entries to see them rebuilt.
+every compiled cubin's ELF header, run ``nvdisasm`` on the cached files as written
+(no patching), and damage cache entries to see them rebuilt.
 """
 
 import json
 import pathlib
+import subprocess
+import sys
 
 import pytest
 from conftest import nvrtc_build
@@ -15,6 +18,7 @@ from metrale_attn.backends import cubin
 from metrale_attn.kernels import FAMILIES, Variant, all_variants
 
 ARCHES = ("sm_90", "sm_100", "sm_120")
+BENCH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
 
 pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="NVRTC (cupy) is not installed")
 
@@ -69,6 +73,28 @@ def test_registers_recorded_in_the_cubin_match_ptxas():
         assert f"Compiling entry function '{kernel}'" in log
         section = log.split(f"Compiling entry function '{kernel}'")[1]
         assert f"Used {registers} registers" in section.split("Compiling entry function")[0]
+
+
+def _nvdisasm():
+    sys.path.insert(0, str(BENCH))
+    import sass_report
+
+    return sass_report.find_nvdisasm()
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_nvdisasm_accepts_the_cached_cubins_unpatched(arch, tmp_path, monkeypatch):
+    nvdisasm = _nvdisasm()
+    if nvdisasm is None:
+        pytest.skip("nvdisasm not found (pip install nvidia-cuda-nvdisasm)")
+    monkeypatch.setenv("METRALE_ATTN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cupy_backend, "compile_cubin", lambda v, a: nvrtc_build(v, a)[0])
+    for family in FAMILIES:
+        variant = next(v for v in all_variants() if v.family == family)
+        path = cupy_backend.cubin_path(variant, arch)
+        done = subprocess.run([nvdisasm, "-c", "-ndf", path], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        assert all(f"{kernel}:" in done.stdout for kernel in variant.kernels), done.stderr
 
 
 VARIANT = Variant("unpacked", 64, "fp16", "fp8")
