@@ -27,7 +27,7 @@ from metrale_attn.backends import cupy_backend  # noqa: E402  (needs cupy)
 
 @pytest.mark.parametrize("arch", ARCHES)
 @pytest.mark.parametrize("variant", all_variants(), ids=lambda v: v.name)
-def test_every_compiled_cubin_is_a_complete_elf_file(variant, arch):
+def test_every_compiled_cubin_is_a_complete_elf_file(variant, arch, monkeypatch):
     data, _ = nvrtc_build(variant, arch)
     assert data[:4] == cubin.ELF_MAGIC
     # Section and program header tables, sections and segments all end inside the file,
@@ -37,8 +37,8 @@ def test_every_compiled_cubin_is_a_complete_elf_file(variant, arch):
     with pytest.raises(cubin.CubinError, match="headers describe"):
         cubin.check_cubin(data[:-1])  # what CuPy's getCUBIN alone returns
     # The fallback (NVRTC's size unreadable) restores exactly the byte CuPy strips.
+    monkeypatch.setattr(cubin, "_warned_restore", False)
     with pytest.warns(RuntimeWarning, match="restored"):
-        cubin._warned_restore = False
         assert cubin._restore_stripped_tail(data[:-1], reason="test") == data
 
 
