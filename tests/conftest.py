@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -55,3 +57,12 @@ def check_against_reference(p: reference.Problem, out, lse, sm_scale=None):
     empty = p.seq_lens == 0
     assert np.all(np.isneginf(lse[empty]))
     np.testing.assert_allclose(lse[~empty], ref_lse[~empty], rtol=2e-6, atol=2e-6)
+
+
+@functools.cache
+def nvrtc_build(variant, arch: str):
+    """``(cubin, ptxas -v log)`` of ``variant`` for ``arch`` through the backend's own NVRTC
+    path, compiled once per test session (several test files inspect the same builds)."""
+    from metrale_attn.backends.cupy_backend import nvrtc_compile
+
+    return nvrtc_compile(variant, arch, ptxas_verbose=True)

@@ -4,9 +4,9 @@ import pathlib
 import re
 
 import pytest
+from conftest import nvrtc_build
 
 from metrale_attn import policy
-from metrale_attn.plan import IMPLS, KERNELS
 from metrale_attn.kernels import (
     SOURCE_FILES,
     KernelSourceError,
@@ -15,10 +15,12 @@ from metrale_attn.kernels import (
     inline,
     kernel_params,
     parse_kernel_params,
+    read_constexpr,
     read_define,
     read_source,
     source_constants,
 )
+from metrale_attn.plan import IMPLS, KERNELS
 
 ARCHES = ("sm_90", "sm_100", "sm_120")
 
@@ -116,6 +118,57 @@ def test_sources_follow_the_shared_dialect():
         assert not re.search(r"\bINFINITY\b|\batomic\w*\s*\(", text), path
 
 
+@pytest.mark.parametrize("variant, vec, tokens, kv_bytes, heads", [
+    (Variant("unpacked", 128, "bf16", "bf16", "simt"), 8, 8, 4096, 1),     # 16 threads a row, 2 rows x UNROLL 4
+    (Variant("splitk", 64, "fp16", "fp8", "simt"), 16, 32, 4096, 1),       # 4 threads a row, 8 rows x 4
+    (Variant("unpacked", 256, "bf16", "fp16", "simt"), 8, 4, 4096, 1),     # a row per warp
+    (Variant("gqa_packed", 256, "bf16", "fp8", "simt"), 8, 4, 2048, 6),    # 8-byte fp8 slices, 6 heads per CTA
+], ids=lambda x: x.name if isinstance(x, Variant) else None)
+def test_the_hot_loop_is_described_from_the_sources_own_constants(variant, vec, tokens, kv_bytes, heads):
+    itemsize = 1 if variant.kv_dtype == "fp8" else 2
+    assert read_constexpr(variant.source(), "VEC", kv_itemsize=itemsize) == vec
+    assert read_constexpr(variant.source(), "UNROLL", kv_itemsize=itemsize) == 4
+    loop = variant.hot_loop
+    assert (loop.tokens_per_warp_iter, loop.kv_bytes_per_warp_iter, loop.heads_per_cta) == (tokens, kv_bytes, heads)
+    assert loop.kernel == variant.kernels[0] and loop.warps_per_cta == source_constants().threads // 32
+    assert (loop.pipeline_stages, loop.stage_bytes, loop.dynamic_smem_bytes) == (0, 0, 0)  # plain loads
+
+
+@pytest.mark.parametrize("variant, tokens, stages, heads", [
+    (Variant("unpacked", 128, "bf16", "bf16"), 16, 3, 8),   # 16 x 256-byte rows of K and V: 8 KiB a stage
+    (Variant("splitk", 128, "bf16", "fp8", row_tiles=2), 32, 3, 16),
+    (Variant("unpacked", 64, "fp16", "fp8"), 32, 4, 8),     # 4 KiB stages: one deeper
+    (Variant("gqa_packed", 256, "fp16", "bf16"), 16, 3, 6),
+], ids=lambda x: x.name if isinstance(x, Variant) else None)
+def test_the_mma_hot_loop_is_one_stage_of_each_warps_ring(variant, tokens, stages, heads):
+    loop, tiling = variant.hot_loop, variant.tiling
+    row = variant.head_dim * (1 if variant.kv_dtype == "fp8" else 2)
+    assert (tiling.tile_tokens, tiling.stages, loop.heads_per_cta) == (tokens, stages, heads)
+    assert loop.kv_bytes_per_warp_iter == 2 * tokens * row and loop.stage_bytes == 4 * 2 * tokens * row
+    assert loop.pipeline_stages == stages and loop.dynamic_smem_bytes == variant.shared_bytes > 48 * 1024
+    assert loop.grouped == (variant.arm != "gqa_packed")
+
+
+def test_the_host_sizes_the_shared_memory_exactly_as_the_core_carves_it():
+    """decode_core.cuh static_asserts SMEM_BYTES == PD_SMEM_BYTES; a compile of a variant
+    with a wrong PD_SMEM_BYTES must fail there."""
+    from metrale_attn.backends.cupy_backend import nvrtc_compile
+
+    v = Variant("unpacked", 64, "bf16", "bf16")
+    wrong = type("Wrong", (), {"name": v.name, "source": v.source, "kernels": v.kernels,
+                               "defines": lambda self: dict(v.defines(), PD_SMEM_BYTES=v.shared_bytes + 16)})()
+    with pytest.raises(RuntimeError, match="sized the dynamic shared memory differently"):
+        nvrtc_compile(wrong, "sm_90")
+
+
+def test_a_constexpr_the_loader_cannot_evaluate_is_refused():
+    assert read_constexpr("constexpr int VEC = 16 / (int)sizeof(pd_kv_t);", "VEC", kv_itemsize=1) == 16
+    with pytest.raises(KernelSourceError, match="cannot evaluate"):
+        read_constexpr("constexpr int VEC = kVec<T>;", "VEC", kv_itemsize=2)
+    with pytest.raises(KernelSourceError, match="exactly one"):
+        read_constexpr("constexpr int UNROLL = 4; constexpr int UNROLL = 2;", "UNROLL", kv_itemsize=2)
+
+
 nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="NVRTC (cupy) is not installed")
 
 
@@ -123,9 +176,7 @@ nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="NVRTC (cupy
 @pytest.mark.parametrize("variant", all_variants(), ids=lambda v: v.name)
 def test_every_variant_compiles_through_nvrtc_with_no_stack_frame_and_no_spills(variant, arch):
     """No stack frame means every register array is indexed by constants and nothing spilled."""
-    from metrale_attn.backends.cupy_backend import nvrtc_compile
-
-    cubin, log = nvrtc_compile(variant, arch, ptxas_verbose=True)
+    cubin, log = nvrtc_build(variant, arch)
     assert len(cubin) > 1000
     frames = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log)
     assert len(frames) == len(variant.kernels), log
@@ -139,8 +190,14 @@ def test_k_and_v_rows_are_read_with_vector_loads_and_nothing_touches_local_memor
     ptx, _ = nvrtc_compile(variant, "compute_90")
     ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
     assert not re.search(r"\b(ld|st)\.local\b", ptx)
-    # 16-byte loads everywhere but the packed fp8 kernel, which reads 8 bytes per thread
-    # so that its 6 q vectors and 6 accumulators stay in registers.
+    if variant.impl == "mma":  # K/V through 16-byte async copies, tensor cores, hardware fp8 conversion
+        for instruction in ("cp.async.cg.shared.global", "ldmatrix.sync.aligned.m8n8.x4.trans", "movmatrix",
+                            "mma.sync.aligned.m16n8k16"):
+            assert instruction in ptx, instruction
+        assert ("cvt.rn.f16x2.e4m3x2" in ptx) == (variant.kv_dtype == "fp8")
+        return
+    # simt: 16-byte loads everywhere but the packed fp8 kernel, which reads 8 bytes per
+    # thread so that its 6 q vectors and 6 accumulators stay in registers.
     vector = "v2" if (variant.arm, variant.kv_dtype) == ("gqa_packed", "fp8") else "v4"
     assert re.search(rf"ld\.global\.nc\.{vector}\.u32", ptx)
 

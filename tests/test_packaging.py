@@ -16,9 +16,15 @@ def wheel_names(tmp_path_factory):
     if shutil.which("pip") is None and not _has_module("pip"):
         pytest.skip("pip is not available")
     out = tmp_path_factory.mktemp("wheel")
+    # Build from a clean copy: a checkout's build/ and *.egg-info (an editable install
+    # leaves one) would let setuptools ship files pyproject.toml forgot.
+    src = tmp_path_factory.mktemp("src") / "metrale-attn"
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(
+        ".git", "build", "dist", "*.egg-info", "__pycache__", ".venv", ".pytest_cache", ".hypothesis", ".whl",
+        "gpu_check_out"))
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation", "-w", str(out), "."],
-        cwd=ROOT, check=True, capture_output=True,
+        cwd=src, check=True, capture_output=True,
     )
     (wheel,) = out.glob("metrale_attn-*.whl")
     with zipfile.ZipFile(wheel) as zf:
@@ -48,3 +54,11 @@ def test_the_cpu_backend_ships_its_shim(wheel_names):
 def test_the_console_script_is_declared():
     text = (ROOT / "pyproject.toml").read_text()
     assert 'metrale-attn = "metrale_attn.cli:main"' in text
+
+
+def test_every_subpackage_is_in_the_wheel(wheel_names):
+    """A subpackage missing from pyproject's list (backends once was) breaks every non-editable install."""
+    packages = sorted(p.parent.relative_to(ROOT).as_posix() for p in (ROOT / "metrale_attn").rglob("__init__.py"))
+    missing = [pkg for pkg in packages if f"{pkg}/__init__.py" not in wheel_names]
+    assert not missing
+    assert "metrale_attn/backends/cupy_backend.py" in wheel_names

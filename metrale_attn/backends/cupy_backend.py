@@ -6,8 +6,11 @@ function without a GPU for sm_90, sm_100 and sm_120, so the binary a GPU loads i
 one CI has compiled and inspected. (Handing the source to ``cupy.RawModule`` instead
 would let CuPy append ``-ftz=true``, which flushes the fp32 denormals the fp16/fp8
 fast path relies on: a build neither CI nor the CPU backend ever runs.) Cubins are
-cached on disk by a hash of source, options, architecture and NVRTC version, loaded
-with ``cupy.RawModule(path=...)`` and memoized per ``(device, variant)``.
+taken from NVRTC whole (``cubin.nvrtc_cubin``: CuPy's ``getCUBIN`` drops the last
+byte), cached on disk by a hash of source, options, architecture and NVRTC version
+with their size and SHA-256 beside them (a damaged entry is rebuilt, an unwritable
+cache directory gives way to a private temporary one), loaded with
+``cupy.RawModule(path=...)`` and memoized per ``(device, variant)``.
 
 Launches go to the stream ``launch_stream`` picks: the one the caller names, else
 PyTorch's current stream when the inputs are torch tensors (so a decode step joins
@@ -18,14 +21,12 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import os
-import tempfile
 
 import numpy as np
 
 from ..cache import cache_root
 from ..kernels import Variant
-from . import ArrayInfo, Launch
+from . import ArrayInfo, Launch, cubin
 
 DIALECT_PRELUDE = "#define DYNAMIC_SHARED(T, name) extern __shared__ __align__(16) T name[]\n"
 """How the shared dialect's dynamic shared memory reads on the GPU."""
@@ -54,7 +55,10 @@ def nvrtc_compile(variant: Variant, arch: str, *, ptxas_verbose: bool = False) -
             nvrtc.compileProgram(program, list(options))
         except nvrtc.NVRTCError as err:
             raise RuntimeError(f"NVRTC failed on {variant.name} for {arch}:\n{nvrtc.getProgramLog(program)}") from err
-        binary = nvrtc.getPTX(program) if arch.startswith("compute_") else nvrtc.getCUBIN(program)
+        if arch.startswith("compute_"):
+            binary = nvrtc.getPTX(program)  # text: CuPy rightly drops its trailing NUL
+        else:
+            binary = cubin.nvrtc_cubin(program, nvrtc.getCUBIN(program), nvrtc.getVersion())
         return binary, nvrtc.getProgramLog(program)
     finally:
         nvrtc.destroyProgram(program)
@@ -66,19 +70,17 @@ def compile_cubin(variant: Variant, arch: str) -> bytes:
 
 
 def cubin_path(variant: Variant, arch: str) -> str:
-    """The cached cubin of ``variant`` for ``arch``, compiled on a miss (no GPU needed)."""
+    """The cached cubin of ``variant`` for ``arch``, compiled on a miss (no GPU needed).
+
+    An entry whose size, SHA-256 or ELF tables do not check out is rebuilt, never
+    loaded; where the cache directory cannot be written, the cubin goes to a private
+    temporary directory (one warning per process)."""
     from cupy_backends.cuda.libs import nvrtc
 
     source, options = nvrtc_program(variant)
     key = hashlib.sha256(repr((source, options, arch, nvrtc.getVersion())).encode()).hexdigest()[:20]
     path = cache_root() / "cubin" / f"{variant.name}_{arch}_{key}.cubin"
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-        with os.fdopen(fd, "wb") as f:
-            f.write(compile_cubin(variant, arch))
-        os.replace(tmp, path)
-    return str(path)
+    return str(cubin.cached_cubin(path, lambda: compile_cubin(variant, arch)))
 
 
 class _StreamHandle:

@@ -1,0 +1,271 @@
+"""Cubins whole: taken from NVRTC at their full size, checked as ELF files, cached on disk.
+
+Why this module exists: CuPy's ``nvrtc.getCUBIN`` hands back NVRTC's buffer minus
+its last byte (it strips a trailing NUL as it must for PTX text, but a cubin is
+binary). For every kernel here that byte is the last byte of the ELF program-header
+table, so the file is one byte short of its own header's claims and ``nvdisasm``
+refuses it ("invalid ELF file"). ``nvrtc_cubin`` asks NVRTC itself for the size
+(``nvrtcGetCUBINSize`` + ``nvrtcGetCUBIN``) through ctypes, on the very library CuPy
+loaded, so the program handle CuPy created is valid there.
+
+A cached cubin is written with a sidecar ``<file>.json`` holding its size and
+SHA-256; ``read_cached`` accepts a file only when both match and its ELF tables lie
+inside it, so a truncated, empty or overwritten entry is rebuilt instead of loaded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import hashlib
+import json
+import os
+import struct
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+
+ELF_MAGIC = b"\x7fELF"
+_ELF64_HEADER = struct.Struct("<16sHHIQQQIHHHHHH")  # e_ident .. e_shstrndx
+_ELF64_SECTION = struct.Struct("<IIQQQQIIQQ")  # sh_name .. sh_entsize
+_ELF64_SEGMENT = struct.Struct("<IIQQQQQQ")  # p_type .. p_align
+_SHT_NOBITS = 8
+
+
+class CubinError(ValueError):
+    """Bytes that are not a complete cubin (ELF64) file."""
+
+
+def elf_extent(data: bytes) -> int:
+    """The number of bytes the ELF64 file ``data`` claims: the end of the furthest of
+    its program-header table, section-header table, sections and segments.
+    Raises ``CubinError`` when ``data`` has no ELF64 little-endian header."""
+    if len(data) < _ELF64_HEADER.size or data[:4] != ELF_MAGIC or data[4] != 2 or data[5] != 1:
+        raise CubinError(f"not an ELF64 little-endian file ({len(data)} bytes, starts {data[:6]!r})")
+    (_, _, _, _, _, phoff, shoff, _, _, phentsize, phnum, shentsize, shnum, _) = _ELF64_HEADER.unpack_from(data)
+    end = max(_ELF64_HEADER.size, phoff + phnum * phentsize, shoff + shnum * shentsize)
+    for i in range(shnum):
+        at = shoff + i * shentsize
+        if at + _ELF64_SECTION.size <= len(data):
+            _, sh_type, _, _, offset, size, *_ = _ELF64_SECTION.unpack_from(data, at)
+            if sh_type != _SHT_NOBITS:
+                end = max(end, offset + size)
+    for i in range(phnum):
+        at = phoff + i * phentsize
+        if at + _ELF64_SEGMENT.size <= len(data):
+            _, _, offset, _, _, filesz, _, _ = _ELF64_SEGMENT.unpack_from(data, at)
+            end = max(end, offset + filesz)
+    return end
+
+
+def check_cubin(data: bytes) -> None:
+    """Raise ``CubinError`` unless ``data`` is an ELF64 file whose tables, sections
+    and segments all lie inside it."""
+    end = elf_extent(data)
+    if end > len(data):
+        raise CubinError(f"ELF file is {len(data)} bytes but its headers describe {end} bytes")
+
+
+def kernel_register_counts(data: bytes) -> dict[str, int]:
+    """Registers per kernel as the cubin records them (``EIATTR_REGCOUNT`` entries of
+    ``.nv.info``), keyed by kernel name: a check on ptxas's ``-v`` report."""
+    check_cubin(data)
+    header = _ELF64_HEADER.unpack_from(data)
+    shoff, shentsize, shnum, shstrndx = header[6], header[11], header[12], header[13]
+    sections = [_ELF64_SECTION.unpack_from(data, shoff + i * shentsize) for i in range(shnum)]
+
+    def c_string(offset: int) -> str:
+        return data[offset:data.index(b"\0", offset)].decode()
+
+    names = sections[shstrndx][4]
+    symtab = next(s for s in sections if s[1] == 2)  # SHT_SYMTAB
+    strtab = sections[symtab[6]][4]  # sh_link: its string table
+    symbols = [struct.unpack_from("<IBBHQQ", data, symtab[4] + i * 24) for i in range(symtab[5] // 24)]
+    counts = {}
+    for section in sections:
+        if c_string(names + section[0]) != ".nv.info":
+            continue
+        body, at = data[section[4]:section[4] + section[5]], 0
+        while at + 4 <= len(body):
+            fmt, attr, size = body[at], body[at + 1], struct.unpack_from("<H", body, at + 2)[0]
+            if fmt != 0x04:  # EIFMT_SVAL carries a size; the other formats are 4 bytes in all
+                at += 4
+                continue
+            if attr == 0x2F and size == 8:  # EIATTR_REGCOUNT: (symbol index, registers)
+                symbol, registers = struct.unpack_from("<II", body, at + 4)
+                counts[c_string(strtab + symbols[symbol][0])] = registers
+            at += 4 + size
+    return counts
+
+
+# --------------------------------------------------------------------------------------
+# The whole cubin from NVRTC
+# --------------------------------------------------------------------------------------
+
+
+def _loaded_nvrtc_paths() -> list[str]:
+    """Paths of the NVRTC libraries mapped into this process (Linux's /proc/self/maps)."""
+    with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
+        fields = (line.split(None, 5) for line in maps)
+        paths = {f[5].strip() for f in fields if len(f) == 6}
+    return sorted(p for p in paths if os.path.basename(p).startswith("libnvrtc.so"))
+
+
+@functools.lru_cache(maxsize=4)
+def _cupy_nvrtc_library(expected_version: tuple[int, int]) -> ctypes.CDLL:
+    """A ctypes handle on the NVRTC library CuPy calls: the one ``libnvrtc`` mapped into
+    this process (CuPy has just compiled with it) and of CuPy's NVRTC version, opened
+    with ``RTLD_NOLOAD``, which returns the handle of that very library and never
+    loads another. Anything else (no Linux ``/proc``, no such library, two of them)
+    is a ``CubinError``: handing CuPy's program to another NVRTC would be unsafe."""
+    if not sys.platform.startswith("linux"):
+        raise CubinError(f"finding CuPy's NVRTC library is implemented for Linux only, not {sys.platform}")
+    try:
+        candidates = _loaded_nvrtc_paths()
+    except OSError as err:
+        raise CubinError(f"cannot list the loaded libraries: {err}") from None
+    matching = {}
+    for path in candidates:
+        try:
+            lib = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+            major, minor = ctypes.c_int(), ctypes.c_int()
+            if lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)) != 0:
+                continue
+        except (OSError, AttributeError):
+            continue
+        if (major.value, minor.value) == tuple(expected_version):
+            matching[lib._handle] = lib
+    if len(matching) != 1:
+        raise CubinError(f"expected one loaded NVRTC {tuple(expected_version)} library, found {len(matching)} "
+                         f"among {candidates or 'none'}")
+    return next(iter(matching.values()))
+
+
+def nvrtc_cubin(program: int, cupy_bytes: bytes, version: tuple[int, int]) -> bytes:
+    """The complete cubin of the compiled NVRTC ``program`` (CuPy's handle).
+
+    Asks CuPy's own NVRTC library for the size and the bytes (``nvrtcGetCUBINSize``,
+    ``nvrtcGetCUBIN``); ``cupy_bytes`` (CuPy's short copy) must be a prefix of them. Where that library cannot be reached,
+    the ELF header says how long the file is: the missing tail can be restored only
+    if it is the high bytes of the last program header's ``p_align`` field (zero for
+    any alignment below 2^56), which is what CuPy's one-byte strip removes."""
+    try:
+        lib = _cupy_nvrtc_library(tuple(version))
+        size = ctypes.c_size_t()
+        if lib.nvrtcGetCUBINSize(ctypes.c_void_p(program), ctypes.byref(size)) != 0:
+            raise CubinError("nvrtcGetCUBINSize failed")
+        buffer = ctypes.create_string_buffer(size.value)
+        if lib.nvrtcGetCUBIN(ctypes.c_void_p(program), buffer) != 0:
+            raise CubinError("nvrtcGetCUBIN failed")
+        data = buffer.raw
+        if not data.startswith(cupy_bytes):
+            raise CubinError("NVRTC's cubin and CuPy's copy differ")
+    except CubinError as err:
+        data = _restore_stripped_tail(cupy_bytes, reason=str(err))
+    check_cubin(data)
+    return data
+
+
+_warned_restore = False
+
+
+def _restore_stripped_tail(data: bytes, *, reason: str) -> bytes:
+    global _warned_restore
+    end = elf_extent(data)
+    missing = end - len(data)
+    if missing <= 0:
+        return data
+    header = _ELF64_HEADER.unpack_from(data)
+    phoff, phentsize, phnum = header[5], header[9], header[10]
+    align_field = phoff + (phnum - 1) * phentsize + 48  # p_align: the last 8 bytes of the last header
+    if phnum == 0 or phentsize != _ELF64_SEGMENT.size or end != align_field + 8 or len(data) <= align_field:
+        raise CubinError(f"cubin is {missing} bytes short and cannot be completed ({reason})")
+    if not _warned_restore:
+        _warned_restore = True
+        warnings.warn(f"metrale-attn: NVRTC's cubin size could not be read ({reason}); restored the "
+                      f"{missing} zero byte(s) CuPy strips from the ELF header instead", RuntimeWarning, stacklevel=3)
+    return data + bytes(missing)
+
+
+# --------------------------------------------------------------------------------------
+# The on-disk cache
+# --------------------------------------------------------------------------------------
+
+
+def _sidecar(path: Path) -> Path:
+    return path.with_name(path.name + ".json")
+
+
+def read_cached(path: Path) -> bytes | None:
+    """The cached cubin at ``path`` if it is whole: its size and SHA-256 match the
+    sidecar written with it, and its ELF tables lie inside it; else None."""
+    try:
+        meta = json.loads(_sidecar(path).read_text(encoding="utf-8"))
+        data = path.read_bytes()
+    except (OSError, ValueError):
+        return None
+    if not isinstance(meta, dict) or meta.get("size") != len(data):
+        return None
+    if meta.get("sha256") != hashlib.sha256(data).hexdigest():
+        return None
+    try:
+        check_cubin(data)
+    except CubinError:
+        return None
+    return data
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def write_cached(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path``, then its sidecar (size, SHA-256), each atomically:
+    a reader sees either a matching pair or a mismatch it rebuilds."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _write_atomically(path, data)
+    meta = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    _write_atomically(_sidecar(path), (json.dumps(meta) + "\n").encode())
+
+
+_fallback_dir: Path | None = None
+
+
+def fallback_dir(unwritable: Path, err: OSError) -> Path:
+    """This process's private temporary cubin directory, made (and warned about) once."""
+    global _fallback_dir
+    if _fallback_dir is None:
+        _fallback_dir = Path(tempfile.mkdtemp(prefix="metrale-attn-cubin-"))
+        warnings.warn(f"metrale-attn: cubin cache {unwritable} is not writable ({err}); caching cubins in "
+                      f"{_fallback_dir} for this process only (set METRALE_ATTN_CACHE_DIR to a writable "
+                      "directory)", RuntimeWarning, stacklevel=3)
+    return _fallback_dir
+
+
+def cached_cubin(path: Path, build) -> Path:
+    """The path of a whole cached cubin named ``path.name``: ``path`` itself when it
+    holds one (validated); else ``build()``'s bytes written there, or, where that
+    directory cannot be written, into this process's private temporary directory."""
+    if read_cached(path) is not None:
+        return path
+    if _fallback_dir is not None and read_cached(_fallback_dir / path.name) is not None:
+        return _fallback_dir / path.name
+    data = build()
+    check_cubin(data)
+    try:
+        write_cached(path, data)
+        return path
+    except OSError as err:
+        spare = fallback_dir(path.parent, err) / path.name
+        write_cached(spare, data)
+        return spare

@@ -1,0 +1,192 @@
+"""benchmarks/sass_report.py: the static SASS model, without a GPU.
+
+The CFG machinery is checked on small hand-written listings (nested loops, a divergent
+fallback, a rare detour, two memory waits); the real report runs on one variant end to
+end and on one variant per arm to check its loop bytes against the kernel sources.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import nvrtc_build
+
+from metrale_attn.backends import cubin
+from metrale_attn.kernels import Variant
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+
+import sass_report as sr  # noqa: E402
+
+# -------------------------------------------------------------------------------------
+# The CFG and the model on hand-written SASS
+# -------------------------------------------------------------------------------------
+
+LISTING = """
+        .section        .text.toy,"ax",@progbits
+toy:
+        /*0000*/                   S2R R0, SR_TID.X ;
+        /*0010*/                   MOV R9, RZ ;
+.L_x_outer:
+        /*0020*/                   IADD3 R9, R9, 0x1, RZ ;
+.L_x_inner:
+        /*0030*/                   LDG.E.128.CONSTANT R4, desc[UR4][R2.64] ;
+        /*0040*/                   LDG.E.128.CONSTANT R12, desc[UR4][R2.64+0x200] ;
+        /*0050*/                   BRA.DIV UR6, `(.L_x_stub) ;
+.L_x_back:
+        /*0060*/                   SHFL.BFLY PT, R8, R1, 0x1, 0x1f ;
+        /*0070*/                   FFMA R1, R4, R5, R1 ;
+        /*0080*/                   LDG.E.128.CONSTANT R20, desc[UR4][R2.64+0x400] ;
+        /*0090*/                   FFMA R1, R12, R20, R1 ;
+        /*00a0*/               @!P1 BRA `(.L_x_common) ;
+        /*00b0*/                   FSEL R1, R1, -INF, P2 ;
+        /*00c0*/                   FSEL R1, R1, -INF, P2 ;
+        /*00d0*/                   FSEL R1, R1, -INF, P2 ;
+.L_x_common:
+        /*00e0*/                   MUFU.EX2 R1, R1 ;
+        /*00f0*/               @P0 BRA `(.L_x_inner) ;
+        /*0100*/                   ISETP.GE.AND P3, PT, R9, 0x10, PT ;
+        /*0110*/              @!P3 BRA `(.L_x_outer) ;
+        /*0120*/                   EXIT ;
+.L_x_stub:
+        /*0130*/                   WARPSYNC.ALL ;
+        /*0140*/                   SHFL.BFLY PT, R8, R1, 0x1, 0x1f ;
+        /*0150*/                   BRA `(.L_x_back) ;
+.L_x_pad:
+        /*0160*/                   BRA `(.L_x_pad) ;
+"""
+
+
+def toy():
+    (name, (instrs, labels)), = sr.parse_functions(LISTING).items()
+    assert name == "toy"
+    return instrs, labels
+
+
+def test_the_hot_loop_is_the_innermost_loop_with_the_loads_and_skips_cold_code():
+    instrs, labels = toy()
+    hot = sr.find_hot_path(instrs, labels)
+    assert hot is not None
+    addrs = [i.addr for i in hot.instrs]
+    # The inner loop (0x30..0xf0), not the outer one or the padding self-loop; the
+    # BRA.DIV fallback (0x130..) and the three-FSEL detour are off the steady-state path.
+    assert addrs[0] == 0x30 and addrs[-1] == 0xF0
+    assert 0x130 not in addrs and 0xB0 not in addrs
+    assert len(hot.instrs) == 10 and hot.body_instructions == 13
+
+
+def test_two_memory_waits_and_the_bytes_in_flight_at_the_first():
+    instrs, labels = toy()
+    flight = sr.loads_in_flight(sr.find_hot_path(instrs, labels).instrs)
+    # 2 loads (1 KiB per warp) before FFMA reads R4; the third load waits alone.
+    assert flight.bytes_at_first_wait == 2 * 512
+    assert flight.waits == 2 and flight.bytes_per_iter == 3 * 512
+    assert flight.mean_bytes == 3 * 512 / 2
+
+
+def test_instruction_categories_pipes_and_operands():
+    ins = sr.Instr(0, None, "LDG.E.128.CONSTANT", "R40, desc[UR8][R40.64]")
+    assert sr.category(ins) == "ldg" and sr.global_load_bytes(ins) == 512
+    assert sr.registers(ins) == [{40, 41, 42, 43}, {40, 41}]
+    assert sr.category(sr.Instr(0, None, "IMAD.WIDE.U32", "R20, R2, UR22, R20")) == "int"
+    assert set(sr.pipe_cost(sr.Instr(0, None, "IMAD.U32", "R45, R40, 0x10000, RZ"))) == {"issue", "fma", "imad"}
+    assert set(sr.pipe_cost(sr.Instr(0, None, "LOP3.LUT", "R4, R4, 0xff, RZ, 0xc0, !PT"))) == {"issue", "alu"}
+    assert set(sr.pipe_cost(sr.Instr(0, None, "MUFU.EX2", "R1, R1"))) == {"issue", "xu"}
+    assert sr.shared_bytes(sr.Instr(0, None, "LDSM.16.M88.4", "R8, [R2]")) == 512
+    assert sr.tensor_fmas(sr.Instr(0, None, "HMMA.16816.F32.BF16", "R4, R8, R12, R4")) == 16 * 8 * 16
+    assert sr.category(sr.Instr(0, None, "UIADD3", "UR4, UR4, 0x1, URZ")) == "uniform"
+
+
+def test_occupancy_follows_registers_and_shared_memory():
+    assert sr.occupancy(83, 2336, 4) == (5, "registers")  # 88 regs x 32 = 2816 per warp: 5 per sub-partition
+    assert sr.occupancy(117, 2336, 4) == (4, "registers")
+    assert sr.occupancy(32, 100 * 1024, 4) == (2, "shared memory")
+    assert sr.occupancy(16, 0, 4)[0] == 16  # 2048 threads / 128
+
+
+def test_every_assumption_names_its_source_and_the_table_prints():
+    assert all(x.source and x.unit for x in sr.ASSUMPTIONS.values())
+    for key in ("sm_count", "clock_ghz", "hbm_copy_tb_s", "l2_tb_s", "latency_short_ns", "latency_long_ns"):
+        assert key in sr.ASSUMPTIONS
+    assert "gpu-l2-cache/h200.txt" in sr.ASSUMPTIONS["l2_tb_s"].source
+    done = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "sass_report.py"), "--assumptions"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "| `l2_tb_s` | 9.8 |" in done.stdout
+
+
+def test_nvdisasm_is_found_from_the_environment_first(monkeypatch, tmp_path):
+    fake = tmp_path / "nvdisasm"
+    fake.write_text("#!/bin/sh\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("NVDISASM", str(fake))
+    assert sr.find_nvdisasm() == str(fake)
+
+
+def test_the_default_set_is_every_arm_of_the_three_shapes():
+    chosen = sr.select([], sr.DEFAULT_SHAPES, sr.DEFAULT_KV, sr.DEFAULT_Q)
+    arms = {(v.arm, shape) for v, shape in chosen}
+    assert len(chosen) == 28 and {v.kv_dtype for v, _ in chosen} == {"bf16", "fp8"}
+    assert {v.impl for v, _ in chosen} == {"mma", "simt"} and all(v.row_tiles == 1 for v, _ in chosen)
+    assert ("gqa_packed", (24, 4, 256)) in arms and ("gqa_packed", (32, 8, 128)) not in arms
+    assert all((family, shape) in arms for family in ("unpacked", "splitk") for shape in sr.DEFAULT_SHAPES)
+
+
+# -------------------------------------------------------------------------------------
+# The real kernels
+# -------------------------------------------------------------------------------------
+
+pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="NVRTC (cupy) is not installed")
+NVDISASM = sr.find_nvdisasm()
+needs_nvdisasm = pytest.mark.skipif(NVDISASM is None, reason="nvdisasm not found (pip install nvidia-cuda-nvdisasm)")
+
+
+@needs_nvdisasm
+@pytest.mark.parametrize("variant", [Variant("unpacked", 64, "fp16", "bf16"), Variant("splitk", 128, "bf16", "fp8"),
+                                     Variant("unpacked", 256, "bf16", "fp16"),
+                                     Variant("gqa_packed", 256, "bf16", "bf16"),
+                                     Variant("gqa_packed", 256, "fp16", "fp8")], ids=lambda v: v.name)
+def test_the_loop_the_report_finds_loads_the_bytes_the_source_declares(variant):
+    facts = sr.analyse(variant, "sm_90", NVDISASM, build=nvrtc_build(variant, "sm_90"))
+    assert facts.hot is not None
+    assert facts.warp_iters_per_sass_iter == 1
+    assert facts.sass_kv_bytes_per_iter == variant.hot_loop.kv_bytes_per_warp_iter
+    # Every K and V load of the tile is on the path: 2 per UNROLL step, plus the block-table prefetch.
+    vector_loads = [i for i in facts.hot.instrs if sr.global_load_bytes(i) and sr._width_bytes(i) >= 8]
+    assert len(vector_loads) == 2 * 4
+
+
+@needs_nvdisasm
+def test_the_report_on_one_variant_writes_the_interface(tmp_path):
+    out = tmp_path / "rows.json"
+    done = subprocess.run(
+        [sys.executable, os.path.join(REPO, "benchmarks", "sass_report.py"), "--json", str(out), "--arch", "sm_90",
+         "--variants", "paged_decode_unpacked_qbf16_kvbf16_hd128", "--shapes", "32/8/128"],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "NVDISASM": NVDISASM})
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "NOT measured" in done.stdout and "| unpacked | 32/8/128 | bf16 | sm_90 | 1 |" in done.stdout
+    (r,) = json.loads(out.read_text())
+    for key in ("arm", "q_heads", "kv_heads", "head_dim", "q_dtype", "kv_dtype", "arch", "heads_per_cta",
+                "instr_per_kib", "kib_in_flight_per_sm", "registers", "spill_bytes", "ceiling_pct", "binding", "mix"):
+        assert key in r, key
+    assert (r["arm"], r["q_heads"], r["kv_heads"], r["head_dim"], r["q_dtype"], r["kv_dtype"], r["arch"],
+            r["heads_per_cta"]) == ("unpacked", 32, 8, 128, "bf16", "bf16", "sm_90", 1)
+    assert r["loop_found"] and r["loop_bytes_match"]
+    # Sane numbers: 50-400 instructions per KiB a CTA reads, times the 4 CTAs of a group.
+    assert 50 < r["instr_per_kib_per_cta"] < 400
+    assert r["instr_per_kib"] == pytest.approx(4 * r["instr_per_kib_per_cta"])
+    assert sum(r["mix"].values()) == r["loop"]["hot_path_instructions"]
+    assert r["mix"]["ldg"] >= 8 and r["mix"]["fp32"] > 0 and r["mix"]["shfl"] > 0
+    cubin_bytes, log = nvrtc_build(Variant("unpacked", 128, "bf16", "bf16"), "sm_90")
+    assert r["registers"] == sr.ptxas_resources(log, "paged_decode_unpacked")["registers"]
+    assert r["registers"] == cubin.kernel_register_counts(cubin_bytes)["paged_decode_unpacked"]
+    assert r["spill_bytes"] == 0 and r["stack_frame_bytes"] == 0
+    assert 1 <= r["ctas_per_sm"] <= 16 and r["warps_per_sm"] == 4 * r["ctas_per_sm"]
+    assert 1 < r["kib_in_flight_per_sm"] < 200 and r["memory_waits_per_iter"] >= 1
+    assert 0 < r["ceiling_pct"] <= 100 and r["binding"] in r["ceilings"]
+    assert r["ceiling_pct"] == min(r["ceilings"].values())
+    assert r["ceilings"]["l2"] == pytest.approx(100 * 9.8 / 4.3 / 4)
