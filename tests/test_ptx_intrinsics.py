@@ -238,6 +238,13 @@ def test_nan_results_of_the_emulated_mma_are_the_canonical_fp32_nan():
     assert (bits[4:] == 0).all() and (bits[:4, 2:] == 0).all()
 
 
+def test_mma_products_that_underflow_fp32_are_kept_as_subnormals():
+    tiny = 57 << 7  # bf16 2^-70: every product is 2^-140, an fp32 subnormal
+    a, b = np.full((32, 4), tiny * 0x10001, np.uint32), np.full((32, 2), tiny * 0x10001, np.uint32)
+    d = run_mma_regs(CPU, a, b, np.zeros((32, 4), np.float32), False)
+    assert (d.view(np.uint32) == 16 << 9).all()  # 16 * 2^-140 = 2^-136 = 2^13 * 2^-149
+
+
 @pytest.mark.parametrize("dtype", ["bf16", "f16"])
 def test_a_64x64x64_gemm_through_cp_async_ldmatrix_and_mma_matches_numpy(dtype):
     A, B, D = run_gemm(CPU, dtype, rng_for("gemm", dtype))
@@ -323,6 +330,13 @@ def test_a_cp_async_the_gpu_would_reject_is_an_error_naming_its_line(mode, patte
     msg = str(e.value)
     assert re.search(pattern, msg), msg
     assert f"pd_cp_async_ca_16 at tests/toy_kernels/ptx_cp_async.cu:{line_of(CP_ASYNC, 'pd_cp_async_ca_16(dst, src, mode')}" in msg
+
+
+@pytest.mark.parametrize("asan", [False, pytest.param(True, marks=needs_asan)], ids=["plain", "asan"])
+def test_a_cp_async_of_zero_source_bytes_reads_nothing_and_zero_fills(asan):
+    out = np.full(32 * 16, 0x77, np.uint8)
+    CpuRunner(asan=asan).launch(CP_ASYNC, "bad_copy", (1, 1, 1), (32, 1, 1), 32 * 16, (out, np.int32(5)))
+    assert (out == 0).all()
 
 
 def test_without_asan_a_cp_async_destination_past_the_dynamic_buffer_is_an_error_too():

@@ -93,12 +93,15 @@ extern "C" __global__ void shifted_copy(const unsigned char* in, unsigned char* 
 
 // Misuse the shim reports (the GPU faults or is undefined): mode 1 src_bytes past the copy
 // size, 2 a misaligned destination, 3 a destination in global memory, 4 a source in shared
-// memory.
+// memory. Mode 5 is fine: src_bytes 0 with a null source reads nothing and zero-fills, and
+// the 16 bytes go back to global.
 extern "C" __global__ void bad_copy(unsigned char* global, int mode) {
   DYNAMIC_SHARED(unsigned char, buf);
   const int l = threadIdx.x;
   unsigned char* dst = mode == 2 ? buf + 16 * l + 4 : mode == 3 ? global + 16 * l : buf + 16 * l;
-  const unsigned char* src = mode == 4 ? buf + 16 * ((l + 1) & 31) : global + 16 * l;
-  pd_cp_async_ca_16(dst, src, mode == 1 ? 17u : 16u);
+  const unsigned char* src = mode == 4 ? buf + 16 * ((l + 1) & 31) : mode == 5 ? nullptr : global + 16 * l;
+  pd_cp_async_ca_16(dst, src, mode == 1 ? 17u : mode == 5 ? 0u : 16u);
   pd_cp_async_wait_all();
+  if (mode == 5)
+    for (int b = 0; b < 16; ++b) global[16 * l + b] = buf[16 * l + b];
 }
