@@ -18,7 +18,7 @@
 //   * cp.async is deferred: the source is read and the destination filled with 0xFF at
 //     issue; the bytes land at the wait_group that covers the copy's group (under the seeded
 //     thread orders possibly earlier). __syncthreads does not land copies. A missing or
-//     too-short wait reads 0xFF bytes.
+//     too-short wait reads 0xFF bytes (or a stage whose older copy landed late).
 //   * ldmatrix rows must be 16-byte aligned and inside the block's shared memory.
 //   * mma sums c + a[m][0]*b[0][n] + ... + a[m][15]*b[15][n] in that order in fp32 (round to
 //     nearest, subnormals kept): exact products, but a tensor core may round the sum
@@ -28,12 +28,17 @@
 #define PD_PTX_CUH
 
 #ifdef __CUDA_ON_CPU__
-// Trailing hidden parameters: the caller's file and line, for the shim's error messages.
+// Trailing hidden parameters: the caller's file and line, for the shim's error messages
+// (PD_PTX_SITE defaults them at the call; PD_PTX_SITE_ARGS / PD_PTX_AT pass them on).
 #define PD_PTX_SITE , COCPU_CALLER_SITE
 #define PD_PTX_SITE_ONLY COCPU_CALLER_SITE
+#define PD_PTX_SITE_ARGS , const char *cocpu_file, int cocpu_line
+#define PD_PTX_AT , cocpu_file, cocpu_line
 #else
 #define PD_PTX_SITE
 #define PD_PTX_SITE_ONLY
+#define PD_PTX_SITE_ARGS
+#define PD_PTX_AT
 // A shared-memory address as the .shared state space sees it (32 bits).
 __device__ __forceinline__ unsigned pd_smem_addr(const void* p) {
   return (unsigned)__cvta_generic_to_shared(p);
@@ -46,52 +51,49 @@ __device__ __forceinline__ unsigned pd_smem_addr(const void* p) {
 // (src_bytes = 0 reads nothing). Destinations must be aligned to the copy size.
 // ---------------------------------------------------------------------------------------
 
+// The one body of the four copies below: cp.async.{ca,cg}.shared.global [dst], [src], SIZE,
+// src_bytes (§9.7.9.25.3.1); .ca caches at all levels, .cg in L2 only (.cg: SIZE 16 only).
+template <int SIZE, bool CA>
+__device__ __forceinline__ void pd_cp_async_sized(void* smem_dst, const void* gmem_src,
+                                                  unsigned src_bytes PD_PTX_SITE_ARGS) {
+  static_assert(SIZE == 4 || SIZE == 8 || SIZE == 16, "cp.async copies 4, 8 or 16 bytes");
+  static_assert(CA || SIZE == 16, "cp.async.cg copies 16 bytes");
+#ifdef __CUDA_ON_CPU__
+  cocpu_cp_async(smem_dst, gmem_src, SIZE, src_bytes, CA, cocpu_file, cocpu_line);
+#else
+  if constexpr (CA)
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(pd_smem_addr(smem_dst)),
+                 "l"(gmem_src), "n"(SIZE), "r"(src_bytes)
+                 : "memory");
+  else
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(pd_smem_addr(smem_dst)),
+                 "l"(gmem_src), "r"(src_bytes)
+                 : "memory");
+#endif
+}
+
 // cp.async.cg.shared.global [dst], [src], 16, src_bytes;  (§9.7.9.25.3.1; L2 only)
 __device__ __forceinline__ void pd_cp_async_cg_16(void* smem_dst, const void* gmem_src,
                                                   unsigned src_bytes PD_PTX_SITE) {
-#ifdef __CUDA_ON_CPU__
-  cocpu_cp_async(smem_dst, gmem_src, 16, src_bytes, 0, cocpu_file, cocpu_line);
-#else
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(pd_smem_addr(smem_dst)),
-               "l"(gmem_src), "r"(src_bytes)
-               : "memory");
-#endif
+  pd_cp_async_sized<16, false>(smem_dst, gmem_src, src_bytes PD_PTX_AT);
 }
 
 // cp.async.ca.shared.global [dst], [src], 4, src_bytes;  (§9.7.9.25.3.1; L1 and L2)
 __device__ __forceinline__ void pd_cp_async_ca_4(void* smem_dst, const void* gmem_src,
                                                  unsigned src_bytes PD_PTX_SITE) {
-#ifdef __CUDA_ON_CPU__
-  cocpu_cp_async(smem_dst, gmem_src, 4, src_bytes, 1, cocpu_file, cocpu_line);
-#else
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(pd_smem_addr(smem_dst)),
-               "l"(gmem_src), "r"(src_bytes)
-               : "memory");
-#endif
+  pd_cp_async_sized<4, true>(smem_dst, gmem_src, src_bytes PD_PTX_AT);
 }
 
 // cp.async.ca.shared.global [dst], [src], 8, src_bytes;  (§9.7.9.25.3.1)
 __device__ __forceinline__ void pd_cp_async_ca_8(void* smem_dst, const void* gmem_src,
                                                  unsigned src_bytes PD_PTX_SITE) {
-#ifdef __CUDA_ON_CPU__
-  cocpu_cp_async(smem_dst, gmem_src, 8, src_bytes, 1, cocpu_file, cocpu_line);
-#else
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(pd_smem_addr(smem_dst)),
-               "l"(gmem_src), "r"(src_bytes)
-               : "memory");
-#endif
+  pd_cp_async_sized<8, true>(smem_dst, gmem_src, src_bytes PD_PTX_AT);
 }
 
 // cp.async.ca.shared.global [dst], [src], 16, src_bytes;  (§9.7.9.25.3.1)
 __device__ __forceinline__ void pd_cp_async_ca_16(void* smem_dst, const void* gmem_src,
                                                   unsigned src_bytes PD_PTX_SITE) {
-#ifdef __CUDA_ON_CPU__
-  cocpu_cp_async(smem_dst, gmem_src, 16, src_bytes, 1, cocpu_file, cocpu_line);
-#else
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 16, %2;\n" ::"r"(pd_smem_addr(smem_dst)),
-               "l"(gmem_src), "r"(src_bytes)
-               : "memory");
-#endif
+  pd_cp_async_sized<16, true>(smem_dst, gmem_src, src_bytes PD_PTX_AT);
 }
 
 // cp.async.commit_group;  (§9.7.9.25.3.2) closes this thread's open group of copies.
@@ -295,4 +297,6 @@ __device__ __forceinline__ unsigned pd_prmt(unsigned a, unsigned b, unsigned sel
 
 #undef PD_PTX_SITE
 #undef PD_PTX_SITE_ONLY
+#undef PD_PTX_SITE_ARGS
+#undef PD_PTX_AT
 #endif  // PD_PTX_CUH
