@@ -3,11 +3,28 @@
 from __future__ import annotations
 
 import functools
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from metrale_attn import DecodeAttention, policy, reference
+from metrale_attn import DecodeAttention, kernels, policy, reference
+
+TOYS = Path(__file__).parent / "toy_kernels"
+
+
+def toy_source(name: str) -> str:
+    """tests/toy_kernels/<name>.cu as the dispatch code compiles a kernel: a ``#line 1`` directive in front
+    and each ``#include "x.cuh"`` of kernels_cu/ inlined with ``#line`` directives (metrale_attn.kernels.inline),
+    so errors name the real file and line on both backends."""
+    path = f"tests/toy_kernels/{name}.cu"
+    lines = (TOYS / f"{name}.cu").read_text().split("\n")
+    out = [f'#line 1 "{path}"']
+    for number, line in enumerate(lines, 1):
+        include = re.fullmatch(r'\s*#\s*include\s*"([^"]+\.cuh)"\s*', line)
+        out += [kernels.inline(include.group(1)), f'#line {number + 1} "{path}"'] if include else [line]
+    return "\n".join(out)
 
 
 @pytest.fixture(autouse=True)

@@ -10,14 +10,14 @@ import os
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from metrale_attn.cuda_on_cpu import CudaOnCpuCompileError, CudaOnCpuError, compile_module, loader
 
-TOYS = Path(__file__).parent / "toy_kernels"
+from conftest import TOYS, toy_source
+
 FULL = 0xFFFFFFFF
 
 
@@ -28,10 +28,6 @@ def _private_cache(tmp_path_factory):
         for var in ("METRALE_ATTN_CPU_ORDER", "METRALE_ATTN_CPU_FIBER", "METRALE_ATTN_CPU_STACK_KB"):
             mp.delenv(var, raising=False)
         yield
-
-
-def toy_source(name: str) -> str:
-    return f'#line 1 "tests/toy_kernels/{name}.cu"\n' + (TOYS / f"{name}.cu").read_text()
 
 
 def toy(name: str, **kw):

@@ -10,6 +10,7 @@ import pytest
 from metrale_attn import reference
 from metrale_attn.backends import cuda_available
 
+import ptx_toys
 from conftest import ARM_OPTIONS, check_against_reference, decoder, problem, run_poisoned
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not cuda_available(), reason="no CUDA device")]
@@ -167,3 +168,104 @@ def test_the_benchmark_timer_captures_torch_inputs_on_its_own_stream():
     reference.assert_close_to_reference(_to_numpy_bf16(torch, out, p.q), ref_out, v_absmax=p.v_absmax())
     timing = timer.measure(launch)
     assert timing.iters >= 2 and timing.median_us > 0
+
+
+# ---------------------------------------------------------------------------------------
+# kernels_cu/pd_ptx.cuh on the device, against its CPU emulation (tests/ptx_toys.py): bit for
+# bit for ldmatrix, movmatrix, cp.async, cvt and prmt; within fp32 rounding for the MMA, whose
+# summation order and rounding the PTX ISA leaves open.
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def device_toys(tmp_path_factory):
+    return ptx_toys.GpuRunner(tmp_path_factory.mktemp("ptx-cubins"))
+
+
+def assert_within_fp32_rounding(D, A, B, C, cpu_D):
+    """|D - exact| <= (k + 1) 2^-23 sum |terms| (any order, even truncating adds), for the device
+    and for the CPU's fixed order; nothing closer is promised between them."""
+    exact, magnitude = ptx_toys.float64_mma(A, B, C)
+    bound = (A.shape[1] + 1) * 2.0**-23 * magnitude
+    assert (np.abs(D - exact) <= bound).all()
+    assert (np.abs(cpu_D - exact) <= bound).all()
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "f16"])
+def test_the_device_mma_is_the_product_within_fp32_rounding_like_its_emulation(device_toys, dtype):
+    for in_place in (False, True):
+        A, B, C, D = ptx_toys.run_mma(device_toys, dtype, ptx_toys.rng_for("mma", dtype, in_place), in_place=in_place)
+        _, _, _, cpu_D = ptx_toys.run_mma(ptx_toys.CpuRunner(), dtype, ptx_toys.rng_for("mma", dtype, in_place),
+                                          in_place=in_place)
+        for warp in range(D.shape[0]):
+            assert_within_fp32_rounding(D[warp], A, B, C, cpu_D[warp])
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "f16"])
+def test_the_device_gemm_through_cp_async_ldmatrix_and_mma_is_the_product_within_fp32_rounding(device_toys, dtype):
+    A, B, D = ptx_toys.run_gemm(device_toys, dtype, ptx_toys.rng_for("gemm", dtype))
+    _, _, cpu_D = ptx_toys.run_gemm(ptx_toys.CpuRunner(), dtype, ptx_toys.rng_for("gemm", dtype))
+    assert_within_fp32_rounding(D, A, B, np.zeros_like(D), cpu_D)
+
+
+def test_a_device_mma_of_inf_times_zero_gives_nan_where_the_emulation_does(device_toys):
+    a = np.zeros((32, 4), np.uint32)
+    a[0, 0] = 0x7F80  # A[0][0] = +inf (bf16)
+    b, c = np.zeros((32, 2), np.uint32), np.zeros((32, 4), np.float32)
+    d = ptx_toys.run_mma_regs(device_toys, a, b, c, False)
+    cpu = ptx_toys.run_mma_regs(ptx_toys.CpuRunner(), a, b, c, False)
+    np.testing.assert_array_equal(np.isnan(d), np.isnan(cpu))
+    print("device NaN bits:", sorted({hex(x) for x in d.view(np.uint32)[np.isnan(d)]}))
+
+
+@pytest.mark.parametrize("num, trans", ptx_toys.LDMATRIX_VARIANTS)
+def test_device_ldmatrix_is_bit_identical_to_its_emulation(device_toys, num, trans):
+    rows, row_of_lane = ptx_toys.ldmatrix_rows(ptx_toys.rng_for("ptx-ldmatrix", num, trans), num)
+    device = ptx_toys.run_ldmatrix(device_toys, num, trans, rows, row_of_lane)
+    np.testing.assert_array_equal(device, ptx_toys.run_ldmatrix(ptx_toys.CpuRunner(), num, trans, rows, row_of_lane))
+
+
+def test_device_movmatrix_is_bit_identical_to_its_emulation(device_toys):
+    frags = ptx_toys.rng_for("movmatrix").integers(0, 1 << 32, 96, dtype=np.uint64).astype(np.uint32)
+    device = ptx_toys.run_movmatrix(device_toys, frags)
+    np.testing.assert_array_equal(device, ptx_toys.run_movmatrix(ptx_toys.CpuRunner(), frags))
+
+
+@pytest.mark.parametrize("kernel", list(ptx_toys.COPY_KERNELS))
+def test_the_device_cp_async_pipeline_copies_the_bytes_the_emulation_does(device_toys, kernel):
+    data, src_bytes, expect = ptx_toys.copy_case(ptx_toys.rng_for("copy", kernel), ptx_toys.COPY_KERNELS[kernel])
+    np.testing.assert_array_equal(ptx_toys.run_pipelined_copy(device_toys, kernel, data, src_bytes), expect)
+
+
+def test_device_wait_group_completes_at_least_the_groups_the_emulation_lands(device_toys):
+    landed = ptx_toys.group_snapshots(device_toys)
+    assert landed[:, ptx_toys.MUST_HAVE_LANDED].all()
+
+
+@pytest.mark.parametrize("kernel", ["cvt_f16x2_e4m3x2", "cvt_f16x2_e5m2x2"])
+def test_device_fp8_conversions_are_bit_identical_to_the_emulation_nan_included(device_toys, kernel):
+    inputs = ptx_toys.ALL_16_BIT
+    device = ptx_toys.run_cvt(device_toys, kernel, inputs)
+    np.testing.assert_array_equal(device, ptx_toys.run_cvt(ptx_toys.CpuRunner(), kernel, inputs))
+
+
+@pytest.mark.parametrize("kernel, half", [("cvt_bf16x2_f32", "bfloat16"), ("cvt_f16x2_f32", "float16")])
+def test_device_f32_to_16_bit_rounding_is_bit_identical_to_the_emulation(device_toys, kernel, half):
+    import ml_dtypes
+
+    rng = ptx_toys.rng_for("round", kernel)
+    lo = ptx_toys.rounding_inputs(rng, ml_dtypes.bfloat16 if half == "bfloat16" else np.float16)
+    hi = rng.permutation(lo)
+    device = ptx_toys.run_cvt(device_toys, kernel, hi, lo)
+    np.testing.assert_array_equal(device, ptx_toys.run_cvt(ptx_toys.CpuRunner(), kernel, hi, lo))
+
+
+def test_device_f16_to_f32_and_prmt_are_bit_identical_to_the_emulation(device_toys):
+    inputs = ptx_toys.ALL_16_BIT
+    device = ptx_toys.run_cvt(device_toys, "cvt_f32_f16", inputs)
+    np.testing.assert_array_equal(device, ptx_toys.run_cvt(ptx_toys.CpuRunner(), "cvt_f32_f16", inputs))
+    rng = ptx_toys.rng_for("prmt")
+    n = 1 << 16
+    sel = np.arange(n, dtype=np.uint32) | (rng.integers(0, 1 << 16, n, dtype=np.uint32) << 16)
+    a, b = (rng.integers(0, 1 << 32, n, dtype=np.uint64).astype(np.uint32) for _ in range(2))
+    np.testing.assert_array_equal(ptx_toys.run_cvt(device_toys, "prmt", a, b, sel), ptx_toys.prmt_model(a, b, sel))

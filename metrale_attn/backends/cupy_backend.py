@@ -45,16 +45,23 @@ def nvrtc_compile(variant: Variant, arch: str, *, ptxas_verbose: bool = False) -
     """Compile ``variant`` with NVRTC, no GPU needed: ``arch="sm_90"`` gives a cubin,
     ``"compute_90"`` PTX. Returns ``(binary, log)``; with ``ptxas_verbose`` the log
     holds ptxas's registers, stack frame and spills per kernel."""
+    source, options = nvrtc_program(variant)
+    return nvrtc_compile_source(source, variant.name, arch, options, ptxas_verbose=ptxas_verbose)
+
+
+def nvrtc_compile_source(source: str, name: str, arch: str, options: tuple[str, ...] = BASE_OPTIONS, *,
+                         ptxas_verbose: bool = False) -> tuple[bytes, str]:
+    """``nvrtc_compile`` for a complete source (headers inlined) that is not a variant: the toy
+    kernels of the tests. ``options`` exclude ``-arch``; the dialect prelude is the caller's."""
     from cupy_backends.cuda.libs import nvrtc
 
-    source, options = nvrtc_program(variant)
     options = (*options, f"--gpu-architecture={arch}") + (("--ptxas-options=-v",) if ptxas_verbose else ())
-    program = nvrtc.createProgram(source, f"{variant.name}.cu", [], [])
+    program = nvrtc.createProgram(source, f"{name}.cu", [], [])
     try:
         try:
             nvrtc.compileProgram(program, list(options))
         except nvrtc.NVRTCError as err:
-            raise RuntimeError(f"NVRTC failed on {variant.name} for {arch}:\n{nvrtc.getProgramLog(program)}") from err
+            raise RuntimeError(f"NVRTC failed on {name} for {arch}:\n{nvrtc.getProgramLog(program)}") from err
         if arch.startswith("compute_"):
             binary = nvrtc.getPTX(program)  # text: CuPy rightly drops its trailing NUL
         else:

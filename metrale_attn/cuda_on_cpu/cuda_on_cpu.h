@@ -28,8 +28,13 @@
 //     inside the kernel body (on a GPU: `extern __shared__ __align__(16) T name[]`, so
 //     within one source a name must always have the same T: NVRTC rejects a second
 //     type for the same extern array);
-//   * no inline PTX, no cooperative groups, no textures, no `extern "C" { ... }` blocks
-//     around kernels (the loader looks for `extern "C" __global__` definitions);
+//   * PTX only through kernels_cu/pd_ptx.cuh (the one file with `asm`: one function per
+//     instruction, emulated here, see below); no cooperative groups, no textures, no
+//     `extern "C" { ... }` blocks around kernels (the loader looks for `extern "C"
+//     __global__` definitions);
+//   * __shared__ variables in the kernel body (function templates and inline functions
+//     work, but GCC ignores section attributes there, so theirs are not poisoned), or the
+//     DYNAMIC_SHARED buffer;
 //   * per-thread data lives on a fiber stack of 256 KiB (1 MiB under ASan; set
 //     METRALE_ATTN_CPU_STACK_KB): plenty for register arrays of a few hundred floats,
 //     not for unbounded recursion. An overflow hits a guard page and is reported.
@@ -65,6 +70,34 @@
 //   * atomics exist (blocks and fibers never run concurrently, so they are plain
 //     read-modify-writes), but results then depend on the block order, which the
 //     "reverse"/"shuffle"/"warp-ahead" launch orders permute.
+//
+// The PTX instructions of kernels_cu/pd_ptx.cuh (PTX ISA 9.1 sections):
+//   * warp-collective ldmatrix / movmatrix / mma.m16n8k16 (.sync.aligned, §9.7.14.5): all 32
+//     lanes must reach the same function (same variant: x1/x2/x4, trans, bf16/f16) at the
+//     same line; a lane that exits, waits at a barrier or reaches another call is an error
+//     naming kernel, block, thread and the kernel line of the call. The last lane to arrive
+//     completes the op: every lane's result from every lane's operands (per-lane payloads).
+//   * ldmatrix: lane l's address is row l % 8 of matrix l / 8, 16 bytes, 16-byte aligned,
+//     inside the block's shared memory (else an error); the rows are read when the whole
+//     warp has arrived. Fragment: lane i gets row i/4, columns 2(i%4) (low half) and
+//     2(i%4)+1; .trans: rows 2(i%4) and 2(i%4)+1 of column i/4. movmatrix: the fragment of
+//     the transpose.
+//   * mma.m16n8k16.row.col.f32.{bf16,f16}: D[m][n] = C[m][n], then + A[m][k] * B[k][n] for
+//     k = 0..15 in that order, each an IEEE fp32 multiply (exact for these inputs unless
+//     it underflows) and fp32 add rounded to nearest, subnormals kept, NaN -> 0x7fffffff.
+//     The PTX ISA leaves the order, rounding and subnormal handling open: a tensor core may
+//     differ in the last bits, so nothing downstream of an MMA may require CPU == GPU bytes.
+//   * cp.async is deferred. At issue the source bytes are read (ASan checks the source at
+//     that line), the destination is checked to be shared memory aligned to the copy size
+//     and filled with 0xFF, and the copy joins the thread's open group; commit_group closes
+//     the group; wait_group N lands every copy of the thread's committed groups except the
+//     newest N (open ones are not waited for); wait_all commits and lands everything.
+//     __syncthreads lands nothing. Under "shuffle:S" / "warp-ahead:S" a pending copy may
+//     also land at a random scheduling point before its wait; under "default"/"reverse"
+//     exactly at the wait. Bytes past src_bytes are zero; copies still pending when their
+//     thread exits are dropped. So a missing or too-short wait reads 0xFF (or a stale tile).
+//   * cvt / prmt: bit-exact pure functions (below); NaN results 0x7fff (f16, bf16) and
+//     0x7fffffff (f32), as CUDA's own headers produce them.
 #ifndef METRALE_CUDA_ON_CPU_H
 #define METRALE_CUDA_ON_CPU_H
 
@@ -184,6 +217,28 @@ enum cocpu_op_kind {
   COCPU_OP_BALLOT,
   COCPU_OP_ANY,
   COCPU_OP_ALL,
+  // The warp-collective matrix instructions of kernels_cu/pd_ptx.cuh (.sync.aligned: every
+  // lane of the warp at the same call site and variant; operands through per-lane payloads).
+  COCPU_OP_LDMATRIX,   // variant: number of matrices (1, 2, 4) | COCPU_LDMATRIX_TRANS
+  COCPU_OP_MOVMATRIX,  // variant: 0
+  COCPU_OP_MMA,        // variant: COCPU_MMA_BF16 | COCPU_MMA_F16
+};
+enum { COCPU_LDMATRIX_TRANS = 8, COCPU_MMA_BF16 = 0, COCPU_MMA_F16 = 1 };
+// Per-lane operands of the matrix ops: the completing lane's step reads every lane's
+// inputs before it writes any output (so d may alias c).
+struct cocpu_ldmatrix_args {
+  const void* row;  // this lane's row address (lanes 0..8*num-1)
+  unsigned* r;      // out: r[0..num-1]
+};
+struct cocpu_movmatrix_args {
+  unsigned a;  // in
+  unsigned d;  // out
+};
+struct cocpu_mma_args {
+  const unsigned* a;  // 4 registers of A (2 x 16 bits each)
+  const unsigned* b;  // 2 registers of B
+  const float* c;     // 4 accumulators in
+  float* d;           // 4 accumulators out
 };
 // Barrier kinds.
 enum cocpu_bar_kind { COCPU_BAR_SYNC = 1, COCPU_BAR_COUNT, COCPU_BAR_AND, COCPU_BAR_OR };
@@ -226,6 +281,12 @@ COCPU_HIDDEN unsigned long long cocpu_warp_op(int kind, unsigned mask, unsigned 
                                               int line);
 COCPU_HIDDEN unsigned cocpu_activemask(void);
 COCPU_HIDDEN void cocpu_trap(const char* file, int line) __attribute__((noreturn));
+COCPU_HIDDEN void cocpu_matrix_op(int kind, int variant, void* args, const char* file, int line);
+// cp.async (deferred copies, see the top comment): cp_size 4/8/16, src_bytes 0..cp_size.
+COCPU_HIDDEN void cocpu_cp_async(void* smem_dst, const void* gmem_src, int cp_size, unsigned src_bytes,
+                                 int cache_all, const char* file, int line);
+COCPU_HIDDEN void cocpu_cp_async_commit(void);
+COCPU_HIDDEN void cocpu_cp_async_wait(int n);  // wait_group n; n < 0: wait_all
 }
 
 #define threadIdx (static_cast<const uint3&>(cocpu_thread_idx))
@@ -242,7 +303,11 @@ static constexpr int warpSize = 32;
 // ------------------------------------------------------------------------------------
 // Synchronisation and warp intrinsics (call sites recorded for error messages)
 // ------------------------------------------------------------------------------------
-#define COCPU_SITE const char *cocpu_file = __builtin_FILE(), int cocpu_line = __builtin_LINE()
+// Trailing default parameters that record the caller's file and line (the .cu line, as the
+// loader's #line directives name it). kernels_cu/pd_ptx.cuh uses it too, so an error in an
+// intrinsic names the kernel line that called it, not the header's.
+#define COCPU_CALLER_SITE const char *cocpu_file = __builtin_FILE(), int cocpu_line = __builtin_LINE()
+#define COCPU_SITE COCPU_CALLER_SITE
 
 static inline void __syncthreads(COCPU_SITE) {
   cocpu_barrier(COCPU_BAR_SYNC, 0, cocpu_file, cocpu_line);
@@ -484,6 +549,80 @@ static inline unsigned atomicInc(unsigned* p, unsigned v) {
 }
 static inline unsigned atomicDec(unsigned* p, unsigned v) {
   unsigned o = *p; *p = (o == 0u || o > v) ? v : o - 1u; return o;
+}
+
+// ------------------------------------------------------------------------------------
+// Conversion and byte-permute instructions of kernels_cu/pd_ptx.cuh: bit-exact, pure.
+// NaN results are the canonical NaN CUDA's own headers produce for these conversions
+// (cuda_fp16.hpp / cuda_bf16.hpp / cuda_fp8.hpp host paths): 0x7fff for f16 and bf16,
+// 0x7fffffff for f32, sign dropped. The PTX ISA only says "NaN"; the GPU tests check it.
+// ------------------------------------------------------------------------------------
+
+// f32 -> f16 bits, round to nearest even, subnormals kept, overflow to +-inf.
+static inline unsigned cocpu_f32_to_f16_rn(float x) {
+  const unsigned bits = __float_as_uint(x);
+  const unsigned sign = (bits >> 16) & 0x8000u, u = bits & 0x7fffffffu;
+  if (u > 0x7f800000u) return 0x7fffu;
+  unsigned h, rem, half;
+  if (u >= 0x38800000u) {  // f16 normal range or beyond: rebias the exponent by 127 - 15
+    const unsigned r = u - 0x38000000u;
+    h = r >> 13, rem = r & 0x1fffu, half = 0x1000u;
+  } else {  // f16 subnormal or zero: the value in units of 2^-24
+    const unsigned e = u >> 23;
+    if (e < 102) return sign;  // below 2^-25: rounds to zero (2^-25 itself ties to even 0)
+    const unsigned m = (u & 0x7fffffu) | 0x800000u, shift = 126 - e;  // 14..24
+    h = m >> shift, rem = m & ((1u << shift) - 1), half = 1u << (shift - 1);
+  }
+  if (rem > half || (rem == half && (h & 1u))) ++h;
+  return sign | (h >= 0x7c00u ? 0x7c00u : h);
+}
+
+// f32 -> bf16 bits, round to nearest even (overflow to +-inf).
+static inline unsigned cocpu_f32_to_bf16_rn(float x) {
+  const unsigned bits = __float_as_uint(x);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fffu;
+  return (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+}
+
+// f16 bits -> f32 bits, exact (subnormals normalized), NaN -> 0x7fffffff.
+static inline unsigned cocpu_f16_to_f32_bits(unsigned h) {
+  const unsigned sign = (h & 0x8000u) << 16, e = (h >> 10) & 0x1fu;
+  unsigned m = h & 0x3ffu;
+  if (e == 0x1fu) return m ? 0x7fffffffu : (sign | 0x7f800000u);
+  if (e) return sign | ((e + 112u) << 23) | (m << 13);
+  if (!m) return sign;
+  unsigned fe = 113;  // value m * 2^-24 = 2^(fe - 127) * 1.frac after normalizing
+  while (!(m & 0x400u)) m <<= 1, --fe;
+  return sign | (fe << 23) | ((m & 0x3ffu) << 13);
+}
+
+// fp8 e4m3 (bias 7, no inf, NaN = S.1111.111) -> f16 bits, exact.
+static inline unsigned cocpu_e4m3_to_f16(unsigned x) {
+  const unsigned sign = (x & 0x80u) << 8, em = x & 0x7fu;
+  if (em == 0x7fu) return 0x7fffu;
+  if (em >= 0x08u) return sign | ((em + 0x40u) << 7);  // exponent + 8, mantissa << 7
+  if (!em) return sign;
+  const unsigned p = 31u - (unsigned)__builtin_clz(em);  // subnormal M * 2^-9: an f16 normal
+  return sign | ((p + 6u) << 10) | ((em << (10u - p)) & 0x3ffu);
+}
+
+// fp8 e5m2 (the top byte of an f16) -> f16 bits, exact.
+static inline unsigned cocpu_e5m2_to_f16(unsigned x) {
+  return (x & 0x7fu) > 0x7cu ? 0x7fffu : (x & 0xffu) << 8;
+}
+
+// prmt.b32 d, a, b, c in the default mode: byte i of d is byte (c >> 4i) & 7 of {b, a},
+// or, when bit 3 of that nibble is set, that byte's sign bit replicated over 8 bits.
+static inline unsigned cocpu_prmt(unsigned a, unsigned b, unsigned c) {
+  const unsigned long long v = ((unsigned long long)b << 32) | a;
+  unsigned d = 0;
+  for (int i = 0; i < 4; ++i) {
+    const unsigned sel = (c >> (4 * i)) & 0xfu;
+    unsigned byte = (unsigned)(v >> ((sel & 7u) * 8)) & 0xffu;
+    if (sel & 8u) byte = (byte & 0x80u) ? 0xffu : 0u;
+    d |= byte << (8 * i);
+  }
+  return d;
 }
 
 // ------------------------------------------------------------------------------------

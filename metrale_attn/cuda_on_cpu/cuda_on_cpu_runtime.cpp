@@ -21,6 +21,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <dlfcn.h>
+#include <link.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -72,6 +74,15 @@ constexpr size_t kGuardBytes = 64 * 1024;  // below each stack; the build also u
 enum State : unsigned char { RUNNABLE, RUNNING, AT_BARRIER, AT_WARP, EXITED };
 enum Policy { POLICY_DEFAULT = 0, POLICY_REVERSE = 1, POLICY_SHUFFLE = 2, POLICY_WARP_AHEAD = 3 };
 
+// One deferred cp.async: the source bytes as read at issue (zero-filled past src_bytes),
+// landing in dst at a wait_group that covers its group (or earlier, see land_early).
+struct AsyncCopy {
+  unsigned char* dst;
+  unsigned group;
+  unsigned size;
+  unsigned char bytes[16];
+};
+
 struct Fiber {
   void* sp;  // saved stack pointer while suspended (asm switch)
 #if COCPU_USE_UCONTEXT
@@ -89,7 +100,12 @@ struct Fiber {
   unsigned long long value, result;
   const char* file;
   int line;
+  void* payload;  // matrix ops: the lane's cocpu_*_args
   void* asan_fake_stack;
+  // cp.async: this thread's pending copies in issue order; group ids count commits.
+  std::vector<AsyncCopy> copies;
+  unsigned committed;  // groups committed so far (the open group's id)
+  int copy_slot;       // index in g_copy_fibers while copies is not empty, else -1
 };
 
 struct Launch {
@@ -113,6 +129,7 @@ struct Launch {
 Launch L;
 std::vector<Fiber> g_fibers;
 Fiber* g_cur;  // the running fiber, null while the scheduler runs
+std::vector<unsigned> g_copy_fibers;  // fibers of the block with pending cp.async copies
 
 // ---------------------------------------------------------------------------------
 // Stacks: mmap'd once and reused across blocks and launches.
@@ -188,8 +205,22 @@ const char* op_name(int kind) {
     case COCPU_OP_BALLOT: return "__ballot_sync";
     case COCPU_OP_ANY: return "__any_sync";
     case COCPU_OP_ALL: return "__all_sync";
+    case COCPU_OP_LDMATRIX: return "pd_ldmatrix";
+    case COCPU_OP_MOVMATRIX: return "pd_movmatrix_trans";
+    case COCPU_OP_MMA: return "pd_mma_m16n8k16";
   }
   return "?";
+}
+
+// The .sync.aligned matrix ops: the whole warp must execute the same instruction.
+bool is_matrix_op(int kind) { return kind >= COCPU_OP_LDMATRIX && kind <= COCPU_OP_MMA; }
+
+// The pd_ptx.cuh function a matrix op came from, variant included.
+std::string matrix_op_name(int kind, int variant) {
+  if (kind == COCPU_OP_LDMATRIX)
+    return fmt("pd_ldmatrix_x%d%s", variant & 7, (variant & COCPU_LDMATRIX_TRANS) ? "_trans" : "");
+  if (kind == COCPU_OP_MMA) return variant == COCPU_MMA_F16 ? "pd_mma_f16_m16n8k16" : "pd_mma_bf16_m16n8k16";
+  return op_name(kind);
 }
 
 const char* barrier_name(int kind) {
@@ -204,6 +235,8 @@ const char* barrier_name(int kind) {
 
 std::string where(const Fiber& f) {
   if (f.state == AT_BARRIER) return fmt("%s at %s:%d", barrier_name(f.kind), f.file, f.line);
+  if (f.state == AT_WARP && is_matrix_op(f.kind))
+    return fmt("%s at %s:%d", matrix_op_name(f.kind, f.arg).c_str(), f.file, f.line);
   if (f.state == AT_WARP)
     return fmt("%s(mask=0x%08x, width=%d, %d-byte value) at %s:%d", op_name(f.kind), f.mask,
                f.width, f.size, f.file, f.line);
@@ -214,6 +247,8 @@ std::string where(const Fiber& f) {
 // Context switches
 // ---------------------------------------------------------------------------------
 void fiber_main();
+void land_early();
+void drop_copies(Fiber* f);
 
 void prepare_fiber(Fiber* f) {
 #if COCPU_ASAN
@@ -260,6 +295,8 @@ inline void resume(Fiber* f) {
   __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
 #endif
   g_cur = nullptr;
+  if (!g_copy_fibers.empty() && (L.policy == POLICY_SHUFFLE || L.policy == POLICY_WARP_AHEAD))
+    land_early();
 }
 
 // Fiber f -> scheduler. `final`: f will never be resumed (exited or failed).
@@ -287,6 +324,7 @@ void fiber_main() {
 #endif
   L.k->invoke(L.k->fn, L.args);
   Fiber* f = g_cur;
+  drop_copies(f);  // copies a thread never waited for never land
   f->state = EXITED;
   suspend(f, true);
   __builtin_trap();  // an exited fiber is never resumed
@@ -296,6 +334,7 @@ void fiber_main() {
 [[noreturn]] void fail_here(const std::string& what) {
   Fiber* f = g_cur;
   fail(f, what);
+  drop_copies(f);
   f->state = EXITED;
   g_stacks_dirty = true;
   suspend(f, true);
@@ -325,8 +364,15 @@ unsigned warp_lanes(unsigned w) {
   return n >= 32 ? 32 : n;
 }
 
+bool same_site(const Fiber& a, const Fiber& b) {
+  return a.line == b.line && (a.file == b.file || !strcmp(a.file, b.file));
+}
+
+// Shuffles and votes of one kind/mask/width complete together wherever their lanes call
+// them (as on Volta and later); a matrix op needs the same instruction: variant and site.
 bool same_op(const Fiber& a, const Fiber& b) {
-  return a.kind == b.kind && a.mask == b.mask && a.width == b.width && a.size == b.size;
+  if (a.kind != b.kind || a.mask != b.mask || a.width != b.width || a.size != b.size) return false;
+  return !is_matrix_op(a.kind) || (a.arg == b.arg && same_site(a, b));
 }
 
 // Source lane of a shuffle, exactly as PTX shfl.sync computes it (CUDA passes
@@ -355,9 +401,104 @@ unsigned shuffle_source(int kind, unsigned lane, int arg, int width) {
   }
 }
 
+// ---------------------------------------------------------------------------------
+// Matrix ops (PTX ISA 9.1 §9.7.14.5): one step computes every lane's results from every
+// lane's operands, reading all of them before writing any (so d may alias c).
+// ---------------------------------------------------------------------------------
+
+// An 8x8 matrix of 16-bit elements as a warp holds it in one register per lane (the
+// ldmatrix / movmatrix / mma fragment, PTX ISA Figure 104): lane 4r + c/2 holds row r,
+// columns c & ~1 (low half) and c | 1 (high half).
+inline unsigned frag_elem(const unsigned* frag, unsigned r, unsigned c) {
+  return (frag[4 * r + c / 2] >> (16 * (c & 1))) & 0xffffu;
+}
+inline unsigned pack2(unsigned lo, unsigned hi) { return lo | hi << 16; }
+
+template <class T>
+T& args_of(Fiber& f) {
+  return *static_cast<T*>(f.payload);
+}
+
+// ldmatrix.sync.aligned.m8n8.{x1,x2,x4}{,.trans}.shared.b16 (§9.7.14.5.15): matrix j's row
+// r is the 16 bytes at lane (8j + r)'s address; lane i receives row i/4, columns 2(i%4) and
+// 2(i%4)+1 of each matrix (.trans: rows 2(i%4) and 2(i%4)+1 of column i/4).
+void complete_ldmatrix(Fiber* lanes, int variant) {
+  const unsigned num = (unsigned)variant & 7u;
+  const bool trans = (variant & COCPU_LDMATRIX_TRANS) != 0;
+  unsigned rows[4][32];  // matrix j in fragment form: rows[j][4r + c/2]
+  for (unsigned j = 0; j < num; ++j)
+    for (unsigned r = 0; r < 8; ++r)
+      memcpy(&rows[j][4 * r], args_of<cocpu_ldmatrix_args>(lanes[8 * j + r]).row, 16);
+  for (unsigned i = 0; i < 32; ++i) {
+    unsigned* out = args_of<cocpu_ldmatrix_args>(lanes[i]).r;
+    const unsigned r = i / 4, c = 2 * (i % 4);
+    for (unsigned j = 0; j < num; ++j)
+      out[j] = trans ? pack2(frag_elem(rows[j], c, r), frag_elem(rows[j], c + 1, r)) : rows[j][i];
+  }
+}
+
+// movmatrix.sync.aligned.m8n8.trans.b16 (§9.7.14.5.17): the fragment of the transpose.
+void complete_movmatrix(Fiber* lanes) {
+  unsigned a[32];
+  for (unsigned i = 0; i < 32; ++i) a[i] = args_of<cocpu_movmatrix_args>(lanes[i]).a;
+  for (unsigned i = 0; i < 32; ++i) {
+    const unsigned r = i / 4, c = 2 * (i % 4);
+    args_of<cocpu_movmatrix_args>(lanes[i]).d = pack2(frag_elem(a, c, r), frag_elem(a, c + 1, r));
+  }
+}
+
+inline float mma_input(unsigned bits16, bool f16) {
+  return __uint_as_float(f16 ? cocpu_f16_to_f32_bits(bits16) : bits16 << 16);
+}
+
+// mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}.{bf16,f16}.f32 (§9.7.14.5.14, fragments
+// §9.7.14.5.8; g = lane >> 2, t = lane % 4): A element ai at row g + 8 * ((i >> 1) & 1),
+// column 2t + (i & 1) + 8 * (i >> 2); B element bi at row 2t + (i & 1) + 8 * (i >> 1),
+// column g; C/D element ci at row g + 8 * (i >> 1), column 2t + (i & 1); element i is half
+// i % 2 of register i / 2. D[m][n] = c, then + A[m][k] * B[k][n] for k = 0..15 in that
+// order, each product and each sum an IEEE fp32 operation rounded to nearest (the products
+// of two bf16 or two f16 values are exact unless they underflow), subnormals kept, NaN
+// results 0x7fffffff. The PTX ISA leaves the order, rounding and subnormal handling
+// unspecified, so a tensor core may differ in the last bits.
+void complete_mma(Fiber* lanes, int variant) {
+  const bool f16 = variant == COCPU_MMA_F16;
+  float A[16][16], B[16][8], C[16][8];
+  for (unsigned i = 0; i < 32; ++i) {
+    const cocpu_mma_args& p = args_of<cocpu_mma_args>(lanes[i]);
+    const unsigned g = i >> 2, t = i & 3;
+    for (unsigned e = 0; e < 8; ++e)
+      A[g + 8 * ((e >> 1) & 1)][2 * t + (e & 1) + 8 * (e >> 2)] =
+          mma_input((p.a[e / 2] >> (16 * (e & 1))) & 0xffffu, f16);
+    for (unsigned e = 0; e < 4; ++e) {
+      B[2 * t + (e & 1) + 8 * (e >> 1)][g] = mma_input((p.b[e / 2] >> (16 * (e & 1))) & 0xffffu, f16);
+      C[g + 8 * (e >> 1)][2 * t + (e & 1)] = p.c[e];
+    }
+  }
+  for (unsigned i = 0; i < 32; ++i) {
+    float* d = args_of<cocpu_mma_args>(lanes[i]).d;
+    const unsigned g = i >> 2, t = i & 3;
+    for (unsigned e = 0; e < 4; ++e) {
+      const unsigned m = g + 8 * (e >> 1), n = 2 * t + (e & 1);
+      float acc = C[m][n];
+      for (unsigned k = 0; k < 16; ++k) acc = acc + A[m][k] * B[k][n];
+      d[e] = acc != acc ? __uint_as_float(0x7fffffffu) : acc;
+    }
+  }
+}
+
+void complete_matrix_op(Fiber* lanes, const Fiber& a) {
+  switch (a.kind) {
+    case COCPU_OP_LDMATRIX: complete_ldmatrix(lanes, a.arg); break;
+    case COCPU_OP_MOVMATRIX: complete_movmatrix(lanes); break;
+    case COCPU_OP_MMA: complete_mma(lanes, a.arg); break;
+  }
+  for (unsigned l = 0; l < 32; ++l) lanes[l].state = RUNNABLE;
+}
+
 // Completes the warp op that the lanes in `mask` of warp w all wait at.
 void complete_warp_op(Fiber* lanes, unsigned mask) {
   const Fiber& a = lanes[__builtin_ctz(mask)];
+  if (is_matrix_op(a.kind)) return complete_matrix_op(lanes, a);
   unsigned long long common = 0;
   if (a.kind == COCPU_OP_BALLOT || a.kind == COCPU_OP_ANY || a.kind == COCPU_OP_ALL) {
     unsigned ballot = 0;
@@ -418,14 +559,17 @@ void diagnose_stuck_warp_op(const Fiber& a) {
   const Fiber* lanes = &g_fibers[a.warp * 32];
   for (unsigned m = a.mask; m; m &= m - 1) {
     const Fiber& b = lanes[__builtin_ctz(m)];
+    const char* names = is_matrix_op(a.kind) ? "the whole warp must execute it, but lane"
+                                              : "the mask names lane";
+    const char* which = is_matrix_op(a.kind) ? "" : ", which";
     if (b.state == EXITED) {
-      fail(&a, fmt("%s: the mask names lane %u (%s), which has exited", where(a).c_str(), b.lane,
-                   thread_name(b).c_str()));
+      fail(&a, fmt("%s: %s %u (%s)%s has exited", where(a).c_str(), names, b.lane,
+                   thread_name(b).c_str(), which));
       return;
     }
     if (b.state == AT_BARRIER) {
-      fail(&a, fmt("%s: the mask names lane %u (%s), which waits at %s", where(a).c_str(), b.lane,
-                   thread_name(b).c_str(), where(b).c_str()));
+      fail(&a, fmt("%s: %s %u (%s)%s waits at %s", where(a).c_str(), names, b.lane,
+                   thread_name(b).c_str(), which, where(b).c_str()));
       return;
     }
     if (b.state == AT_WARP && !same_op(a, b)) {
@@ -532,11 +676,109 @@ void poison_shared() {
   if (L.dyn_bytes) memset(cocpu_dynamic_shared, 0xff, L.dyn_bytes);
 }
 
+bool in_range(const void* p, size_t n, const void* lo, size_t len) {
+  const uintptr_t a = (uintptr_t)p, b = (uintptr_t)lo;
+  return a >= b && n <= len && a - b <= len - n;
+}
+
+// The address ranges of this module's loaded segments (found once).
+struct Segment {
+  uintptr_t lo, hi;
+};
+std::vector<Segment> g_module_segments;
+
+// dl_iterate_phdr callback: records the segments of the object that holds cocpu_kernels.
+int find_module_segments(struct dl_phdr_info* info, size_t, void*) {
+  std::vector<Segment> segments;
+  bool ours = false;
+  for (int i = 0; i < info->dlpi_phnum; ++i)
+    if (info->dlpi_phdr[i].p_type == PT_LOAD) {
+      const uintptr_t lo = info->dlpi_addr + info->dlpi_phdr[i].p_vaddr;
+      segments.push_back(Segment{lo, lo + info->dlpi_phdr[i].p_memsz});
+      ours |= (uintptr_t)cocpu_kernels >= lo && (uintptr_t)cocpu_kernels < segments.back().hi;
+    }
+  if (ours) g_module_segments = segments;
+  return ours;
+}
+
+bool in_this_module(const void* p) {
+  if (g_module_segments.empty()) dl_iterate_phdr(find_module_segments, nullptr);
+  for (const Segment& s : g_module_segments)
+    if ((uintptr_t)p >= s.lo && (uintptr_t)p < s.hi) return true;
+  return false;
+}
+
+// Whether [p, p + n) lies in the block's shared memory: the dynamic buffer, or a __shared__
+// variable. Those of the static section are checked to the byte. Some __shared__ variables
+// are ordinary statics instead: all of them under ASan (so that ASan guards them), and those
+// of function templates and inline functions (GCC ignores section attributes there); with
+// `module_statics` any static object of this module is accepted for them, and ASan (when
+// on) checks the object's bounds when the bytes are accessed.
+bool in_shared(const void* p, size_t n, bool module_statics = true) {
+  if (L.dyn_bytes && in_range(p, n, cocpu_dynamic_shared, L.dyn_bytes)) return true;
+  const size_t s = static_shared_size();
+  const uintptr_t lo = (uintptr_t)__start_cocpu_shared;
+  if (s && (uintptr_t)p >= lo && (uintptr_t)p - lo < s) return in_range(p, n, __start_cocpu_shared, s);
+  return module_statics && n && in_this_module(p) && in_this_module(static_cast<const char*>(p) + n - 1);
+}
+
+// ---------------------------------------------------------------------------------
+// cp.async (PTX ISA 9.1 §9.7.9.25.3): copies are deferred. At issue the source bytes are
+// read, the destination is checked and filled with 0xFF, and the copy joins the thread's
+// open group; it lands at a wait_group / wait_all that covers its group, or, under the
+// seeded thread orders only, earlier at a random scheduling point (land_early). Copies of a
+// thread that exits before waiting are dropped.
+// ---------------------------------------------------------------------------------
+
+void remove_copy_fiber(Fiber* f) {
+  const unsigned last = g_copy_fibers.back();
+  g_copy_fibers[(size_t)f->copy_slot] = last;
+  g_fibers[last].copy_slot = f->copy_slot;
+  g_copy_fibers.pop_back();
+  f->copy_slot = -1;
+}
+
+inline void land(const AsyncCopy& c) { memcpy(c.dst, c.bytes, c.size); }
+
+void drop_copies(Fiber* f) {
+  if (f->copies.empty()) return;
+  f->copies.clear();
+  remove_copy_fiber(f);
+}
+
+// Lands the copies of f whose group is older than `limit` (issue order), keeps the rest.
+void land_groups_below(Fiber* f, unsigned limit) {
+  size_t keep = 0;
+  for (size_t i = 0; i < f->copies.size(); ++i) {
+    if (f->copies[i].group < limit) land(f->copies[i]);
+    else f->copies[keep++] = f->copies[i];
+  }
+  f->copies.resize(keep);
+  if (!keep) remove_copy_fiber(f);
+}
+
+// A scheduling point of a seeded order: with probability 1/2, one pending copy of a random
+// thread lands now (a GPU may complete a copy at any time after its issue). Consumes
+// random numbers only while copies are pending, so kernels without cp.async keep their
+// schedules.
+void land_early() {
+  if (next_random() & 1) return;
+  Fiber& f = g_fibers[g_copy_fibers[next_random() % g_copy_fibers.size()]];
+  const size_t i = next_random() % f.copies.size();
+  land(f.copies[i]);
+  f.copies.erase(f.copies.begin() + (long)i);
+  if (f.copies.empty()) remove_copy_fiber(&f);
+}
+
 // Runs one block to completion; false (with L.err set) on an error.
 bool run_block() {
   poison_shared();
+  g_copy_fibers.clear();
   for (Fiber& f : g_fibers) {
     f.state = RUNNABLE;
+    f.copies.clear();
+    f.committed = 0;
+    f.copy_slot = -1;
     prepare_fiber(&f);
   }
   g_stacks_dirty = false;
@@ -808,13 +1050,25 @@ int cocpu_barrier(int kind, int pred, const char* file, int line) {
   return (int)f->result;
 }
 
-unsigned long long cocpu_warp_op(int kind, unsigned mask, unsigned long long value, int size,
-                                 int arg, int width, const char* file, int line) {
-  Fiber* f = g_cur;
+}  // extern "C"
+
+namespace {
+// `variant` < 0: a shuffle or vote (named by its kind), else a matrix op's variant.
+void check_whole_warp(const Fiber* f, int kind, int variant, const char* file, int line) {
   if (warp_lanes(f->warp) != 32)
     fail_here(fmt("%s at %s:%d in a partial warp: the block has %u threads, warp %u only %u "
                   "lanes (warp intrinsics need whole warps)",
-                  op_name(kind), file, line, L.nthreads, f->warp, warp_lanes(f->warp)));
+                  variant < 0 ? op_name(kind) : matrix_op_name(kind, variant).c_str(), file, line,
+                  L.nthreads, f->warp, warp_lanes(f->warp)));
+}
+}  // namespace
+
+extern "C" {
+
+unsigned long long cocpu_warp_op(int kind, unsigned mask, unsigned long long value, int size,
+                                 int arg, int width, const char* file, int line) {
+  Fiber* f = g_cur;
+  check_whole_warp(f, kind, -1, file, line);
   if (!((mask >> f->lane) & 1u))
     fail_here(fmt("%s at %s:%d with mask 0x%08x, which does not include the calling lane %u",
                   op_name(kind), file, line, mask, f->lane));
@@ -843,5 +1097,88 @@ unsigned cocpu_activemask(void) {
 }
 
 void cocpu_trap(const char* file, int line) { fail_here(fmt("__trap() at %s:%d", file, line)); }
+
+void cocpu_matrix_op(int kind, int variant, void* args, const char* file, int line) {
+  Fiber* f = g_cur;
+  check_whole_warp(f, kind, variant, file, line);
+  if (kind == COCPU_OP_LDMATRIX && f->lane < 8u * ((unsigned)variant & 7u)) {
+    const void* row = static_cast<cocpu_ldmatrix_args*>(args)->row;
+    if ((uintptr_t)row % 16)
+      fail_here(fmt("%s at %s:%d: lane %u's row address %p is not 16-byte aligned",
+                    matrix_op_name(kind, variant).c_str(), file, line, f->lane, row));
+    if (!in_shared(row, 16))
+      fail_here(fmt("%s at %s:%d: lane %u's row address %p (16 bytes) is not in the block's "
+                    "shared memory (a __shared__ variable or the %zu-byte dynamic buffer)",
+                    matrix_op_name(kind, variant).c_str(), file, line, f->lane, row, L.dyn_bytes));
+#if COCPU_ASAN
+    // The row is read when the whole warp has arrived, on the scheduler's stack; touch it
+    // here too so that an ASan report names this thread and line.
+    const volatile unsigned char* probe = static_cast<const volatile unsigned char*>(row);
+    for (int i = 0; i < 16; ++i) (void)probe[i];
+#endif
+  }
+  f->kind = kind;
+  f->mask = 0xffffffffu;
+  f->value = 0;
+  f->size = 0;
+  f->arg = variant;
+  f->width = 32;
+  f->payload = args;
+  f->file = file;
+  f->line = line;
+  f->state = AT_WARP;
+  suspend(f, false);
+}
+
+void cocpu_cp_async(void* smem_dst, const void* gmem_src, int cp_size, unsigned src_bytes,
+                    int cache_all, const char* file, int line) {
+  Fiber* f = g_cur;
+#define COCPU_CP_ASYNC_FAIL(what, ...)                                                          \
+  fail_here(fmt("pd_cp_async_%s_%d at %s:%d: " what, cache_all ? "ca" : "cg", cp_size, file, line, \
+                __VA_ARGS__))
+  if (src_bytes > (unsigned)cp_size)
+    COCPU_CP_ASYNC_FAIL("src_bytes %u exceeds the copy size %d", src_bytes, cp_size);
+  AsyncCopy c{};
+  c.size = (unsigned)cp_size;
+  if (src_bytes) {  // src_bytes = 0 reads nothing (and the source may be any pointer)
+    if ((uintptr_t)gmem_src % (unsigned)cp_size)
+      COCPU_CP_ASYNC_FAIL("source address %p is not %d-byte aligned", gmem_src, cp_size);
+    if (in_shared(gmem_src, src_bytes, false))
+      COCPU_CP_ASYNC_FAIL("source address %p is in shared memory (cp.async copies global memory "
+                          "to shared memory)", gmem_src);
+    memcpy(c.bytes, gmem_src, src_bytes);  // read at issue: ASan checks the source here
+  }
+  unsigned char* dst = static_cast<unsigned char*>(smem_dst);
+#if COCPU_ASAN
+  memset(dst, 0xff, (size_t)cp_size);  // ASan checks the destination first, naming its object
+#endif
+  if ((uintptr_t)dst % (unsigned)cp_size)
+    COCPU_CP_ASYNC_FAIL("destination address %p is not %d-byte aligned", smem_dst, cp_size);
+  if (!in_shared(dst, (size_t)cp_size))
+    COCPU_CP_ASYNC_FAIL("destination address %p (%d bytes) is not in the block's shared memory (a "
+                        "__shared__ variable or the %zu-byte dynamic buffer)",
+                        smem_dst, cp_size, L.dyn_bytes);
+#undef COCPU_CP_ASYNC_FAIL
+  memset(dst, 0xff, (size_t)cp_size);  // garbage until the copy lands
+  c.dst = dst;
+  c.group = f->committed;
+  if (f->copies.empty()) {
+    f->copy_slot = (int)g_copy_fibers.size();
+    g_copy_fibers.push_back(f->linear);
+  }
+  f->copies.push_back(c);
+}
+
+void cocpu_cp_async_commit(void) { ++g_cur->committed; }
+
+void cocpu_cp_async_wait(int n) {
+  Fiber* f = g_cur;
+  if (n < 0) {  // wait_all = commit_group; wait_group 0
+    ++f->committed;
+    n = 0;
+  }
+  if (!f->copies.empty())
+    land_groups_below(f, f->committed > (unsigned)n ? f->committed - (unsigned)n : 0u);
+}
 
 }  // extern "C"
