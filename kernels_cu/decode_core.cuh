@@ -210,7 +210,6 @@ __device__ __forceinline__ void stage_q(unsigned char* smem, const pd_q_t* q_hea
 struct Stream {
   const unsigned char* k_lane;  // k_cache + kv_head * k_stride_head + this lane's 16-byte chunk
   const unsigned char* v_lane;
-  long long k_page, k_token, v_page, v_token;  // strides in bytes
   const int* bt_row;
   int page_size, end;
   int tok, page, slot, row;  // this lane's token of the next tile; its page index, slot, page id
@@ -221,8 +220,8 @@ struct Stream {
 // cp.async copies into `stage`, and one commit (an empty group when the tile does not exist, so the
 // wait_group arithmetic stays uniform). Advances the producer by W tiles and prefetches
 // the block-table entry that tile will need.
-__device__ __forceinline__ void issue_tile(Stream& st, bool exists, int tile_first, unsigned char* stage,
-                                           unsigned char* table) {
+__device__ __forceinline__ void issue_tile(Stream& st, const long long (&strides)[4], bool exists, int tile_first,
+                                           unsigned char* stage, unsigned char* table) {
   const int lane = threadIdx.x & 31;
   __syncwarp();  // every lane is done with the table, the stage and the copies it waited for
   if (exists) {
@@ -230,8 +229,9 @@ __device__ __forceinline__ void issue_tile(Stream& st, bool exists, int tile_fir
       const bool valid = st.tok < st.end;
       long long koff = 0, voff = 0;  // an invalid row is copied with src-size 0 from row 0
       if (valid) {
-        koff = (long long)st.row * st.k_page + (long long)st.slot * st.k_token;
-        voff = (long long)st.row * st.v_page + (long long)st.slot * st.v_token;
+        // strides in elements (kernel parameters, not held in registers); bytes = elements * ES
+        koff = ((long long)st.row * strides[0] + (long long)st.slot * strides[1]) * ES;
+        voff = ((long long)st.row * strides[2] + (long long)st.slot * strides[3]) * ES;
       }
       *reinterpret_cast<longlong2*>(table + lane * 16) = make_longlong2(koff, voff);
     }
@@ -352,10 +352,7 @@ __device__ __forceinline__ void attend(unsigned char* smem, const unsigned char*
   Stream s;
   s.k_lane = k_head + (lane % CPR) * 16;
   s.v_lane = v_head + (lane % CPR) * 16;
-  s.k_page = k_stride_page * ES;
-  s.k_token = k_stride_token * ES;
-  s.v_page = v_stride_page * ES;
-  s.v_token = v_stride_token * ES;
+  const long long strides[4] = {k_stride_page, k_stride_token, v_stride_page, v_stride_token};
   s.bt_row = bt_row;
   s.page_size = page_size;
   s.end = end;
@@ -373,7 +370,7 @@ __device__ __forceinline__ void attend(unsigned char* smem, const unsigned char*
 
   PD_UNROLL
   for (int k = 0; k < S - 1; ++k)
-    issue_tile(s, k < my_tiles, start + (warp + k * W) * TT, ring + k * STAGE_BYTES, table);
+    issue_tile(s, strides, k < my_tiles, start + (warp + k * W) * TT, ring + k * STAGE_BYTES, table);
 
   // ldmatrix row address of this lane within a tile: token ((lane >> 3) & 1) * 8 +
   // (lane & 7) of a 16-token block, 16-byte chunk lane >> 4 of a chunk pair.
@@ -383,7 +380,7 @@ __device__ __forceinline__ void attend(unsigned char* smem, const unsigned char*
   for (int k = 0; k < my_tiles; ++k) {
     pd_cp_async_wait<S - 2>();  // this lane's copies of tile k have landed; issue_tile's
                                 // __syncwarp makes every lane's visible and frees the stage read last
-    issue_tile(s, k + S - 1 < my_tiles, start + (warp + (k + S - 1) * W) * TT,
+    issue_tile(s, strides, k + S - 1 < my_tiles, start + (warp + (k + S - 1) * W) * TT,
                ring + ((k + S - 1) % S) * STAGE_BYTES, table);
 
     const unsigned char* kt = ring + (k % S) * STAGE_BYTES;
@@ -400,12 +397,6 @@ __device__ __forceinline__ void attend(unsigned char* smem, const unsigned char*
         for (int e = 0; e < 4; ++e) sc[mt][nt][e] = 0.f;
     PD_UNROLL
     for (int kk = 0; kk < KS / 2; ++kk) {
-      unsigned qb[QP][NT][4];  // [ks 2kk: b0b1, b2b3, ks 2kk + 1: b0b1, b2b3]
-      PD_UNROLL
-      for (int part = 0; part < QP; ++part)
-        PD_UNROLL
-        for (int nt = 0; nt < NT; ++nt)
-          pd_ldmatrix_x4(qb[part][nt], q_lane + (part * ROWS + nt * 8) * QS + kk * 64);
       PD_UNROLL
       for (int mt = 0; mt < MT; ++mt) {
         unsigned a[2][4];
@@ -430,15 +421,20 @@ __device__ __forceinline__ void attend(unsigned char* smem, const unsigned char*
             a[h][3] = r[3];
           }
         }
+        // q's B operands of steps 2kk, 2kk + 1, one row tile and part at a time (few
+        // registers live; q is re-read from shared memory per 16-token tile)
         PD_UNROLL
-        for (int h = 0; h < 2; ++h)
+        for (int part = 0; part < QP; ++part)
           PD_UNROLL
-          for (int part = 0; part < QP; ++part)
+          for (int nt = 0; nt < NT; ++nt) {
+            unsigned qb[4];  // [step 2kk: b0b1, b2b3, step 2kk + 1: b0b1, b2b3]
+            pd_ldmatrix_x4(qb, q_lane + (part * ROWS + nt * 8) * QS + kk * 64);
             PD_UNROLL
-            for (int nt = 0; nt < NT; ++nt) {
-              const unsigned b[2] = {qb[part][nt][2 * h], qb[part][nt][2 * h + 1]};
+            for (int h = 0; h < 2; ++h) {
+              const unsigned b[2] = {qb[2 * h], qb[2 * h + 1]};
               mma(sc[mt][nt], a[h], b);
             }
+          }
       }
     }
 
