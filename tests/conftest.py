@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from metrale_attn import DecodeAttention, policy, reference
+from metrale_attn.backends.cpu_backend import CpuBackend
 
 
 @pytest.fixture(autouse=True)
@@ -55,3 +56,21 @@ def check_against_reference(p: reference.Problem, out, lse, sm_scale=None):
     empty = p.seq_lens == 0
     assert np.all(np.isneginf(lse[empty]))
     np.testing.assert_allclose(lse[~empty], ref_lse[~empty], rtol=2e-6, atol=2e-6)
+
+
+class CountingBackend(CpuBackend):
+    """A CPU backend that records every launch (and so proves a refusal launched nothing)."""
+
+    def __init__(self):
+        super().__init__()
+        self.launches = []
+
+    def load(self, variant):
+        module, record = super().load(variant), self.launches
+
+        class Counting:
+            def launch(self, launch):
+                record.append(launch.kernel)
+                module.launch(launch)
+
+        return Counting()

@@ -7,27 +7,8 @@ import pytest
 
 from metrale_attn import DecodeAttention
 from metrale_attn.backends import cuda_available
-from metrale_attn.backends.cpu_backend import CpuBackend
 
-from conftest import decoder, problem, run_poisoned
-
-
-class CountingBackend(CpuBackend):
-    """A CPU backend that records every launch (and so proves a refusal launched nothing)."""
-
-    def __init__(self):
-        super().__init__()
-        self.launches = []
-
-    def load(self, variant):
-        module, record = super().load(variant), self.launches
-
-        class Counting:
-            def launch(self, launch):
-                record.append(launch.kernel)
-                module.launch(launch)
-
-        return Counting()
+from conftest import CountingBackend, decoder, problem, run_poisoned
 
 
 def test_the_environment_pins_the_split_count_exactly_as_the_seed_says(monkeypatch):
