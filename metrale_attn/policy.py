@@ -1,8 +1,9 @@
 """The paged-decode launch policy: split-K count, workspace size, GQA-packed gate.
 
-Pure functions of configuration (the environment is read only by the two
-``*_from_env``/``*_enabled`` helpers, and only when called). Nothing here imports
-the rest of the package, CuPy or NumPy.
+Pure functions of configuration (the environment is read only by
+``policy_from_env`` and the GQA gate's once-per-process resolution,
+``gqa_pack_resolution``/``gqa_pack_enabled``). Nothing here imports the rest of
+the package, CuPy or NumPy.
 
 Why the policy exists: the online-softmax merge of split-K partials is not
 associative, so a split count that moved with the number of co-batched sequences
@@ -21,7 +22,7 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import ClassVar, Literal, Optional
+from typing import ClassVar, Literal, NamedTuple, Optional
 
 ENV_SPLITK = "METRALE_ATTN_DECODE_SPLITK"
 ENV_GQA_PACK = "METRALE_ATTN_DECODE_GQA_PACK"
@@ -245,15 +246,39 @@ def resolve_gqa_pack(declared: bool, env_raw: Optional[str]) -> bool:
     return declared if from_env is None else from_env
 
 
+class GqaPackResolution(NamedTuple):
+    """The GQA gate as resolved: whether it is armed, and whether the environment said so."""
+
+    armed: bool
+    from_env: bool
+
+    @staticmethod
+    def of(declared: bool, env_raw: Optional[str]) -> GqaPackResolution:
+        """``resolve_gqa_pack`` with its source: pure, for any environment value."""
+        from_env = env_raw is not None and parse_gqa_pack(env_raw) is not None
+        return GqaPackResolution(resolve_gqa_pack(declared, env_raw), from_env)
+
+
 @functools.cache
-def gqa_pack_enabled(declared: bool = DECODE_GQA_PACK_DECLARED) -> bool:
-    """Whether the packed kernel is armed in this process, resolved once.
+def gqa_pack_resolution(declared: bool = DECODE_GQA_PACK_DECLARED) -> GqaPackResolution:
+    """The GQA gate of this process and where it came from, resolved once.
 
     A fixed answer keeps a captured CUDA graph consistent with later launches.
-    The environment is read on the first call only; tests that change
-    ``METRALE_ATTN_DECODE_GQA_PACK`` call ``gqa_pack_enabled.cache_clear()``.
+    ``METRALE_ATTN_DECODE_GQA_PACK`` is read on the first call only, and the value
+    and its source are read together, so a report of the source (the target line)
+    can never disagree with the value the dispatch uses. Tests that change the
+    variable call ``gqa_pack_enabled.cache_clear()`` (the same cache).
     """
-    return resolve_gqa_pack(declared, os.environ.get(ENV_GQA_PACK))
+    return GqaPackResolution.of(declared, os.environ.get(ENV_GQA_PACK))
+
+
+def gqa_pack_enabled(declared: bool = DECODE_GQA_PACK_DECLARED) -> bool:
+    """Whether the packed kernel is armed in this process: ``gqa_pack_resolution``'s
+    value, resolved once (``gqa_pack_enabled.cache_clear()`` forgets it)."""
+    return gqa_pack_resolution(declared).armed
+
+
+gqa_pack_enabled.cache_clear = gqa_pack_resolution.cache_clear
 
 
 def gqa_pack_shape_ok(num_q_heads: int, num_kv_heads: int, head_dim: int) -> bool:

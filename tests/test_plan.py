@@ -96,6 +96,20 @@ def test_the_process_environment_is_read_when_no_mapping_is_given(monkeypatch):
         policy.gqa_pack_enabled.cache_clear()
 
 
+def test_the_target_line_reports_the_gqa_pack_source_resolved_with_its_value(monkeypatch):
+    """The gate is resolved once per process; its reported source must be that resolution's,
+    not a fresh read of an environment that changed after first use."""
+    monkeypatch.delenv("METRALE_ATTN_DECODE_GQA_PACK", raising=False)
+    first = resolve_defaults(get_target("hopper"))
+    monkeypatch.setenv("METRALE_ATTN_DECODE_GQA_PACK", "on")
+    later = resolve_defaults(get_target("hopper"))
+    assert (later.gqa_pack, later.gqa_pack_source) == (first.gqa_pack, first.gqa_pack_source) == (False, "declaration")
+    assert later.line() == first.line() and "gqa_pack from" not in later.line()
+    policy.gqa_pack_enabled.cache_clear()  # a new process: the environment is read again, value and source
+    fresh = resolve_defaults(get_target("hopper"))
+    assert (fresh.gqa_pack, fresh.gqa_pack_source) == (True, "environment") and policy.gqa_pack_enabled() is True
+
+
 # -- plans ------------------------------------------------------------------
 
 QWEN = MODELS["qwen3.8-27b"]
