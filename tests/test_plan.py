@@ -231,6 +231,35 @@ def test_the_plan_command_reports_a_bad_request_as_an_error(capsys):
     assert "max_batch=8" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["--model", "llama-3-8b", "--max-batch", "0", "--head-dim", "0"], "--max-batch"),
+        (["--model", "llama-3-8b", "--head-dim", "0"], "--head-dim"),
+        (["--model", "llama-3-8b", "--q-heads", "0"], "--q-heads"),
+        (["--q-heads", "8", "--kv-heads", "0", "--head-dim", "128"], "--kv-heads"),
+        (["--model", "llama-3-8b", "--max-decode-seqs", "-1"], "--max-decode-seqs"),
+    ],
+)
+def test_the_plan_command_refuses_zero_sizes_instead_of_taking_the_defaults(capsys, argv, flag):
+    with pytest.raises(SystemExit) as done:
+        main(["plan", *argv])
+    assert done.value.code == 2
+    assert f"argument {flag}: must be an int >=" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [[], ["--q-heads", "8", "--head-dim", "128"]])
+def test_the_plan_command_without_a_shape_exits_2_naming_what_is_missing(capsys, argv):
+    assert main(["plan", *argv]) == 2
+    assert "give --model or all of --q-heads, --kv-heads, --head-dim" in capsys.readouterr().err
+
+
+def test_the_demo_refuses_a_negative_seed_naming_the_flag(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["demo", "--seed", "-1"])
+    assert done.value.code == 2 and "argument --seed: must be an int >= 0" in capsys.readouterr().err
+
+
 def test_python_dash_m_runs_the_cli():
     done = subprocess.run([sys.executable, "-m", "metrale_attn", "plan", "--model", "llama-3-8b", "--batch", "1"],
                           capture_output=True, text=True, check=True)
