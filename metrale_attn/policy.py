@@ -13,11 +13,13 @@ would change a sequence's output bytes depending on what it is batched with.
 
 All counts follow the specification's unsigned 32-bit arithmetic: arguments must
 lie in ``0 .. 2**32 - 1`` and products saturate at ``2**32 - 1`` instead of wrapping.
+A count may be any ``numbers.Integral`` (a NumPy integer too) but not a bool.
 """
 
 from __future__ import annotations
 
 import functools
+import numbers
 import os
 import re
 from collections.abc import Mapping
@@ -70,9 +72,19 @@ def _normalize(spelling: str) -> str:
     return spelling.strip(_WHITESPACE).translate(_ASCII_LOWER)
 
 
+def as_int(value) -> Optional[int]:
+    """``value`` as a Python int when it is an integer (``numbers.Integral``: ints and
+    NumPy integers), else None; bools are not counts and give None."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        return None
+    return int(value)
+
+
 def _u32(name: str, value: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+    checked = as_int(value)
+    if checked is None:
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    value = checked
     if not 0 <= value <= U32_MAX:
         raise ValueError(f"{name} must be in 0..{U32_MAX}, got {value}")
     return value
@@ -191,7 +203,7 @@ def legacy_splits(sm_count: int, num_q_heads: int, ref_seqs: int) -> int:
     give 5 splits for one sequence, 2 for two, 1 from five on. Uncapped: one head
     and one sequence on 132 SMs give 132.
     """
-    _u32("sm_count", sm_count)
+    sm_count = _u32("sm_count", sm_count)
     current_ctas = _sat_mul(max(_u32("num_q_heads", num_q_heads), 1), max(_u32("ref_seqs", ref_seqs), 1))
     return 1 if current_ctas >= sm_count else sm_count // current_ctas
 
@@ -289,8 +301,9 @@ def gqa_pack_shape_ok(num_q_heads: int, num_kv_heads: int, head_dim: int) -> boo
     the test multiplies because division truncates: 25 over 4 divides to 6);
     ``head_dim == DECODE_GQA_PACK_HEAD_DIM``.
     """
+    num_kv_heads = _u32("num_kv_heads", num_kv_heads)
     return (
-        _u32("num_kv_heads", num_kv_heads) > 0
+        num_kv_heads > 0
         and _u32("num_q_heads", num_q_heads) == _sat_mul(num_kv_heads, DECODE_GQA_PACK_WIDTH)
         and _u32("head_dim", head_dim) == DECODE_GQA_PACK_HEAD_DIM
     )

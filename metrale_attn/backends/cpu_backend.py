@@ -48,7 +48,8 @@ class CpuBackend:
             raise TypeError(f"{argument} must be a NumPy array on the cpu backend, got {type(array).__name__}")
         item = array.dtype.itemsize
         return ArrayInfo(array.__array_interface__["data"][0], array.shape,
-                         tuple(s // item for s in array.strides), array.dtype, item, None)
+                         tuple(s // item for s in array.strides), array.dtype, item, None,
+                         bool(array.flags.writeable))
 
     def empty(self, shape, dtype, like=None):
         return np.empty(shape, dtype=dtype)

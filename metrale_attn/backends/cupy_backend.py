@@ -165,8 +165,9 @@ class CupyBackend:
             strides = tuple(reversed(strides))
         else:
             strides = tuple(s // dtype.itemsize for s in cai["strides"])
-        ptr = cai["data"][0]
-        return ArrayInfo(ptr, shape, strides, dtype, dtype.itemsize, cupy.cuda.runtime.pointerGetAttributes(ptr).device)
+        ptr, read_only = cai["data"]
+        return ArrayInfo(ptr, shape, strides, dtype, dtype.itemsize, cupy.cuda.runtime.pointerGetAttributes(ptr).device,
+                         not read_only)
 
     def empty(self, shape, dtype, like=None):
         if like is not None and _is_torch(like):
