@@ -5,12 +5,18 @@ kernel the policy can reach, and allocates the split-K workspace once for
 ``max_batch`` rows. ``run`` validates cheaply on the host, looks up the memoized
 plan for the batch size and launches; with ``out`` (and ``lse``) given it
 allocates nothing and never synchronizes, so a CUDA graph can capture it.
+
+One object owns one split-K workspace, so the launches of one call are serialized
+per object (a lock), and on a GPU one object serves one stream at a time (see
+``DecodeAttention``).
 """
 
 from __future__ import annotations
 
 import math
 import numbers
+import threading
+import warnings
 from dataclasses import replace
 from typing import Optional
 
@@ -29,6 +35,12 @@ VECTOR_BYTES = 16  # kernels load K/V and q rows with 16-byte vector loads
 FP32_MAX = float(np.finfo(np.float32).max)  # 3.40282e+38
 FP32_MIN_NORMAL = float(np.finfo(np.float32).tiny)  # 1.17549e-38
 _FP32_RANGE = f"({FP32_MIN_NORMAL:.6g} .. {FP32_MAX:.6g})"
+
+
+class StreamReuseWarning(RuntimeWarning):
+    """``run`` launched on a second stream while the previous stream that used the same
+    workspace still had work queued: the two calls may race on the split-K workspace.
+    ``warnings.simplefilter("error", StreamReuseWarning)`` turns it into an error."""
 
 
 class DecodeAttention:
@@ -55,6 +67,22 @@ class DecodeAttention:
     heads' q rows before it writes their out rows, and the merge runs after the
     split kernel), but that is a property of the kernels' internals that no check
     keeps; a separate ``out`` costs ``num_seqs x num_q_heads x head_dim`` elements.
+
+    Concurrency: one object owns one split-K workspace. Calls from several threads
+    are safe: the launches of one call (split kernel and merge) run under one lock
+    per object, so no call sees another's partials; validation runs outside it. On
+    a GPU the lock orders the enqueueing only, so one object serves **one stream
+    at a time**: a second stream may use it once the first has finished (or waits
+    on it), else the two calls race on the workspace. Build one object per stream
+    for concurrent streams. When a call launches on a different stream than the
+    previous call, ``run`` asks the driver (``cudaStreamQuery``, only on that
+    change, never while either stream is capturing a graph) whether the previous
+    stream is still busy, and if so warns with ``StreamReuseWarning``. A warning,
+    not an error: a caller may have ordered the streams with an event, which the
+    driver cannot show us, and the previous stream may be busy with unrelated
+    work; a graph replayed later is the caller's to order. The hot path (the same
+    stream again) costs one identity comparison, and capture on one stream never
+    queries anything.
     """
 
     def __init__(
@@ -89,6 +117,8 @@ class DecodeAttention:
         self.q_dtype = dtypes.canonical(q_dtype, argument="q_dtype", allowed=dtypes.Q_DTYPES)
         self.kv_dtype = dtypes.canonical(kv_dtype, argument="kv_dtype", allowed=dtypes.KV_DTYPES)
         self.sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else _positive("sm_scale", sm_scale)
+        self._lock = threading.Lock()  # one call's launches at a time: they share the workspace
+        self._last_stream = None  # the stream of the previous launch (GPU), for StreamReuseWarning
 
         self.backend = get_backend(backend) if backend is None or isinstance(backend, str) else backend
         self.defaults: Defaults = resolve_defaults(self._target(target), splitk=splitk, gqa_pack=gqa_pack)
@@ -155,7 +185,8 @@ class DecodeAttention:
         anything is launched: shapes, dtypes, strides (none negative), alignment,
         writable outputs that overlap nothing else (``out`` may not be ``q``), and
         scales whose folded fp32 values (``sm_scale * k_scale * log2(e)``,
-        ``v_scale``) are finite and normal.
+        ``v_scale``) are finite and normal. Thread-safe; one stream at a time on a
+        GPU (see the class docstring).
         """
         be = self.backend
         H, D = self.shape.num_q_heads, self.shape.head_dim
@@ -217,7 +248,8 @@ class DecodeAttention:
                 np.int32(self.shape.num_kv_heads), np.int32(self.page_size),
                 np.float32(self.sm_scale * k_scale * LOG2E), np.float32(v_scale),
             )
-            with launch_stream:
+            with launch_stream, self._lock:
+                self._note_stream(be.current_stream())
                 self._launch(plan, common, ptr(out, oi), ptr(lse, li))
         return (out, lse) if want_lse else out
 
@@ -234,6 +266,23 @@ class DecodeAttention:
         _vector_rows(info, argument)
         s = info.strides
         return (s[0], s[1], s[2]) if self.kv_layout == "NHD" else (s[0], s[2], s[1])
+
+    def _note_stream(self, stream) -> None:
+        """Remember this launch's stream; on a change, warn if the previous one is busy.
+
+        Called under the lock. The same stream again (the hot path, and every launch
+        of a graph captured on one stream) costs one identity comparison.
+        """
+        previous, self._last_stream = self._last_stream, stream
+        if stream is previous or previous is None or stream is None:
+            return
+        if self.backend.stream_busy(previous, stream):
+            warnings.warn(
+                f"DecodeAttention.run launches on stream {_stream_name(stream)} while stream "
+                f"{_stream_name(previous)}, which launched into the same split-K workspace before, still has work "
+                "queued: one DecodeAttention serves one stream at a time. Make this stream wait for the other "
+                "(an event or a synchronize), or build one DecodeAttention per stream.",
+                StreamReuseWarning, stacklevel=3)
 
     def _check_indices(self, block_tables, seq_lens, num_pages: int, max_pages: int) -> None:
         lens = np.asarray(self.backend.host_copy(seq_lens))
@@ -268,6 +317,11 @@ class DecodeAttention:
 
 def _where(device) -> str:
     return "host memory" if device is None else f"cuda:{device}"
+
+
+def _stream_name(stream) -> str:
+    handle = getattr(stream, "ptr", None)
+    return f"{handle:#x}" if isinstance(handle, int) else repr(stream)
 
 
 def _int_in(argument: str, value, low: int, high: Optional[int] = None) -> int:

@@ -90,6 +90,15 @@ class Backend(Protocol):
         """A context manager under which launches go to ``stream`` (``None``: the
         caller's current stream, torch's when ``like`` is a torch tensor)."""
 
+    def current_stream(self) -> Any:
+        """The stream launches go to now (inside ``launch_stream``), as an object that
+        stays the same object while the stream does; None where launches are synchronous."""
+
+    def stream_busy(self, previous, current) -> bool:
+        """Whether ``previous`` (a ``current_stream`` value) may still be running work
+        queued before now, seen from ``current``; False when it cannot tell cheaply
+        and safely (either stream is capturing a CUDA graph, or the query fails)."""
+
     def current_device(self) -> Optional[int]:
         """The device launches go to (``None``: host memory)."""
 

@@ -62,6 +62,13 @@ class CpuBackend:
             raise ValueError("stream must be None on the cpu backend (launches run synchronously)")
         return contextlib.nullcontext()
 
+    def current_stream(self) -> None:
+        """No streams: every launch has finished when it returns."""
+        return None
+
+    def stream_busy(self, previous, current) -> bool:
+        return False
+
     def device(self) -> None:
         """No GPU: the target's table stands in for the device."""
         return None

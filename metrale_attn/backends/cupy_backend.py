@@ -205,6 +205,23 @@ class CupyBackend:
             self._external_streams[handle] = external
         return external
 
+    def current_stream(self):
+        """CuPy's current stream object (inside ``launch_stream``: the launch stream)."""
+        return self._cupy.cuda.get_current_stream()
+
+    def stream_busy(self, previous, current) -> bool:
+        """Whether ``previous`` still has work queued (``cudaStreamQuery``), asked only
+        when neither stream is capturing: a capture runs nothing now, and querying a
+        capturing stream would invalidate its capture."""
+        if previous.ptr == current.ptr:
+            return False
+        try:
+            if current.is_capturing() or previous.is_capturing():
+                return False
+            return not previous.done
+        except self._cupy.cuda.runtime.CUDARuntimeError:
+            return False
+
     def current_device(self) -> int:
         return self._cupy.cuda.Device().id
 
