@@ -6,11 +6,14 @@ code does it: the source with a `#line 1 "<path>"` directive in front.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -547,21 +550,38 @@ def test_a_damaged_cached_library_is_rebuilt_instead_of_crashing_the_process(kin
     assert record["bytes"] == good.path.stat().st_size and record["name"] == "damaged"
 
 
+def _read_only(directory: Path, monkeypatch) -> None:
+    """Make ``directory`` read-only; for root, whom permission bits do not stop, creating
+    a file in it also fails the way it would for anyone else."""
+    directory.chmod(0o555)
+    if os.geteuid() == 0:
+        real = tempfile.mkstemp
+
+        def refusing(*args, dir=None, **kwargs):
+            if dir is not None and Path(dir).resolve() == directory.resolve():
+                raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(dir))
+            return real(*args, dir=dir, **kwargs)
+
+        monkeypatch.setattr(tempfile, "mkstemp", refusing)
+
+
+def _fresh_process(monkeypatch) -> None:
+    for name, value in (("_MEMO", {}), ("_FALLBACK_DIRS", {}), ("_FALLBACK_WARNED", False)):
+        monkeypatch.setattr(loader, name, value)
+
+
 @pytest.mark.parametrize("how", ["a file stands where the directory should be", "read-only directory"])
 def test_an_unwritable_cache_directory_falls_back_to_a_private_temporary_one_with_one_warning(
         how, tmp_path, monkeypatch):
     if how == "read-only directory":
-        if os.geteuid() == 0:
-            pytest.skip("root writes into read-only directories")
         root = tmp_path / "cache"
         (root / "cuda_on_cpu").mkdir(parents=True)
-        (root / "cuda_on_cpu").chmod(0o555)
+        _read_only(root / "cuda_on_cpu", monkeypatch)
     else:
         root = tmp_path / "a-file"
         root.write_text("")
     monkeypatch.setenv("METRALE_ATTN_CACHE_DIR", str(root))
-    for name, value in (("_MEMO", {}), ("_FALLBACK_DIRS", {}), ("_FALLBACK_WARNED", False)):
-        monkeypatch.setattr(loader, name, value)  # a fresh process
+    _fresh_process(monkeypatch)
     with pytest.warns(loader.CacheFallbackWarning) as caught:
         mods = [toy("block_reduce"), toy("dynamic_shared")]
     assert len(caught) == 1 and str(root) in str(caught[0].message)
@@ -569,6 +589,19 @@ def test_an_unwritable_cache_directory_falls_back_to_a_private_temporary_one_wit
     x, out = np.ones(128, np.float32), np.zeros(1, np.float32)
     mods[0].launch("block_sum", (1, 1, 1), (128, 1, 1), 0, (x, out, np.int32(128)))
     assert out[0] == 128
+
+
+def test_valid_libraries_in_a_read_only_cache_are_used_without_a_rebuild_or_a_warning(tmp_path, monkeypatch):
+    monkeypatch.setenv("METRALE_ATTN_CACHE_DIR", str(tmp_path))
+    _fresh_process(monkeypatch)
+    built = toy("block_reduce")
+    _read_only(built.path.parent, monkeypatch)
+    _fresh_process(monkeypatch)
+    calls = len(loader.compiler_calls)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", loader.CacheFallbackWarning)
+        again = toy("block_reduce")
+    assert again.path == built.path and len(loader.compiler_calls) == calls
 
 
 def test_a_bad_stack_size_variable_is_refused_naming_it(monkeypatch):
