@@ -12,6 +12,9 @@ with ``cupy.RawModule(path=...)`` and memoized per ``(device, variant)``.
 Launches go to the stream ``launch_stream`` picks: the one the caller names, else
 PyTorch's current stream when the inputs are torch tensors (so a decode step joins
 the caller's stream and its CUDA-graph capture), else CuPy's current stream.
+``current_stream`` and ``stream_busy`` let ``DecodeAttention`` notice a second
+stream reusing a workspace while the first is still busy (one driver query, only
+when the stream changes, never during a capture).
 """
 
 from __future__ import annotations
