@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from metrale_attn import DecodeAttention, kernels, policy, reference
+from metrale_attn.backends.cpu_backend import CpuBackend
 
 TOYS = Path(__file__).parent / "toy_kernels"
 
@@ -83,3 +84,21 @@ def nvrtc_build(variant, arch: str):
     from metrale_attn.backends.cupy_backend import nvrtc_compile
 
     return nvrtc_compile(variant, arch, ptxas_verbose=True)
+
+
+class CountingBackend(CpuBackend):
+    """A CPU backend that records every launch (and so proves a refusal launched nothing)."""
+
+    def __init__(self):
+        super().__init__()
+        self.launches = []
+
+    def load(self, variant):
+        module, record = super().load(variant), self.launches
+
+        class Counting:
+            def launch(self, launch):
+                record.append(launch.kernel)
+                module.launch(launch)
+
+        return Counting()
