@@ -5,19 +5,25 @@ kernel the policy can reach, and allocates the split-K workspace once for
 ``max_batch`` rows. ``run`` validates cheaply on the host, looks up the memoized
 plan for the batch size and launches; with ``out`` (and ``lse``) given it
 allocates nothing and never synchronizes, so a CUDA graph can capture it.
+
+One object owns one split-K workspace, so the launches of one call are serialized
+per object (a lock), and on a GPU one object serves one stream at a time (see
+``DecodeAttention``).
 """
 
 from __future__ import annotations
 
 import math
+import numbers
 import os
+import threading
 import warnings
 from dataclasses import replace
 from typing import Optional
 
 import numpy as np
 
-from . import dtypes
+from . import dtypes, policy
 from .backends import ArrayInfo, Launch, get_backend
 from .kernels import Variant, kernel_params, source_constants
 from .plan import (ENV_HEADS_PER_CTA, ENV_IMPL, LEGACY_MAX_DECODE_SEQS, DecodePlan, ModelShape,
@@ -39,6 +45,15 @@ launch ABI is read from the sources; a test checks each kernel's names against t
 MAX_PAGE_SIZE = 256
 LOG2E = 1.4426950408889634
 VECTOR_BYTES = 16  # kernels load K/V and q rows with 16-byte vector loads
+FP32_MAX = float(np.finfo(np.float32).max)  # 3.40282e+38
+FP32_MIN_NORMAL = float(np.finfo(np.float32).tiny)  # 1.17549e-38
+_FP32_RANGE = f"({FP32_MIN_NORMAL:.6g} .. {FP32_MAX:.6g})"
+
+
+class StreamReuseWarning(RuntimeWarning):
+    """``run`` launched on a second stream while the previous stream that used the same
+    workspace still had work queued: the two calls may race on the split-K workspace.
+    ``warnings.simplefilter("error", StreamReuseWarning)`` turns it into an error."""
 
 
 class DecodeAttention:
@@ -61,7 +76,31 @@ class DecodeAttention:
     are the same for every value. ``max_decode_seqs`` is the
     floor of the reference batch only ``legacy`` reads. ``check_indices`` copies
     block_tables and seq_lens to the host on every call to prove every page id
-    and length is in range (always on for the CPU backend).
+    and length is in range (always on for the CPU backend). Integer arguments may
+    be any ``numbers.Integral`` (NumPy integers too), never a bool.
+
+    Outputs never share memory: ``out`` and ``lse`` may not overlap each other, any
+    input, or the workspace, and that includes ``out`` being ``q`` itself. Exact
+    aliasing happens to be safe for today's kernels (each CTA reads only its own
+    heads' q rows before it writes their out rows, and the merge runs after the
+    split kernel), but that is a property of the kernels' internals that no check
+    keeps; a separate ``out`` costs ``num_seqs x num_q_heads x head_dim`` elements.
+
+    Concurrency: one object owns one split-K workspace. Calls from several threads
+    are safe: the launches of one call (split kernel and merge) run under one lock
+    per object, so no call sees another's partials; validation runs outside it. On
+    a GPU the lock orders the enqueueing only, so one object serves **one stream
+    at a time**: a second stream may use it once the first has finished (or waits
+    on it), else the two calls race on the workspace. Build one object per stream
+    for concurrent streams. When a call launches on a different stream than the
+    previous call, ``run`` asks the driver (``cudaStreamQuery``, only on that
+    change, never while either stream is capturing a graph) whether the previous
+    stream is still busy, and if so warns with ``StreamReuseWarning``. A warning,
+    not an error: a caller may have ordered the streams with an event, which the
+    driver cannot show us, and the previous stream may be busy with unrelated
+    work; a graph replayed later is the caller's to order. The hot path (the same
+    stream again) costs one identity comparison, and capture on one stream never
+    queries anything.
     """
 
     def __init__(
@@ -86,11 +125,11 @@ class DecodeAttention:
         heads_per_cta: Optional[int] = None,
     ) -> None:
         self.shape = ModelShape(num_q_heads, num_kv_heads, head_dim)
-        if isinstance(page_size, bool) or not isinstance(page_size, int) or not 1 <= page_size <= MAX_PAGE_SIZE:
-            raise ValueError(f"page_size must be an int in 1..{MAX_PAGE_SIZE}, got {page_size!r}")
-        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
-            raise ValueError(f"max_batch must be an int >= 1, got {max_batch!r}")
-        layout = str(kv_layout).upper()
+        head_dim = self.shape.head_dim
+        page_size = _int_in("page_size", page_size, 1, MAX_PAGE_SIZE)
+        max_batch = _int_in("max_batch", max_batch, 1)
+        max_decode_seqs = _int_in("max_decode_seqs", max_decode_seqs, 0)
+        layout = str(kv_layout).strip().upper()  # trimmed, like every other string option
         if layout not in LAYOUTS:
             raise ValueError(f"kv_layout must be 'NHD' or 'HND', got {kv_layout!r}")
         self.page_size, self.max_batch, self.kv_layout = page_size, max_batch, layout
@@ -98,6 +137,8 @@ class DecodeAttention:
         self.q_dtype = dtypes.canonical(q_dtype, argument="q_dtype", allowed=dtypes.Q_DTYPES)
         self.kv_dtype = dtypes.canonical(kv_dtype, argument="kv_dtype", allowed=dtypes.KV_DTYPES)
         self.sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else _positive("sm_scale", sm_scale)
+        self._lock = threading.Lock()  # one call's launches at a time: they share the workspace
+        self._last_stream = None  # the stream of the previous launch (GPU), for StreamReuseWarning
 
         self.backend = get_backend(backend) if backend is None or isinstance(backend, str) else backend
         self.defaults: Defaults = resolve_defaults(self._target(target), splitk=splitk, gqa_pack=gqa_pack)
@@ -105,7 +146,8 @@ class DecodeAttention:
         self._device = self.backend.current_device()
         self.workspace_spec = workspace_for(
             self.defaults, self.shape, max_batch=max_batch, max_decode_seqs=max_decode_seqs)
-        self.workspace = self.backend.empty((self.workspace_spec.slots * self.workspace_spec.slot_floats,), np.float32)
+        self.workspace = self._allocate_workspace()
+        self._workspace_range = self.backend.describe(self.workspace, "workspace").byte_range()
         self._workspace_ptr = self.backend.pointer(self.workspace)
         self.impl = resolve_impl(impl, os.environ.get(ENV_IMPL))
         if self.impl == "mma":
@@ -147,6 +189,18 @@ class DecodeAttention:
             return detect_target(capability, sm_count)
         return replace(get_target(name), sm_count=sm_count)
 
+    def _allocate_workspace(self):
+        spec = self.workspace_spec
+        try:
+            return self.backend.empty((spec.slots * spec.slot_floats,), np.float32)
+        except MemoryError as err:  # CuPy's OutOfMemoryError is one too
+            raise MemoryError(
+                f"cannot allocate the split-K workspace of {spec.nbytes} bytes ({spec.slots} slots x "
+                f"{spec.slot_floats} fp32) for max_batch={self.max_batch}, {self.shape.num_q_heads} q heads and "
+                f"attn_decode_splitk={self.defaults.splitk.label()}: lower max_batch (the workspace grows "
+                f"linearly with it) or pin fewer splits (splitk=)"
+            ) from err
+
     def plan(self, num_seqs: int) -> DecodePlan:
         """The memoized geometry of a call with ``num_seqs`` sequences."""
         plan = self._plans.get(num_seqs)
@@ -169,7 +223,11 @@ class DecodeAttention:
         mostly; any dtype). ``stream``: a CuPy or torch stream or a raw handle;
         ``None`` launches on torch's current stream for torch inputs, else on CuPy's.
         Errors name the argument and what was expected, and are raised before
-        anything is launched.
+        anything is launched: shapes, dtypes, strides (none negative), alignment,
+        writable outputs that overlap nothing else (``out`` may not be ``q``), and
+        scales whose folded fp32 values (``sm_scale * k_scale * log2(e)``,
+        ``v_scale``) are finite and normal. Thread-safe; one stream at a time on a
+        GPU (see the class docstring).
         """
         be = self.backend
         H, D = self.shape.num_q_heads, self.shape.head_dim
@@ -188,13 +246,8 @@ class DecodeAttention:
         if ki.shape != vi.shape:
             raise ValueError(f"k_cache and v_cache must have the same shape, got {list(ki.shape)} and {list(vi.shape)}")
         bi, si = be.describe(block_tables, "block_tables"), be.describe(seq_lens, "seq_lens")
-        if len(bi.shape) != 2 or bi.shape[0] != num_seqs or dtypes.name_of(bi.dtype) != dtypes.INT32 or bi.strides[1] != 1:
-            raise ValueError(f"block_tables must be int32 [{num_seqs}, max_pages] with contiguous rows, got "
-                             f"{bi.dtype} {list(bi.shape)} strides {list(bi.strides)}")
-        if len(si.shape) != 1 or si.shape[0] != num_seqs or dtypes.name_of(si.dtype) != dtypes.INT32 or (
-                num_seqs > 1 and si.strides[0] != 1):
-            raise ValueError(f"seq_lens must be contiguous int32 [{num_seqs}], got {si.dtype} {list(si.shape)}")
-        k_scale, v_scale = _positive("k_scale", k_scale), _positive("v_scale", v_scale)
+        _check_index_arrays(bi, si, num_seqs)
+        k_scale, v_scale = _scales(self.sm_scale, k_scale, v_scale)
 
         if out is None:
             out = be.empty((num_seqs, H, D), dtypes.NUMPY_DTYPES[self.q_dtype], like=q)
@@ -204,6 +257,7 @@ class DecodeAttention:
                              f"strides {list(oi.strides)}")
         _dtype(oi, "out", self.q_dtype)
         _aligned(oi, "out")
+        _writable(oi, "out")
         want_lse = return_lse or lse is not None
         if lse is None and want_lse:
             lse = be.empty((num_seqs, H), np.float32, like=q)
@@ -213,11 +267,13 @@ class DecodeAttention:
             described.append(li)
             if li.shape != (num_seqs, H) or (num_seqs and li.strides != (H, 1)) or dtypes.name_of(li.dtype) != dtypes.FLOAT32:
                 raise ValueError(f"lse must be a contiguous float32 [{num_seqs}, {H}] array, got {li.dtype} "
-                                 f"{list(li.shape)}")
+                                 f"{list(li.shape)} strides {list(li.strides)}")
+            _writable(li, "lse")
         devices = {x.device for x in described}
         if devices != {self._device}:
             raise ValueError(f"q, k_cache, v_cache, block_tables, seq_lens, out and lse must all be on the device this "
                              f"DecodeAttention was built on ({_where(self._device)}), got {sorted(map(_where, devices))}")
+        _refuse_overlaps((oi, li), (qi, ki, vi, bi, si), self._workspace_range)
         if self.check_indices:
             self._check_indices(block_tables, seq_lens, ki.shape[0], bi.shape[1])
 
@@ -236,7 +292,8 @@ class DecodeAttention:
                 qk_scale_log2=self.sm_scale * k_scale * LOG2E, v_scale=v_scale,
                 out=ptr(out, oi), lse=ptr(lse, li), workspace=self._workspace_ptr, num_splits=plan.num_splits,
             )
-            with launch_stream:
+            with launch_stream, self._lock:
+                self._note_stream(be.current_stream())
                 self._launch(plan, args)
         return (out, lse) if want_lse else out
 
@@ -254,9 +311,29 @@ class DecodeAttention:
         s = info.strides
         return (s[0], s[1], s[2]) if self.kv_layout == "NHD" else (s[0], s[2], s[1])
 
+    def _note_stream(self, stream) -> None:
+        """Remember this launch's stream; on a change, warn if the previous one is busy.
+
+        Called under the lock. The same stream again (the hot path, and every launch
+        of a graph captured on one stream) costs one identity comparison.
+        """
+        previous, self._last_stream = self._last_stream, stream
+        if stream is previous or previous is None or stream is None:
+            return
+        if self.backend.stream_busy(previous, stream):
+            warnings.warn(
+                f"DecodeAttention.run launches on stream {_stream_name(stream)} while stream "
+                f"{_stream_name(previous)}, which launched into the same split-K workspace before, still has work "
+                "queued: one DecodeAttention serves one stream at a time. Make this stream wait for the other "
+                "(an event or a synchronize), or build one DecodeAttention per stream.",
+                StreamReuseWarning, stacklevel=3)
+
     def _check_indices(self, block_tables, seq_lens, num_pages: int, max_pages: int) -> None:
         lens = np.asarray(self.backend.host_copy(seq_lens))
         table = np.asarray(self.backend.host_copy(block_tables))
+        if max_pages == 0 and lens.any():
+            s = int(np.flatnonzero(lens)[0])
+            raise ValueError(f"block_tables has 0 columns but seq_lens[{s}] = {int(lens[s])}")
         capacity = max_pages * self.page_size
         bad = np.flatnonzero((lens < 0) | (lens > capacity))
         if bad.size:
@@ -284,6 +361,78 @@ def _where(device) -> str:
     return "host memory" if device is None else f"cuda:{device}"
 
 
+def _stream_name(stream) -> str:
+    handle = getattr(stream, "ptr", None)
+    return f"{handle:#x}" if isinstance(handle, int) else repr(stream)
+
+
+def _int_in(argument: str, value, low: int, high: Optional[int] = None) -> int:
+    """``value`` as an int (any ``numbers.Integral``, not a bool) in ``low..high``."""
+    checked = policy.as_int(value)
+    if checked is None or checked < low or (high is not None and checked > high):
+        bound = f"in {low}..{high}" if high is not None else f">= {low}"
+        raise ValueError(f"{argument} must be an int {bound}, got {value!r}")
+    return checked
+
+
+def _check_index_arrays(bi: ArrayInfo, si: ArrayInfo, num_seqs: int) -> None:
+    """block_tables int32 ``[num_seqs, max_pages]`` with rows of adjacent page ids (any
+    strides when it has no columns); seq_lens contiguous int32 ``[num_seqs]``."""
+    _forward_strides(bi, "block_tables")
+    _forward_strides(si, "seq_lens")
+    if len(bi.shape) != 2 or bi.shape[0] != num_seqs or dtypes.name_of(bi.dtype) != dtypes.INT32:
+        raise ValueError(f"block_tables must be int32 [{num_seqs}, max_pages] with contiguous rows, got "
+                         f"{bi.dtype} {list(bi.shape)}")
+    if bi.shape[1] and bi.strides[1] != 1:
+        raise ValueError(f"block_tables must be int32 [{num_seqs}, max_pages] with contiguous rows, got strides "
+                         f"{list(bi.strides)} (a row's page ids must be adjacent: stride 1)")
+    if len(si.shape) != 1 or si.shape[0] != num_seqs or dtypes.name_of(si.dtype) != dtypes.INT32:
+        raise ValueError(f"seq_lens must be contiguous int32 [{num_seqs}], got {si.dtype} {list(si.shape)}")
+    if num_seqs > 1 and si.strides[0] != 1:
+        raise ValueError(f"seq_lens must be contiguous int32 [{num_seqs}], got a strided view (element stride "
+                         f"{si.strides[0]}, not 1)")
+
+
+def _forward_strides(info: ArrayInfo, argument: str) -> None:
+    if info.strides and min(info.strides) < 0:
+        raise ValueError(f"{argument} has negative strides {list(info.strides)}, which are not supported: pass a "
+                         f"copy (np.ascontiguousarray) or a view with positive strides")
+
+
+def _writable(info: ArrayInfo, argument: str) -> None:
+    if not info.writable:
+        raise ValueError(f"{argument} must be writable, got a read-only array")
+
+
+_OUTPUTS = ("out", "lse")
+_INPUTS = ("q", "k_cache", "v_cache", "block_tables", "seq_lens", "the split-K workspace")
+
+
+def _refuse_overlaps(outputs: tuple, inputs: tuple, workspace: Optional[tuple[int, int]]) -> None:
+    """``(out, lse)`` may share no byte with each other, an input ``(q, k_cache, v_cache,
+    block_tables, seq_lens)`` or the workspace (``lse`` may be None).
+
+    Ranges are hulls (``ArrayInfo.byte_range``): from an array's lowest element byte to
+    its highest. Outputs are contiguous, so theirs are exact; a strided input's gaps
+    count as its own, which refuses only layouts nobody uses (an output inside the
+    gaps of a strided input). Exact aliasing (``out`` is ``q``) is refused too.
+    """
+    others = [info.byte_range() for info in inputs]
+    others.append(workspace)
+    names = _INPUTS
+    for name, info in zip(_OUTPUTS, outputs):
+        mine = None if info is None else info.byte_range()
+        if mine is not None:
+            for other, theirs in zip(names, others):
+                if theirs is not None and mine[0] < theirs[1] and theirs[0] < mine[1]:
+                    raise ValueError(
+                        f"{name} overlaps {other} in memory (bytes {mine[0]:#x}..{mine[1]:#x} and {theirs[0]:#x}.."
+                        f"{theirs[1]:#x}): outputs may share memory with nothing else, not even out with q; pass a "
+                        f"separate {name}")
+        others.insert(0, mine)  # later outputs are checked against this one too
+        names = (name,) + names
+
+
 def _dtype(info: ArrayInfo, argument: str, expected: str) -> None:
     name = dtypes.name_of(info.dtype)
     if name != expected:
@@ -297,7 +446,8 @@ def _aligned(info: ArrayInfo, argument: str) -> None:
 
 
 def _vector_rows(info: ArrayInfo, argument: str) -> None:
-    """Last dim contiguous; base and every other stride a multiple of 16 bytes."""
+    """No negative strides; last dim contiguous; base and every other stride a multiple of 16 bytes."""
+    _forward_strides(info, argument)
     if info.strides[-1] != 1:
         raise ValueError(f"{argument} must be contiguous in its last dim (stride 1), got strides {list(info.strides)}")
     _aligned(info, argument)
@@ -308,10 +458,49 @@ def _vector_rows(info: ArrayInfo, argument: str) -> None:
                          f"for vector loads, got {list(info.strides)}")
 
 
-def _positive(argument: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
+def _as_float(argument: str, value) -> float:
+    """A real scale as a Python float; an integer beyond the float range is inf."""
+    if type(value) is float:  # the common case, without the ABC check below
+        return value
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{argument} must be a Python or NumPy float, got {type(value).__name__}")
-    value = float(value)
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{argument} must be a finite float > 0, got {value}")
-    return value
+    try:
+        return float(value)
+    except OverflowError:  # float(10**400)
+        return math.inf if value > 0 else -math.inf
+
+
+def _positive(argument: str, value) -> float:
+    as_float = _as_float(argument, value)
+    if not math.isfinite(as_float) or as_float <= 0:
+        raise ValueError(f"{argument} must be a finite float > 0, got {as_float}")
+    return as_float
+
+
+def _scales(sm_scale: float, k_scale, v_scale) -> tuple[float, float]:
+    """``(k_scale, v_scale)`` as floats, after checking that they are > 0, that each is a
+    per-tensor fp32 scale (a finite normal fp32 value, as serving stacks store them),
+    and that the kernels' fp32 logit scale ``sm_scale * k_scale * log2(e)`` (logits in
+    base 2) is one too.
+
+    Past fp32's range the logits are inf and the output all NaN, with no error
+    (``k_scale=1e39``; ``sm_scale=10`` with ``k_scale=3e38``); ``v_scale=1e39`` gives
+    inf; a subnormal scale has lost its precision. Scales inside the range can still
+    overflow the logits of large ``q . k`` products: the inputs' business.
+    """
+    k, v = _as_float("k_scale", k_scale), _as_float("v_scale", v_scale)
+    for argument, value in (("k_scale", k), ("v_scale", v)):
+        if not value > 0:  # NaN too
+            raise ValueError(f"{argument} must be a finite float > 0, got {value}")
+    folded = sm_scale * k * LOG2E
+    if not (_fp32_normal(k) and _fp32_normal(folded)):
+        raise ValueError(f"k_scale = {k:.6g} (with sm_scale = {sm_scale:.6g}, the kernels' logit scale sm_scale * "
+                         f"k_scale * log2(e) = {folded:.6g}): both must be finite normal fp32 values {_FP32_RANGE}")
+    if not _fp32_normal(v):
+        raise ValueError(f"v_scale = {v:.6g} must be a finite normal fp32 value {_FP32_RANGE}: the kernels "
+                         "multiply by it in fp32")
+    return k, v
+
+
+def _fp32_normal(value: float) -> bool:
+    return FP32_MIN_NORMAL <= value <= FP32_MAX

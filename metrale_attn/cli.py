@@ -27,6 +27,21 @@ def _batches(text: str) -> list[int]:
     return values
 
 
+def _int_at_least(low: int):
+    """An argparse type: an int >= ``low`` (argparse names the flag when it refuses)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < low:
+            raise argparse.ArgumentTypeError(f"must be an int >= {low}, got {text!r}")
+        return value
+
+    return parse
+
+
 def _on_off(text: str) -> bool:
     value = parse_gqa_pack(text)
     if value is None:
@@ -35,22 +50,22 @@ def _on_off(text: str) -> bool:
 
 
 def _shape(args: argparse.Namespace) -> ModelShape:
+    given = (args.q_heads, args.kv_heads, args.head_dim)
     if args.model:
         base = MODELS[args.model]
-        return ModelShape(
-            args.q_heads or base.num_q_heads, args.kv_heads or base.num_kv_heads, args.head_dim or base.head_dim
-        )
-    missing = [f"--{n}" for n in ("q-heads", "kv-heads", "head-dim") if getattr(args, n.replace("-", "_")) is None]
+        preset = (base.num_q_heads, base.num_kv_heads, base.head_dim)
+        return ModelShape(*(p if g is None else g for g, p in zip(given, preset)))  # a flag given wins over the preset
+    missing = [flag for flag, value in zip(("--q-heads", "--kv-heads", "--head-dim"), given) if value is None]
     if missing:
-        raise SystemExit(f"plan: give --model or all of {', '.join(missing)}")
-    return ModelShape(args.q_heads, args.kv_heads, args.head_dim)
+        raise ValueError(f"give --model or all of --q-heads, --kv-heads, --head-dim (missing {', '.join(missing)})")
+    return ModelShape(*given)
 
 
 def render_plan_table(args: argparse.Namespace) -> str:
     """The target line and one row per batch size."""
     defaults = resolve_defaults(get_target(args.target), splitk=args.splitk, gqa_pack=args.gqa_pack)
     shape = _shape(args)
-    max_batch = args.max_batch or max(args.batch)
+    max_batch = max(max(args.batch), 1) if args.max_batch is None else args.max_batch
     workspace = workspace_for(defaults, shape, max_batch=max_batch, max_decode_seqs=args.max_decode_seqs)
     impl = resolve_impl(args.impl, None)
     heads_per_cta = resolve_heads_per_cta(args.heads_per_cta, None, shape.group_size)
@@ -82,12 +97,13 @@ def build_parser() -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="print the launch geometry for a model shape on a target")
     plan.add_argument("--target", default="hopper", choices=sorted(TARGETS))
     plan.add_argument("--model", choices=sorted(MODELS), help="a preset shape (flags below override it)")
-    plan.add_argument("--q-heads", type=int)
-    plan.add_argument("--kv-heads", type=int)
-    plan.add_argument("--head-dim", type=int)
+    plan.add_argument("--q-heads", type=_int_at_least(1))
+    plan.add_argument("--kv-heads", type=_int_at_least(1))
+    plan.add_argument("--head-dim", type=_int_at_least(1))
     plan.add_argument("--batch", type=_batches, default=[1, 8, 64], help="comma-separated batch sizes")
-    plan.add_argument("--max-batch", type=int, help="workspace rows (default: the largest batch)")
-    plan.add_argument("--max-decode-seqs", type=int, default=1, help="floor of legacy's reference batch (default 1)")
+    plan.add_argument("--max-batch", type=_int_at_least(1), help="workspace rows (default: the largest batch)")
+    plan.add_argument("--max-decode-seqs", type=_int_at_least(0), default=1,
+                      help="floor of legacy's reference batch (default 1)")
     plan.add_argument("--splitk", help="override: auto, legacy, off or a split count")
     plan.add_argument("--gqa-pack", type=_on_off, help="override: on or off")
     plan.add_argument("--impl", help="mma (tensor cores, default) or simt (the first CUDA-core kernels)")
@@ -96,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="run a mixed decode batch on the best backend and check it")
     demo.add_argument("--backend", choices=["cupy", "cpu"], help="default: cupy with a GPU, else cpu")
     demo.add_argument("--target", choices=sorted(TARGETS), help="default: detected, or hopper on the CPU")
-    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--seed", type=_int_at_least(0), default=0)
     return parser
 
 

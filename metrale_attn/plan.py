@@ -60,9 +60,10 @@ class ModelShape:
 
     def __post_init__(self) -> None:
         for name in ("num_q_heads", "num_kv_heads", "head_dim"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+            value = policy.as_int(getattr(self, name))  # NumPy integers too, not bools
+            if value is None or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")
+            object.__setattr__(self, name, value)
         if self.num_q_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_q_heads ({self.num_q_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
@@ -250,10 +251,12 @@ def make_plan(
     arguments); a split-K geometry that needs more slots is refused here, with
     both sizes, because on the GPU it would be a silent out-of-bounds write.
     """
-    if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+    batch, seqs = policy.as_int(max_batch), policy.as_int(num_seqs)  # NumPy integers too, not bools
+    if batch is None or batch < 1:
         raise ValueError(f"max_batch must be an int >= 1, got {max_batch!r}")
-    if isinstance(num_seqs, bool) or not isinstance(num_seqs, int) or not 0 <= num_seqs <= max_batch:
-        raise ValueError(f"num_seqs must be an int in 0..max_batch={max_batch}, got {num_seqs!r}")
+    if seqs is None or not 0 <= seqs <= batch:
+        raise ValueError(f"num_seqs must be an int in 0..max_batch={batch}, got {num_seqs!r}")
+    max_batch, num_seqs = batch, seqs
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {', '.join(IMPLS)}, got {impl!r}")
     if heads_per_cta is not None and heads_per_cta not in heads_per_cta_choices(shape.group_size):

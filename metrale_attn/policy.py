@@ -1,8 +1,9 @@
 """The paged-decode launch policy: split-K count, workspace size, GQA-packed gate.
 
-Pure functions of configuration (the environment is read only by the two
-``*_from_env``/``*_enabled`` helpers, and only when called). Nothing here imports
-the rest of the package, CuPy or NumPy.
+Pure functions of configuration (the environment is read only by
+``policy_from_env`` and the GQA gate's once-per-process resolution,
+``gqa_pack_resolution``/``gqa_pack_enabled``). Nothing here imports the rest of
+the package, CuPy or NumPy.
 
 Why the policy exists: the online-softmax merge of split-K partials is not
 associative, so a split count that moved with the number of co-batched sequences
@@ -12,16 +13,18 @@ would change a sequence's output bytes depending on what it is batched with.
 
 All counts follow the specification's unsigned 32-bit arithmetic: arguments must
 lie in ``0 .. 2**32 - 1`` and products saturate at ``2**32 - 1`` instead of wrapping.
+A count may be any ``numbers.Integral`` (a NumPy integer too) but not a bool.
 """
 
 from __future__ import annotations
 
 import functools
+import numbers
 import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import ClassVar, Literal, Optional
+from typing import ClassVar, Literal, NamedTuple, Optional
 
 ENV_SPLITK = "METRALE_ATTN_DECODE_SPLITK"
 ENV_GQA_PACK = "METRALE_ATTN_DECODE_GQA_PACK"
@@ -69,9 +72,19 @@ def _normalize(spelling: str) -> str:
     return spelling.strip(_WHITESPACE).translate(_ASCII_LOWER)
 
 
+def as_int(value) -> Optional[int]:
+    """``value`` as a Python int when it is an integer (``numbers.Integral``: ints and
+    NumPy integers), else None; bools are not counts and give None."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        return None
+    return int(value)
+
+
 def _u32(name: str, value: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+    checked = as_int(value)
+    if checked is None:
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    value = checked
     if not 0 <= value <= U32_MAX:
         raise ValueError(f"{name} must be in 0..{U32_MAX}, got {value}")
     return value
@@ -190,7 +203,7 @@ def legacy_splits(sm_count: int, num_q_heads: int, ref_seqs: int) -> int:
     give 5 splits for one sequence, 2 for two, 1 from five on. Uncapped: one head
     and one sequence on 132 SMs give 132.
     """
-    _u32("sm_count", sm_count)
+    sm_count = _u32("sm_count", sm_count)
     current_ctas = _sat_mul(max(_u32("num_q_heads", num_q_heads), 1), max(_u32("ref_seqs", ref_seqs), 1))
     return 1 if current_ctas >= sm_count else sm_count // current_ctas
 
@@ -245,15 +258,39 @@ def resolve_gqa_pack(declared: bool, env_raw: Optional[str]) -> bool:
     return declared if from_env is None else from_env
 
 
+class GqaPackResolution(NamedTuple):
+    """The GQA gate as resolved: whether it is armed, and whether the environment said so."""
+
+    armed: bool
+    from_env: bool
+
+    @staticmethod
+    def of(declared: bool, env_raw: Optional[str]) -> GqaPackResolution:
+        """``resolve_gqa_pack`` with its source: pure, for any environment value."""
+        from_env = env_raw is not None and parse_gqa_pack(env_raw) is not None
+        return GqaPackResolution(resolve_gqa_pack(declared, env_raw), from_env)
+
+
 @functools.cache
-def gqa_pack_enabled(declared: bool = DECODE_GQA_PACK_DECLARED) -> bool:
-    """Whether the packed kernel is armed in this process, resolved once.
+def gqa_pack_resolution(declared: bool = DECODE_GQA_PACK_DECLARED) -> GqaPackResolution:
+    """The GQA gate of this process and where it came from, resolved once.
 
     A fixed answer keeps a captured CUDA graph consistent with later launches.
-    The environment is read on the first call only; tests that change
-    ``METRALE_ATTN_DECODE_GQA_PACK`` call ``gqa_pack_enabled.cache_clear()``.
+    ``METRALE_ATTN_DECODE_GQA_PACK`` is read on the first call only, and the value
+    and its source are read together, so a report of the source (the target line)
+    can never disagree with the value the dispatch uses. Tests that change the
+    variable call ``gqa_pack_enabled.cache_clear()`` (the same cache).
     """
-    return resolve_gqa_pack(declared, os.environ.get(ENV_GQA_PACK))
+    return GqaPackResolution.of(declared, os.environ.get(ENV_GQA_PACK))
+
+
+def gqa_pack_enabled(declared: bool = DECODE_GQA_PACK_DECLARED) -> bool:
+    """Whether the packed kernel is armed in this process: ``gqa_pack_resolution``'s
+    value, resolved once (``gqa_pack_enabled.cache_clear()`` forgets it)."""
+    return gqa_pack_resolution(declared).armed
+
+
+gqa_pack_enabled.cache_clear = gqa_pack_resolution.cache_clear
 
 
 def gqa_pack_shape_ok(num_q_heads: int, num_kv_heads: int, head_dim: int) -> bool:
@@ -264,8 +301,9 @@ def gqa_pack_shape_ok(num_q_heads: int, num_kv_heads: int, head_dim: int) -> boo
     the test multiplies because division truncates: 25 over 4 divides to 6);
     ``head_dim == DECODE_GQA_PACK_HEAD_DIM``.
     """
+    num_kv_heads = _u32("num_kv_heads", num_kv_heads)
     return (
-        _u32("num_kv_heads", num_kv_heads) > 0
+        num_kv_heads > 0
         and _u32("num_q_heads", num_q_heads) == _sat_mul(num_kv_heads, DECODE_GQA_PACK_WIDTH)
         and _u32("head_dim", head_dim) == DECODE_GQA_PACK_HEAD_DIM
     )

@@ -116,8 +116,9 @@ def resolve_defaults(
 
     ``splitk``/``gqa_pack`` are explicit overrides (a bad spelling is an error,
     unlike an unparseable environment value, which keeps the declaration). With
-    ``environ=None`` the GQA gate comes from ``policy.gqa_pack_enabled``, resolved
-    once per process; pass a mapping to resolve against it instead.
+    ``environ=None`` the GQA gate and its reported source come from
+    ``policy.gqa_pack_resolution``, resolved once per process; pass a mapping to
+    resolve against it instead.
     """
     env = os.environ if environ is None else environ
     if splitk is not None:
@@ -136,11 +137,11 @@ def resolve_defaults(
             raise TypeError(f"gqa_pack must be a bool or None, got {gqa_pack!r}")
         armed, pack_source = gqa_pack, "argument"
     else:
-        raw = env.get(policy.ENV_GQA_PACK)
+        # The process's gate is resolved once, value and source together, so the
+        # target line reports what the dispatch uses even if the variable changes later.
         if environ is None:
-            armed = policy.gqa_pack_enabled(target.gqa_pack_declared)
+            armed, from_env = policy.gqa_pack_resolution(target.gqa_pack_declared)
         else:
-            armed = policy.resolve_gqa_pack(target.gqa_pack_declared, raw)
-        parsed = policy.parse_gqa_pack(raw) if raw is not None else None
-        pack_source = "declaration" if parsed is None else "environment"
+            armed, from_env = policy.GqaPackResolution.of(target.gqa_pack_declared, environ.get(policy.ENV_GQA_PACK))
+        pack_source = "environment" if from_env else "declaration"
     return Defaults(target, split_policy, split_source, armed, pack_source)

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from metrale_attn import DecodeAttention, kernels, policy, reference
+from metrale_attn.backends.cpu_backend import CpuBackend
 
 TOYS = Path(__file__).parent / "toy_kernels"
 
@@ -83,3 +84,24 @@ def nvrtc_build(variant, arch: str):
     from metrale_attn.backends.cupy_backend import nvrtc_compile
 
     return nvrtc_compile(variant, arch, ptxas_verbose=True)
+
+
+class CountingBackend(CpuBackend):
+    """A CPU backend that records every variant it loads and every launch (and so proves a
+    refusal launched nothing)."""
+
+    def __init__(self):
+        super().__init__()
+        self.launches = []
+        self.loaded = []
+
+    def load(self, variant):
+        self.loaded.append(variant.name)
+        module, record = super().load(variant), self.launches
+
+        class Counting:
+            def launch(self, launch):
+                record.append(launch.kernel)
+                module.launch(launch)
+
+        return Counting()

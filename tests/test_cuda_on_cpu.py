@@ -6,10 +6,15 @@ code does it: the source with a `#line 1 "<path>"` directive in front.
 
 from __future__ import annotations
 
+import errno
+import json
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
+import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -496,6 +501,111 @@ def test_a_second_compile_of_the_same_source_does_not_run_the_compiler(monkeypat
     # Another define is another library.
     compile_module(src, name="cache_probe", defines={"UNUSED_KNOB": 1})
     assert len(loader.compiler_calls) > calls
+
+
+def _damage(kind: str, so: Path, meta: Path, other: "loader.Module") -> None:
+    """Damage a cached library. Files are replaced, never rewritten in place: this process
+    has the library mapped, and shrinking a mapped file would fault here too."""
+
+    def replace(path: Path, data: bytes) -> None:
+        tmp = path.with_name(path.name + ".damage")
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+
+    if kind == "truncated .so":  # dlopen maps past the end of the file: SIGBUS
+        replace(so, so.read_bytes()[: so.stat().st_size // 2])
+    elif kind == "empty .so":
+        replace(so, b"")
+    elif kind == "another variant's .so":  # a foreign kernel table under this name: SIGSEGV
+        replace(so, other.path.read_bytes())
+    elif kind == "garbage .json":
+        replace(meta, b"{not json")
+    elif kind == "another variant's .so and .json":  # a consistent pair, of the wrong variant
+        replace(so, other.path.read_bytes())
+        replace(meta, other.path.with_suffix(".json").read_bytes())
+    else:
+        raise AssertionError(kind)
+
+
+@pytest.mark.parametrize("kind", ["truncated .so", "empty .so", "another variant's .so", "garbage .json",
+                                  "another variant's .so and .json"])
+def test_a_damaged_cached_library_is_rebuilt_instead_of_crashing_the_process(kind):
+    src = toy_source("block_reduce") + f"\n// damaged cache: {kind}\n"
+    good = compile_module(src, name="damaged")
+    _damage(kind, good.path, good.path.with_suffix(".json"), toy("dynamic_shared"))
+    code = (  # a fresh process, so only the disk cache is left; a crash must not take pytest with it
+        "import numpy as np\n"
+        "from metrale_attn.cuda_on_cpu import compile_module, loader\n"
+        f"mod = compile_module({src!r}, name='damaged')\n"
+        "x, out = np.ones(128, np.float32), np.zeros(1, np.float32)\n"
+        "mod.launch('block_sum', (1, 1, 1), (128, 1, 1), 0, (x, out, np.int32(128)))\n"
+        "print(out[0], len(loader.compiler_calls) > 0)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=dict(os.environ))
+    assert (r.returncode, r.stdout.split()) == (0, ["128.0", "True"]), r.stderr
+    record = json.loads(good.path.with_suffix(".json").read_text())["library"]  # healed on disk too
+    assert record["bytes"] == good.path.stat().st_size and record["name"] == "damaged"
+
+
+def _read_only(directory: Path, monkeypatch) -> None:
+    """Make ``directory`` read-only; for root, whom permission bits do not stop, creating
+    a file in it also fails the way it would for anyone else."""
+    directory.chmod(0o555)
+    if os.geteuid() == 0:
+        real = tempfile.mkstemp
+
+        def refusing(*args, dir=None, **kwargs):
+            if dir is not None and Path(dir).resolve() == directory.resolve():
+                raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(dir))
+            return real(*args, dir=dir, **kwargs)
+
+        monkeypatch.setattr(tempfile, "mkstemp", refusing)
+
+
+def _fresh_process(monkeypatch) -> None:
+    for name, value in (("_MEMO", {}), ("_FALLBACK_DIRS", {}), ("_FALLBACK_WARNED", False)):
+        monkeypatch.setattr(loader, name, value)
+
+
+@pytest.mark.parametrize("how", ["a file stands where the directory should be", "read-only directory"])
+def test_an_unwritable_cache_directory_falls_back_to_a_private_temporary_one_with_one_warning(
+        how, tmp_path, monkeypatch):
+    if how == "read-only directory":
+        root = tmp_path / "cache"
+        (root / "cuda_on_cpu").mkdir(parents=True)
+        _read_only(root / "cuda_on_cpu", monkeypatch)
+    else:
+        root = tmp_path / "a-file"
+        root.write_text("")
+    monkeypatch.setenv("METRALE_ATTN_CACHE_DIR", str(root))
+    _fresh_process(monkeypatch)
+    with pytest.warns(loader.CacheFallbackWarning) as caught:
+        mods = [toy("block_reduce"), toy("dynamic_shared")]
+    assert len(caught) == 1 and str(root) in str(caught[0].message)
+    assert mods[0].path.parent == mods[1].path.parent != root / "cuda_on_cpu"
+    x, out = np.ones(128, np.float32), np.zeros(1, np.float32)
+    mods[0].launch("block_sum", (1, 1, 1), (128, 1, 1), 0, (x, out, np.int32(128)))
+    assert out[0] == 128
+
+
+def test_valid_libraries_in_a_read_only_cache_are_used_without_a_rebuild_or_a_warning(tmp_path, monkeypatch):
+    monkeypatch.setenv("METRALE_ATTN_CACHE_DIR", str(tmp_path))
+    _fresh_process(monkeypatch)
+    built = toy("block_reduce")
+    _read_only(built.path.parent, monkeypatch)
+    _fresh_process(monkeypatch)
+    calls = len(loader.compiler_calls)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", loader.CacheFallbackWarning)
+        again = toy("block_reduce")
+    assert again.path == built.path and len(loader.compiler_calls) == calls
+
+
+def test_a_bad_stack_size_variable_is_refused_naming_it(monkeypatch):
+    monkeypatch.setenv("METRALE_ATTN_CPU_STACK_KB", "abc")
+    with pytest.raises(ValueError, match="METRALE_ATTN_CPU_STACK_KB must be a whole number of KiB >= 16, got 'abc'"):
+        toy("block_reduce").launch("block_sum", (1, 1, 1), (128, 1, 1), 0,
+                                   (np.ones(128, np.float32), np.zeros(1, np.float32), np.int32(128)))
 
 
 def test_a_compile_error_names_the_cu_file_and_line():

@@ -14,7 +14,7 @@ from metrale_attn import reference
 from metrale_attn.plan import IMPLS
 from metrale_attn.policy import PD_MIN_KV_PER_SPLIT
 
-from conftest import ARM_OPTIONS, check_against_reference, decoder, problem, run_poisoned
+from conftest import ARM_OPTIONS, CountingBackend, check_against_reference, decoder, problem, run_poisoned
 
 KV_DTYPES = ("bf16", "fp16", "fp8")
 Q_DTYPES = ("bf16", "fp16")
@@ -133,11 +133,14 @@ def test_fp8_caches_given_as_uint8_bits_give_the_same_bytes():
     assert a.tobytes() == b.tobytes()
 
 
-def test_an_empty_batch_launches_nothing_and_returns_empty_outputs():
-    p = problem(seq_lens=(5,))
-    attn = decoder(p)
+@pytest.mark.parametrize("arm", list(ARM_OPTIONS))
+def test_an_empty_batch_launches_nothing_and_returns_empty_outputs(arm):
+    p = problem(seq_lens=(5,), head_dim=256 if arm == "gqa_packed" else 64, **_heads(arm))
+    be = CountingBackend()
+    attn = decoder(p, backend=be, **ARM_OPTIONS[arm])
     out, lse = attn.run(p.q[:0], p.k_cache, p.v_cache, p.block_tables[:0], p.seq_lens[:0], return_lse=True)
-    assert out.shape == (0, 4, 64) and lse.shape == (0, 4)
+    assert out.shape == (0,) + p.q.shape[1:] and lse.shape == (0, p.q.shape[1])
+    assert be.launches == []
 
 
 @pytest.mark.parametrize("impl", IMPLS)

@@ -9,27 +9,7 @@ from metrale_attn import DecodeAttention
 from metrale_attn.backends import cuda_available
 from metrale_attn.backends.cpu_backend import CpuBackend
 
-from conftest import decoder, problem, run_poisoned
-
-
-class CountingBackend(CpuBackend):
-    """A CPU backend that records every launch (and so proves a refusal launched nothing)."""
-
-    def __init__(self):
-        super().__init__()
-        self.launches = []
-        self.loaded = []
-
-    def load(self, variant):
-        self.loaded.append(variant.name)
-        module, record = super().load(variant), self.launches
-
-        class Counting:
-            def launch(self, launch):
-                record.append(launch.kernel)
-                module.launch(launch)
-
-        return Counting()
+from conftest import CountingBackend, check_against_reference, decoder, problem, run_poisoned
 
 
 def test_the_environment_pins_the_split_count_exactly_as_the_seed_says(monkeypatch):
@@ -89,9 +69,9 @@ def _with(array, index, value):
     return changed
 
 
-def _refused(match, **changes):
+def _refused(match, options=None, **changes):
     be = CountingBackend()
-    attn = decoder(P, backend=be, max_batch=2)
+    attn = decoder(P, backend=be, max_batch=2, **(options or {}))
     args = dict(q=P.q, k_cache=P.k_cache, v_cache=P.v_cache, block_tables=P.block_tables, seq_lens=P.seq_lens)
     args.update(changes)
     extra = {k: args.pop(k) for k in list(args) if k not in ("q", "k_cache", "v_cache", "block_tables", "seq_lens")}
@@ -132,6 +112,99 @@ def test_bad_input_is_refused_with_the_argument_named_before_any_launch(match, c
     _refused(match, **changes)
 
 
+@pytest.mark.parametrize(
+    "match, options, scales",
+    [
+        (r"k_scale = 1e\+39 .*log2\(e\) = 1\.8\d*e\+38", {}, dict(k_scale=1e39)),
+        (r"k_scale = 3e\+38 \(with sm_scale = 10, .*log2\(e\) = 4\.3\d*e\+39", dict(sm_scale=10.0),
+         dict(k_scale=3e38)),
+        (r"k_scale = inf .*log2\(e\) = inf", {}, dict(k_scale=10**400)),
+        (r"k_scale = 1e-45 .*log2\(e\) = 1\.8\d*e-46", {}, dict(k_scale=1e-45)),
+        (r"v_scale = 1e\+39 must be a finite normal fp32 value", {}, dict(v_scale=1e39)),
+    ],
+    ids=["k_scale=1e39", "sm_scale=10,k_scale=3e38", "k_scale=10**400", "subnormal", "v_scale=1e39"],
+)
+def test_scales_outside_fp32_once_folded_are_refused_naming_the_argument_and_the_folded_value(match, options, scales):
+    """They pass "finite > 0" but the kernels' fp32 logit scale (or v_scale) is inf or
+    subnormal: the output would be all NaN (or inf) with no error."""
+    _refused(match, options, **scales)
+
+
+def _buffer_views(*shapes_and_dtypes, offsets):
+    """Arrays of the given shapes and dtypes at byte ``offsets`` inside one buffer."""
+    buf = np.zeros(1 << 16, np.uint8)
+    return [buf[off:off + int(np.prod(shape)) * np.dtype(dt).itemsize].view(dt).reshape(shape)
+            for (shape, dt), off in zip(shapes_and_dtypes, offsets)]
+
+
+OUT_SHAPE, LSE_SHAPE = ((2, 4, 64), P.q.dtype), ((2, 4), np.float32)
+
+
+def _lse_over_seq_lens():
+    lens = np.zeros(8, np.int32)
+    lens[:2] = P.seq_lens
+    return dict(seq_lens=lens[:2], lse=lens.view(np.float32).reshape(2, 4))
+
+
+@pytest.mark.parametrize(
+    "match, changes",
+    [
+        ("lse overlaps out", dict(zip(("out", "lse"), _buffer_views(OUT_SHAPE, LSE_SHAPE, offsets=(0, 512))))),
+        ("lse overlaps out", dict(zip(("lse", "out"), _buffer_views(LSE_SHAPE, OUT_SHAPE, offsets=(0, 16))))),
+        ("out overlaps q", dict(out=P.q.copy(), q=None)),
+        ("out overlaps k_cache", dict(out=P.k_cache.reshape(-1)[:512].reshape(2, 4, 64))),
+        ("lse overlaps seq_lens", _lse_over_seq_lens()),
+    ],
+    ids=["lse-inside-out", "out-straddles-lse", "out-is-q", "out-inside-k_cache", "lse-over-seq_lens"],
+)
+def test_outputs_that_overlap_each_other_or_an_input_are_refused_before_any_launch(match, changes):
+    if changes.get("q", 0) is None:  # out is q itself: the one overlap that happens to work today
+        changes["q"] = changes["out"]
+    _refused(match, **changes)
+
+
+def test_outputs_carved_side_by_side_from_one_buffer_are_accepted():
+    out, lse = _buffer_views(OUT_SHAPE, LSE_SHAPE, offsets=(0, 1024))  # lse starts right past out's last byte
+    run = decoder(P, max_batch=2).run(P.q, P.k_cache, P.v_cache, P.block_tables, P.seq_lens, out=out, lse=lse)
+    check_against_reference(P, *run)
+
+
+@pytest.mark.parametrize("name", ["out", "lse"])
+def test_a_read_only_out_or_lse_is_refused_before_any_launch(name):
+    array = np.empty((2, 4, 64), P.q.dtype) if name == "out" else np.empty((2, 4), np.float32)
+    array.flags.writeable = False
+    _refused(f"{name} must be writable", **{name: array})
+
+
+@pytest.mark.parametrize(
+    "match, changes",
+    [
+        (r"q has negative strides \[-256, 64, 1\]", dict(q=P.q[::-1])),
+        (r"k_cache has negative strides", dict(k_cache=P.k_cache[::-1])),
+        (r"block_tables has negative strides", dict(block_tables=P.block_tables[::-1])),
+        (r"seq_lens has negative strides", dict(seq_lens=P.seq_lens[::-1])),
+        (r"seq_lens must be contiguous int32 \[2\], got a strided view \(element stride 2",
+         dict(seq_lens=np.repeat(P.seq_lens, 2)[::2])),
+        (r"block_tables .* strides \[\d+, 2\] \(a row's page ids must be adjacent",
+         dict(block_tables=np.repeat(P.block_tables, 2, axis=1)[:, ::2])),
+    ],
+    ids=["q", "k_cache", "block_tables", "seq_lens", "strided-seq_lens", "strided-block_tables"],
+)
+def test_negative_strides_and_strided_index_arrays_are_refused_naming_the_cause(match, changes):
+    _refused(match, **changes)
+
+
+def test_block_tables_with_no_columns_are_accepted_when_every_sequence_is_empty():
+    empty = problem(seq_lens=(0, 0), head_dim=64, page_size=16)
+    out, lse = decoder(empty).run(empty.q, empty.k_cache, empty.v_cache, np.zeros((2, 0), np.int32),
+                                  empty.seq_lens, return_lse=True)
+    assert not out.astype(np.float32).any() and np.isneginf(lse).all()
+
+
+def test_block_tables_with_no_columns_but_a_nonempty_sequence_are_refused_saying_so():
+    _refused(r"block_tables has 0 columns but seq_lens\[0\] = 5", block_tables=np.zeros((2, 0), np.int32))
+
+
 def test_a_misaligned_stride_is_refused_before_any_launch():
     wide = np.zeros((2, 4, 68), dtype=P.q.dtype)
     _refused("strides must be multiples of 8 elements", q=wide[:, :, :64])
@@ -152,6 +225,46 @@ def test_a_bad_construction_is_refused_with_the_argument_named(kwargs, match):
     args = [base.pop(k) for k in ("num_q_heads", "num_kv_heads", "head_dim", "page_size")]
     with pytest.raises(ValueError, match=match):
         DecodeAttention(*args, **base)
+
+
+def test_the_kv_layout_is_trimmed_and_case_folded_like_every_other_string_option():
+    p = problem(seq_lens=(30,), layout="HND")
+    attn = DecodeAttention(4, 2, 64, 16, q_dtype="bf16", kv_dtype="bf16", kv_layout=" hnd ", max_batch=1, backend="cpu")
+    assert attn.kv_layout == "HND"
+    out, lse = run_poisoned(attn, p)
+    check_against_reference(p, out, lse)
+
+
+def test_numpy_integers_are_accepted_wherever_an_int_is_taken():
+    attn = DecodeAttention(np.int64(4), np.int32(2), np.int64(64), np.int64(16), q_dtype="bf16", kv_dtype="bf16",
+                           max_batch=np.int64(2), max_decode_seqs=np.int16(1), backend="cpu")
+    assert (attn.shape.num_q_heads, attn.page_size, attn.max_batch) == (4, 16, 2)
+    assert type(attn.shape.num_q_heads) is int and type(attn.max_batch) is int
+    assert attn.plan(np.int64(2)).num_seqs == 2
+    check_against_reference(P, *attn.run(P.q, P.k_cache, P.v_cache, P.block_tables, P.seq_lens, return_lse=True))
+
+
+@pytest.mark.parametrize("name", ["num_q_heads", "page_size", "max_batch"])
+def test_bools_are_still_refused_where_an_int_is_taken(name):
+    args = dict(num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16, max_batch=2)
+    args[name] = True
+    with pytest.raises(ValueError, match=name):
+        DecodeAttention(**args, q_dtype="bf16", kv_dtype="bf16", backend="cpu")
+
+
+class _ScarceMemory(CpuBackend):
+    """A host that cannot give more than 1 GiB at once (whatever this machine's overcommit policy)."""
+
+    def empty(self, shape, dtype, like=None):
+        if np.prod(shape) * np.dtype(dtype).itemsize > 1 << 30:
+            raise MemoryError(f"Unable to allocate array with shape {shape}")
+        return super().empty(shape, dtype, like)
+
+
+def test_a_workspace_too_large_to_allocate_says_its_bytes_and_what_to_lower():
+    with pytest.raises(MemoryError, match=r"workspace of 1056768000000 bytes .* max_batch=1000000.*lower max_batch"):
+        DecodeAttention(64, 8, 256, 16, q_dtype="bf16", kv_dtype="bf16", max_batch=10**6, splitk="16",
+                        backend=_ScarceMemory())
 
 
 def test_construction_compiles_every_variant_the_policy_can_reach_so_run_never_compiles():

@@ -269,3 +269,39 @@ def test_device_f16_to_f32_and_prmt_are_bit_identical_to_the_emulation(device_to
     sel = np.arange(n, dtype=np.uint32) | (rng.integers(0, 1 << 16, n, dtype=np.uint32) << 16)
     a, b = (rng.integers(0, 1 << 32, n, dtype=np.uint64).astype(np.uint32) for _ in range(2))
     np.testing.assert_array_equal(ptx_toys.run_cvt(device_toys, "prmt", a, b, sel), ptx_toys.prmt_model(a, b, sel))
+
+
+def test_a_second_stream_while_the_first_is_busy_warns_and_capture_on_one_stream_asks_nothing():
+    import warnings
+
+    import cupy
+
+    from metrale_attn.attention import StreamReuseWarning
+
+    p = problem(seed=8, page_size=16, seq_lens=(600, 40), head_dim=128, num_q_heads=8, num_kv_heads=2)
+    attn = decoder(p, backend="cupy", splitk="4")
+    args = [_device(x) for x in (p.q, p.k_cache, p.v_cache, p.block_tables, p.seq_lens)]
+    out = cupy.empty(p.q.shape, dtype=p.q.dtype)
+    lse = cupy.empty(p.q.shape[:2], dtype=np.float32)
+    spin = cupy.RawKernel(
+        'extern "C" __global__ void spin(long long cycles) {'
+        ' long long t0 = clock64(); while (clock64() - t0 < cycles) {} }', "spin")
+    a, b = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
+    with a:
+        attn.run(*args, out=out, lse=lse)
+        spin((1,), (1,), (np.int64(500_000_000),))  # keeps stream a busy for ~0.25 s
+    with b, pytest.warns(StreamReuseWarning, match="one stream at a time"):
+        attn.run(*args, out=out, lse=lse)
+    a.synchronize()
+    b.synchronize()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", StreamReuseWarning)
+        with a:  # b has finished: no warning
+            attn.run(*args, out=out, lse=lse)
+        with a:
+            a.begin_capture()
+            attn.run(*args, out=out, lse=lse)  # the same stream, capturing: nothing is queried
+            graph = a.end_capture()
+    graph.launch(a)
+    a.synchronize()
+    check_against_reference(p, cupy.asnumpy(out), cupy.asnumpy(lse))

@@ -1,5 +1,6 @@
 """Kernel sources: inlining, constants read back from the CUDA text, and NVRTC compiles without a GPU."""
 
+import importlib
 import pathlib
 import re
 
@@ -21,8 +22,24 @@ from metrale_attn.kernels import (
     source_constants,
 )
 from metrale_attn.plan import IMPLS, KERNELS
+from metrale_attn.targets import TARGETS
 
-ARCHES = ("sm_90", "sm_100", "sm_120")
+ARCHES = tuple(sorted({t.arch for t in TARGETS.values()}, key=lambda a: int(a[3:])))
+"""Every target's architecture, from the one table (sm_90, sm_100, sm_103, sm_121): each
+is the exact sm_XY the backend compiles for on that target's device."""
+
+
+def _importable(module: str) -> bool:
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        return False
+    return True
+
+
+needs_nvrtc = pytest.mark.skipif(not _importable("cupy_backends.cuda.libs.nvrtc"),
+                                 reason="NVRTC (cupy) is not installed")
+"""Only the tests that compile skip without CuPy; the pure-Python ones always run."""
 
 
 def test_headers_are_inlined_with_line_directives_naming_the_real_files():
@@ -118,6 +135,11 @@ def test_sources_follow_the_shared_dialect():
         assert not re.search(r"\bINFINITY\b|\batomic\w*\s*\(", text), path
 
 
+def test_ci_compiles_every_targets_architecture():
+    """b300 (sm_103) and gb10 (sm_121) once got no CI-compiled binary: CI compiled sm_90/100/120."""
+    assert {t.arch for t in TARGETS.values()} <= set(ARCHES)
+
+
 @pytest.mark.parametrize("variant, vec, tokens, kv_bytes, heads", [
     (Variant("unpacked", 128, "bf16", "bf16", "simt"), 8, 8, 4096, 1),     # 16 threads a row, 2 rows x UNROLL 4
     (Variant("splitk", 64, "fp16", "fp8", "simt"), 16, 32, 4096, 1),       # 4 threads a row, 8 rows x 4
@@ -172,6 +194,7 @@ def test_a_constexpr_the_loader_cannot_evaluate_is_refused():
 nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="NVRTC (cupy) is not installed")
 
 
+@needs_nvrtc
 @pytest.mark.parametrize("arch", ARCHES)
 @pytest.mark.parametrize("variant", all_variants(), ids=lambda v: v.name)
 def test_every_variant_compiles_through_nvrtc_with_no_stack_frame_and_no_spills(variant, arch):
@@ -183,6 +206,7 @@ def test_every_variant_compiles_through_nvrtc_with_no_stack_frame_and_no_spills(
     assert all(f == ("0", "0", "0") for f in frames), log
 
 
+@needs_nvrtc
 @pytest.mark.parametrize("variant", all_variants(), ids=lambda v: v.name)
 def test_k_and_v_rows_are_read_with_vector_loads_and_nothing_touches_local_memory(variant):
     from metrale_attn.backends.cupy_backend import nvrtc_compile
@@ -202,6 +226,7 @@ def test_k_and_v_rows_are_read_with_vector_loads_and_nothing_touches_local_memor
     assert re.search(rf"ld\.global\.nc\.{vector}\.u32", ptx)
 
 
+@needs_nvrtc
 def test_the_gpu_build_keeps_fp32_denormals_and_is_the_one_ci_compiles(monkeypatch, tmp_path):
     """CuPy's RawModule would append -ftz=true; the backend compiles its own cubin instead."""
     from metrale_attn.backends import cupy_backend

@@ -107,6 +107,20 @@ def test_the_process_environment_is_read_when_no_mapping_is_given(monkeypatch):
         policy.gqa_pack_enabled.cache_clear()
 
 
+def test_the_target_line_reports_the_gqa_pack_source_resolved_with_its_value(monkeypatch):
+    """The gate is resolved once per process; its reported source must be that resolution's,
+    not a fresh read of an environment that changed after first use."""
+    monkeypatch.delenv("METRALE_ATTN_DECODE_GQA_PACK", raising=False)
+    first = resolve_defaults(get_target("hopper"))
+    monkeypatch.setenv("METRALE_ATTN_DECODE_GQA_PACK", "on")
+    later = resolve_defaults(get_target("hopper"))
+    assert (later.gqa_pack, later.gqa_pack_source) == (first.gqa_pack, first.gqa_pack_source) == (False, "declaration")
+    assert later.line() == first.line() and "gqa_pack from" not in later.line()
+    policy.gqa_pack_enabled.cache_clear()  # a new process: the environment is read again, value and source
+    fresh = resolve_defaults(get_target("hopper"))
+    assert (fresh.gqa_pack, fresh.gqa_pack_source) == (True, "environment") and policy.gqa_pack_enabled() is True
+
+
 # -- plans ------------------------------------------------------------------
 
 QWEN = MODELS["qwen3.8-27b"]
@@ -243,6 +257,35 @@ def test_the_plan_command_takes_presets_and_overrides(capsys):
 def test_the_plan_command_reports_a_bad_request_as_an_error(capsys):
     assert main(["plan", "--model", "llama-3-8b", "--batch", "9", "--max-batch", "8"]) == 2
     assert "max_batch=8" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["--model", "llama-3-8b", "--max-batch", "0", "--head-dim", "0"], "--max-batch"),
+        (["--model", "llama-3-8b", "--head-dim", "0"], "--head-dim"),
+        (["--model", "llama-3-8b", "--q-heads", "0"], "--q-heads"),
+        (["--q-heads", "8", "--kv-heads", "0", "--head-dim", "128"], "--kv-heads"),
+        (["--model", "llama-3-8b", "--max-decode-seqs", "-1"], "--max-decode-seqs"),
+    ],
+)
+def test_the_plan_command_refuses_zero_sizes_instead_of_taking_the_defaults(capsys, argv, flag):
+    with pytest.raises(SystemExit) as done:
+        main(["plan", *argv])
+    assert done.value.code == 2
+    assert f"argument {flag}: must be an int >=" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [[], ["--q-heads", "8", "--head-dim", "128"]])
+def test_the_plan_command_without_a_shape_exits_2_naming_what_is_missing(capsys, argv):
+    assert main(["plan", *argv]) == 2
+    assert "give --model or all of --q-heads, --kv-heads, --head-dim" in capsys.readouterr().err
+
+
+def test_the_demo_refuses_a_negative_seed_naming_the_flag(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["demo", "--seed", "-1"])
+    assert done.value.code == 2 and "argument --seed: must be an int >= 0" in capsys.readouterr().err
 
 
 def test_python_dash_m_runs_the_cli():

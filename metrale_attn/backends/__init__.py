@@ -33,7 +33,9 @@ class ArrayInfo:
     """What the launcher needs of an array, whatever library holds it.
 
     ``strides`` are in elements; ``dtype`` is the library's own dtype object or
-    name; ``device`` is a device ordinal, or ``None`` for host memory.
+    name; ``device`` is a device ordinal, or ``None`` for host memory;
+    ``writable`` is False for a read-only NumPy array (or a read-only
+    ``__cuda_array_interface__``).
     """
 
     ptr: int
@@ -42,6 +44,22 @@ class ArrayInfo:
     dtype: Any
     itemsize: int
     device: Optional[int]
+    writable: bool = True
+
+    def byte_range(self) -> Optional[tuple[int, int]]:
+        """``(first, end)``: the addresses from the lowest byte of any element to one past
+        the highest (a hull: a strided view spans its gaps too); None when empty."""
+        shape, strides = self.shape, self.strides
+        if 0 in shape:
+            return None
+        low = high = 0  # element offsets of the lowest and highest elements
+        for i in range(len(shape)):  # run() asks this of every array: a plain loop is the fastest
+            reach = (shape[i] - 1) * strides[i]
+            if reach < 0:
+                low += reach
+            else:
+                high += reach
+        return self.ptr + low * self.itemsize, self.ptr + (high + 1) * self.itemsize
 
 
 class Module(Protocol):
@@ -71,6 +89,15 @@ class Backend(Protocol):
     def launch_stream(self, stream, like=None):
         """A context manager under which launches go to ``stream`` (``None``: the
         caller's current stream, torch's when ``like`` is a torch tensor)."""
+
+    def current_stream(self) -> Any:
+        """The stream launches go to now (inside ``launch_stream``), as an object that
+        stays the same object while the stream does; None where launches are synchronous."""
+
+    def stream_busy(self, previous, current) -> bool:
+        """Whether ``previous`` (a ``current_stream`` value) may still be running work
+        queued before now, seen from ``current``; False when it cannot tell cheaply
+        and safely (either stream is capturing a CUDA graph, or the query fails)."""
 
     def current_device(self) -> Optional[int]:
         """The device launches go to (``None``: host memory)."""

@@ -48,7 +48,8 @@ class CpuBackend:
             raise TypeError(f"{argument} must be a NumPy array on the cpu backend, got {type(array).__name__}")
         item = array.dtype.itemsize
         return ArrayInfo(array.__array_interface__["data"][0], array.shape,
-                         tuple(s // item for s in array.strides), array.dtype, item, None)
+                         tuple(s // item for s in array.strides), array.dtype, item, None,
+                         bool(array.flags.writeable))
 
     def empty(self, shape, dtype, like=None):
         return np.empty(shape, dtype=dtype)
@@ -60,6 +61,13 @@ class CpuBackend:
         if stream is not None:
             raise ValueError("stream must be None on the cpu backend (launches run synchronously)")
         return contextlib.nullcontext()
+
+    def current_stream(self) -> None:
+        """No streams: every launch has finished when it returns."""
+        return None
+
+    def stream_busy(self, previous, current) -> bool:
+        return False
 
     def device(self) -> None:
         """No GPU: the target's table stands in for the device."""

@@ -15,6 +15,9 @@ cache directory gives way to a private temporary one), loaded with
 Launches go to the stream ``launch_stream`` picks: the one the caller names, else
 PyTorch's current stream when the inputs are torch tensors (so a decode step joins
 the caller's stream and its CUDA-graph capture), else CuPy's current stream.
+``current_stream`` and ``stream_busy`` let ``DecodeAttention`` notice a second
+stream reusing a workspace while the first is still busy (one driver query, only
+when the stream changes, never during a capture).
 """
 
 from __future__ import annotations
@@ -178,8 +181,9 @@ class CupyBackend:
             strides = tuple(reversed(strides))
         else:
             strides = tuple(s // dtype.itemsize for s in cai["strides"])
-        ptr = cai["data"][0]
-        return ArrayInfo(ptr, shape, strides, dtype, dtype.itemsize, cupy.cuda.runtime.pointerGetAttributes(ptr).device)
+        ptr, read_only = cai["data"]
+        return ArrayInfo(ptr, shape, strides, dtype, dtype.itemsize, cupy.cuda.runtime.pointerGetAttributes(ptr).device,
+                         not read_only)
 
     def empty(self, shape, dtype, like=None):
         if like is not None and _is_torch(like):
@@ -216,6 +220,23 @@ class CupyBackend:
             external = self._cupy.cuda.Stream.from_external(_StreamHandle(handle))
             self._external_streams[handle] = external
         return external
+
+    def current_stream(self):
+        """CuPy's current stream object (inside ``launch_stream``: the launch stream)."""
+        return self._cupy.cuda.get_current_stream()
+
+    def stream_busy(self, previous, current) -> bool:
+        """Whether ``previous`` still has work queued (``cudaStreamQuery``), asked only
+        when neither stream is capturing: a capture runs nothing now, and querying a
+        capturing stream would invalidate its capture."""
+        if previous.ptr == current.ptr:
+            return False
+        try:
+            if current.is_capturing() or previous.is_capturing():
+                return False
+            return not previous.done
+        except self._cupy.cuda.runtime.CUDARuntimeError:
+            return False
 
     def current_device(self) -> int:
         return self._cupy.cuda.Device().id

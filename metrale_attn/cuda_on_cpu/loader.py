@@ -6,6 +6,14 @@ registration table of its ``extern "C" __global__`` kernels, linked with the run
 (``cuda_on_cpu_runtime.cpp`` and, on x86-64, the hand-written fiber switch). Libraries are
 cached on disk, keyed by a hash of everything that goes into them, and memoized in-process.
 
+A cached library is trusted only as far as its record proves: the ``.json`` beside each
+``.so`` names the variant (module name and key) and the ``.so``'s size and SHA-256, and
+both are checked before the library is loaded. A truncated or foreign ``.so`` (which
+would crash dlopen's user with SIGBUS or SIGSEGV), an empty one, or a record that is
+missing, not JSON or names another variant is a miss: the library is rebuilt and both
+files replaced atomically. A cache directory this process cannot write falls back to a
+private temporary directory (removed at exit), with one warning per process.
+
 ``Module.launch`` runs a kernel with CUDA semantics (see the header's top comment); every
 launch error surfaces as :class:`CudaOnCpuError`.
 
@@ -28,6 +36,7 @@ Environment:
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import dataclasses
 import functools
@@ -43,6 +52,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import warnings
 from contextlib import ExitStack
 from importlib import resources
 from pathlib import Path
@@ -120,6 +130,43 @@ def cache_dir() -> Path:
     return cache_root() / "cuda_on_cpu"
 
 
+_FALLBACK_DIRS: dict[Path, Path] = {}  # unwritable cache dir -> this process's private one
+_FALLBACK_WARNED = False
+
+
+class CacheFallbackWarning(RuntimeWarning):
+    """The kernel cache directory cannot be written; this process builds into a temporary one."""
+
+
+def _writable_cache_dir(configured: Path) -> Path:
+    """``configured`` (created if need be) when this process can create files in it, else a
+    private temporary directory for the rest of the process, with one warning per process.
+
+    Asked by trying: permission bits say nothing for root or a read-only mount.
+    """
+    global _FALLBACK_WARNED
+    fallback = _FALLBACK_DIRS.get(configured)
+    if fallback is not None:
+        return fallback
+    try:
+        configured.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=configured, prefix=".write-probe-")
+        os.close(fd)
+        os.unlink(probe)
+        return configured
+    except OSError as err:
+        fallback = Path(tempfile.mkdtemp(prefix="metrale-attn-cuda_on_cpu-"))  # mode 0700
+        atexit.register(shutil.rmtree, fallback, ignore_errors=True)
+        _FALLBACK_DIRS[configured] = fallback
+        if not _FALLBACK_WARNED:
+            _FALLBACK_WARNED = True
+            warnings.warn(f"cannot write the CUDA-on-CPU kernel cache {configured} ({err.strerror or err}); this "
+                          f"process builds its kernels in {fallback} instead, removed at exit (point "
+                          "METRALE_ATTN_CACHE_DIR at a writable directory to keep them)",
+                          CacheFallbackWarning, stacklevel=4)
+        return fallback
+
+
 def _cxx() -> list[str]:
     return shlex.split(os.environ.get("CXX") or "g++")
 
@@ -135,9 +182,11 @@ def _fiber_impl() -> str:
 
 def _stack_bytes(asan: bool) -> int:
     kb = os.environ.get("METRALE_ATTN_CPU_STACK_KB", "").strip()
-    kib = int(kb) if kb else (1024 if asan else 256)
+    if not kb:
+        return (1024 if asan else 256) * 1024
+    kib = int(kb) if re.fullmatch(r"[0-9]+", kb) else -1
     if kib < 16:
-        raise ValueError("METRALE_ATTN_CPU_STACK_KB must be at least 16")
+        raise ValueError(f"METRALE_ATTN_CPU_STACK_KB must be a whole number of KiB >= 16, got {kb!r}")
     return kib * 1024
 
 
@@ -433,19 +482,43 @@ def compile_module(source: str, *, name: str, defines: dict[str, int | str] | No
     with _MEMO_LOCK:
         if digest in _MEMO:
             return _MEMO[digest]
-        out_dir = cache_dir()
-        out_dir.mkdir(parents=True, exist_ok=True)
         stem = f"{name}-{digest[:20]}{'-asan' if asan else ''}"
-        so_path, meta_path = out_dir / f"{stem}.so", out_dir / f"{stem}.json"
-        if not (so_path.exists() and meta_path.exists()):
-            _build(source, name, cxx, flags, dflags, fiber, asan, so_path, meta_path)
-        meta = json.loads(meta_path.read_text())
-        module = Module(name, so_path, meta, asan=asan)
+        identity = {"name": name, "key": digest}
+        home = cache_dir()
+        meta, where = _cached_meta(home, stem, identity), home
+        if meta is None:
+            where = _writable_cache_dir(home)
+            meta = _cached_meta(where, stem, identity) if where != home else None
+        if meta is None:
+            meta = _build(source, name, cxx, flags, dflags, fiber, asan, where / f"{stem}.so",
+                          where / f"{stem}.json", identity)
+        module = Module(name, where / f"{stem}.so", meta, asan=asan)
         _MEMO[digest] = module
         return module
 
 
-def _build(source, name, cxx, flags, dflags, fiber, asan, so_path: Path, meta_path: Path) -> None:
+def _cached_meta(directory: Path, stem: str, identity: dict) -> dict | None:
+    """The record of a cached library that proves itself, else None (a miss: rebuild).
+
+    The record must name this variant and the ``.so`` must have the size and SHA-256 it
+    records: dlopen of a truncated library dies of SIGBUS, of a foreign one of SIGSEGV.
+    """
+    try:
+        meta = json.loads((directory / f"{stem}.json").read_text())
+        data = (directory / f"{stem}.so").read_bytes()
+    except (OSError, ValueError):  # missing, unreadable, not UTF-8 or not JSON
+        return None
+    if not isinstance(meta, dict) or meta.get("abi") != _ABI_VERSION or not isinstance(meta.get("kernels"), list):
+        return None
+    return meta if meta.get("library") == _library_record(identity, data) else None
+
+
+def _library_record(identity: dict, data: bytes) -> dict:
+    return dict(identity, bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+
+
+def _build(source, name, cxx, flags, dflags, fiber, asan, so_path: Path, meta_path: Path, identity: dict) -> dict:
+    """Build the library into ``so_path`` and its record into ``meta_path``; returns the record."""
     out_dir = so_path.parent
     with ExitStack() as stack:
         src_dir = Path(stack.enter_context(resources.as_file(resources.files(__package__))))
@@ -472,8 +545,13 @@ def _build(source, name, cxx, flags, dflags, fiber, asan, so_path: Path, meta_pa
             meta = _child_describe(tmp_so)
         else:
             meta = _read_descs(ctypes.CDLL(str(tmp_so)))
-        _atomic_write(meta_path, json.dumps(meta, indent=1).encode())
+        meta["library"] = _library_record(identity, tmp_so.read_bytes())
+        # The library first, then the record that vouches for it; each replaced atomically.
+        # A reader that meets one writer's .so with another's record sees a mismatch and
+        # rebuilds: never a crash.
         os.replace(tmp_so, so_path)
+        _atomic_write(meta_path, json.dumps(meta, indent=1).encode())
+    return meta
 
 
 # ---------------------------------------------------------------------------------------
