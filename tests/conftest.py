@@ -11,6 +11,7 @@ import pytest
 
 from metrale_attn import DecodeAttention, kernels, policy, reference
 from metrale_attn.backends.cpu_backend import CpuBackend
+from metrale_attn.targets import TARGETS
 
 TOYS = Path(__file__).parent / "toy_kernels"
 
@@ -77,13 +78,51 @@ def check_against_reference(p: reference.Problem, out, lse, sm_scale=None):
     np.testing.assert_allclose(lse[~empty], ref_lse[~empty], rtol=2e-6, atol=2e-6)
 
 
-@functools.cache
+ARCHES = tuple(sorted({t.arch for t in TARGETS.values()} | {"sm_120"}, key=lambda a: int(a[3:])))
+"""Every target's architecture, and sm_120 (consumer Blackwell), which DESIGN.md names."""
+
+SPOT_VARIANTS = (
+    kernels.Variant("unpacked", 256, "fp16", "bf16", "mma", 2),  # the most registers: 16 heads x 256 dims
+    kernels.Variant("splitk", 256, "fp16", "bf16", "mma", 2),
+    kernels.Variant("unpacked", 128, "bf16", "fp8", "mma"),
+    kernels.Variant("splitk", 64, "fp16", "fp8", "mma"),  # 4-stage rings
+    kernels.Variant("gqa_packed", 256, "bf16", "fp8", "mma"),
+    kernels.Variant("unpacked", 128, "bf16", "fp8", "simt"),
+    kernels.Variant("splitk", 256, "fp16", "fp16", "simt"),
+    kernels.Variant("gqa_packed", 256, "bf16", "bf16", "simt"),
+)
+"""The variants the default run also compiles for every other architecture (the heaviest of
+each implementation and arm); the whole matrix is behind the ``slow`` marker."""
+
+
+def arch_matrix():
+    """``(variant, arch)`` test parameters: every variant for sm_90, the spot variants for
+    every other architecture, the rest marked ``slow`` (``.ci/run`` runs them)."""
+    params = []
+    for arch in ARCHES:
+        for v in kernels.all_variants():
+            slow = arch != "sm_90" and v not in SPOT_VARIANTS
+            params.append(pytest.param(v, arch, id=f"{v.name}-{arch}", marks=[pytest.mark.slow] if slow else []))
+    return params
+
+
 def nvrtc_build(variant, arch: str):
     """``(cubin, ptxas -v log)`` of ``variant`` for ``arch`` through the backend's own NVRTC
     path, compiled once per test session (several test files inspect the same builds)."""
+    return _nvrtc_build(variant, arch)[:2]
+
+
+def nvrtc_ptx(variant, arch: str = "sm_90") -> str:
+    """The PTX of the same compile as ``nvrtc_build``."""
+    ptx = _nvrtc_build(variant, arch)[2]
+    return ptx.decode() if isinstance(ptx, bytes) else ptx
+
+
+@functools.cache
+def _nvrtc_build(variant, arch: str):
     from metrale_attn.backends.cupy_backend import nvrtc_compile
 
-    return nvrtc_compile(variant, arch, ptxas_verbose=True)
+    return nvrtc_compile(variant, arch, ptxas_verbose=True, with_ptx=True)
 
 
 class CountingBackend(CpuBackend):

@@ -12,13 +12,12 @@ import subprocess
 import sys
 
 import pytest
-from conftest import nvrtc_build
+from conftest import ARCHES, arch_matrix, nvrtc_build
 
 from metrale_attn.backends import cubin
 from metrale_attn.kernels import Variant, all_variants
 from metrale_attn.plan import ARMS
 
-ARCHES = ("sm_90", "sm_100", "sm_120")
 BENCH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
 
 pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="NVRTC (cupy) is not installed")
@@ -26,8 +25,7 @@ pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="NVRTC (cupy) is not
 from metrale_attn.backends import cupy_backend  # noqa: E402  (needs cupy)
 
 
-@pytest.mark.parametrize("arch", ARCHES)
-@pytest.mark.parametrize("variant", all_variants(), ids=lambda v: v.name)
+@pytest.mark.parametrize("variant, arch", arch_matrix())
 def test_every_compiled_cubin_is_a_complete_elf_file(variant, arch, monkeypatch):
     data, _ = nvrtc_build(variant, arch)
     assert data[:4] == cubin.ELF_MAGIC

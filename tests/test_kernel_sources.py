@@ -5,7 +5,7 @@ import pathlib
 import re
 
 import pytest
-from conftest import nvrtc_build
+from conftest import ARCHES, arch_matrix, nvrtc_build, nvrtc_ptx
 
 from metrale_attn import policy
 from metrale_attn.kernels import (
@@ -24,7 +24,6 @@ from metrale_attn.kernels import (
 from metrale_attn.plan import IMPLS, KERNELS
 from metrale_attn.targets import TARGETS
 
-ARCHES = tuple(sorted({t.arch for t in TARGETS.values()}, key=lambda a: int(a[3:])))
 """Every target's architecture, from the one table (sm_90, sm_100, sm_103, sm_121): each
 is the exact sm_XY the backend compiles for on that target's device."""
 
@@ -195,8 +194,7 @@ nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="NVRTC (cupy
 
 
 @needs_nvrtc
-@pytest.mark.parametrize("arch", ARCHES)
-@pytest.mark.parametrize("variant", all_variants(), ids=lambda v: v.name)
+@pytest.mark.parametrize("variant, arch", arch_matrix())
 def test_every_variant_compiles_through_nvrtc_with_no_stack_frame_and_no_spills(variant, arch):
     """No stack frame means every register array is indexed by constants and nothing spilled."""
     cubin, log = nvrtc_build(variant, arch)
@@ -209,10 +207,7 @@ def test_every_variant_compiles_through_nvrtc_with_no_stack_frame_and_no_spills(
 @needs_nvrtc
 @pytest.mark.parametrize("variant", all_variants(), ids=lambda v: v.name)
 def test_k_and_v_rows_are_read_with_vector_loads_and_nothing_touches_local_memory(variant):
-    from metrale_attn.backends.cupy_backend import nvrtc_compile
-
-    ptx, _ = nvrtc_compile(variant, "compute_90")
-    ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
+    ptx = nvrtc_ptx(variant)
     assert not re.search(r"\b(ld|st)\.local\b", ptx)
     if variant.impl == "mma":  # K/V through 16-byte async copies, tensor cores, hardware fp8 conversion
         for instruction in ("cp.async.cg.shared.global", "ldmatrix.sync.aligned.m8n8.x4.trans", "movmatrix",

@@ -146,18 +146,24 @@ needs_nvdisasm = pytest.mark.skipif(NVDISASM is None, reason="nvdisasm not found
 
 
 @needs_nvdisasm
-@pytest.mark.parametrize("variant", [Variant("unpacked", 64, "fp16", "bf16"), Variant("splitk", 128, "bf16", "fp8"),
-                                     Variant("unpacked", 256, "bf16", "fp16"),
-                                     Variant("gqa_packed", 256, "bf16", "bf16"),
+@pytest.mark.parametrize("variant", [Variant("unpacked", 64, "fp16", "bf16", "simt"),
+                                     Variant("splitk", 128, "bf16", "fp8", "simt"),
+                                     Variant("unpacked", 256, "bf16", "fp16", "simt"),
+                                     Variant("gqa_packed", 256, "bf16", "bf16", "simt"),
+                                     Variant("gqa_packed", 256, "fp16", "fp8", "simt"),
+                                     Variant("unpacked", 64, "fp16", "bf16"), Variant("splitk", 128, "bf16", "fp8"),
                                      Variant("gqa_packed", 256, "fp16", "fp8")], ids=lambda v: v.name)
 def test_the_loop_the_report_finds_loads_the_bytes_the_source_declares(variant):
     facts = sr.analyse(variant, "sm_90", NVDISASM, build=nvrtc_build(variant, "sm_90"))
     assert facts.hot is not None
     assert facts.warp_iters_per_sass_iter == 1
     assert facts.sass_kv_bytes_per_iter == variant.hot_loop.kv_bytes_per_warp_iter
-    # Every K and V load of the tile is on the path: 2 per UNROLL step, plus the block-table prefetch.
     vector_loads = [i for i in facts.hot.instrs if sr.global_load_bytes(i) and sr._width_bytes(i) >= 8]
-    assert len(vector_loads) == 2 * 4
+    if variant.impl == "simt":  # every K and V load of the tile is on the path: 2 per UNROLL step
+        assert len(vector_loads) == 2 * 4
+    else:  # one 16-byte cp.async per lane per K and per V row chunk of the stage
+        row_bytes = variant.head_dim * (1 if variant.kv_dtype == "fp8" else 2)
+        assert [i.base for i in vector_loads] == ["LDGSTS"] * (2 * variant.tiling.tile_tokens * row_bytes // 16 // 32)
 
 
 @needs_nvdisasm
@@ -181,7 +187,7 @@ def test_the_report_on_one_variant_writes_the_interface(tmp_path):
     assert r["instr_per_kib"] == pytest.approx(4 * r["instr_per_kib_per_cta"])
     assert sum(r["mix"].values()) == r["loop"]["hot_path_instructions"]
     assert r["mix"]["ldg"] >= 8 and r["mix"]["fp32"] > 0 and r["mix"]["shfl"] > 0
-    cubin_bytes, log = nvrtc_build(Variant("unpacked", 128, "bf16", "bf16"), "sm_90")
+    cubin_bytes, log = nvrtc_build(Variant("unpacked", 128, "bf16", "bf16", "simt"), "sm_90")
     assert r["registers"] == sr.ptxas_resources(log, "paged_decode_unpacked")["registers"]
     assert r["registers"] == cubin.kernel_register_counts(cubin_bytes)["paged_decode_unpacked"]
     assert r["spill_bytes"] == 0 and r["stack_frame_bytes"] == 0

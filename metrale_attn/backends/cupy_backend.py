@@ -44,16 +44,17 @@ def nvrtc_program(variant: Variant, text: str | None = None) -> tuple[str, tuple
     return DIALECT_PRELUDE + variant.source(text), options
 
 
-def nvrtc_compile(variant: Variant, arch: str, *, ptxas_verbose: bool = False) -> tuple[bytes, str]:
+def nvrtc_compile(variant: Variant, arch: str, *, ptxas_verbose: bool = False, with_ptx: bool = False):
     """Compile ``variant`` with NVRTC, no GPU needed: ``arch="sm_90"`` gives a cubin,
     ``"compute_90"`` PTX. Returns ``(binary, log)``; with ``ptxas_verbose`` the log
-    holds ptxas's registers, stack frame and spills per kernel."""
+    holds ptxas's registers, stack frame and spills per kernel; with ``with_ptx``,
+    ``(binary, log, ptx)`` (the PTX the cubin was assembled from, from the same compile)."""
     source, options = nvrtc_program(variant)
-    return nvrtc_compile_source(source, variant.name, arch, options, ptxas_verbose=ptxas_verbose)
+    return nvrtc_compile_source(source, variant.name, arch, options, ptxas_verbose=ptxas_verbose, with_ptx=with_ptx)
 
 
 def nvrtc_compile_source(source: str, name: str, arch: str, options: tuple[str, ...] = BASE_OPTIONS, *,
-                         ptxas_verbose: bool = False) -> tuple[bytes, str]:
+                         ptxas_verbose: bool = False, with_ptx: bool = False):
     """``nvrtc_compile`` for a complete source (headers inlined) that is not a variant: the toy
     kernels of the tests. ``options`` exclude ``-arch``; the dialect prelude is the caller's."""
     from cupy_backends.cuda.libs import nvrtc
@@ -69,6 +70,8 @@ def nvrtc_compile_source(source: str, name: str, arch: str, options: tuple[str, 
             binary = nvrtc.getPTX(program)  # text: CuPy rightly drops its trailing NUL
         else:
             binary = cubin.nvrtc_cubin(program, nvrtc.getCUBIN(program), nvrtc.getVersion())
+        if with_ptx:
+            return binary, nvrtc.getProgramLog(program), nvrtc.getPTX(program)
         return binary, nvrtc.getProgramLog(program)
     finally:
         nvrtc.destroyProgram(program)
