@@ -185,12 +185,13 @@ def _correctness(rows: list[dict]) -> dict:
                 + [f"{_label(r)}: {r.get('reason', '')[:200]}" for r in failed][:20])
 
 
-def targets_table(targets: list[dict]) -> str:
-    """Plain-text target lines for a terminal."""
+def targets_table(targets: list[dict], width: int = 96) -> str:
+    """Plain-text target lines for a terminal (details cut at ``width``; the markdown has them whole)."""
     lines = [f"{'target':<6} {'status':<13} description / detail"]
     for t in targets:
+        detail = t["detail"] if len(t["detail"]) <= width else t["detail"][: width - 3] + "..."
         lines.append(f"{t['id']:<6} {t['status']:<13} {t['description']}")
-        lines.append(f"{'':<6} {'':<13} {t['detail']}")
+        lines.append(f"{'':<6} {'':<13} {detail}")
     return "\n".join(lines)
 
 
@@ -330,7 +331,14 @@ def _arm_columns(rows: list[dict]) -> list[str]:
     """Forced arm x implementation columns present, in arm order then implementation order."""
     labels = list(dict.fromkeys(arm_label(r) for r in rows if r.get("arm") not in (None, "default")))
     order = {a: i for i, a in enumerate(("unpacked", "splitk", "gqa_packed"))}
-    return sorted(labels, key=lambda lab: (order.get(lab.split("/")[0], 3), lab.split("/")[0], lab))
+    seen = {lab: i for i, lab in enumerate(labels)}
+    return sorted(labels, key=lambda lab: (order.get(lab.split("/")[0], 3), lab.split("/")[0], seen[lab]))
+
+
+def _column_label(label: str) -> str:
+    """``splitk/mma`` -> ``split-K/mma``."""
+    arm, _, impl = label.partition("/")
+    return ARM_LABELS.get(arm, arm) + (f"/{impl}" if impl else "")
 
 
 def _result_tables(result: dict) -> list[str]:
@@ -348,7 +356,7 @@ def _result_tables(result: dict) -> list[str]:
         title = f"{model} ({shape} q/kv/head_dim)" if model != shape else f"{shape} (q/kv/head_dim)"
         out += [f"### {title}, KV {kv}", ""]
         head = ["batch", "context", "MB", "default (splits)", "us", "TB/s", "% copy"]
-        head += [f"{ARM_LABELS.get(a, a)} us (% copy)" for a in arms]
+        head += [f"{_column_label(a)} us (% copy)" for a in arms]
         head += [f"{BASELINE_LABELS.get(b, b)} us (% copy)" for b in bases] + ["x best base"]
         out += ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
         for (batch, context), rs in sorted(by_cfg.items()):

@@ -27,7 +27,8 @@
 #   bash benchmarks/gpu_check.sh           the full run (device run: timeout_s 560, carry .whl)
 #   bash benchmarks/gpu_check.sh --quick   the short rerun, <= 4 minutes (deadline 220 s): environment,
 #                                          L2 probe, decisive tiers; no tests, sanitizers or baselines
-#   bash benchmarks/gpu_check.sh --cpu     the dry run on the CPU backend simulator (CI runs it)
+#   bash benchmarks/gpu_check.sh --cpu     the dry run on the CPU backend simulator (CI runs it; with
+#                                          --quick too: the rerun's steps)
 #
 # Exit 0 when the sweep timed rows of ours (pass/fail lines are in the summary), 1 when not.
 #
@@ -44,13 +45,12 @@ MODE=gpu
 PROFILE=full
 for arg in "$@"; do
   case "$arg" in
-    --cpu) MODE=cpu; PROFILE=cpu ;;
+    --cpu) MODE=cpu ;;
     --quick) PROFILE=quick ;;
     -h|--help) sed -n '2,41p' "$0"; exit 0 ;;
     *) echo "gpu_check.sh: unknown argument $arg (use --cpu, --quick or nothing)" >&2; exit 2 ;;
   esac
 done
-[ "$MODE" = cpu ] && PROFILE=cpu
 
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 cd "$REPO" || exit 2
@@ -98,6 +98,7 @@ checkpoint() {
 }
 
 say "mode=$MODE profile=$PROFILE out=$OUT logs=$WORK deadline=${DEADLINE_S}s"
+# --cpu runs the same steps on the CPU backend; bench_decode.py --cpu then sweeps its own tiny cpu profile.
 CPUFLAG=(); [ "$MODE" = cpu ] && CPUFLAG=(--cpu)
 
 # -- 0. wheels ---------------------------------------------------------------------------------
@@ -106,12 +107,12 @@ t=$(date +%s)
 WHEELS=${WHEELS_DIR:-$REPO/.whl}
 SITE=${WHEEL_TARGET:-/tmp/site}
 if [ "$PROFILE" = quick ] || { [ "$MODE" = cpu ] && [ -z "${WHEELS_DIR:-}" ]; }; then
-  step wheels skipped 0 "profile $PROFILE: no baselines"
+  step wheels skipped 0 "$([ "$PROFILE" = quick ] && echo "--quick: no baselines" || echo "--cpu: no baselines")"
   NO_FLASHINFER="profile $PROFILE"
 elif ! ls "$WHEELS"/*.whl >/dev/null 2>&1; then
   step wheels skipped 0 "no wheels in $WHEELS: FlashInfer unavailable"
   NO_FLASHINFER="no wheels carried ($WHEELS)"
-elif timeout 120 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+elif timeout 60 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
     "$WHEELS"/*.whl >"$WORK/wheels.log" 2>&1; then
   export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
   [ -d "$SITE/bin" ] && export PATH="$PATH:$SITE/bin"
@@ -284,7 +285,7 @@ BENCH=(benchmarks/bench_decode.py --out-dir "$OUT" --env-json "$WORK/env.json" -
 if [ "$MODE" = cpu ]; then BENCH+=(--cpu); elif [ "$PROFILE" = full ]; then BENCH+=(--flashinfer-status "$FI_STATUS"); fi
 # shellcheck disable=SC2206
 BENCH+=(${BENCH_ARGS:-})
-say "bench_decode.py --profile $PROFILE, budget ${BUDGET}s"
+say "bench_decode.py --profile $PROFILE${CPUFLAG[*]:+ --cpu}, budget ${BUDGET}s"
 touch "$WORK/bench.start"
 checkpoint_loop() {  # summary.md and logs every CHECKPOINT_S while the sweep runs
   local n=0

@@ -64,8 +64,9 @@ CPU_SHAPES = ((2, 2, 256), (8, 2, 256), (16, 2, 256))
 ARMS = ("unpacked", "splitk")
 REFUSALS = ("ERR_NVGPUCTRPERM", "LibraryNotLoaded", "Failed to initialize", "not supported", "permission",
             "Permission")
-UNITS = {"byte": 1, "kbyte": 1e3, "mbyte": 1e6, "gbyte": 1e9, "nsecond": 1e-9, "usecond": 1e-6, "msecond": 1e-3,
-         "second": 1.0}
+PREFIXES = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
+"""ncu scales counts by decimal prefixes unless told --print-units base (Kbyte, Msector, Ginst, ...)."""
+SECONDS = {"nsecond": 1e-9, "usecond": 1e-6, "msecond": 1e-3, "second": 1.0}
 
 
 # -- the target: what ncu profiles --------------------------------------------------------
@@ -178,17 +179,30 @@ def _number(value: str, unit: str):
         x = float(text)
     except ValueError:
         return value
-    return x * UNITS.get(unit.strip().lower(), 1.0)
+    return x * unit_scale(unit)
+
+
+def unit_scale(unit: str) -> float:
+    """The factor to base units: ``nsecond`` -> 1e-9 (seconds), ``Kbyte`` -> 1e3, ``Msector`` -> 1e6; else 1."""
+    u = unit.strip().lower()
+    if u in SECONDS:
+        return SECONDS[u]
+    match = re.fullmatch(r"([kmgt]?)(byte|sector|inst|warp|cycle|request)s?(/.*)?", u)
+    return PREFIXES[match.group(1)] if match else 1.0
 
 
 def stall_reasons(kernel: dict, top: int = 3) -> list[tuple[str, float]]:
-    """The largest stall reasons of a kernel, from whatever issue-stalled metrics the sections gave."""
-    found = {}
-    for name, value in kernel.items():
-        match = re.search(r"issue_stalled_([a-z_]+?)_per_(issue|warp)_active", name)
-        if match and isinstance(value, float) and not name.endswith(".pct_of_peak_sustained_active"):
-            found[match.group(1)] = max(value, found.get(match.group(1), 0.0))
-    return sorted(found.items(), key=lambda kv: -kv[1])[:top]
+    """The largest stall reasons of a kernel from the WarpStateStats metrics: warps stalled per issued
+    instruction (``..._per_issue_active.ratio``), else the share of warps (``..._per_warp_active.pct``)."""
+    for family in (r"_per_issue_active\.ratio$", r"_per_warp_active\.pct$"):
+        found = {}
+        for name, value in kernel.items():
+            match = re.search(r"issue_stalled_([a-z_]+?)" + family, name)
+            if match and isinstance(value, float) and match.group(1) not in ("selected", "not_selected"):
+                found[match.group(1)] = value
+        if found:
+            return sorted(found.items(), key=lambda kv: -kv[1])[:top]
+    return []
 
 
 def match_kernels(manifest: dict, kernels: list[dict]) -> list[dict]:
@@ -391,8 +405,9 @@ def probe_text(probe: Optional[dict]) -> list[str]:
         out.append("  shape       G arm      impl h   us  L2/DRAM exp  TB/s iss% stalls")
         for r in probe["rows"]:
             c = _row_cells(r)
+            stalls = ", ".join(f"{name} {value:.1f}" for name, value in (r.get("stalls") or [])[:2]) or c[12]
             out.append(f"  {c[0]:<11} {c[1]:>1} {c[2]:<8} {c[3]:<4} {c[4]:>1} {c[5]:>4}  {c[7]:>7} {c[8]:>3} "
-                       f"{c[9]:>5} {c[10]:>4} {c[12][:40]}")
+                       f"{c[9]:>5} {c[10]:>4} {stalls[:36]}")
     return out
 
 

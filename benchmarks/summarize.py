@@ -81,13 +81,33 @@ def decisive_lines(result: dict) -> list[str]:
         parts = []
         for r in rs:
             if r["impl"] == "metrale":
-                label = (r.get("arm_label") or r["arm"]) + ("*" if r.get("default") else "")
+                label = _short_arm(r.get("arm_label") or r.get("arm") or "ours") + ("*" if r.get("default") else "")
                 pred = (r.get("sass") or {}).get("ceiling_pct")
-                parts.append(f"{label} {_value(r, pct)}" + (f" [{pred:.0f}]" if isinstance(pred, (int, float)) else ""))
+                parts.append(f"{label} {_value(r, pct)}" + (f"[{pred:.0f}]" if isinstance(pred, (int, float)) else ""))
             else:
                 parts.append(f"{bench_report.BASELINE_SHORT.get(r['impl'], r['impl'])} {_value(r, pct)}")
-        out.append(f"  {model} {kv} b{batch} {bench_report._ctx(context)}: " + "  ".join(parts))
+        out += _wrap(f"  {model} {kv} b{batch} {bench_report._ctx(context)}:", parts)
     return out
+
+
+SHORT_ARMS = {"unpacked": "unp", "splitk": "spk", "gqa_packed": "pack", "default": "dflt"}
+
+
+def _short_arm(label: str) -> str:
+    """``gqa_packed/mma`` -> ``pack/mma``: arm labels for the short table."""
+    arm, _, rest = label.partition("/")
+    return SHORT_ARMS.get(arm, arm) + (f"/{rest}" if rest else "")
+
+
+def _wrap(head: str, parts: list[str], width: int = 110) -> list[str]:
+    """``head`` then ``parts`` two spaces apart, continued on indented lines past ``width``."""
+    lines, line = [], head
+    for part in parts:
+        if len(line) + 2 + len(part) > width and line.strip() != head.strip():
+            lines.append(line)
+            line = " " * 6
+        line += ("  " if line.strip() else "") + part
+    return lines + [line]
 
 
 def hpc_lines(result: dict) -> list[str]:
@@ -102,7 +122,7 @@ def hpc_lines(result: dict) -> list[str]:
     for batch in sorted({r["batch"] for r in rows}):
         cells = [f"h{r['heads_per_cta']}{'*' if r.get('hpc_choice') else ''} {_value(r, pct)}"
                  for r in rows if r["batch"] == batch]
-        out.append(f"  b{batch}: " + "  ".join(cells))
+        out += _wrap(f"  b{batch}:", cells)
     return out
 
 
@@ -198,7 +218,7 @@ def render(steps: list[dict], env: dict, result: dict, total_s: str, *, probe: d
     text = [head, copy_line, ""]
     text.append(f"{'step':<18} {'status':<9} {'s':>4}  detail")
     for s in steps:
-        text.append(f"{s['name']:<18} {s['status']:<9} {s['seconds']:>4}  {s['detail'][:100]}")
+        text.append(f"{s['name']:<18} {s['status']:<9} {s['seconds']:>4}  {s['detail'][:84]}")
     if running:
         text.append(f"{running:<18} {'running':<9} {'':>4}  (this summary was written while it ran)")
     text.append("")

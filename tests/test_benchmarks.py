@@ -57,8 +57,8 @@ def _python_env(tmp_path, **extra):
     return env
 
 
-def _gpu_check_cpu(tmp_path, **extra):
-    return subprocess.run(["bash", os.path.join(BENCH, "gpu_check.sh"), "--cpu"], cwd=REPO,
+def _gpu_check_cpu(tmp_path, *flags, **extra):
+    return subprocess.run(["bash", os.path.join(BENCH, "gpu_check.sh"), "--cpu", *flags], cwd=REPO,
                           env=_python_env(tmp_path, **extra), capture_output=True, text=True, timeout=240)
 
 
@@ -150,12 +150,15 @@ def test_gpu_check_cpu_dry_run_writes_every_output(tmp_path):
 
 
 @pytest.mark.skipif(not HAVE_BASH, reason="needs bash")
-def test_gpu_check_exits_1_when_the_sweep_times_nothing(tmp_path):
-    done = _gpu_check_cpu(tmp_path, BENCH_ARGS="--kv-cap-gb 0", L2_PROBE="0")
+def test_gpu_check_quick_exits_1_when_the_sweep_times_nothing(tmp_path):
+    """The rerun's steps (--quick: no tests, no wheels), and a sweep that timed nothing is a failed run."""
+    done = _gpu_check_cpu(tmp_path, "--quick", BENCH_ARGS="--kv-cap-gb 0", L2_PROBE="0")
     assert done.returncode == 1, done.stdout + done.stderr
     assert done.stdout.rstrip().splitlines()[-1].startswith("OVERALL (CPU dry run): FAIL (benchmark FAIL")
     table = _steps((tmp_path / "out" / "summary.md").read_text())
     assert table["benchmark"][0] == "FAIL" and "no benchmark rows" in table["benchmark"][1]
+    assert table["gpu_tests"][0] == "skipped" and "--quick" in table["gpu_tests"][1]
+    assert table["wheels"][0] == "skipped" and table["l2_probe"][0] == "skipped"
 
 
 @pytest.mark.skipif(not HAVE_BASH, reason="needs bash")
@@ -203,6 +206,22 @@ def test_sanitizer_cases_pass_on_the_cpu_backend():
 @pytest.mark.parametrize("script", ["gpu_check.sh", "fetch_wheels.sh"])
 def test_shell_scripts_parse(script):
     subprocess.run(["bash", "-n", os.path.join(BENCH, script)], check=True)
+
+
+def test_the_readme_gives_both_run_calls_within_the_device_limits():
+    """benchmarks/README.md's two device calls: the script's deadline under the call's timeout_s with a
+    margin, the full run within 8 minutes and the rerun within 4, commands within the tool's 2,000 characters."""
+    readme = open(os.path.join(BENCH, "README.md")).read()
+    script = open(os.path.join(BENCH, "gpu_check.sh")).read()
+    calls = dict(re.findall(r'run\(command="(bash benchmarks/gpu_check\.sh[^"]*)", timeout_s=(\d+)', readme))
+    assert set(calls) == {"bash benchmarks/gpu_check.sh", "bash benchmarks/gpu_check.sh --quick"}
+    quick, full = map(int, re.search(r"then DEADLINE_S=\$\{GPU_CHECK_DEADLINE_S:-(\d+)\}; "
+                                     r"else DEADLINE_S=\$\{GPU_CHECK_DEADLINE_S:-(\d+)\}", script).groups())
+    assert full <= 8 * 60 - 15 and quick <= 4 * 60 - 20
+    assert int(calls["bash benchmarks/gpu_check.sh"]) - full >= 60 and int(calls["bash benchmarks/gpu_check.sh --quick"]) \
+        - quick >= 45
+    assert all(int(t) <= 600 and len(c) <= 2000 for c, t in calls.items())
+    assert 'carry=[".whl"]' in readme
 
 
 # -- step verdicts ------------------------------------------------------------------------------------
@@ -454,6 +473,12 @@ def test_ncu_csv_parsing_scales_units_and_skips_noise():
     assert k["kernel"] == "paged_decode_unpacked" and k["dram__bytes_read.sum"] == pytest.approx(1.07374e9)
     assert k["gpu__time_duration.sum"] == pytest.approx(250.5e-6)
     assert l2_probe.parse_ncu_csv("==ERROR== nothing\n") == []
+    assert l2_probe.unit_scale("Msector") == 1e6 and l2_probe.unit_scale("register/thread") == 1.0
+    stalls = {"smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio": 4.0,
+              "smsp__average_warps_issue_stalled_selected_per_issue_active.ratio": 1.0,
+              "smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio": 0.5,
+              "smsp__warp_issue_stalled_long_scoreboard_per_warp_active.pct": 60.0}
+    assert l2_probe.stall_reasons(stalls) == [("long_scoreboard", 4.0), ("barrier", 0.5)]
 
 
 # -- the FlashInfer prewarm's scheduling -------------------------------------------------------------------
@@ -614,6 +639,60 @@ def test_markdown_gives_percent_of_copy_for_every_arm():
     assert "| unpacked us (% copy) | split-K us (% copy) |" in md
     row = next(line for line in md.splitlines() if line.startswith("| 16 | 4k |"))
     assert "(88.0%)" in row and "(92.0%)" in row and "(30.0%)" in row  # unpacked, split-K, SDPA
+
+
+def full_size_result(copy: float = 4.3) -> dict:
+    """The largest result a full run can bring back: every job of the full profile, both kernel
+    implementations, every baseline on the decisive configurations, a 12-kernel L2 probe."""
+    caps = kernel_impls(NewApiStandIn)
+    rows = []
+    for job in sweep_plan.plan_jobs(bench_decode.parse_args([])):
+        c = job.config
+        timing = bench_decode.Timing(123.4, 120.0, 130.0, 20, "cuda-graph")
+        for slot in sweep_plan.slots_for(job, caps, list(sweep_plan.DEFAULT_ARMS)):
+            row = bench_decode.make_row(c, "metrale", arm=slot.arm, timing=timing, copy_tb_per_s=copy, status="ok",
+                                        check={"status": "ok"}, slot=slot, tier=job.tier,
+                                        default=(slot.arm, slot.impl) == ("splitk", "mma"),
+                                        extra=dict(sass={"ceiling_pct": 91.0, "binding": "issue"}))
+            if job.kind == "hpc":
+                row.update(sweep="heads_per_cta", hpc_choice=slot.heads_per_cta == 4)
+            rows.append(row)
+        late = sweep_plan.LATE_BASELINES if job.tier.startswith("decisive") else ()
+        for name in job.baselines + late:
+            rows.append(bench_decode.make_row(c, name, timing=timing, copy_tb_per_s=copy, status="ok", tier=job.tier))
+    probe_rows = [dict(shape=s, group=g, arm=a, impl=i, heads_per_cta=1 if i == "simt" else g, status="ok",
+                       time_us=301.0, dram_bytes=1.07e9, l2_over_dram=float(g), expected_l2_over_dram=float(g),
+                       dram_tb_per_s=3.56, issue_slots_pct=22.0, instr_per_kib=101.0,
+                       stalls=[["long_scoreboard", 5.1], ["wait", 1.2], ["barrier", 0.4]])
+                  for s, g in (("8/8/128", 1), ("32/8/128", 4), ("64/8/128", 8)) for a in ("unpacked", "splitk")
+                  for i in ("simt", "mma")]
+    result = {"mode": "gpu", "profile": "full", "copy_tb_per_s": copy, "copy_bandwidth": {"tb_per_s": copy},
+              "environment": {"device": {"name": "NVIDIA H200", "sm_count": 132}}, "rows": rows, "not_measured": [],
+              "budget": {"stopped_early": True, "reason": "time budget of 290 s spent"},
+              "kernel_impls": {"impls": ["simt", "mma"], "comparison": True, "heads_per_cta": True,
+                               "default_impl": "mma"},
+              "hpc_sweep": {"status": "planned", "choices": {"1": 1, "16": 4, "64": 4}},
+              "l2_probe": {"status": "ok", "detail": "12 of 12 kernels profiled in 1 ncu pass(es)", "rows": probe_rows}}
+    result["targets"] = bench_report.evaluate_targets(result)
+    return result
+
+
+def test_the_short_table_of_a_full_run_fits_the_device_tools_output_tail():
+    """The device tool returns the last 12,000 characters: the table printed last must leave room for the
+    progress lines above it, in short lines."""
+    result = full_size_result()
+    names = ["wheels", "import", "environment", "sanitize_memcheck", "sanitize_racecheck", "sanitize_initcheck",
+             "gpu_tests", "l2_probe", "sass_model", "benchmark", "flashinfer_jit"]
+    table = [dict(name=n, status="ok", seconds="99", detail="x" * 300) for n in names]
+    _, text = summarize.render(table, {}, result, "463")
+    lines = text.splitlines()
+    assert len(text) < 8000 and max(map(len, lines)) <= 120, (len(text), max(lines, key=len))
+    assert lines[-1].startswith("OVERALL: ok; targets T1")
+    assert "old vs new kernels: mma over simt 1.00x min" in text and "L2 probe: ok" in text
+    assert any(line.startswith("  b16:") and "h4*" in line for line in lines)
+    md = bench_report.render_markdown(result)
+    assert "| unpacked/simt us (% copy) | unpacked/mma us (% copy) | split-K/simt us (% copy) |" in md
+    assert "mma speed-up" in md
 
 
 # -- the GPU sweep's control flow, on the CPU, with fakes (needs PyTorch) --------------------------------
