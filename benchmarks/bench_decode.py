@@ -86,6 +86,7 @@ import gpu_env  # noqa: E402
 from gpu_timing import Timing, time_host  # noqa: E402
 from impls import kernel_impls, plan_heads_per_cta, plan_impl  # noqa: E402
 from predictions import Predictions, arch_digits  # noqa: E402
+from steps import load_json  # noqa: E402
 from predictions import ratio as prediction_ratio  # noqa: E402
 from sweep_plan import (ARM_OPTIONS, BASELINE_NAMES, DEFAULT_ARMS, LATE_BASELINES, MODELS, PROFILES,  # noqa: E402,F401
                         Config, Job, Slot, apply_profile, arm_options, arms_for, baseline_list, parse_models,
@@ -752,22 +753,11 @@ class GpuSweep(Sweep):
                                 k_scale=case.k_scale, v_scale=case.v_scale, out=out)
 
     def time_ours(self, config: Config, case, attn):
-        torch, timer = self.torch, self.timer
-        out = torch.empty_like(case.q)
-        call = self._ours_call(case, attn, out)
-        timer.synchronize_device()
-        with timer.on_stream():  # warm-up outside capture
-            call()
-            call()
-        launch = timer.capture_cupy(call)
-        out.fill_(float("nan"))
-        timer.synchronize_device()
-        with timer.on_stream():
-            launch()
-        timer.synchronize_device()
+        out = self.torch.empty_like(case.q)
+        launch = self.timer.capture_poisoned(self._ours_call(case, attn, out), out)
         seqs = check_seq_indices(config.batch, self.args.check_seqs)
         check = check_gpu_output(case, out, seqs, self._ref_cache, strict=True)
-        return check, timer.measure(launch)
+        return check, self.timer.measure(launch)
 
     def host_overhead(self, job: Job) -> None:
         """Python microseconds per call at batch 1 x 1k: eager ``run`` (no sync) and a graph launch,
@@ -822,7 +812,7 @@ class GpuSweep(Sweep):
         from gpu_timing import try_capture_torch
 
         config = job.config
-        torch, timer, args = self.torch, self.timer, self.args
+        timer, args = self.timer, self.args
         row = lambda **kw: make_row(config, name, copy_tb_per_s=self.copy_tb, tier=job.tier, **kw)  # noqa: E731
         s = config.shape
         t0 = time.monotonic()
@@ -989,20 +979,10 @@ def parse_args(argv=None):
     return args
 
 
-def _load_json(path: Optional[str]) -> Optional[dict]:
-    if not path or not os.path.exists(path):
-        return None
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError) as err:
-        return {"status": "unreadable", "detail": _short(err)}
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     t0 = time.monotonic()
-    env = _load_json(args.env_json)
+    env = load_json(args.env_json)
     if env is None:
         env = gpu_env.probe_environment(cpu=args.cpu)
         try:
@@ -1026,7 +1006,7 @@ def main(argv=None) -> int:
         "rows": [], "skipped": [], "not_measured": [], "host_overhead": [], "baselines": {}, "compile_s": {},
         "budget": {"time_budget_s": args.time_budget_s, "stopped_early": False},
     }
-    probe = _load_json(args.probe_json)
+    probe = load_json(args.probe_json)
     if probe is not None:
         result["l2_probe"] = probe
     if args.cpu:

@@ -309,8 +309,8 @@ step benchmark "${out%%$'\t'*}" "$(since "$t")" "${out#*$'\t'}"
 if [ -n "$FI_PID" ]; then
   kill -0 "$FI_PID" 2>/dev/null && kill "$FI_PID" 2>/dev/null  # its cleanup kills the nvcc groups
   wait "$FI_PID" 2>/dev/null
-  step flashinfer_jit "$([ -s "$FI_STATUS" ] && echo ok || echo FAIL)" 0 \
-    "$(grep '^flashinfer' "$WORK/flashinfer_prewarm.log" | cut -d' ' -f2-4 | tr '\n' ';')"
+  out=$(verdict flashinfer "$FI_STATUS")
+  step flashinfer_jit "${out%%$'\t'*}" 0 "${out#*$'\t'}"
 elif [ "$PROFILE" = full ] && [ "$MODE" = gpu ]; then
   step flashinfer_jit skipped 0 "$NO_FLASHINFER"
 fi

@@ -12,6 +12,7 @@ so that they are tested (``tests/test_benchmarks.py``) rather than trusted.
 - ``exit-code``: 0 when the run produced benchmark rows of ours, 1 when it did not (a run
   that measured nothing is a failed run, whatever else passed).
 - ``json-status``: ``status<TAB>detail`` of a step's own JSON (the L2 probe's).
+- ``flashinfer``: the JIT prewarm's status file: ``ok`` when a variant built, each variant's fate.
 
 Each command prints ``STATUS<TAB>DETAIL`` (``exit-code`` prints the code and exits with it).
 """
@@ -67,7 +68,8 @@ def sanitizer_verdict(rc: int, text: str) -> tuple[str, str]:
     return status, f"rc={rc} {verdict}"
 
 
-def _load(path: Optional[str]) -> Optional[dict]:
+def load_json(path: Optional[str]) -> Optional[dict]:
+    """A JSON file's content; None when there is no path, no file, or no valid JSON in it."""
     if not path:
         return None
     try:
@@ -85,7 +87,7 @@ def timed_rows(result: Optional[dict]) -> int:
 
 
 def bench_verdict(rc: int, json_path: Optional[str]) -> tuple[str, str]:
-    result = _load(json_path)
+    result = load_json(json_path)
     if result is None:
         return "FAIL", f"rc={rc} no benchmark JSON"
     n = timed_rows(result)
@@ -98,8 +100,22 @@ def bench_verdict(rc: int, json_path: Optional[str]) -> tuple[str, str]:
     return "ok", detail + (f"; stopped early: {budget.get('reason')}" if budget.get("stopped_early") else "")
 
 
+def flashinfer_verdict(path: str) -> tuple[str, str]:
+    """The JIT prewarm's status file: ``ok`` when a variant built, each variant's status and seconds."""
+    data = load_json(path)
+    if data is None:
+        return "FAIL", f"no prewarm status ({path})"
+    if data.get("import_error"):
+        return "skipped", data["import_error"]
+    variants = data.get("variants", {})
+    detail = "; ".join(f"{name} {v.get('status')}" + (f" {v['seconds']:.0f}s" if v.get("seconds") is not None else "")
+                       for name, v in variants.items())
+    built = any(v.get("status") == "ok" for v in variants.values())
+    return ("ok" if built else "FAIL"), detail or "no variant"
+
+
 def json_status(path: str) -> tuple[str, str]:
-    data = _load(path)
+    data = load_json(path)
     if data is None:
         return "FAIL", f"no result ({path})"
     return str(data.get("status", "?")), str(data.get("detail", ""))
@@ -122,13 +138,17 @@ def main(argv=None) -> int:
     e.add_argument("--json")
     j = sub.add_parser("json-status")
     j.add_argument("path")
+    f = sub.add_parser("flashinfer")
+    f.add_argument("path")
     args = parser.parse_args(argv)
     if args.command == "exit-code":
-        code = 0 if timed_rows(_load(args.json)) else 1
+        code = 0 if timed_rows(load_json(args.json)) else 1
         print(code)
         return code
     if args.command == "json-status":
         status, detail = json_status(args.path)
+    elif args.command == "flashinfer":
+        status, detail = flashinfer_verdict(args.path)
     elif args.command == "bench":
         status, detail = bench_verdict(args.rc, args.json)
     else:

@@ -20,7 +20,6 @@ Usage: ``python3 benchmarks/summarize.py --steps steps.tsv --env env.json --benc
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -29,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import bench_report  # noqa: E402
 from l2_probe import probe_text  # noqa: E402
-from steps import timed_rows  # noqa: E402
+from steps import load_json, timed_rows  # noqa: E402
 
 FAILING = ("FAIL", "TIMEOUT", "ERRORS", "WRONG")
 
@@ -45,16 +44,6 @@ def read_steps(path: str) -> list[dict]:
     except OSError:
         pass
     return steps
-
-
-def _load(path) -> dict:
-    if not path or not os.path.exists(path):
-        return {}
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except ValueError:
-        return {}
 
 
 def _value(r: dict, pct: bool) -> str:
@@ -263,8 +252,8 @@ def main(argv=None) -> int:
     parser.add_argument("--running", help="a step still running (a checkpoint's summary)")
     parser.add_argument("--quiet", action="store_true", help="write summary.md only")
     args = parser.parse_args(argv)
-    md, text = render(read_steps(args.steps), _load(args.env), _load(args.bench), args.total_s,
-                      probe=_load(args.probe), running=args.running, mode=args.mode)
+    md, text = render(read_steps(args.steps), load_json(args.env) or {}, load_json(args.bench) or {}, args.total_s,
+                      probe=load_json(args.probe), running=args.running, mode=args.mode)
     tmp = os.path.join(os.path.dirname(os.path.abspath(args.out)), f".{os.path.basename(args.out)}.tmp")
     with open(tmp, "w") as f:
         f.write(md)

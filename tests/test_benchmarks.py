@@ -257,6 +257,12 @@ def test_bench_verdict_and_exit_code(tmp_path):
     assert steps.bench_verdict(0, str(full))[0] == "ok" and steps.bench_verdict(1, str(full))[0] == "PARTIAL"
     assert steps.main(["exit-code", "--json", str(empty)]) == 1 and steps.main(["exit-code", "--json", str(full)]) == 0
     assert steps.main(["exit-code"]) == 1
+    fi = tmp_path / "fi.json"
+    fi.write_text(json.dumps({"variants": {"hd128-kvbf16-decode": {"status": "ok", "seconds": 95.2},
+                                           "hd256-kvbf16-tensorcore": {"status": "dropped"}}}))
+    assert steps.flashinfer_verdict(str(fi)) == ("ok", "hd128-kvbf16-decode ok 95s; hd256-kvbf16-tensorcore dropped")
+    fi.write_text(json.dumps({"variants": {}, "import_error": "wheel install failed"}))
+    assert steps.flashinfer_verdict(str(fi)) == ("skipped", "wheel install failed")
 
 
 # -- what runs, in which order --------------------------------------------------------------------------
@@ -706,7 +712,7 @@ import gpu_timing, bench_decode as bd, baselines
 from metrale_attn import DecodeAttention
 
 
-class FakeTimer:  # same interface as gpu_timing.GpuTimer; wall clock, no streams, no graphs
+class FakeTimer(gpu_timing.GpuTimer):  # GpuTimer without CuPy: wall clock, no streams, no graphs
     def __init__(self, **kw): pass
     def on_stream(self): return contextlib.nullcontext()
     def synchronize_device(self): pass
