@@ -394,6 +394,13 @@ def flashinfer_prewarm(shapes: list[tuple[int, int, int]], kv_dtypes: list[str],
     return state
 
 
+def pending_builds(status: dict, variants) -> list[str]:
+    """Of ``variants``, those a prewarm that is still running has yet to finish (queued or building)."""
+    if not status.get("running"):
+        return []
+    return [v for v in variants if status.get("variants", {}).get(v, {}).get("status") in ("queued", "building")]
+
+
 def _warm_one_command(h: int, kv: int, d: int, dt: str) -> list[str]:
     return [sys.executable, os.path.abspath(__file__), "flashinfer-warm-one", "--q-heads", str(h), "--kv-heads",
             str(kv), "--head-dim", str(d), "--kv-dtype", dt]

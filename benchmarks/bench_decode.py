@@ -46,8 +46,9 @@ What one row means (GPU):
 Time: ``--time-budget-s`` bounds the sweep. Ours runs job by job until
 ``--late-reserve-s`` is left, then the late phase times FlexAttention (one bf16
 configuration per shape, each compile under its own cap) and FlashInfer (the variants
-its JIT built by then) on the configurations already measured, in the same order; then
-ours resumes until the budget is spent. What was not reached is listed as not measured.
+its JIT built by then, after waiting for those still building while the budget allows)
+on the configurations already measured, in the same order; then ours resumes until the
+budget is spent. What was not reached is listed as not measured.
 Every ``--checkpoint-s`` the JSON and markdown are rewritten with what was measured so
 far, so a run killed from outside still leaves its numbers. An error outside a single
 measurement, or SIGTERM, also writes what was measured, and exits 1.
@@ -262,6 +263,9 @@ class Sweep:
         """Why ``name`` cannot run on ``config`` without building its data first, or None."""
         return None
 
+    def wait_for_builds(self, name: str, configs: list[Config]) -> None:
+        """Before the late phase times ``name``: wait for what it is still building, if that is useful."""
+
     # -- the loop -----------------------------------------------------------------
 
     def elapsed(self) -> float:
@@ -438,6 +442,7 @@ class Sweep:
         if "flex_paged" in names:
             self._late_flex(measured)
         if "flashinfer" in names:
+            self.wait_for_builds("flashinfer", [j.config for j in measured])
             self._late_each("flashinfer", measured, min_left_s=self.args.flashinfer_min_s)
         self.result["late_phase"]["end_s"] = round(self.elapsed(), 1)
 
@@ -806,6 +811,27 @@ class GpuSweep(Sweep):
         if entry.get("status") != "ok":
             return f"FlashInfer variant {variant}: JIT prewarm {entry.get('status')}: {entry.get('reason', '')}"[:400]
         return None
+
+    def wait_for_builds(self, name: str, configs: list[Config]) -> None:
+        """FlashInfer variants its JIT is still building when the late phase starts: the GPU has nothing
+        else left to do, so wait for them while the budget still leaves time to time every configuration."""
+        import baselines
+
+        if name != "flashinfer":
+            return
+        variants = {baselines.flashinfer_variant(c.shape.num_q_heads, c.shape.num_kv_heads, c.shape.head_dim,
+                                                 c.kv_dtype) for c in configs}
+        t0, said = time.monotonic(), False
+        while self.left() > self.args.flashinfer_min_s * len(configs) + 5:
+            pending = baselines.pending_builds(self._load_flashinfer_status(None), sorted(variants))
+            if not pending:
+                break
+            if not said:
+                print(f"[bench {self.elapsed():.0f}s] waiting for FlashInfer's JIT: {', '.join(pending)}", flush=True)
+                said = True
+            time.sleep(2.0)
+        if said:
+            self.result.setdefault("late_phase", {})["flashinfer_wait_s"] = round(time.monotonic() - t0, 1)
 
     def measure_baseline(self, job: Job, case, name: str) -> dict:
         import baselines

@@ -515,6 +515,11 @@ def test_flashinfer_prewarm_builds_the_decode_variants_first_and_drops_what_cann
     state = baselines.flashinfer_prewarm([(32, 8, 128)], ["bf16"], timeout_s=30, log_dir=str(tmp_path),
                                          command=_fake_build(0, rc=2), check_import=False, poll_s=0.05)
     assert state["variants"]["hd128-kvbf16-decode"]["status"] == "failed"
+    # What the sweep's late phase waits for: only what a running prewarm has not finished.
+    running = {"running": True, "variants": {"a": {"status": "building"}, "b": {"status": "ok"},
+                                             "c": {"status": "queued"}}}
+    assert baselines.pending_builds(running, ["a", "b", "c", "d"]) == ["a", "c"]
+    assert baselines.pending_builds(dict(running, running=False), ["a", "c"]) == []
 
 
 # -- the SASS model's predictions --------------------------------------------------------------------------
