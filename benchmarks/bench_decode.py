@@ -185,13 +185,11 @@ def check_seq_indices(batch: int, count: int) -> list[int]:
 
 
 def progress_line(elapsed: float, job: Job, rows: list[dict], seconds: float, gpu: bool) -> str:
-    """``[bench 37s] decisive-bf16 llama-3-8b bf16 b64 16k: unpacked 88% splitk* 91% sdpa 60% (1.3s)``:
+    """``[bench 37s] decisive-bf16 llama-3-8b bf16 b64 16k: unp 88% spk* 91% sdpa 60% (1.3s)``:
     one short line per job (``*``: the policy's default; ``:status`` where nothing was timed)."""
     parts = []
     for r in rows:
-        label = (r.get("arm_label") or r.get("arm") or "ours") if r["impl"] == "metrale" else \
-            bench_report.BASELINE_SHORT.get(r["impl"], r["impl"])
-        label += "*" if r.get("default") or r.get("hpc_choice") else ""
+        label = bench_report.short_label(r) + ("*" if r.get("default") or r.get("hpc_choice") else "")
         if r.get("median_us") is None:
             parts.append(f"{label}:{r['status']}")
         elif gpu and r.get("pct_of_copy") is not None:

@@ -4,18 +4,21 @@ This module owns the presentation of a run, not its measurement:
 
 - ``evaluate_targets``: the performance bar of DESIGN.md as pass/fail lines:
   T1 >= 90% of the copy bandwidth for batch >= 16 at context >= 4k (the policy's
-  default arm), T2 >= 80% for batch 1 at context >= 32k on the split-K arm, T3
-  faster than every baseline that ran (same configuration, default arm), and C
-  every timed output of ours met the correctness bar.
+  default arm), T2 >= 80% for batch 1 at context >= 32k on the split-K arm (the
+  default kernel implementation), T3 faster than every baseline that ran (same
+  configuration, default arm), and C every timed output of ours met the correctness bar.
 - ``render_markdown``: environment, copy bandwidth, targets, one table per (model,
-  KV dtype), baseline status with reasons, skipped and unmeasured configurations,
-  host overhead.
+  KV dtype) with every arm x implementation and baseline as ``us (% of copy)``, the
+  old-vs-new kernel comparison, the ``heads_per_cta`` sweep, every timed row beside
+  the static SASS model's prediction, the L2 probe (``l2_probe.probe_markdown``),
+  baseline status with reasons, skipped and unmeasured configurations, host overhead.
 - ``plot``: TB/s (left axis) and % of copy bandwidth (right axis, same curve) against
   context, one line per batch size: ours (default arm) against the baselines, and
   ours arm by arm. Needs matplotlib; without it the plots are skipped and the
   markdown says so.
 - ``write_outputs``: ``STEM_bench.json``, ``STEM_bench.md``, ``STEM_bench.png``,
-  ``STEM_arms.png`` where STEM is ``DATE_DEVICE`` (``2026-11-30_H200``).
+  ``STEM_arms.png`` where STEM is ``DATE_DEVICE`` (``2026-11-30_H200``); each written
+  whole under a temporary name first (the sweep rewrites them as it goes).
 
 Re-render a saved result: ``python3 benchmarks/bench_report.py RESULT.json --out-dir DIR``.
 """
@@ -44,7 +47,16 @@ BASELINE_LABELS = {
 }
 ARM_LABELS = {"unpacked": "unpacked", "splitk": "split-K", "gqa_packed": "GQA-packed", "default": "default"}
 BASELINE_SHORT = {"sdpa_gather": "sdpa+g", "sdpa_nogather": "sdpa", "flex_paged": "flex", "flashinfer": "fi"}
-"""Baseline names on the short progress and summary lines."""
+ARM_SHORT = {"unpacked": "unp", "splitk": "spk", "gqa_packed": "pack", "default": "dflt"}
+"""Names on the short progress and summary lines."""
+
+
+def short_label(r: dict) -> str:
+    """A row on a short line: ``spk/mma``, ``dflt/mma/h4``, ``sdpa+g``."""
+    if r["impl"] != "metrale":
+        return BASELINE_SHORT.get(r["impl"], r["impl"])
+    arm, _, rest = (r.get("arm_label") or r.get("arm") or "ours").partition("/")
+    return ARM_SHORT.get(arm, arm) + (f"/{rest}" if rest else "")
 
 
 # -- selection helpers ---------------------------------------------------------------

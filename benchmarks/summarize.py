@@ -70,22 +70,13 @@ def decisive_lines(result: dict) -> list[str]:
         parts = []
         for r in rs:
             if r["impl"] == "metrale":
-                label = _short_arm(r.get("arm_label") or r.get("arm") or "ours") + ("*" if r.get("default") else "")
+                label = bench_report.short_label(r) + ("*" if r.get("default") else "")
                 pred = (r.get("sass") or {}).get("ceiling_pct")
                 parts.append(f"{label} {_value(r, pct)}" + (f"[{pred:.0f}]" if isinstance(pred, (int, float)) else ""))
             else:
-                parts.append(f"{bench_report.BASELINE_SHORT.get(r['impl'], r['impl'])} {_value(r, pct)}")
+                parts.append(f"{bench_report.short_label(r)} {_value(r, pct)}")
         out += _wrap(f"  {model} {kv} b{batch} {bench_report._ctx(context)}:", parts)
     return out
-
-
-SHORT_ARMS = {"unpacked": "unp", "splitk": "spk", "gqa_packed": "pack", "default": "dflt"}
-
-
-def _short_arm(label: str) -> str:
-    """``gqa_packed/mma`` -> ``pack/mma``: arm labels for the short table."""
-    arm, _, rest = label.partition("/")
-    return SHORT_ARMS.get(arm, arm) + (f"/{rest}" if rest else "")
 
 
 def _wrap(head: str, parts: list[str], width: int = 110) -> list[str]:

@@ -391,6 +391,8 @@ def test_the_new_kernel_api_switches_on_the_comparison_the_sweep_and_the_probe(t
     assert result["hpc_sweep"]["choices"] == {"2": 2}
     md = (out / name.replace(".json", ".md")).read_text()
     assert "| unpacked/mma us (% copy) |" in md and "mma speed-up" in md and "h=2" in md
+    progress = [line for line in done.stdout.splitlines() if line.startswith("[bench ")]
+    assert any("pack/mma " in line for line in progress) and all(len(line) < 160 for line in progress), progress
     manifest = tmp_path / "manifest.json"
     done = subprocess.run([sys.executable, str(driver), BENCH, "l2_probe", "target", "--cpu", "--manifest",
                            str(manifest)], cwd=REPO, capture_output=True, text=True, timeout=300)
