@@ -301,9 +301,9 @@ class Sweep:
 
     def _drain(self, until: float) -> None:
         while self.pending and self.elapsed() < until:
-            job = self.pending.pop(0)
-            self.run_job(job)
-            self.done.append(job)
+            job = self.pending[0]
+            self.run_job(job)  # still pending while it runs: a SIGTERM lists it as not measured
+            self.done.append(self.pending.pop(0))
 
     def run_job(self, job: Job) -> None:
         rows, t0 = self.result["rows"], time.monotonic()

@@ -565,8 +565,10 @@ def plot(result: dict, bench_path: str, arms_path: str) -> tuple[list[str], str]
     device = result.get("device_label")
     figure(ours + base_series, bench_path, f"paged decode on {device}: ours vs baselines "
                                            f"({result.get('created_utc', '')[:10]})")
-    arm_names = [a for a in dict.fromkeys(r.get("arm") for r in rows if r["impl"] == "metrale") if a]
-    arm_series = [(ARM_LABELS.get(a, a), (lambda name: lambda r: r["impl"] == "metrale" and r.get("arm") == name)(a),
+    forced = [r for r in rows if r["impl"] == "metrale" and r.get("arm") and r.get("sweep") != "heads_per_cta"]
+    forced_ids = {id(r) for r in forced}
+    arm_names = list(dict.fromkeys(arm_label(r) for r in forced))  # one series per arm x implementation
+    arm_series = [(_column_label(a), (lambda name: lambda r: id(r) in forced_ids and arm_label(r) == name)(a),
                    ["-", "--", ":", "-."][i % 4], "os^dv"[i % 5]) for i, a in enumerate(arm_names)]
     figure(arm_series, arms_path, f"paged decode on {device}: each arm forced")
     return written, ""
