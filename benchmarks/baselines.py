@@ -288,47 +288,130 @@ def _flashinfer_warm_one(num_q_heads: int, num_kv_heads: int, head_dim: int, kv_
 
 
 def flashinfer_prewarm(shapes: list[tuple[int, int, int]], kv_dtypes: list[str], *, timeout_s: float,
-                       log_dir: Optional[str] = None) -> dict:
-    """Compile every FlashInfer variant the sweep needs, each in its own process, all at once,
-    each killed after ``timeout_s``. Returns ``{"variants": {name: {status, seconds, reason}}}``."""
-    try:
-        import flashinfer  # noqa: F401  (import errors are the same for every variant)
-    except Exception as err:
-        reason = f"flashinfer does not import ({type(err).__name__}: {err})"[:400]
-        return {"import_error": reason, "variants": {
-            flashinfer_variant(h, kv, d, dt): {"status": "unavailable", "reason": reason}
-            for h, kv, d in shapes for dt in kv_dtypes}}
+                       log_dir: Optional[str] = None, status_path: Optional[str] = None, min_late_s: float = 150.0,
+                       command: Optional[Callable[..., list[str]]] = None, check_import: bool = True,
+                       poll_s: float = 0.5) -> dict:
+    """Compile the FlashInfer variants a sweep needs, each in its own process group, within ``timeout_s``.
+
+    The CUDA-core decode variants (the Llama shapes, which the decisive configurations
+    compare against) start at once. The tensor-core variants (group sizes the decode
+    kernel has no instance for, e.g. 6 at head dim 256: FlashInfer builds its prefill
+    kernels for them, the longest builds) start only once those have finished, and only
+    if at least ``min_late_s`` of the cap is left; otherwise they are dropped as unable
+    to build in time. ``status_path`` is rewritten whenever a variant starts, finishes
+    or is dropped, so the sweep's late phase sees what is built so far.
+
+    Returns ``{"variants": {name: {status, seconds, reason}}, ...}``; a status is one of
+    ``queued``, ``building``, ``ok``, ``failed``, ``timeout``, ``dropped``, ``unavailable``.
+    """
+    names: dict = {}
+    for h, kv, d in shapes:
+        for dt in kv_dtypes:
+            names.setdefault(flashinfer_variant(h, kv, d, dt), (h, kv, d, dt))
+    state = {"variants": {n: {"status": "queued"} for n in names}, "timeout_s": timeout_s, "running": True}
+    t_start = time.monotonic()
+
+    def save() -> None:
+        state["elapsed_s"] = round(time.monotonic() - t_start, 1)
+        if status_path:
+            tmp = f"{status_path}.tmp"
+            with open(tmp, "w") as f:
+                json.dump(state, f, indent=2)
+            os.replace(tmp, status_path)
+
+    if check_import:
+        try:
+            import flashinfer  # noqa: F401  (import errors are the same for every variant)
+        except Exception as err:
+            reason = f"flashinfer does not import ({type(err).__name__}: {err})"[:400]
+            state.update(import_error=reason, running=False)
+            state["variants"] = {n: {"status": "unavailable", "reason": reason} for n in names}
+            save()
+            return state
     if log_dir is None:  # the logs carry the reason a variant failed: keep them somewhere
         import tempfile
 
         log_dir = tempfile.mkdtemp(prefix="flashinfer_prewarm_")
-    jobs = {}
-    for h, kv, d in shapes:
-        for dt in kv_dtypes:
-            name = flashinfer_variant(h, kv, d, dt)
-            if name in jobs:
-                continue
-            log = open(os.path.join(log_dir, f"flashinfer_{name}.log"), "w")
-            cmd = [sys.executable, os.path.abspath(__file__), "flashinfer-warm-one", "--q-heads", str(h),
-                   "--kv-heads", str(kv), "--head-dim", str(d), "--kv-dtype", dt]
-            jobs[name] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True),
-                          time.monotonic(), log)
-    results = {}
-    deadline = time.monotonic() + timeout_s
-    for name, (proc, t0, log) in jobs.items():
-        try:
-            rc = proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
-            status = "ok" if rc == 0 else "failed"
-            reason = "" if rc == 0 else f"exit code {rc} (flashinfer_{name}.log)"
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # the whole group: nvcc and ninja too
-            proc.wait()
-            status, reason = "timeout", f"JIT compile did not finish within {timeout_s:g} s"
+    command = command or _warm_one_command
+    waves = [[n for n in names if not n.endswith("tensorcore")], [n for n in names if n.endswith("tensorcore")]]
+    running: dict = {}
+    deadline = t_start + timeout_s
+
+    def start(name: str) -> None:
+        log = open(os.path.join(log_dir, f"flashinfer_{name}.log"), "w")
+        proc = subprocess.Popen(command(*names[name]), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        running[name] = (proc, time.monotonic(), log)
+        state["variants"][name] = {"status": "building", "started_s": round(time.monotonic() - t_start, 1)}
+
+    def finish(name: str, status: str, reason: str = "") -> None:
+        proc, t0, log = running.pop(name)
         log.close()
         if status == "failed":
             reason += ": " + _last_line(log.name)
-        results[name] = {"status": status, "seconds": round(time.monotonic() - t0, 1), "reason": reason}
-    return {"variants": results, "timeout_s": timeout_s}
+        state["variants"][name] = {"status": status, "seconds": round(time.monotonic() - t0, 1), "reason": reason}
+
+    try:
+        for name in waves[0]:
+            start(name)
+        save()
+        while running or waves[1]:
+            if not running:  # the decisive variants are done: the long builds, if they can still finish
+                left = deadline - time.monotonic()
+                for name in waves[1]:
+                    if left >= min_late_s:
+                        start(name)
+                    else:
+                        state["variants"][name] = {"status": "dropped", "reason": (
+                            f"cannot build in time: {max(left, 0):.0f} s of the {timeout_s:g} s cap left, a "
+                            f"tensor-core build needs about {min_late_s:g} s")}
+                waves[1] = []
+                save()
+                continue
+            time.sleep(poll_s)
+            changed = False
+            for name, (proc, _, _) in list(running.items()):
+                rc = proc.poll()
+                if rc is not None:
+                    finish(name, "ok" if rc == 0 else "failed", "" if rc == 0 else f"exit code {rc} "
+                                                                                   f"(flashinfer_{name}.log)")
+                    changed = True
+            if time.monotonic() > deadline:
+                for name in list(running):
+                    _kill_group(running[name][0])
+                    finish(name, "timeout", f"JIT compile did not finish within {timeout_s:g} s")
+                for name in waves[1]:
+                    state["variants"][name] = {"status": "dropped", "reason": "the cap was reached first"}
+                waves[1] = []
+                changed = True
+            if changed:
+                save()
+    finally:  # SIGTERM (the caller's cap) or an error: no nvcc may outlive the prewarm
+        for name in list(running):
+            _kill_group(running[name][0])
+            finish(name, "timeout", "the prewarm was stopped before this variant finished")
+        state["running"] = False
+        save()
+    return state
+
+
+def pending_builds(status: dict, variants) -> list[str]:
+    """Of ``variants``, those a prewarm that is still running has yet to finish (queued or building)."""
+    if not status.get("running"):
+        return []
+    return [v for v in variants if status.get("variants", {}).get(v, {}).get("status") in ("queued", "building")]
+
+
+def _warm_one_command(h: int, kv: int, d: int, dt: str) -> list[str]:
+    return [sys.executable, os.path.abspath(__file__), "flashinfer-warm-one", "--q-heads", str(h), "--kv-heads",
+            str(kv), "--head-dim", str(d), "--kv-dtype", dt]
+
+
+def _kill_group(proc) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # the whole group: nvcc and ninja too
+    except ProcessLookupError:
+        pass
+    proc.wait()
 
 
 def _last_line(path: str) -> str:
@@ -404,8 +487,10 @@ def main(argv=None) -> int:
     warm = sub.add_parser("flashinfer-prewarm", help="compile the FlashInfer variants a sweep needs, with a cap")
     warm.add_argument("--shapes", default="24/4/256,32/8/128,64/8/128", help="q/kv/head_dim, comma-separated")
     warm.add_argument("--kv-dtypes", default="bf16,fp8")
-    warm.add_argument("--timeout-s", type=float, default=150.0)
-    warm.add_argument("--out", required=True, help="status JSON to write")
+    warm.add_argument("--timeout-s", type=float, default=300.0)
+    warm.add_argument("--out", required=True, help="status JSON, rewritten as variants start and finish")
+    warm.add_argument("--min-late-s", type=float, default=150.0,
+                      help="start a tensor-core variant only with this much of the cap left")
     warm.add_argument("--log-dir")
     one = sub.add_parser("flashinfer-warm-one", help="(internal) compile one variant")
     one.add_argument("--q-heads", type=int, required=True)
@@ -420,11 +505,9 @@ def main(argv=None) -> int:
         _flashinfer_warm_one(args.q_heads, args.kv_heads, args.head_dim, args.kv_dtype)
         return 0
     shapes = [tuple(int(x) for x in s.split("/")) for s in args.shapes.split(",") if s]
-    t0 = time.monotonic()
-    status = flashinfer_prewarm(shapes, args.kv_dtypes.split(","), timeout_s=args.timeout_s, log_dir=args.log_dir)
-    status["elapsed_s"] = round(time.monotonic() - t0, 1)
-    with open(args.out, "w") as f:
-        json.dump(status, f, indent=2)
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # runs the prewarm's cleanup
+    status = flashinfer_prewarm(shapes, args.kv_dtypes.split(","), timeout_s=args.timeout_s, log_dir=args.log_dir,
+                                status_path=args.out, min_late_s=args.min_late_s)
     for name, entry in status["variants"].items():
         print(f"flashinfer {name}: {entry['status']} {entry.get('seconds', '')} {entry.get('reason', '')}")
     return 0

@@ -1,60 +1,73 @@
 """Paged-decode benchmark sweep: ours (every arm) against the baselines, on one GPU, in one run.
 
-This script owns the sweep: which configurations run, the data they run on, the
-correctness check before timing, the bytes a call must move, and the rows of the
-result. Timing lives in ``gpu_timing.py``, the baselines in ``baselines.py``, the
-environment and the copy-bandwidth ceiling in ``gpu_env.py``, and the JSON /
-markdown / plots / targets in ``bench_report.py``.
+This script owns the sweep's execution: the data each configuration runs on, the
+correctness check before timing, the bytes a call must move, the rows of the result,
+and the time budget. What runs and in which order (tiers: the decisive
+configurations first) is ``sweep_plan.py``; timing is ``gpu_timing.py``; the
+baselines ``baselines.py``; the environment and copy-bandwidth ceiling ``gpu_env.py``;
+JSON / markdown / plots / targets ``bench_report.py``; which kernel implementations
+the build offers ``impls.py``; the static SASS model's predictions ``predictions.py``.
 
 What one row means (GPU):
 
 - Configuration: a model shape (q heads / kv heads / head dim), the KV dtype (bf16,
   or fp8 e4m3 with a per-tensor scale; q and out are bf16), page size, batch and
   context (every sequence the same length; pages drawn at random from a pool, so a
-  sequence's pages are scattered). The pool is allocated once per (shape, dtype),
-  the size of the largest configuration that passes ``--kv-cap-gb``; larger
-  configurations are skipped and listed with the reason.
+  sequence's pages are scattered). One pool at a time is held, shared by the
+  configurations with the same KV heads, head dim and dtype, and sized for the largest
+  of them that passes ``--kv-cap-gb``; larger configurations are skipped and listed.
 - Ours: ``DecodeAttention(..., backend="cupy")`` with each arm forced
   (``unpacked``: splitk off; ``splitk``: splitk auto; ``gqa_packed``: splitk off +
-  gqa_pack on, where the shape fits; ``splitk:N``: pinned N splits) and the
-  policy's default (flagged ``default`` on the forced arm with the same geometry,
-  or timed on its own). Arrays are PyTorch CUDA tensors (fp8 as
-  ``torch.float8_e4m3fn``); ``run`` is given ``out`` so it allocates nothing.
+  gqa_pack on, where the shape fits; ``splitk:N``: pinned N splits), on each kernel
+  implementation the build offers (``impl=``), and the policy's default (flagged
+  ``default`` on the forced variant with the same geometry, or timed on its own). The
+  ``heads_per_cta`` tier forces ``heads_per_cta=`` instead and marks the plan's choice.
+  Arrays are PyTorch CUDA tensors (fp8 as ``torch.float8_e4m3fn``); ``run`` is given
+  ``out`` so it allocates nothing.
 - Check before timing: ``out`` is filled with NaN, the captured graph is launched
   once, then (1) no element of the whole output is NaN, and (2) the first and last
   sequences (``--check-seqs``) meet the package's correctness bar
   (``reference.assert_close_to_reference``: 1 ulp, or the near-zero absolute
-  bound) against a float64 computation done on the GPU with PyTorch (the NumPy
-  reference over the full batch would take minutes at these sizes). Baselines get
+  bound) against a float64 computation done on the GPU with PyTorch. Baselines get
   the same float64 comparison with a loose bar (they round P to bf16): max abs
   error <= 1% of max|reference|.
 - Time: median microseconds of a CUDA-graph launch between CUDA events on one
   stream, L2 flushed before each (``gpu_timing.py``).
-- Bytes: what the call must move: KV actually touched (tokens x kv_heads x head_dim
-  x itemsize x 2 for K and V) + q + out. ``tb_per_s`` = bytes / median time, in
-  decimal TB/s; ``pct_of_copy`` = that over the measured device-to-device copy
-  bandwidth. Baselines are charged the same bytes (same problem), so their TB/s is
-  comparable effective bandwidth, whatever extra traffic they make.
+- Bytes: KV actually touched (tokens x kv_heads x head_dim x itemsize x 2 for K and
+  V) + q + out. ``tb_per_s`` = bytes / median time, in decimal TB/s; ``pct_of_copy``
+  = that over the measured device-to-device copy bandwidth. Baselines are charged
+  the same bytes, so their TB/s is comparable effective bandwidth.
+- Prediction: the static SASS model's row for the same arm, shape, dtypes and
+  ``heads_per_cta`` (``--sass-json``), and measured % over its predicted ceiling.
 - Host overhead: microseconds of Python per ``run`` call (eager, no sync, many
-  calls) and per graph launch, at batch 1, context 1k.
+  calls) and per graph launch, batch 1 x 1k (or the job's context if shorter), once per
+  model and KV dtype.
 
-``--time-budget-s`` bounds the sweep: once spent, the remaining configurations are
-listed as not measured and the outputs are written with what was measured (exit 0).
-An error outside a single measurement, or SIGTERM, also writes what was measured, and
-exits 1.
+Time: ``--time-budget-s`` bounds the sweep. Ours runs job by job until
+``--late-reserve-s`` is left, then the late phase times FlexAttention (one bf16
+configuration per shape, each compile under its own cap) and FlashInfer (the variants
+its JIT built by then, after waiting for those still building while the budget allows)
+on the configurations already measured, in the same order; then ours resumes until the
+budget is spent. What was not reached is listed as not measured.
+Every ``--checkpoint-s`` the JSON and markdown are rewritten with what was measured so
+far, so a run killed from outside still leaves its numbers. An error outside a single
+measurement, or SIGTERM, also writes what was measured, and exits 1.
 
-``--cpu`` runs a tiny sweep on the CPU backend (the CUDA-on-CPU simulator) with the
-same outputs; its timings are the simulator's wall clock, NOT kernel performance.
+``--cpu`` runs the ``cpu`` profile on the CPU backend (the CUDA-on-CPU simulator)
+through the same job loop and writers; its timings are the simulator's wall clock,
+NOT kernel performance.
 
 Usage::
 
-    python3 benchmarks/bench_decode.py --out-dir OUT [--env-json env.json] [--time-budget-s 150]
+    python3 benchmarks/bench_decode.py --out-dir OUT [--env-json env.json] [--time-budget-s 240]
+    python3 benchmarks/bench_decode.py --profile quick --out-dir OUT     # decisive tiers only
     python3 benchmarks/bench_decode.py --cpu --out-dir /tmp/bench
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import math
@@ -63,7 +76,6 @@ import signal
 import sys
 import time
 import traceback
-from dataclasses import dataclass
 from typing import Optional
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -73,126 +85,48 @@ import numpy as np  # noqa: E402
 import bench_report  # noqa: E402
 import gpu_env  # noqa: E402
 from gpu_timing import Timing, time_host  # noqa: E402
+from impls import kernel_impls, plan_heads_per_cta, plan_impl  # noqa: E402
+from predictions import Predictions, arch_digits  # noqa: E402
+from steps import load_json  # noqa: E402
+from predictions import ratio as prediction_ratio  # noqa: E402
+from sweep_plan import (ARM_OPTIONS, BASELINE_NAMES, DEFAULT_ARMS, LATE_BASELINES, MODELS, PROFILES,  # noqa: E402,F401
+                        Config, Job, Slot, apply_profile, arm_options, arms_for, baseline_list, parse_models,
+                        plan_jobs, slots_for)
 
 from metrale_attn import DecodeAttention, policy, reference  # noqa: E402
-from metrale_attn.cli import MODELS  # noqa: E402
 from metrale_attn.plan import ModelShape  # noqa: E402
 
 GB = 1e9  # decimal
-ITEMSIZE = {"bf16": 2, "fp8": 1}
-Q_ITEMSIZE = 2  # q and out are bf16
 FP8_MAX = 448.0
 FP8_SCALE = 6.0 / FP8_MAX
 """Per-tensor fp8 scale of the benchmark's caches: values ~ N(0, 1) stored as x / scale,
 so |x| up to 6 (more than 6 sigma) spans the e4m3 range."""
-
-ARM_OPTIONS = {
-    "unpacked": dict(splitk="off", gqa_pack=False),
-    "splitk": dict(splitk="auto", gqa_pack=False),
-    "gqa_packed": dict(splitk="off", gqa_pack=True),
-}
-DEFAULT_ARMS = ("unpacked", "splitk", "gqa_packed")
-GPU_DEFAULTS = dict(models="qwen3.8-27b,llama-3-8b,llama-3-70b", kv_dtypes="bf16,fp8", batches="1,4,16,64,256",
-                    contexts="1024,4096,16384,65536", page_size=16)
-CPU_DEFAULTS = dict(models="6/1/256", kv_dtypes="bf16", batches="1,2", contexts="64,300", page_size=16)
-"""The CPU smoke sweep: the smallest shape that reaches all three arms (the GQA pack
-needs q_heads = 6 x kv_heads at head_dim 256)."""
-BASELINE_NAMES = ("sdpa_gather", "sdpa_nogather", "flex_paged", "flashinfer")
-
-
-@dataclass(frozen=True)
-class Config:
-    """One point of the sweep."""
-
-    model: str
-    shape: ModelShape
-    kv_dtype: str
-    batch: int
-    context: int
-    page_size: int
-
-    @property
-    def shape_label(self) -> str:
-        s = self.shape
-        return f"{s.num_q_heads}/{s.num_kv_heads}/{s.head_dim}"
-
-    @property
-    def kv_bytes(self) -> int:
-        """K and V bytes a call must read: tokens x kv_heads x head_dim x itemsize x 2."""
-        s = self.shape
-        return self.batch * self.context * s.num_kv_heads * s.head_dim * ITEMSIZE[self.kv_dtype] * 2
-
-    @property
-    def bytes_moved(self) -> int:
-        """KV read + q read + out written (block tables and lengths are negligible and not counted)."""
-        s = self.shape
-        return self.kv_bytes + 2 * self.batch * s.num_q_heads * s.head_dim * Q_ITEMSIZE
-
-    def describe(self) -> dict:
-        return dict(model=self.model, shape=self.shape_label, q_heads=self.shape.num_q_heads,
-                    kv_heads=self.shape.num_kv_heads, head_dim=self.shape.head_dim, kv_dtype=self.kv_dtype,
-                    q_dtype="bf16", page_size=self.page_size, batch=self.batch, context=self.context,
-                    kv_bytes=self.kv_bytes, bytes=self.bytes_moved)
-
-
-def parse_models(text: str) -> list[tuple[str, ModelShape]]:
-    """``qwen3.8-27b,llama-3-8b`` or ``24/4/256`` spellings -> (label, shape)."""
-    out = []
-    for item in (t.strip() for t in text.split(",") if t.strip()):
-        if item in MODELS:
-            out.append((item, MODELS[item]))
-        else:
-            try:
-                h, kv, d = (int(x) for x in item.split("/"))
-            except ValueError:
-                raise SystemExit(f"--models: {item!r} is neither one of {', '.join(MODELS)} nor q/kv/head_dim")
-            out.append((item, ModelShape(h, kv, d)))
-    return out
-
-
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
-
-
-def enumerate_configs(args) -> list[Config]:
-    """Every configuration, in the order they run: KV dtype, then model, then batch, then context
-    (so a sweep cut short by its time budget has covered every model in the first dtype)."""
-    return [Config(model, shape, kv, b, ctx, args.page_size)
-            for kv in args.kv_dtypes.split(",")
-            for model, shape in parse_models(args.models)
-            for b in _ints(args.batches)
-            for ctx in _ints(args.contexts)]
-
-
-def arms_for(shape: ModelShape, arms: list[str]) -> list[str]:
-    """The forced arms that exist for ``shape`` (the GQA pack only where the shape fits)."""
-    out = []
-    for arm in arms:
-        if arm == "gqa_packed" and not policy.gqa_pack_shape_ok(shape.num_q_heads, shape.num_kv_heads,
-                                                               shape.head_dim):
-            continue
-        out.append(arm)
-    return out
-
-
-def arm_options(arm: str) -> dict:
-    """DecodeAttention overrides that force ``arm`` (``splitk:N`` pins N splits)."""
-    if arm.startswith("splitk:"):
-        return dict(splitk=arm.split(":", 1)[1], gqa_pack=False)
-    if arm == "default":
-        return {}
-    return ARM_OPTIONS[arm]
+PACK_WIDTH = policy.DECODE_GQA_PACK_WIDTH
+HOST_OVERHEAD_CONTEXT = 1024
 
 
 def make_row(config: Config, impl: str, *, timing: Optional[Timing], copy_tb_per_s: Optional[float], status: str,
              arm: Optional[str] = None, check: Optional[dict] = None, plan=None, default: bool = False,
-             reason: str = "", extra: Optional[dict] = None) -> dict:
-    """One result row: configuration, implementation, time, bytes, TB/s and % of copy bandwidth."""
+             reason: str = "", extra: Optional[dict] = None, slot: Optional[Slot] = None,
+             tier: Optional[str] = None) -> dict:
+    """One result row: configuration, implementation, time, bytes, TB/s and % of copy bandwidth.
+
+    ``impl`` is ``metrale`` (ours) or a baseline's name; ours also carries ``kernel_impl``
+    (``simt``/``mma``; None in a build with one implementation) and ``heads_per_cta``."""
     row = config.describe()
     row.update(impl=impl, arm=arm, default=default, status=status, reason=reason, check=check)
+    if tier:
+        row["tier"] = tier
+    if slot is not None:
+        row.update(arm_label=slot.label, kernel_impl=slot.impl, hpc_forced=slot.heads_per_cta is not None)
     if plan is not None:
         row.update(plan_arm=plan.arm, num_splits=plan.num_splits, ctas=plan.ctas,
-                   grids=[list(g.grid) for g in plan.launches], plan_reason=plan.reason)
+                   grids=[list(g.grid) for g in plan.launches], plan_reason=plan.reason,
+                   kernels=[g.kernel for g in plan.launches], plan_heads_per_cta=plan_heads_per_cta(plan, PACK_WIDTH))
+        row["kernel_impl"] = row.get("kernel_impl") or plan_impl(plan)
+        row["heads_per_cta"] = row["plan_heads_per_cta"]
+    if slot is not None and slot.heads_per_cta is not None:
+        row["heads_per_cta"] = slot.heads_per_cta  # forced (plan_heads_per_cta says what the plan made of it)
     if timing is not None:
         tb = config.bytes_moved / (timing.median_us * 1e-6) / 1e12
         row.update(median_us=timing.median_us, min_us=timing.min_us, max_us=timing.max_us, iters=timing.iters,
@@ -210,67 +144,36 @@ class Terminated(BaseException):
     A BaseException, so that the per-configuration ``except Exception`` handlers let it through."""
 
 
+class CompileTimeout(Exception):
+    """A baseline's compile ran past its own cap (``time_cap``)."""
+
+
 def _on_sigterm(signum, frame):
     raise Terminated(f"terminated by signal {signum} (the caller's time cap)")
+
+
+@contextlib.contextmanager
+def time_cap(seconds: Optional[float]):
+    """Raise ``CompileTimeout`` in the main thread after ``seconds`` (SIGALRM); None: no cap."""
+    if seconds is None or not hasattr(signal, "setitimer"):
+        yield
+        return
+
+    def fire(signum, frame):
+        raise CompileTimeout(f"its own cap of {seconds:.0f} s was reached")
+
+    old = signal.signal(signal.SIGALRM, fire)
+    signal.setitimer(signal.ITIMER_REAL, max(float(seconds), 0.1))
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
 
 
 def _short(err: BaseException, limit: int = 400) -> str:
     text = f"{type(err).__name__}: {err}".replace("\n", " ")
     return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-# =====================================================================================
-# CPU smoke sweep (the CUDA-on-CPU simulator)
-# =====================================================================================
-
-
-def run_cpu(args, result: dict) -> None:
-    rows, t_start = result["rows"], time.monotonic()
-    configs = enumerate_configs(args)
-    arms = args.arms.split(",")
-    max_batch = max(_ints(args.batches))
-    attns: dict = {}
-    for i, config in enumerate(configs):
-        if time.monotonic() - t_start > args.time_budget_s:
-            _not_measured(result, configs[i:], "time budget spent")
-            break
-        rng = np.random.default_rng(args.seed + i)
-        s = config.shape
-        p = reference.make_problem(rng, num_seqs=config.batch, num_q_heads=s.num_q_heads,
-                                   num_kv_heads=s.num_kv_heads, head_dim=s.head_dim, page_size=config.page_size,
-                                   seq_lens=config.context, kv_dtype=config.kv_dtype, q_dtype="bf16", layout="NHD")
-        ref = p.reference()
-        v_absmax = p.v_absmax()
-        for arm in ["default"] + arms_for(s, arms):
-            key = (config.model, config.kv_dtype, arm)
-            if key not in attns:
-                attns[key] = DecodeAttention(s.num_q_heads, s.num_kv_heads, s.head_dim, config.page_size,
-                                             q_dtype="bf16", kv_dtype=config.kv_dtype, max_batch=max_batch,
-                                             backend="cpu", **arm_options(arm))
-
-        def measure(arm: str, is_default: bool) -> dict:
-            attn = attns[(config.model, config.kv_dtype, arm)]
-            out = np.full((config.batch, s.num_q_heads, s.head_dim), np.nan, dtype=p.q.dtype)
-            call = lambda: attn.run(p.q, p.k_cache, p.v_cache, p.block_tables, p.seq_lens, k_scale=p.k_scale,
-                                    v_scale=p.v_scale, out=out)
-            call()
-            check = _check_numpy(out, ref, v_absmax, seqs=list(range(config.batch)))
-            timing = time_host(call, target_s=args.cpu_target_s)
-            return make_row(config, "metrale", arm=arm, timing=timing, copy_tb_per_s=result["copy_tb_per_s"],
-                            status="ok" if check["status"] == "ok" else "wrong", check=check,
-                            plan=attn.plan(config.batch), default=is_default)
-
-        default_plan = attns[(config.model, config.kv_dtype, "default")].plan(config.batch)
-        matched = False
-        for arm in arms_for(s, arms):
-            plan = attns[(config.model, config.kv_dtype, arm)].plan(config.batch)
-            is_default = not matched and (plan.arm, plan.num_splits) == (default_plan.arm, default_plan.num_splits)
-            matched |= is_default
-            rows.append(measure(arm, is_default))
-        if not matched:  # the policy's geometry is none of the forced arms': time it as its own row
-            rows.append(measure("default", True))
-    for name in _baseline_list(args):
-        result["baselines"][name] = {"status": "not run", "reason": "CPU backend smoke run: no baselines"}
 
 
 def check_seq_indices(batch: int, count: int) -> list[int]:
@@ -279,6 +182,369 @@ def check_seq_indices(batch: int, count: int) -> list[int]:
     if count == 1:
         return [0]
     return sorted({round(i * (batch - 1) / (count - 1)) for i in range(count)})
+
+
+def progress_line(elapsed: float, job: Job, rows: list[dict], seconds: float, gpu: bool) -> str:
+    """``[bench 37s] decisive-bf16 llama-3-8b bf16 b64 16k: unp 88% spk* 91% sdpa 60% (1.3s)``:
+    one short line per job (``*``: the policy's default; ``:status`` where nothing was timed)."""
+    parts = []
+    for r in rows:
+        label = bench_report.short_label(r) + ("*" if r.get("default") or r.get("hpc_choice") else "")
+        if r.get("median_us") is None:
+            parts.append(f"{label}:{r['status']}")
+        elif gpu and r.get("pct_of_copy") is not None:
+            parts.append(f"{label} {r['pct_of_copy']:.0f}%")
+        else:
+            parts.append(f"{label} {r['median_us']:.0f}us")
+    return f"[bench {elapsed:.0f}s] {job.tier} {job.config.short()}: {' '.join(parts)} ({seconds:.1f}s)"
+
+
+# =====================================================================================
+# The job loop (backend-agnostic)
+# =====================================================================================
+
+
+class Sweep:
+    """Runs the planned jobs in order within the time budget and fills ``result``.
+
+    Subclasses provide the data (``case``), the timing of ours (``time_ours``) and, on
+    the GPU, the baselines (``measure_baseline``, ``baseline_unavailable``)."""
+
+    backend = ""
+    gpu = False
+    flashinfer_status = None  # the FlashInfer prewarm's status as last read (GPU)
+
+    def __init__(self, args, result: dict):
+        self.args, self.result = args, result
+        self.impls = kernel_impls(DecodeAttention)
+        self.arms = args.arms.split(",")
+        self.baselines = baseline_list(args.baselines)
+        self.copy_tb = result["copy_tb_per_s"]
+        self.pending: list[Job] = []  # not measured yet (listed as such if the run is cut short)
+        self.done: list[Job] = []
+        self.attns: dict = {}
+        self.max_batch = 1
+        self.on_checkpoint = None  # called every --checkpoint-s with nothing in flight
+        self.t_start = self.last_checkpoint = time.monotonic()
+        self.predictions = Predictions.load(args.sass_json, self.arch())
+        result["sass_model"] = self.predictions.describe()
+        result["kernel_impls"] = dict(
+            impls=[i for i in self.impls.impls if i], heads_per_cta=self.impls.heads_per_cta,
+            comparison=self.impls.comparison, default_impl=None,
+            notes={f: self.impls.why_not(f) for f in ("impl", "heads_per_cta") if self.impls.why_not(f)})
+        result["hpc_sweep"] = {"status": "not planned", "choices": {}}
+
+    # -- hooks ------------------------------------------------------------------
+
+    def arch(self) -> str:
+        return "sm_90"  # the CPU backend stands in for the default target, hopper
+
+    def prepare(self, jobs: list[Job]) -> None:
+        pass
+
+    def case(self, config: Config):
+        raise NotImplementedError
+
+    def release_case(self) -> None:
+        pass
+
+    def time_ours(self, config: Config, case, attn) -> tuple[dict, Timing]:
+        raise NotImplementedError
+
+    def host_overhead(self, job: Job) -> None:
+        pass
+
+    def measure_baseline(self, job: Job, case, name: str) -> dict:
+        raise NotImplementedError
+
+    def baseline_unavailable(self, config: Config, name: str) -> Optional[str]:
+        """Why ``name`` cannot run on ``config`` without building its data first, or None."""
+        return None
+
+    def wait_for_builds(self, name: str, configs: list[Config]) -> None:
+        """Before the late phase times ``name``: wait for what it is still building, if that is useful."""
+
+    # -- the loop -----------------------------------------------------------------
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.t_start
+
+    def left(self) -> float:
+        return self.args.time_budget_s - self.elapsed()
+
+    def run(self) -> None:
+        args, result = self.args, self.result
+        jobs = plan_jobs(args)
+        result["plan"] = [dict(tier=j.tier, kind=j.kind, config=j.config.short()) for j in jobs]
+        cap = args.kv_cap_gb * GB
+        runnable, skipped = [], set()
+        for j in jobs:
+            if j.config.kv_bytes <= cap:
+                runnable.append(j)
+            elif j.config not in skipped:
+                skipped.add(j.config)
+                result["skipped"].append(dict(j.config.describe(), tier=j.tier, reason=(
+                    f"KV {j.config.kv_bytes / GB:.3g} GB > cap {args.kv_cap_gb:g} GB (--kv-cap-gb)")))
+        self.max_batch = max([j.config.batch for j in runnable] + [1])
+        if any(j.kind == "hpc" for j in runnable):
+            result["hpc_sweep"]["status"] = "planned" if self.impls.heads_per_cta else self.impls.why_not(
+                "heads_per_cta")
+        self.prepare(runnable)
+        self.pending = list(runnable)
+        late = [b for b in self.baselines if b in LATE_BASELINES]
+        self._drain(args.time_budget_s - (args.late_reserve_s if late else 0))
+        if late:
+            self.late_phase(late)
+        self._drain(args.time_budget_s)
+        if self.pending:
+            _not_measured(result, self.pending, f"time budget of {args.time_budget_s:g} s spent")
+
+    def _drain(self, until: float) -> None:
+        while self.pending and self.elapsed() < until:
+            job = self.pending[0]
+            self.run_job(job)  # still pending while it runs: a SIGTERM lists it as not measured
+            self.done.append(self.pending.pop(0))
+
+    def run_job(self, job: Job) -> None:
+        rows, t0 = self.result["rows"], time.monotonic()
+        first = len(rows)
+        if job.kind == "hpc" and not self.impls.heads_per_cta:
+            print(f"[bench {self.elapsed():.0f}s] {job.tier} {job.config.short()}: "
+                  f"{self.impls.why_not('heads_per_cta')}", flush=True)
+            return
+        try:
+            case = self.case(job.config)
+            try:
+                if job.kind == "hpc":
+                    self._run_hpc(job, case)
+                else:
+                    self._run_arms(job, case)
+            finally:
+                del case
+                self.release_case()
+        except Exception as err:  # the job's data or a kernel build failed: record it, go on
+            traceback.print_exc()
+            rows.append(make_row(job.config, "metrale", timing=None, copy_tb_per_s=self.copy_tb, status="failed",
+                                 reason=f"job aborted: {_short(err)}", tier=job.tier))
+        print(progress_line(self.elapsed(), job, rows[first:], time.monotonic() - t0, self.gpu), flush=True)
+        self.maybe_checkpoint()
+
+    def maybe_checkpoint(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if self.on_checkpoint and (force or now - self.last_checkpoint >= self.args.checkpoint_s):
+            self.last_checkpoint = now
+            try:
+                self.on_checkpoint()
+            except Exception as err:  # a checkpoint must never stop the sweep
+                print(f"[bench] checkpoint failed: {_short(err)}", file=sys.stderr, flush=True)
+
+    # -- ours ---------------------------------------------------------------------
+
+    def attn(self, config: Config, slot: Slot):
+        """The memoized ``DecodeAttention`` of a slot; a construction error is cached and raised again."""
+        key = (config.model, config.kv_dtype, slot.arm, slot.impl, slot.heads_per_cta)
+        if key not in self.attns:
+            s, t0 = config.shape, time.monotonic()
+            try:
+                self.attns[key] = DecodeAttention(
+                    s.num_q_heads, s.num_kv_heads, s.head_dim, config.page_size, q_dtype="bf16",
+                    kv_dtype=config.kv_dtype, max_batch=self.max_batch, backend=self.backend,
+                    **arm_options(slot.arm), **self.impls.options(slot.impl, slot.heads_per_cta))
+            except ValueError as err:  # the build refuses this combination: say why, per slot
+                self.attns[key] = err
+            self.result["compile_s"][f"{config.model}/{config.kv_dtype}/{slot.label}"] = round(
+                time.monotonic() - t0, 2)
+        attn = self.attns[key]
+        if isinstance(attn, Exception):
+            raise attn
+        return attn
+
+    @staticmethod
+    def geometry(plan) -> tuple:
+        return (plan.arm, plan.num_splits, plan_impl(plan), plan_heads_per_cta(plan, PACK_WIDTH))
+
+    def _run_arms(self, job: Job, case) -> None:
+        config, rows = job.config, self.result["rows"]
+        default_attn = self.attn(config, Slot("default"))
+        default_plan = default_attn.plan(config.batch)
+        if self.result["kernel_impls"]["default_impl"] is None:
+            self.result["kernel_impls"]["default_impl"] = plan_impl(default_plan)
+        want, matched = self.geometry(default_plan), False
+        for slot in slots_for(job, self.impls, self.arms):
+            try:
+                attn = self.attn(config, slot)
+            except ValueError as err:
+                rows.append(self._unavailable(job, slot, _short(err)))
+                continue
+            plan = attn.plan(config.batch)
+            is_default = not matched and self.geometry(plan) == want
+            matched |= is_default
+            rows.append(self.measure_ours(job, case, attn, slot, plan, is_default))
+        if not matched:  # the policy's geometry is none of the forced variants': time it as its own row
+            rows.append(self.measure_ours(job, case, default_attn, Slot("default"), default_plan, True))
+        self.host_overhead(job)
+        for name in job.baselines:
+            rows.append(self.measure_baseline(job, case, name))
+
+    def _run_hpc(self, job: Job, case) -> None:
+        """``heads_per_cta`` forced to each value on the policy's arm; the plan's own choice marked."""
+        config, rows = job.config, self.result["rows"]
+        group = config.shape.group_size
+        choice = plan_heads_per_cta(self.attn(config, Slot("default", self.impls.sweep_impl())).plan(config.batch),
+                                    PACK_WIDTH)
+        self.result["hpc_sweep"]["choices"][str(config.batch)] = choice
+        for slot in slots_for(job, self.impls, self.arms):
+            extra = dict(sweep="heads_per_cta", hpc_choice=slot.heads_per_cta == choice)
+            if group % slot.heads_per_cta:
+                rows.append(self._unavailable(job, slot, f"heads_per_cta {slot.heads_per_cta} does not divide the "
+                                                         f"group size {group}", status="invalid", extra=extra))
+                continue
+            try:
+                attn = self.attn(config, slot)
+            except ValueError as err:
+                rows.append(self._unavailable(job, slot, _short(err), extra=extra))
+                continue
+            rows.append(self.measure_ours(job, case, attn, slot, attn.plan(config.batch), False, extra))
+
+    def _unavailable(self, job: Job, slot: Slot, reason: str, status: str = "unavailable",
+                     extra: Optional[dict] = None) -> dict:
+        return make_row(job.config, "metrale", arm=slot.arm, timing=None, copy_tb_per_s=self.copy_tb, status=status,
+                        reason=reason, slot=slot, tier=job.tier, extra=extra)
+
+    def measure_ours(self, job: Job, case, attn, slot: Slot, plan, is_default: bool,
+                     extra: Optional[dict] = None) -> dict:
+        config = job.config
+        common = dict(arm=slot.arm, copy_tb_per_s=self.copy_tb, plan=plan, default=is_default, slot=slot,
+                      tier=job.tier, extra=extra)
+        try:
+            check, timing = self.time_ours(config, case, attn)
+            row = make_row(config, "metrale", timing=timing, status="ok" if check["status"] == "ok" else "wrong",
+                           check=check, **common)
+        except Exception as err:
+            traceback.print_exc()
+            row = make_row(config, "metrale", timing=None, status="failed", reason=_short(err), **common)
+        prediction = self.predictions.lookup(
+            arm=plan.arm, q_heads=config.shape.num_q_heads, kv_heads=config.shape.num_kv_heads,
+            head_dim=config.shape.head_dim, q_dtype="bf16", kv_dtype=config.kv_dtype,
+            heads_per_cta=row.get("plan_heads_per_cta", 1), impl=row.get("kernel_impl"))
+        row.update(sass=prediction, pred_ratio=prediction_ratio(row.get("pct_of_copy"), prediction))
+        return row
+
+    # -- the late phase: FlexAttention and FlashInfer, after ours --------------------
+
+    def late_phase(self, names: list[str]) -> None:
+        measured = [j for j in self.done if j.kind == "arms"]
+        print(f"[bench {self.elapsed():.0f}s] late phase: {', '.join(names)} on up to {len(measured)} "
+              f"configurations, {self.left():.0f} s left", flush=True)
+        self.result["late_phase"] = {"start_s": round(self.elapsed(), 1), "baselines": names}
+        if "flex_paged" in names:
+            self._late_flex(measured)
+        if "flashinfer" in names:
+            self.wait_for_builds("flashinfer", [j.config for j in measured])
+            self._late_each("flashinfer", measured, min_left_s=self.args.flashinfer_min_s)
+        self.result["late_phase"]["end_s"] = round(self.elapsed(), 1)
+
+    def _late_row(self, job: Job, name: str, case=None, reason: str = "") -> dict:
+        t0 = time.monotonic()
+        if case is None:
+            row = make_row(job.config, name, timing=None, copy_tb_per_s=self.copy_tb, status="unavailable",
+                           reason=reason, tier=job.tier)
+        else:
+            row = self.measure_baseline(job, case, name)
+        row["phase"] = "late"
+        self.result["rows"].append(row)
+        print(progress_line(self.elapsed(), job, [row], time.monotonic() - t0, self.gpu), flush=True)
+        self.maybe_checkpoint()
+        return row
+
+    def _late_flex(self, measured: list[Job]) -> None:
+        """One bf16 configuration per shape (the first measured at a ``--flex-batches`` batch), each
+        compile under its own cap, never eating into FlashInfer's reserve."""
+        args, shapes = self.args, set()
+        chosen = []
+        for job in measured:
+            c = job.config
+            if c.kv_dtype == "bf16" and c.shape not in shapes and c.batch in _ints(args.flex_batches):
+                shapes.add(c.shape)
+                chosen.append(job)
+        entry = self.result["baselines"].setdefault("flex_paged", {})
+        entry["reason"] = (f"one bf16 configuration per shape ({len(chosen)} chosen), timed last, each compile capped "
+                           f"at {args.flex_compile_cap_s:g} s, {args.flex_budget_s:g} s in all")
+        spent = 0.0
+        for job in chosen:
+            left = self.left() - args.flashinfer_reserve_s
+            if spent >= args.flex_budget_s or left < args.flex_min_s:
+                why = (f"FlexAttention compile budget of {args.flex_budget_s:g} s spent" if spent >= args.flex_budget_s
+                       else f"{max(left, 0):.0f} s left before FlashInfer's reserve (< {args.flex_min_s:g} s)")
+                self._late_row(job, "flex_paged", reason=why)
+                continue
+            t0 = time.monotonic()
+            case = self.case(job.config)
+            try:
+                with time_cap(min(args.flex_compile_cap_s, left, args.flex_budget_s - spent)):
+                    self._late_row(job, "flex_paged", case)
+            finally:
+                del case
+                self.release_case()
+                spent += time.monotonic() - t0
+        entry["compile_spent_s"] = round(spent, 1)
+
+    def _late_each(self, name: str, measured: list[Job], min_left_s: float) -> None:
+        reached = 0
+        for job in measured:
+            if self.left() < min_left_s:
+                break
+            reached += 1
+            why = self.baseline_unavailable(job.config, name)
+            if why:
+                self._late_row(job, name, reason=why)
+                continue
+            case = self.case(job.config)
+            try:
+                self._late_row(job, name, case)
+            finally:
+                del case
+                self.release_case()
+        if reached < len(measured):
+            self.result["baselines"].setdefault(name, {})["reason"] = (
+                f"reached {reached} of {len(measured)} measured configurations before the budget ran out")
+
+
+# =====================================================================================
+# CPU backend (the CUDA-on-CPU simulator)
+# =====================================================================================
+
+
+def _ints(text) -> list[int]:
+    return [int(x) for x in str(text).split(",") if x.strip()]
+
+
+class CpuSweep(Sweep):
+    """The CPU dry run: NumPy problems per configuration, the simulator's wall clock."""
+
+    backend = "cpu"
+
+    def __init__(self, args, result):
+        super().__init__(args, result)
+        self._seed = args.seed
+
+    def case(self, config: Config):
+        self._seed += 1
+        s = config.shape
+        p = reference.make_problem(np.random.default_rng(self._seed), num_seqs=config.batch,
+                                   num_q_heads=s.num_q_heads, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim,
+                                   page_size=config.page_size, seq_lens=config.context, kv_dtype=config.kv_dtype,
+                                   q_dtype="bf16", layout="NHD")
+        return p, p.reference(), p.v_absmax()
+
+    def time_ours(self, config: Config, case, attn):
+        p, ref, v_absmax = case
+        out = np.full((config.batch, config.shape.num_q_heads, config.shape.head_dim), np.nan, dtype=p.q.dtype)
+        call = lambda: attn.run(p.q, p.k_cache, p.v_cache, p.block_tables, p.seq_lens, k_scale=p.k_scale,  # noqa: E731
+                                v_scale=p.v_scale, out=out)
+        call()
+        check = _check_numpy(out, ref, v_absmax, seqs=list(range(config.batch)))
+        return check, time_host(call, min_iters=2, target_s=self.args.cpu_target_s)
 
 
 def _check_numpy(out, ref, v_absmax: float, seqs: list[int]) -> dict:
@@ -296,12 +562,13 @@ def _check_numpy(out, ref, v_absmax: float, seqs: list[int]) -> dict:
 
 
 # =====================================================================================
-# GPU sweep
+# GPU
 # =====================================================================================
 
 
 class GpuPool:
-    """A paged K/V pool on the GPU for one (shape, dtype): NHD ``[num_pages, page_size, KV, D]``.
+    """A paged K/V pool on the GPU: NHD ``[num_pages, page_size, KV, D]``, shared by every shape
+    with these KV heads and head dim (q heads only shape the query).
 
     Values ~ N(0, 1) (fp8: stored as x / FP8_SCALE, clamped to the e4m3 range), filled
     in chunks so that fp8 needs no full-size temporary.
@@ -334,16 +601,21 @@ class GpuPool:
         if device == "cuda":
             torch.cuda.synchronize()
 
-    def case(self, batch: int, context: int):
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+    def case(self, batch: int, context: int, num_q_heads: Optional[int] = None):
         """Tensors of one configuration: random q, pages drawn without replacement from the pool."""
         from baselines import Case
 
         torch, s = self.torch, self.shape
+        heads = num_q_heads or s.num_q_heads
         pages = -(-context // self.page_size)
         if batch * pages > self.num_pages:
             raise ValueError(f"pool of {self.num_pages} pages is too small for {batch} x {pages}")
         table = torch.randperm(self.num_pages, device=self.device, generator=self.gen)[: batch * pages]
-        q = torch.randn((batch, s.num_q_heads, s.head_dim), device=self.device, generator=self.gen).to(torch.bfloat16)
+        q = torch.randn((batch, heads, s.head_dim), device=self.device, generator=self.gen).to(torch.bfloat16)
         return Case(q=q, k_pool=self.k, v_pool=self.v, block_tables=table.view(batch, pages).to(torch.int32),
                     seq_lens=torch.full((batch,), context, dtype=torch.int32, device=self.device), context=context,
                     page_size=self.page_size, num_kv_heads=s.num_kv_heads, k_scale=self.scale, v_scale=self.scale,
@@ -417,8 +689,11 @@ def check_gpu_output(case, out, seqs: list[int], ref_cache: dict, *, strict: boo
     return check
 
 
-class GpuSweep:
-    """Runs the configurations of one process on the GPU and fills ``result``."""
+class GpuSweep(Sweep):
+    """The sweep on one GPU through CuPy (ours) and PyTorch (data, baselines)."""
+
+    backend = "cupy"
+    gpu = True
 
     def __init__(self, args, result: dict):
         import cupy  # noqa: F401  (the backend; fail early with a clear error)
@@ -426,110 +701,51 @@ class GpuSweep:
 
         from gpu_timing import GpuTimer
 
-        self.args, self.result, self.torch = args, result, torch
+        super().__init__(args, result)
+        self.torch = torch
         self.timer = GpuTimer(flush_bytes=int(args.flush_mb * 1e6), target_ms=args.target_ms,
                               max_iters=args.max_iters)
-        self.copy_tb = result["copy_tb_per_s"]
-        self.baselines = _baseline_list(args)
-        self.flex_spent_s = 0.0
-        self.flex_compiles = 0
         self.flashinfer_status = None
-        self.pending: list[Config] = []  # not measured yet (listed as such if the run is cut short)
-        self.t_start = time.monotonic()
+        self.pool: Optional[GpuPool] = None
+        self.pool_pages: dict = {}
+        self._ref_cache: dict = {}
+        self._overhead_done: set = set()
 
-    # -- the sweep ------------------------------------------------------------
+    def arch(self) -> str:
+        cc = self.result.get("environment", {}).get("device", {}).get("compute_capability")
+        return f"sm_{arch_digits(cc)}" if cc else "sm_90"
 
-    def run(self) -> None:
-        args, result = self.args, self.result
-        configs = enumerate_configs(args)
-        cap = args.kv_cap_gb * GB
-        runnable = []
-        for c in configs:
-            if c.kv_bytes > cap:
-                result["skipped"].append(dict(c.describe(), reason=f"KV {c.kv_bytes / GB:.3g} GB > cap "
-                                                                   f"{args.kv_cap_gb:g} GB (--kv-cap-gb)"))
-            else:
-                runnable.append(c)
+    def prepare(self, jobs: list[Job]) -> None:
+        for j in jobs:  # a pool per key big enough for every configuration that shares it: no regrowth
+            key = j.config.pool_key
+            self.pool_pages[key] = max(self.pool_pages.get(key, 0), j.config.pages)
         if "flashinfer" in self.baselines:
-            self._prepare_flashinfer(runnable)
-        groups: dict = {}
-        for c in runnable:
-            groups.setdefault((c.model, c.kv_dtype), []).append(c)
-        pending = self.pending = list(runnable)
-        for (model, kv_dtype), group in groups.items():
-            if self._over_budget():
-                break
-            try:
-                self._run_group(group, pending)
-            except Exception as err:  # a whole group failed (pool allocation, compile): record, go on
-                traceback.print_exc()
-                for c in group:
-                    if c in pending:
-                        pending.remove(c)
-                        result["rows"].append(make_row(c, "metrale", timing=None, copy_tb_per_s=self.copy_tb,
-                                                       status="failed", reason=f"group aborted: {_short(err)}"))
+            self._load_flashinfer_status([j.config for j in jobs])
+
+    # -- data -------------------------------------------------------------------
+
+    def case(self, config: Config):
+        torch = self.torch
+        key = config.pool_key
+        if self.pool is None or (self.pool.shape.num_kv_heads, self.pool.shape.head_dim, self.pool.kv_dtype,
+                                 self.pool.page_size) != key or self.pool.num_pages < config.pages:
+            self.pool = None  # one pool at a time: free the last before the next
             gc.collect()
-            self.torch.cuda.empty_cache()
-        if pending:
-            _not_measured(result, pending, f"time budget of {args.time_budget_s:g} s spent")
-
-    def _over_budget(self) -> bool:
-        return time.monotonic() - self.t_start > self.args.time_budget_s
-
-    def _run_group(self, group: list[Config], pending: list[Config]) -> None:
-        args, torch = self.args, self.torch
-        first = group[0]
-        shape, kv_dtype = first.shape, first.kv_dtype
-        pages = max(c.batch * -(-c.context // c.page_size) for c in group)
-        t0 = time.monotonic()
-        pool = GpuPool(shape, kv_dtype, first.page_size, pages, seed=args.seed)
-        max_batch = max(c.batch for c in group)
-        attns = {}
-        for arm in ["default"] + arms_for(shape, args.arms.split(",")):
-            t1 = time.monotonic()
-            attns[arm] = DecodeAttention(shape.num_q_heads, shape.num_kv_heads, shape.head_dim, first.page_size,
-                                         q_dtype="bf16", kv_dtype=kv_dtype, max_batch=max_batch, backend="cupy",
-                                         **arm_options(arm))
-            self.result["compile_s"][f"{first.model}/{kv_dtype}/{arm}"] = round(time.monotonic() - t1, 2)
-        print(f"[{first.model} {kv_dtype}] pool {2 * pool.k.numel() * pool.k.element_size() / GB:.1f} GB, "
-              f"set-up {time.monotonic() - t0:.1f} s; {attns['default'].target_line()}", flush=True)
-        for config in group:
-            if self._over_budget():
-                return
-            pending.remove(config)
-            case = pool.case(config.batch, config.context)
-            t1 = time.monotonic()
-            self._run_config(config, case, attns)
-            print(f"  b={config.batch:<4} ctx={config.context:<6} {time.monotonic() - t1:5.1f} s  "
-                  f"{_brief(self.result['rows'], config)}", flush=True)
-            del case
-        del pool
-        gc.collect()
-        torch.cuda.empty_cache()
-
-    def _run_config(self, config: Config, case, attns: dict) -> None:
-        # The case was made on PyTorch's default stream; everything below runs on the timer's
+            torch.cuda.empty_cache()
+            t0 = time.monotonic()
+            self.pool = GpuPool(config.shape, config.kv_dtype, config.page_size,
+                                max(self.pool_pages.get(key, 0), config.pages), seed=self.args.seed)
+            print(f"[bench {self.elapsed():.0f}s] pool {config.shape.num_kv_heads}x{config.shape.head_dim} "
+                  f"{config.kv_dtype}: {self.pool.nbytes / GB:.1f} GB in {time.monotonic() - t0:.1f} s", flush=True)
+        self._ref_cache = {}
+        case = self.pool.case(config.batch, config.context, config.shape.num_q_heads)
+        # The case was made on PyTorch's default stream; everything after runs on the timer's
         # (non-blocking) stream: wait for the inputs first.
         self.timer.synchronize_device()
-        seqs = check_seq_indices(config.batch, self.args.check_seqs)
-        ref_cache: dict = {}
-        default_plan = attns["default"].plan(config.batch)
-        matched = False
-        for arm, attn in attns.items():
-            if arm == "default":
-                continue
-            plan = attn.plan(config.batch)
-            is_default = not matched and (plan.arm, plan.num_splits) == (default_plan.arm, default_plan.num_splits)
-            matched |= is_default
-            self.result["rows"].append(self._measure_ours(config, case, attn, arm, plan, is_default, seqs, ref_cache))
-        if not matched:  # the policy chose a geometry no forced arm has: time it as its own row
-            self.result["rows"].append(self._measure_ours(config, case, attns["default"], "default", default_plan,
-                                                          True, seqs, ref_cache))
-        if config.batch == 1 and config.context == min(_ints(self.args.contexts)) and self.args.host_overhead_iters:
-            self._host_overhead(config, case, attns)
-        for name in self.baselines:
-            # Each baseline's tensors and graph are freed when it returns (PyTorch's cache reuses them).
-            self.result["rows"].append(self._measure_baseline(config, case, name, seqs, ref_cache))
+        return case
+
+    def release_case(self) -> None:
+        self._ref_cache = {}
         gc.collect()
         self.torch.cuda.empty_cache()
 
@@ -539,35 +755,30 @@ class GpuSweep:
         return lambda: attn.run(case.q, case.k_pool, case.v_pool, case.block_tables, case.seq_lens,
                                 k_scale=case.k_scale, v_scale=case.v_scale, out=out)
 
-    def _measure_ours(self, config, case, attn, arm, plan, is_default, seqs, ref_cache) -> dict:
-        torch, timer = self.torch, self.timer
-        try:
-            out = torch.empty_like(case.q)
-            call = self._ours_call(case, attn, out)
-            timer.synchronize_device()
-            with timer.on_stream():  # warm-up outside capture
-                call()
-                call()
-            launch = timer.capture_cupy(call)
-            out.fill_(float("nan"))
-            timer.synchronize_device()
-            with timer.on_stream():
-                launch()
-            timer.synchronize_device()
-            check = check_gpu_output(case, out, seqs, ref_cache, strict=True)
-            timing = timer.measure(launch)
-            return make_row(config, "metrale", arm=arm, timing=timing, copy_tb_per_s=self.copy_tb,
-                            status="ok" if check["status"] == "ok" else "wrong", check=check, plan=plan,
-                            default=is_default)
-        except Exception as err:
-            traceback.print_exc()
-            return make_row(config, "metrale", arm=arm, timing=None, copy_tb_per_s=self.copy_tb, status="failed",
-                            reason=_short(err), plan=plan, default=is_default)
+    def time_ours(self, config: Config, case, attn):
+        out = self.torch.empty_like(case.q)
+        launch = self.timer.capture_poisoned(self._ours_call(case, attn, out), out)
+        seqs = check_seq_indices(config.batch, self.args.check_seqs)
+        check = check_gpu_output(case, out, seqs, self._ref_cache, strict=True)
+        return check, self.timer.measure(launch)
 
-    def _host_overhead(self, config, case, attns) -> None:
-        """Python microseconds per call: eager ``run`` (no sync) and a graph launch, per arm."""
-        torch, timer, iters = self.torch, self.timer, self.args.host_overhead_iters
-        for arm, attn in attns.items():
+    def host_overhead(self, job: Job) -> None:
+        """Python microseconds per call at batch 1 x 1k: eager ``run`` (no sync) and a graph launch,
+        for every variant built so far for this model and KV dtype (once per pair)."""
+        config = job.config
+        iters = self.args.host_overhead_iters
+        pair = (config.model, config.kv_dtype)
+        if not iters or pair in self._overhead_done:
+            return
+        self._overhead_done.add(pair)
+        torch, timer = self.torch, self.timer
+        context = min(HOST_OVERHEAD_CONTEXT, config.context)  # short: the host's time, not the GPU's, is measured
+        case = self.pool.case(1, context, config.shape.num_q_heads)
+        timer.synchronize_device()
+        for (model, kv, arm, impl, hpc), attn in list(self.attns.items()):
+            if (model, kv) != pair or hpc is not None or isinstance(attn, Exception):
+                continue
+            label = Slot(arm, impl).label
             try:
                 out = torch.empty_like(case.q)
                 call = self._ours_call(case, attn, out)
@@ -576,23 +787,60 @@ class GpuSweep:
                 graph = timer.host_overhead_us(launch, iters=iters)
                 gpu = timer.measure(launch)
                 self.result["host_overhead"].append(dict(
-                    model=config.model, kv_dtype=config.kv_dtype, batch=config.batch, context=config.context,
-                    arm=arm, plan_arm=attn.plan(config.batch).arm, iters=iters, eager_run_us=eager,
-                    graph_launch_us=graph, gpu_median_us=gpu.median_us))
+                    model=model, kv_dtype=kv, batch=1, context=context, arm=label,
+                    plan_arm=attn.plan(1).arm, iters=iters, eager_run_us=eager, graph_launch_us=graph,
+                    gpu_median_us=gpu.median_us))
             except Exception as err:
-                self.result["host_overhead"].append(dict(model=config.model, kv_dtype=config.kv_dtype, arm=arm,
-                                                         error=_short(err)))
+                self.result["host_overhead"].append(dict(model=model, kv_dtype=kv, arm=label, error=_short(err)))
 
     # -- baselines --------------------------------------------------------------
 
-    def _measure_baseline(self, config, case, name, seqs, ref_cache) -> dict:
+    def baseline_unavailable(self, config: Config, name: str) -> Optional[str]:
+        if name != "flashinfer":
+            return None
+        import baselines
+
+        status = self._load_flashinfer_status(None)
+        variant = baselines.flashinfer_variant(config.shape.num_q_heads, config.shape.num_kv_heads,
+                                               config.shape.head_dim, config.kv_dtype)
+        entry = status.get("variants", {}).get(variant)
+        if entry is None:
+            return status.get("import_error") or f"FlashInfer variant {variant} was not compiled ahead of the run"
+        if entry.get("status") != "ok":
+            return f"FlashInfer variant {variant}: JIT prewarm {entry.get('status')}: {entry.get('reason', '')}"[:400]
+        return None
+
+    def wait_for_builds(self, name: str, configs: list[Config]) -> None:
+        """FlashInfer variants its JIT is still building when the late phase starts: the GPU has nothing
+        else left to do, so wait for them while the budget still leaves time to time every configuration."""
+        import baselines
+
+        if name != "flashinfer":
+            return
+        variants = {baselines.flashinfer_variant(c.shape.num_q_heads, c.shape.num_kv_heads, c.shape.head_dim,
+                                                 c.kv_dtype) for c in configs}
+        t0, said = time.monotonic(), False
+        while self.left() > self.args.flashinfer_min_s * len(configs) + 5:
+            pending = baselines.pending_builds(self._load_flashinfer_status(None), sorted(variants))
+            if not pending:
+                break
+            if not said:
+                print(f"[bench {self.elapsed():.0f}s] waiting for FlashInfer's JIT: {', '.join(pending)}", flush=True)
+                said = True
+            time.sleep(2.0)
+        if said:
+            self.result.setdefault("late_phase", {})["flashinfer_wait_s"] = round(time.monotonic() - t0, 1)
+
+    def measure_baseline(self, job: Job, case, name: str) -> dict:
         import baselines
         from gpu_timing import try_capture_torch
 
-        torch, timer, args = self.torch, self.timer, self.args
-        row = lambda **kw: make_row(config, name, copy_tb_per_s=self.copy_tb, **kw)
+        config = job.config
+        timer, args = self.timer, self.args
+        row = lambda **kw: make_row(config, name, copy_tb_per_s=self.copy_tb, tier=job.tier, **kw)  # noqa: E731
         s = config.shape
         t0 = time.monotonic()
+        seqs = check_seq_indices(config.batch, args.check_seqs)
         try:
             if name.startswith("sdpa"):
                 need = baselines.gathered_bytes(config.batch, config.context, s.num_kv_heads, s.head_dim)
@@ -601,15 +849,9 @@ class GpuSweep:
                                                 f"{args.gather_cap_gb:g} GB (--gather-cap-gb)")
                 fn = baselines.BASELINES[name][1](case)
             elif name == "flex_paged":
-                if config.batch not in _ints(args.flex_batches):
-                    raise baselines.Unavailable(f"batch {config.batch} not in --flex-batches {args.flex_batches} "
-                                                "(one torch.compile per shape and batch)")
-                if self.flex_spent_s > args.flex_budget_s:
-                    raise baselines.Unavailable(f"FlexAttention compile budget of {args.flex_budget_s:g} s spent "
-                                                f"({self.flex_compiles} compiles)")
                 fn = baselines.prepare_flex_paged(case)
             elif name == "flashinfer":
-                fn = baselines.prepare_flashinfer(case, status=self.flashinfer_status)
+                fn = baselines.prepare_flashinfer(case, status=self._load_flashinfer_status(None))
             else:
                 raise baselines.Unavailable(f"unknown baseline {name}")
             timer.synchronize_device()  # what prepare made on the default stream, before our stream reads it
@@ -617,10 +859,7 @@ class GpuSweep:
                 out = fn()  # first call: compiles (flex), allocates
                 fn()
             timer.synchronize_device()
-            if name == "flex_paged":
-                self.flex_spent_s += time.monotonic() - t0
-                self.flex_compiles += 1
-            check = check_gpu_output(case, out, seqs, ref_cache, strict=False)
+            check = check_gpu_output(case, out, seqs, self._ref_cache, strict=False)
             del out
             launch, mode, note, _ = try_capture_torch(timer, fn)
             timing = timer.measure(launch, mode=mode, note=note)
@@ -628,17 +867,24 @@ class GpuSweep:
                        extra=dict(setup_s=round(time.monotonic() - t0, 2)))
         except baselines.Unavailable as err:
             return row(timing=None, status="unavailable", reason=str(err))
+        except CompileTimeout as err:
+            self._settle()
+            return row(timing=None, status="timeout", reason=f"{name}: {err}",
+                       extra=dict(setup_s=round(time.monotonic() - t0, 2)))
         except Exception as err:
-            if name == "flex_paged":
-                self.flex_spent_s += time.monotonic() - t0
             traceback.print_exc()
-            try:
-                torch.cuda.synchronize()
-            except Exception:
-                pass
+            self._settle()
             return row(timing=None, status="failed", reason=_short(err))
 
-    def _prepare_flashinfer(self, configs: list[Config]) -> None:
+    def _settle(self) -> None:
+        try:
+            self.torch.cuda.synchronize()
+        except Exception:
+            pass
+
+    def _load_flashinfer_status(self, configs: Optional[list[Config]]) -> dict:
+        """The prewarm's status: re-read from ``--flashinfer-status`` each time (the JIT runs beside
+        the sweep and writes it as variants finish); without that file, compiled here once."""
         import baselines
 
         args = self.args
@@ -648,41 +894,22 @@ class GpuSweep:
                     self.flashinfer_status = json.load(f)
             except (OSError, ValueError) as err:
                 self.flashinfer_status = {"variants": {}, "import_error": f"prewarm status unreadable: {err}"}
-            return
-        shapes = sorted({(c.shape.num_q_heads, c.shape.num_kv_heads, c.shape.head_dim) for c in configs})
-        dtypes = sorted({c.kv_dtype for c in configs})
-        t0 = time.monotonic()
-        self.flashinfer_status = baselines.flashinfer_prewarm(shapes, dtypes, timeout_s=args.flashinfer_jit_cap_s)
-        self.flashinfer_status["elapsed_s"] = round(time.monotonic() - t0, 1)
+            return self.flashinfer_status
+        if self.flashinfer_status is None and configs is not None:
+            shapes = sorted({(c.shape.num_q_heads, c.shape.num_kv_heads, c.shape.head_dim) for c in configs})
+            dtypes = sorted({c.kv_dtype for c in configs})
+            t0 = time.monotonic()
+            self.flashinfer_status = baselines.flashinfer_prewarm(shapes, dtypes,
+                                                                  timeout_s=args.flashinfer_jit_cap_s)
+            self.flashinfer_status["elapsed_s"] = round(time.monotonic() - t0, 1)
+        return self.flashinfer_status or {"variants": {}}
 
 
-def _brief(rows: list[dict], config: Config) -> str:
-    """A one-line progress note: each implementation's TB/s for this configuration."""
-    parts = []
-    for r in rows:
-        if (r["model"], r["kv_dtype"], r["batch"], r["context"]) != (config.model, config.kv_dtype, config.batch,
-                                                                      config.context):
-            continue
-        label = r["arm"] if r["impl"] == "metrale" else r["impl"]
-        parts.append(f"{label}={r['tb_per_s']:.2f}" if r.get("tb_per_s") else f"{label}:{r['status']}")
-    return " ".join(parts)
-
-
-def _not_measured(result: dict, configs: list[Config], reason: str) -> None:
+def _not_measured(result: dict, jobs: list[Job], reason: str) -> None:
     result["budget"]["stopped_early"] = True
     result["budget"]["reason"] = reason
-    for c in configs:
-        result["not_measured"].append(dict(c.describe(), reason=reason))
-
-
-def _baseline_list(args) -> list[str]:
-    if args.baselines in ("", "none"):
-        return []
-    names = [b.strip() for b in args.baselines.split(",") if b.strip()]
-    unknown = [b for b in names if b not in BASELINE_NAMES]
-    if unknown:
-        raise SystemExit(f"--baselines: unknown {unknown}; choose from {', '.join(BASELINE_NAMES)}")
-    return names
+    for j in jobs:
+        result["not_measured"].append(dict(j.config.describe(), tier=j.tier, kind=j.kind, reason=reason))
 
 
 def summarize_baselines(result: dict) -> None:
@@ -718,47 +945,69 @@ def _baseline_names_in(result: dict) -> list[str]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--cpu", action="store_true", help="tiny sweep on the CPU backend simulator (no GPU)")
+    p.add_argument("--cpu", action="store_true", help="the cpu profile on the CPU backend simulator (no GPU)")
+    p.add_argument("--profile", choices=sorted(PROFILES), default="full",
+                   help="full: every tier and baseline; quick: the decisive tiers, no baselines")
     p.add_argument("--out-dir", default=".", help="where the JSON, markdown and plots go")
     p.add_argument("--stem", help="file name stem (default: DATE_DEVICE)")
     p.add_argument("--env-json", help="gpu_env.py output (environment + copy bandwidth); measured here if absent")
-    p.add_argument("--models", help=f"comma-separated: {', '.join(MODELS)} or q/kv/head_dim "
-                                    f"(default GPU: {GPU_DEFAULTS['models']}; CPU: {CPU_DEFAULTS['models']})")
-    p.add_argument("--kv-dtypes", help="bf16,fp8")
-    p.add_argument("--batches", help="comma-separated batch sizes")
-    p.add_argument("--contexts", help="comma-separated context lengths (tokens)")
+    p.add_argument("--models", help=f"the rest tier's models, comma-separated: {', '.join(MODELS)} or "
+                                    "q/kv/head_dim (default: the profile's)")
+    p.add_argument("--kv-dtypes", help="the rest tier's KV dtypes: bf16,fp8")
+    p.add_argument("--batches", help="the rest tier's batch sizes")
+    p.add_argument("--contexts", help="the rest tier's context lengths (tokens)")
     p.add_argument("--page-size", type=int)
+    p.add_argument("--decisive", help="decisive configurations MODEL:BATCH:CONTEXT, comma-separated, or none")
+    p.add_argument("--decisive-dtypes", help="one decisive tier per KV dtype, in this order")
+    p.add_argument("--hpc-model", help="heads_per_cta tier: model")
+    p.add_argument("--hpc-batches", help="heads_per_cta tier: batches, or none")
+    p.add_argument("--hpc-context", type=int, help="heads_per_cta tier: context")
+    p.add_argument("--hpc-values", help="heads_per_cta tier: the values forced")
+    p.add_argument("--rest", choices=("on", "off"), help="run the rest tier (the grid)")
     p.add_argument("--arms", default=",".join(DEFAULT_ARMS), help="forced arms: unpacked, splitk, gqa_packed, splitk:N")
-    p.add_argument("--baselines", default=",".join(BASELINE_NAMES), help="comma-separated, or none")
-    p.add_argument("--time-budget-s", type=float, default=150.0, help="stop starting configurations after this")
+    p.add_argument("--baselines", help="comma-separated, or none (default: the profile's)")
+    p.add_argument("--time-budget-s", type=float, default=240.0, help="stop starting jobs after this")
+    p.add_argument("--late-reserve-s", type=float, default=60.0,
+                   help="budget kept for the late phase (FlexAttention, FlashInfer)")
+    p.add_argument("--checkpoint-s", type=float, default=30.0, help="rewrite JSON + markdown this often")
     p.add_argument("--kv-cap-gb", type=float, default=40.0, help="skip configurations whose K+V exceed this (GB)")
     p.add_argument("--gather-cap-gb", type=float, default=24.0, help="SDPA baselines: max gathered bf16 K+V (GB)")
-    p.add_argument("--flex-batches", default="1,16,64", help="batches FlexAttention runs at (a compile each)")
-    p.add_argument("--flex-budget-s", type=float, default=60.0, help="FlexAttention compile time budget")
+    p.add_argument("--flex-batches", default="1,16,64", help="batches FlexAttention may run at (one per shape)")
+    p.add_argument("--flex-compile-cap-s", type=float, default=40.0, help="cap on one FlexAttention compile")
+    p.add_argument("--flex-budget-s", type=float, default=60.0, help="FlexAttention compile time, all shapes")
+    p.add_argument("--flex-min-s", type=float, default=15.0, help="start a FlexAttention compile only with this left")
+    p.add_argument("--flashinfer-reserve-s", type=float, default=15.0, help="late-phase time kept for FlashInfer")
+    p.add_argument("--flashinfer-min-s", type=float, default=2.0, help="time one FlashInfer configuration needs")
     p.add_argument("--flashinfer-status", help="flashinfer-prewarm JSON (from gpu_check.sh); compiled here if absent")
     p.add_argument("--flashinfer-jit-cap-s", type=float, default=150.0,
                    help="cap on FlashInfer's JIT when compiled here")
+    p.add_argument("--sass-json", help="sass_report.py --json output: the static model's predictions")
+    p.add_argument("--probe-json", help="l2_probe.py output, embedded in the result")
     p.add_argument("--check-seqs", type=int, default=2, help="sequences checked against float64 (first and last)")
     p.add_argument("--flush-mb", type=float, default=256.0, help="L2 flush buffer (decimal MB)")
     p.add_argument("--target-ms", type=float, default=20.0, help="timed work per measurement")
     p.add_argument("--max-iters", type=int, default=30)
     p.add_argument("--host-overhead-iters", type=int, default=2000)
-    p.add_argument("--cpu-target-s", type=float, default=0.2, help="CPU mode: wall time per measurement")
+    p.add_argument("--cpu-target-s", type=float, default=0.05, help="CPU mode: wall time per measurement")
     p.add_argument("--seed", type=int, default=0)
     return p
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None):
     args = build_parser().parse_args(argv)
-    defaults = CPU_DEFAULTS if args.cpu else GPU_DEFAULTS
-    for key, value in defaults.items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
+    rest = args.rest
+    apply_profile(args)
+    args.rest = args.rest if rest is None else rest == "on"
+    if args.cpu:
+        args.baselines = "none"
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     t0 = time.monotonic()
-    if args.env_json and os.path.exists(args.env_json):
-        with open(args.env_json) as f:
-            env = json.load(f)
-    else:
+    env = load_json(args.env_json)
+    if env is None:
         env = gpu_env.probe_environment(cpu=args.cpu)
         try:
             env["copy_bandwidth"] = gpu_env.measure_copy_bandwidth(cpu=args.cpu)
@@ -767,8 +1016,9 @@ def main(argv=None) -> int:
         env["device_label"] = gpu_env.device_label(env)
     copy = env.get("copy_bandwidth", {})
     result = {
-        "schema": "metrale-attn-bench/1",
+        "schema": "metrale-attn-bench/2",
         "mode": "cpu" if args.cpu else "gpu",
+        "profile": args.profile,
         "timing_note": ("CPU backend simulator; not kernel performance" if args.cpu else
                         "median of CUDA-event-timed CUDA-graph launches on one stream, L2 flushed before each"),
         "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -780,15 +1030,29 @@ def main(argv=None) -> int:
         "rows": [], "skipped": [], "not_measured": [], "host_overhead": [], "baselines": {}, "compile_s": {},
         "budget": {"time_budget_s": args.time_budget_s, "stopped_early": False},
     }
+    probe = load_json(args.probe_json)
+    if probe is not None:
+        result["l2_probe"] = probe
+    if args.cpu:
+        for name in BASELINE_NAMES:
+            result["baselines"][name] = {"status": "not run", "reason": "CPU backend smoke run: no baselines"}
+    stem = args.stem or bench_report.default_stem(result)
+
+    def write(plots: bool) -> list[str]:
+        if sweep is not None and sweep.flashinfer_status is not None:
+            result["flashinfer_prewarm"] = sweep.flashinfer_status
+        result["budget"]["elapsed_s"] = round(time.monotonic() - t0, 1)
+        summarize_baselines(result)
+        result["targets"] = bench_report.evaluate_targets(result)
+        return bench_report.write_outputs(result, args.out_dir, stem, plots=plots)
+
     signal.signal(signal.SIGTERM, _on_sigterm)
     sweep = None
     aborted = False
     try:
-        if args.cpu:
-            run_cpu(args, result)
-        else:
-            sweep = GpuSweep(args, result)
-            sweep.run()
+        sweep = CpuSweep(args, result) if args.cpu else GpuSweep(args, result)
+        sweep.on_checkpoint = lambda: write(plots=False)
+        sweep.run()
     except (Exception, Terminated) as err:  # write what was measured, and why it stopped
         traceback.print_exc()
         aborted = True
@@ -796,13 +1060,9 @@ def main(argv=None) -> int:
             _not_measured(result, sweep.pending, f"sweep aborted: {_short(err, 120)}")
         result["budget"].update(stopped_early=True, reason=f"sweep aborted: {_short(err)}")
     finally:
-        if sweep is not None and sweep.flashinfer_status is not None:
-            result["flashinfer_prewarm"] = sweep.flashinfer_status
-        result["budget"]["elapsed_s"] = round(time.monotonic() - t0, 1)
-        summarize_baselines(result)
-        result["targets"] = bench_report.evaluate_targets(result)
-        paths = bench_report.write_outputs(result, args.out_dir, args.stem)
-        for path in paths:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM now ends the process: the caller's cap
+        write(plots=False)  # the numbers first: drawing the plots takes seconds a cap may not leave
+        for path in write(plots=True):
             print(f"wrote {path}")
         print(bench_report.targets_table(result["targets"]))
     return 1 if aborted else 0  # 1: cut short by an error or SIGTERM (what was measured is written)

@@ -4,18 +4,21 @@ This module owns the presentation of a run, not its measurement:
 
 - ``evaluate_targets``: the performance bar of DESIGN.md as pass/fail lines:
   T1 >= 90% of the copy bandwidth for batch >= 16 at context >= 4k (the policy's
-  default arm), T2 >= 80% for batch 1 at context >= 32k on the split-K arm, T3
-  faster than every baseline that ran (same configuration, default arm), and C
-  every timed output of ours met the correctness bar.
+  default arm), T2 >= 80% for batch 1 at context >= 32k on the split-K arm (the
+  default kernel implementation), T3 faster than every baseline that ran (same
+  configuration, default arm), and C every timed output of ours met the correctness bar.
 - ``render_markdown``: environment, copy bandwidth, targets, one table per (model,
-  KV dtype), baseline status with reasons, skipped and unmeasured configurations,
-  host overhead.
+  KV dtype) with every arm x implementation and baseline as ``us (% of copy)``, the
+  old-vs-new kernel comparison, the ``heads_per_cta`` sweep, every timed row beside
+  the static SASS model's prediction, the L2 probe (``l2_probe.probe_markdown``),
+  baseline status with reasons, skipped and unmeasured configurations, host overhead.
 - ``plot``: TB/s (left axis) and % of copy bandwidth (right axis, same curve) against
   context, one line per batch size: ours (default arm) against the baselines, and
   ours arm by arm. Needs matplotlib; without it the plots are skipped and the
   markdown says so.
 - ``write_outputs``: ``STEM_bench.json``, ``STEM_bench.md``, ``STEM_bench.png``,
-  ``STEM_arms.png`` where STEM is ``DATE_DEVICE`` (``2026-11-30_H200``).
+  ``STEM_arms.png`` where STEM is ``DATE_DEVICE`` (``2026-11-30_H200``); each written
+  whole under a temporary name first (the sweep rewrites them as it goes).
 
 Re-render a saved result: ``python3 benchmarks/bench_report.py RESULT.json --out-dir DIR``.
 """
@@ -30,6 +33,10 @@ import sys
 import time
 from typing import Optional
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from l2_probe import probe_markdown  # noqa: E402
+
 T1_PCT, T1_MIN_BATCH, T1_MIN_CONTEXT = 90.0, 16, 4096
 T2_PCT, T2_BATCH, T2_MIN_CONTEXT = 80.0, 1, 32768
 BASELINE_LABELS = {
@@ -39,6 +46,17 @@ BASELINE_LABELS = {
     "flashinfer": "FlashInfer",
 }
 ARM_LABELS = {"unpacked": "unpacked", "splitk": "split-K", "gqa_packed": "GQA-packed", "default": "default"}
+BASELINE_SHORT = {"sdpa_gather": "sdpa+g", "sdpa_nogather": "sdpa", "flex_paged": "flex", "flashinfer": "fi"}
+ARM_SHORT = {"unpacked": "unp", "splitk": "spk", "gqa_packed": "pack", "default": "dflt"}
+"""Names on the short progress and summary lines."""
+
+
+def short_label(r: dict) -> str:
+    """A row on a short line: ``spk/mma``, ``dflt/mma/h4``, ``sdpa+g``."""
+    if r["impl"] != "metrale":
+        return BASELINE_SHORT.get(r["impl"], r["impl"])
+    arm, _, rest = (r.get("arm_label") or r.get("arm") or "ours").partition("/")
+    return ARM_SHORT.get(arm, arm) + (f"/{rest}" if rest else "")
 
 
 # -- selection helpers ---------------------------------------------------------------
@@ -55,6 +73,16 @@ def _timed(r: dict) -> bool:
 def default_rows(result: dict) -> list[dict]:
     """Ours, the policy's default geometry, one per configuration."""
     return [r for r in result["rows"] if r["impl"] == "metrale" and r.get("default")]
+
+
+def arm_rows(result: dict) -> list[dict]:
+    """Ours with an arm (and implementation) forced, or the default: every row but the heads_per_cta sweep's."""
+    return [r for r in result["rows"] if r["impl"] == "metrale" and r.get("sweep") != "heads_per_cta"]
+
+
+def arm_label(r: dict) -> str:
+    """``splitk``, ``splitk/mma``: a row's arm and implementation (the heads_per_cta suffix left off)."""
+    return r.get("arm") if not r.get("kernel_impl") else f"{r.get('arm')}/{r['kernel_impl']}"
 
 
 def _fmt_pct(x: Optional[float]) -> str:
@@ -111,7 +139,7 @@ def _pct_target(tid: str, rows: list[dict], bar: float, copy_known: bool) -> dic
 
 
 def _label(r: dict) -> str:
-    arm = f" {r['arm']}" if r.get("arm") else ""
+    arm = f" {r.get('arm_label') or r['arm']}" if r.get("arm") else ""
     return f"{r['model']} {r['kv_dtype']} b{r['batch']} ctx{r['context']}{arm}"
 
 
@@ -121,7 +149,8 @@ def _t1(result: dict) -> dict:
 
 
 def _t2(result: dict) -> dict:
-    rows = [r for r in result["rows"] if r["impl"] == "metrale" and r.get("arm") == "splitk"
+    default_impl = (result.get("kernel_impls") or {}).get("default_impl")
+    rows = [r for r in arm_rows(result) if r.get("arm") == "splitk" and r.get("kernel_impl") == default_impl
             and r["batch"] == T2_BATCH and r["context"] >= T2_MIN_CONTEXT]
     return _pct_target("T2", rows, T2_PCT, bool(result.get("copy_tb_per_s")))
 
@@ -168,12 +197,13 @@ def _correctness(rows: list[dict]) -> dict:
                 + [f"{_label(r)}: {r.get('reason', '')[:200]}" for r in failed][:20])
 
 
-def targets_table(targets: list[dict]) -> str:
-    """Plain-text target lines for a terminal."""
+def targets_table(targets: list[dict], width: int = 96) -> str:
+    """Plain-text target lines for a terminal (details cut at ``width``; the markdown has them whole)."""
     lines = [f"{'target':<6} {'status':<13} description / detail"]
     for t in targets:
+        detail = t["detail"] if len(t["detail"]) <= width else t["detail"][: width - 3] + "..."
         lines.append(f"{t['id']:<6} {t['status']:<13} {t['description']}")
-        lines.append(f"{'':<6} {'':<13} {t['detail']}")
+        lines.append(f"{'':<6} {'':<13} {detail}")
     return "\n".join(lines)
 
 
@@ -205,8 +235,14 @@ def render_markdown(result: dict, plot_files: Optional[list[str]] = None, plot_n
                    "below is against it")
     else:
         out.append(f"- copy bandwidth: not measured ({copy.get('error', 'unknown')})")
+    caps = result.get("kernel_impls")
+    if caps:
+        impls = ", ".join(caps.get("impls") or []) or "one (no impl=)"
+        out.append(f"- kernel implementations: {impls}; default {caps.get('default_impl') or '-'}; heads_per_cta= "
+                   f"{'taken' if caps.get('heads_per_cta') else 'not taken'}")
     budget = result.get("budget", {})
-    line = f"- sweep: {budget.get('elapsed_s', '-')} s of a {budget.get('time_budget_s', '-')} s budget"
+    line = f"- sweep ({result.get('profile', 'full')} profile): {budget.get('elapsed_s', '-')} s of a " \
+           f"{budget.get('time_budget_s', '-')} s budget"
     if budget.get("stopped_early"):
         line += f"; **stopped early: {budget.get('reason')}**"
         if result.get("not_measured"):
@@ -219,9 +255,12 @@ def render_markdown(result: dict, plot_files: Optional[list[str]] = None, plot_n
             out += ["", f"{t['id']} misses:", ""] + [f"- {f}" for f in t["failures"]]
     out += ["", "## Results", "",
             "Bytes per call = K+V touched + q + out; TB/s decimal; % of the copy bandwidth above. `default` is the "
-            "policy's choice (arm and split count); the arm columns force each arm; baselines are charged the same "
-            "bytes. `x best base` = fastest baseline time / ours (> 1: ours faster).", ""]
+            "policy's choice (arm, implementation and split count); the arm columns force each arm (and kernel "
+            "implementation), each as us (% of copy); baselines are charged the same bytes. `x best base` = fastest "
+            "baseline time / ours (> 1: ours faster).", ""]
     out += _result_tables(result)
+    out += _impl_comparison(result) + _hpc_sweep(result) + _predictions(result)
+    out += probe_markdown(result.get("l2_probe"))
     if plot_files:
         out += ["", "## Plots", ""] + [f"![{os.path.basename(p)}]({os.path.basename(p)})" for p in plot_files]
     elif plot_note:
@@ -261,7 +300,8 @@ def render_markdown(result: dict, plot_files: Optional[list[str]] = None, plot_n
         items = result.get(key) or []
         if items:
             out += ["", f"## {title}", ""]
-            out += [f"- {r['model']} {r['kv_dtype']} b{r['batch']} ctx{r['context']}: {r['reason']}" for r in items]
+            out += [f"- {r.get('tier', '')} {r['model']} {r['kv_dtype']} b{r['batch']} ctx{r['context']}: {r['reason']}"
+                    .replace("-  ", "- ") for r in items]
     failed = [r for r in result["rows"] if r["status"] in ("failed", "wrong")]
     if failed:
         out += ["", "## Failures", ""]
@@ -291,14 +331,36 @@ def _us(r: Optional[dict]) -> str:
     return "n/a" if r["status"] == "unavailable" else r["status"]
 
 
+def _us_pct(r: Optional[dict]) -> str:
+    """``950.1 (91.2%)``: a timed row's microseconds and % of copy; the status where none."""
+    text = _us(r)
+    if r is not None and _timed(r) and r.get("pct_of_copy") is not None:
+        text += f" ({r['pct_of_copy']:.1f}%)"
+    return text
+
+
+def _arm_columns(rows: list[dict]) -> list[str]:
+    """Forced arm x implementation columns present, in arm order then implementation order."""
+    labels = list(dict.fromkeys(arm_label(r) for r in rows if r.get("arm") not in (None, "default")))
+    order = {a: i for i, a in enumerate(("unpacked", "splitk", "gqa_packed"))}
+    seen = {lab: i for i, lab in enumerate(labels)}
+    return sorted(labels, key=lambda lab: (order.get(lab.split("/")[0], 3), lab.split("/")[0], seen[lab]))
+
+
+def _column_label(label: str) -> str:
+    """``splitk/mma`` -> ``split-K/mma``."""
+    arm, _, impl = label.partition("/")
+    return ARM_LABELS.get(arm, arm) + (f"/{impl}" if impl else "")
+
+
 def _result_tables(result: dict) -> list[str]:
-    rows = result["rows"]
+    ours = arm_rows(result)
+    rows = ours + [r for r in result["rows"] if r["impl"] != "metrale"]
     groups: dict = {}
     for r in rows:
         by_cfg = groups.setdefault((r["model"], r["shape"], r["kv_dtype"]), {})
         by_cfg.setdefault((r["batch"], r["context"]), []).append(r)
-    arms = [a for a in ("unpacked", "splitk", "gqa_packed") if any(r.get("arm") == a for r in rows)]
-    arms += sorted({r["arm"] for r in rows if r.get("arm", "") and r["arm"].startswith("splitk:")})
+    arms = _arm_columns(ours)
     bases = [b for b in BASELINE_LABELS if any(r["impl"] == b for r in rows)]
     bases += sorted({r["impl"] for r in rows if r["impl"] != "metrale" and r["impl"] not in BASELINE_LABELS})
     out = []
@@ -306,23 +368,25 @@ def _result_tables(result: dict) -> list[str]:
         title = f"{model} ({shape} q/kv/head_dim)" if model != shape else f"{shape} (q/kv/head_dim)"
         out += [f"### {title}, KV {kv}", ""]
         head = ["batch", "context", "MB", "default (splits)", "us", "TB/s", "% copy"]
-        head += [f"{ARM_LABELS.get(a, a)} us" for a in arms] + [f"{BASELINE_LABELS.get(b, b)} us" for b in bases]
-        head += ["x best base"]
+        head += [f"{_column_label(a)} us (% copy)" for a in arms]
+        head += [f"{BASELINE_LABELS.get(b, b)} us (% copy)" for b in bases] + ["x best base"]
         out += ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
         for (batch, context), rs in sorted(by_cfg.items()):
             d = next((r for r in rs if r["impl"] == "metrale" and r.get("default")), None)
             cells = [str(batch), _ctx(context), f"{rs[0]['bytes'] / 1e6:.1f}"]
             if d is not None:
-                cells += [f"{d.get('plan_arm', d.get('arm'))} ({d.get('num_splits', '-')})", _us(d),
+                impl = f"/{d['kernel_impl']}" if d.get("kernel_impl") else ""
+                cells += [f"{d.get('plan_arm', d.get('arm'))}{impl} ({d.get('num_splits', '-')})", _us(d),
                           _tb(d['tb_per_s']) if _timed(d) else "-", _fmt_pct(d.get("pct_of_copy"))]
             else:
                 cells += ["-", "-", "-", "-"]
             for a in arms:
-                cells.append(_us(next((r for r in rs if r["impl"] == "metrale" and r.get("arm") == a), None)))
+                cells.append(_us_pct(next((r for r in rs if r["impl"] == "metrale" and r.get("arm") != "default"
+                                           and arm_label(r) == a), None)))
             base_times = []
             for b in bases:
                 r = next((r for r in rs if r["impl"] == b), None)
-                cells.append(_us(r))
+                cells.append(_us_pct(r))
                 if r is not None and _timed(r):
                     base_times.append(r["median_us"])
             cells.append(f"{min(base_times) / d['median_us']:.2f}x" if base_times and d is not None and _timed(d)
@@ -330,6 +394,78 @@ def _result_tables(result: dict) -> list[str]:
             out.append("| " + " | ".join(cells) + " |")
         out.append("")
     return out
+
+
+def _impl_comparison(result: dict) -> list[str]:
+    """Old (simt) against new (mma) kernels, arm by arm, on every configuration both ran."""
+    caps = result.get("kernel_impls") or {}
+    out = ["## Old vs new kernels (simt vs mma)", ""]
+    if not caps.get("comparison"):
+        return out + [f"Not run: {caps.get('notes', {}).get('impl', 'not available in this build')}.", ""]
+    pairs: dict = {}
+    for r in arm_rows(result):
+        if _timed(r) and r.get("arm") != "default" and r.get("kernel_impl"):
+            pairs.setdefault((_key(r), r["arm"]), {})[r["kernel_impl"]] = r
+    out += ["| configuration | arm | simt us (% copy) | mma us (% copy) | mma speed-up |", "| --- | --- | --- | --- | --- |"]
+    for (key, arm), by in pairs.items():
+        old, new = by.get("simt"), by.get("mma")
+        speed = f"{old['median_us'] / new['median_us']:.2f}x" if old and new else "-"
+        r = old or new
+        out.append(f"| {r['model']} {r['kv_dtype']} b{r['batch']} {_ctx(r['context'])} | {arm} | {_us_pct(old)} | "
+                   f"{_us_pct(new)} | {speed} |")
+    return out + [""]
+
+
+def _hpc_sweep(result: dict) -> list[str]:
+    """The heads_per_cta tier: % of copy per value and batch, the plan's choice marked."""
+    info = result.get("hpc_sweep") or {}
+    rows = [r for r in result["rows"] if r.get("sweep") == "heads_per_cta"]
+    out = ["## heads_per_cta sweep", ""]
+    if not rows:
+        return out + [f"Not run: {info.get('status', 'not planned')}.", ""]
+    values = sorted({r["heads_per_cta"] for r in rows})
+    r0 = rows[0]
+    out += [f"{r0['model']} ({r0['shape']}), KV {r0['kv_dtype']}, context {_ctx(r0['context'])}, the policy's split "
+            "count; `*` = the plan's choice; us (% of copy).", "",
+            "| batch | " + " | ".join(f"h={v}" for v in values) + " | plan's choice |", "|" + " --- |" * (len(values) + 2)]
+    for batch in sorted({r["batch"] for r in rows}):
+        cells = []
+        for v in values:
+            r = next((r for r in rows if r["batch"] == batch and r["heads_per_cta"] == v), None)
+            cells.append((_us_pct(r) if r is None or _timed(r) else r["status"]) + ("*" if r and r.get("hpc_choice")
+                                                                                     else ""))
+        out.append(f"| {batch} | " + " | ".join(cells) + f" | {info.get('choices', {}).get(str(batch), '-')} |")
+    return out + [""]
+
+
+def _predictions(result: dict) -> list[str]:
+    """Every timed row of ours beside the static SASS model's prediction for the same variant."""
+    model = result.get("sass_model") or {}
+    rows = [r for r in result["rows"] if r["impl"] == "metrale" and _timed(r)]
+    with_pred = [r for r in rows if r.get("sass")]
+    out = ["## Measured vs the static SASS model", "",
+           f"Report: {model.get('source') or '-'}; {model.get('note', 'no prediction')}."]
+    if not with_pred:
+        return out + [""]
+    out += ["", "| configuration | variant | h/CTA | measured % copy | predicted ceiling % | measured / predicted | "
+                "binding | instr/KiB | KiB in flight/SM | regs | spill B |", "|" + " --- |" * 11]
+    for r in with_pred:
+        p = r["sass"]
+        ratio = f"{r['pred_ratio']:.2f}" if r.get("pred_ratio") is not None else "-"
+        out.append(f"| {r['model']} {r['kv_dtype']} b{r['batch']} {_ctx(r['context'])} | {r.get('arm_label') or r['arm']}"
+                   f" | {r.get('heads_per_cta', '-')} | {_fmt_pct(r.get('pct_of_copy'))} | {_num(p.get('ceiling_pct'))}"
+                   f" | {ratio} | {p.get('binding', '-')} | {_num(p.get('instr_per_kib'))} | "
+                   f"{_num(p.get('kib_in_flight_per_sm'))} | {_num(p.get('registers'))} | {_num(p.get('spill_bytes'))} |")
+    missing = len(rows) - len(with_pred)
+    if missing:
+        out += ["", f"{missing} timed rows have no prediction (no matching row in the report)."]
+    return out + [""]
+
+
+def _num(x) -> str:
+    if x is None:
+        return "-"
+    return f"{x:.1f}" if isinstance(x, float) else str(x)
 
 
 def _tb(x: float) -> str:
@@ -429,8 +565,10 @@ def plot(result: dict, bench_path: str, arms_path: str) -> tuple[list[str], str]
     device = result.get("device_label")
     figure(ours + base_series, bench_path, f"paged decode on {device}: ours vs baselines "
                                            f"({result.get('created_utc', '')[:10]})")
-    arm_names = [a for a in dict.fromkeys(r.get("arm") for r in rows if r["impl"] == "metrale") if a]
-    arm_series = [(ARM_LABELS.get(a, a), (lambda name: lambda r: r["impl"] == "metrale" and r.get("arm") == name)(a),
+    forced = [r for r in rows if r["impl"] == "metrale" and r.get("arm") and r.get("sweep") != "heads_per_cta"]
+    forced_ids = {id(r) for r in forced}
+    arm_names = list(dict.fromkeys(arm_label(r) for r in forced))  # one series per arm x implementation
+    arm_series = [(_column_label(a), (lambda name: lambda r: id(r) in forced_ids and arm_label(r) == name)(a),
                    ["-", "--", ":", "-."][i % 4], "os^dv"[i % 5]) for i, a in enumerate(arm_names)]
     figure(arm_series, arms_path, f"paged decode on {device}: each arm forced")
     return written, ""
@@ -451,22 +589,31 @@ def default_stem(result: dict) -> str:
     return f"{date}_{result.get('device_label') or 'unknown'}"
 
 
-def write_outputs(result: dict, out_dir: str, stem: Optional[str] = None) -> list[str]:
-    """Write JSON, markdown and plots; returns their paths."""
+def write_outputs(result: dict, out_dir: str, stem: Optional[str] = None, *, plots: bool = True) -> list[str]:
+    """Write JSON, markdown and (``plots``) the plots; returns their paths. Each file is written
+    to a temporary name and renamed, so a reader (or a run killed mid-write) never sees half of one."""
     os.makedirs(out_dir, exist_ok=True)
     stem = stem or default_stem(result)
     base = os.path.join(out_dir, stem)
-    try:
-        plots, note = plot(result, f"{base}_bench.png", f"{base}_arms.png")
-    except Exception as err:  # a plotting bug must not lose the numbers
-        plots, note = [], f"not drawn: {type(err).__name__}: {err}"
-    result["plots"] = [os.path.basename(p) for p in plots]
+    if plots:
+        try:
+            drawn, note = plot(result, f"{base}_bench.png", f"{base}_arms.png")
+        except Exception as err:  # a plotting bug must not lose the numbers
+            drawn, note = [], f"not drawn: {type(err).__name__}: {err}"
+    else:
+        drawn, note = [], "drawn at the end of the run"
+    result["plots"] = [os.path.basename(p) for p in drawn]
     result["plot_note"] = note
-    with open(f"{base}_bench.json", "w") as f:
-        json.dump(result, f, indent=1, default=_json_default)
-    with open(f"{base}_bench.md", "w") as f:
-        f.write(render_markdown(result, plots, note))
-    return [f"{base}_bench.json", f"{base}_bench.md"] + plots
+    _write_atomic(f"{base}_bench.json", json.dumps(result, indent=1, default=_json_default))
+    _write_atomic(f"{base}_bench.md", render_markdown(result, drawn, note))
+    return [f"{base}_bench.json", f"{base}_bench.md"] + drawn
+
+
+def _write_atomic(path: str, text: str) -> None:
+    tmp = os.path.join(os.path.dirname(path) or ".", f".{os.path.basename(path)}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
 
 
 def _json_default(x):

@@ -1,42 +1,54 @@
 #!/usr/bin/env bash
-# gpu_check.sh: the GPU proof-and-benchmark run of metrale-attn, as ONE command with a
-# hard time budget (about 6 minutes of device time), everything written under $OUT.
+# gpu_check.sh: the GPU proof-and-benchmark run of metrale-attn as ONE command of at most
+# 8 minutes (GPU_CHECK_DEADLINE_S, default 465 s) that answers the decisive questions first,
+# whatever it is cut short by. Everything lands under $OUT.
 #
-#   1. environment (GPU, SMs, clocks, driver, CUDA, library versions) and the
-#      device-to-device copy bandwidth every ratio is taken against   (gpu_env.py)
-#   2. the GPU test suite: pytest -m gpu tests/test_gpu.py (cap 120 s)
-#   3. compute-sanitizer memcheck, racecheck and initcheck on a small case of every
-#      arm (a refusal is recorded, not fatal)                          (sanitize_cases.py)
-#      Steps 2 and 3 overlap, and FlashInfer's JIT compile (baselines.py
-#      flashinfer-prewarm) runs beside them: none of them is timed.
-#   4. the benchmark sweep against the baselines                      (bench_decode.py)
-#   5. summary: summary.md, and a short table printed LAST            (summarize.py)
+#   0. wheels: the carried .whl/ installed into /tmp/site; a failure is recorded and the run
+#      goes on without FlashInfer
+#   1. metrale_attn imports from the checkout
+#   2. environment and the device-to-device copy bandwidth                 (gpu_env.py)
+#      then, in the background: FlashInfer's JIT (CPU, niced; decode variants first, the
+#      tensor-core ones only if they can still finish), the static SASS model (CPU, niced;
+#      sass_report.py, when present) and compute-sanitizer memcheck / racecheck / initcheck
+#      on a small case of every arm (a refusal is recorded, not fatal)    (sanitize_cases.py)
+#   3. the GPU tests: pytest -m gpu tests/test_gpu.py; nothing passed is FAIL; the
+#      sanitizers are then waited for (bounded)
+#   4. the L2 probe: ncu (--clock-control none) on one small configuration per arm and
+#      kernel implementation; absence or refusal recorded                  (l2_probe.py)
+#   5. the sweep, with what the deadline leaves: the decisive configurations first (bf16,
+#      fp8, heads_per_cta), then the grid; FlexAttention and FlashInfer last (bench_decode.py)
+#   6. summary: summary.md, and a short table printed LAST                   (summarize.py)
 #
-# $OUT (default ./gpu_check_out) receives at most 8 files: summary.md,
-# DATE_DEVICE_bench.{json,md,png}, DATE_DEVICE_arms.png and logs.tar.gz (every log).
-# Each step has its own `timeout`; the benchmark's budget shrinks to what is left of
-# GPU_CHECK_DEADLINE_S (default 360 s) so the whole run ends on time.
+# After every step (and every CHECKPOINT_S seconds during the sweep) summary.md is rewritten
+# and logs.tar.gz repacked in $OUT, and the sweep rewrites its JSON and markdown, so a run cut
+# off from outside still brings back its logs and what it measured. Progress lines are short
+# and printed as they come; the short table is printed last.
 #
-# On the device (the wheels of .whl/, from benchmarks/fetch_wheels.sh, carried along):
-#   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-#     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site && bash benchmarks/gpu_check.sh
+#   bash benchmarks/gpu_check.sh           the full run (device run: timeout_s 560, carry .whl)
+#   bash benchmarks/gpu_check.sh --quick   the short rerun, <= 4 minutes (deadline 220 s): environment,
+#                                          L2 probe, decisive tiers; no tests, sanitizers or baselines
+#   bash benchmarks/gpu_check.sh --cpu     the dry run on the CPU backend simulator (CI runs it; with
+#                                          --quick too: the rerun's steps)
 #
-# Without a GPU: `bash benchmarks/gpu_check.sh --cpu` runs steps 1, 4 and 5 on the CPU
-# backend simulator (a tiny sweep, no baselines, no sanitizer), same outputs.
+# Exit 0 when the sweep timed rows of ours (pass/fail lines are in the summary), 1 when not.
 #
-# Environment knobs: OUT, PYTHON (default python3), GPU_CHECK_DEADLINE_S (360),
-# PYTEST_TIMEOUT_S (120), PYTEST_WORKERS (6, if pytest-xdist is there),
-# SANITIZE_TOOLS ("memcheck racecheck initcheck"), SANITIZE_TIMEOUT_S (60 each),
-# FLASHINFER_JIT_CAP_S (150), BENCH_BUDGET_S (150 at most), BENCH_ARGS (extra
-# bench_decode.py flags), KEEP_WORK=1 (keep the log folder; it is in logs.tar.gz anyway).
+# Environment knobs: OUT (./gpu_check_out), PYTHON (python3), GPU_CHECK_DEADLINE_S (465; 220
+# --quick), WHEELS_DIR (.whl; given explicitly, installed in --cpu too), WHEEL_TARGET (/tmp/site),
+# PYTEST_TIMEOUT_S (110), PYTEST_WORKERS (6, with pytest-xdist), SANITIZE_TOOLS ("memcheck
+# racecheck initcheck"), SANITIZE_TIMEOUT_S (45 each), FLASHINFER_JIT_CAP_S (300), L2_PROBE (1),
+# L2_PROBE_CAP_S (70), NCU (ncu to use; "none"), SASS_MODEL_JSON (predictions to use), SASS_REPORT
+# (1: run sass_report.py in --cpu too), SASS_REPORT_CAP_S (150), BENCH_BUDGET_S (300 at most),
+# BENCH_ARGS (extra bench_decode.py flags), CHECKPOINT_S (30), KEEP_WORK=1 (keep the log folder).
 set -uo pipefail
 
 MODE=gpu
+PROFILE=full
 for arg in "$@"; do
   case "$arg" in
     --cpu) MODE=cpu ;;
-    -h|--help) sed -n '2,31p' "$0"; exit 0 ;;
-    *) echo "gpu_check.sh: unknown argument $arg (use --cpu or nothing)" >&2; exit 2 ;;
+    --quick) PROFILE=quick ;;
+    -h|--help) sed -n '2,41p' "$0"; exit 0 ;;
+    *) echo "gpu_check.sh: unknown argument $arg (use --cpu, --quick or nothing)" >&2; exit 2 ;;
   esac
 done
 
@@ -46,99 +58,152 @@ OUT=${OUT:-./gpu_check_out}
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")
 PY=${PYTHON:-python3}
-DEADLINE_S=${GPU_CHECK_DEADLINE_S:-360}
+if [ "$PROFILE" = quick ]; then DEADLINE_S=${GPU_CHECK_DEADLINE_S:-220}; else DEADLINE_S=${GPU_CHECK_DEADLINE_S:-465}; fi
+CHECKPOINT_S=${CHECKPOINT_S:-30}
 T0=$(date +%s)
 STEPS=$WORK/steps.tsv
 export PYTHONUNBUFFERED=1
-# nvcc and compute-sanitizer; and the scripts of carried wheels (ninja, for FlashInfer's JIT).
+# nvcc, ncu and compute-sanitizer; and the scripts of carried wheels (ninja, for FlashInfer's JIT).
 [ -d /usr/local/cuda/bin ] && case ":$PATH:" in *:/usr/local/cuda/bin:*) ;; *) export PATH="$PATH:/usr/local/cuda/bin" ;; esac
-IFS=: read -r -a SITES <<<"${PYTHONPATH:-}"
-for site in "${SITES[@]}"; do
-  if [ -n "$site" ] && [ -d "$site/bin" ]; then export PATH="$PATH:$site/bin"; fi
-done
 : >"$STEPS"
 
 elapsed() { echo $(( $(date +%s) - T0 )); }
-# step NAME STATUS SECONDS DETAIL: one line of the step table (tab-separated).
-step() { printf '%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$(echo "$4" | tr '\t\n' '  ' | cut -c1-400)" >>"$STEPS"; }
+since() { echo $(( $(date +%s) - $1 )); }
+# step NAME STATUS SECONDS DETAIL: one line of the step table (tab-separated, detail cut short).
+step() { printf '%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$(echo "$4" | tr '\t\n' '  ' | cut -c1-300)" >>"$STEPS"; }
 say() { echo "[gpu_check $(elapsed)s] $*"; }
 clamp() { local v=$1 lo=$2 hi=$3; [ "$v" -lt "$lo" ] && v=$lo; [ "$v" -gt "$hi" ] && v=$hi; echo "$v"; }
+verdict() { "$PY" benchmarks/steps.py "$@" 2>/dev/null || printf 'FAIL\tsteps.py failed\n'; }
+latest_json() {
+  [ -e "$WORK/bench.start" ] && find "$OUT" -maxdepth 1 -name '*_bench.json' -newer "$WORK/bench.start" | head -n 1
+}
+# logs.tar.gz under the 16 MiB per-file limit: files over 4 MB travel as their last 4 MB.
+pack_logs() {
+  local f excludes=()
+  rm -rf "$WORK/.tails" && mkdir -p "$WORK/.tails"
+  while IFS= read -r f; do
+    excludes+=(--exclude="./${f#"$WORK"/}")
+    tail -c 4000000 "$f" >"$WORK/.tails/$(basename "$f").tail"
+  done < <(find "$WORK" -type f -size +4M -not -path "$WORK/.tails/*")
+  tar -czf "$OUT/.logs.tar.gz.tmp" -C "$WORK" "${excludes[@]}" . 2>/dev/null
+  [ -s "$OUT/.logs.tar.gz.tmp" ] && mv -f "$OUT/.logs.tar.gz.tmp" "$OUT/logs.tar.gz"
+}
+# checkpoint [RUNNING_STEP]: summary.md rewritten from what is known now, logs repacked.
+checkpoint() {
+  local json; json=$(latest_json)
+  "$PY" benchmarks/summarize.py --steps "$STEPS" --env "$WORK/env.json" ${json:+--bench "$json"} \
+    --probe "$WORK/l2_probe.json" --mode "$MODE" --out "$OUT/summary.md" --total-s "$(elapsed)" \
+    ${1:+--running "$1"} --quiet >>"$WORK/checkpoint.log" 2>&1
+  pack_logs
+}
 
-say "mode=$MODE out=$OUT logs=$WORK deadline=${DEADLINE_S}s"
+say "mode=$MODE profile=$PROFILE out=$OUT logs=$WORK deadline=${DEADLINE_S}s"
+# --cpu runs the same steps on the CPU backend; bench_decode.py --cpu then sweeps its own tiny cpu profile.
+CPUFLAG=(); [ "$MODE" = cpu ] && CPUFLAG=(--cpu)
 
-# -- 0. the package must import with its kernel sources --------------------------------------
+# -- 0. wheels ---------------------------------------------------------------------------------
+NO_FLASHINFER=''
+t=$(date +%s)
+WHEELS=${WHEELS_DIR:-$REPO/.whl}
+SITE=${WHEEL_TARGET:-/tmp/site}
+if [ "$PROFILE" = quick ] || { [ "$MODE" = cpu ] && [ -z "${WHEELS_DIR:-}" ]; }; then
+  step wheels skipped 0 "$([ "$PROFILE" = quick ] && echo "--quick: no baselines" || echo "--cpu: no baselines")"
+  NO_FLASHINFER="profile $PROFILE"
+elif ! ls "$WHEELS"/*.whl >/dev/null 2>&1; then
+  step wheels skipped 0 "no wheels in $WHEELS: FlashInfer unavailable"
+  NO_FLASHINFER="no wheels carried ($WHEELS)"
+elif timeout 60 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+    "$WHEELS"/*.whl >"$WORK/wheels.log" 2>&1; then
+  export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+  [ -d "$SITE/bin" ] && export PATH="$PATH:$SITE/bin"
+  step wheels ok "$(since "$t")" "$(cd "$WHEELS" && ls ./*.whl | sed 's|^\./||' | cut -d- -f1,2 | tr '\n' ' ')into $SITE"
+else
+  NO_FLASHINFER="wheel install failed: $(grep -v '^$' "$WORK/wheels.log" | tail -n 1)"
+  step wheels FAIL "$(since "$t")" "going on without FlashInfer: $NO_FLASHINFER"
+fi
+checkpoint
+
+# -- 1. the package must import with its kernel sources ---------------------------------------
 # Run from the checkout without installing: metrale_attn finds kernels_cu/ beside itself.
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 t=$(date +%s)
 if "$PY" -c "import metrale_attn.kernels as k; k.read_source(k.COMMON_HEADER)" >"$WORK/install.log" 2>&1; then
-  step install ok $(( $(date +%s) - t )) "metrale_attn imports from the checkout"
+  step import ok "$(since "$t")" "metrale_attn imports from the checkout"
 else
-  step install FAIL $(( $(date +%s) - t )) "metrale_attn does not import: $(tail -n 1 "$WORK/install.log")"
+  step import FAIL "$(since "$t")" "metrale_attn does not import: $(tail -n 1 "$WORK/install.log")"
 fi
 
-# -- 1. environment and copy bandwidth --------------------------------------------------------
+# -- 2. environment and copy bandwidth --------------------------------------------------------
 t=$(date +%s)
-CPUFLAG=(); [ "$MODE" = cpu ] && CPUFLAG=(--cpu)
 if [ "$MODE" = gpu ]; then
   timeout 20 nvidia-smi >"$WORK/nvidia-smi.txt" 2>&1
   timeout 20 nvidia-smi -q >"$WORK/nvidia-smi-q.txt" 2>&1
 fi
-timeout 90 "$PY" benchmarks/gpu_env.py --out "$WORK/env.json" "${CPUFLAG[@]}" >"$WORK/env.log" 2>&1
+timeout 60 "$PY" benchmarks/gpu_env.py --out "$WORK/env.json" "${CPUFLAG[@]}" >"$WORK/env.log" 2>&1
 rc=$?
 cat "$WORK/env.log"
 if [ $rc -eq 0 ]; then
-  step environment ok $(( $(date +%s) - t )) "$(grep '^copy bandwidth' "$WORK/env.log")"
+  step environment ok "$(since "$t")" "$(grep -o '^copy bandwidth: [0-9.]* TB/s' "$WORK/env.log"); $(head -n 1 "$WORK/env.log" | cut -c1-70)"
 else
-  step environment FAIL $(( $(date +%s) - t )) "rc=$rc: $(tail -n 1 "$WORK/env.log")"
+  step environment FAIL "$(since "$t")" "rc=$rc: $(tail -n 1 "$WORK/env.log")"
+fi
+checkpoint
+
+# -- background work beside the tests: FlashInfer's JIT, the SASS model, the sanitizers ---------
+FI_PID=''
+FI_STATUS=$WORK/flashinfer_status.json
+if [ "$PROFILE" = full ] && [ "$MODE" = gpu ]; then
+  if [ -n "$NO_FLASHINFER" ]; then
+    printf '{"variants": {}, "import_error": "%s"}\n' "$(echo "$NO_FLASHINFER" | tr -d '"\\' | cut -c1-300)" >"$FI_STATUS"
+  else
+    mkdir -p "$WORK/flashinfer"
+    # Niced: its nvcc jobs would otherwise starve the pytest workers; it gets the CPU they leave.
+    NICE=(); command -v nice >/dev/null 2>&1 && NICE=(nice -n 10)
+    FI_CAP=${FLASHINFER_JIT_CAP_S:-300}
+    timeout $((FI_CAP + 30)) "${NICE[@]}" "$PY" benchmarks/baselines.py flashinfer-prewarm --timeout-s "$FI_CAP" \
+      --out "$FI_STATUS" --log-dir "$WORK/flashinfer" </dev/null >"$WORK/flashinfer_prewarm.log" 2>&1 &
+    FI_PID=$!
+  fi
 fi
 
-# -- 2+3. GPU tests in the foreground; sanitizers and FlashInfer's JIT in the background ----------
-# The sanitizer runs and the JIT prewarm only need correctness (or the CPU), so they overlap
-# the test suite; nothing runs beside the benchmark, which needs the GPU to itself.
-sanitize_chain() {
-  local tool t log rc verdict status
+SASS_PID=''
+SASS_JSON=${SASS_MODEL_JSON:-}
+if [ -z "$SASS_JSON" ] && [ -f benchmarks/sass_report.py ] && { [ "$MODE" = gpu ] || [ "${SASS_REPORT:-0}" = 1 ]; }; then
+  timeout "${SASS_REPORT_CAP_S:-150}" nice -n 10 "$PY" benchmarks/sass_report.py --json "$WORK/sass_model.json" \
+    </dev/null >"$WORK/sass_report.md" 2>"$WORK/sass_report.err" &
+  SASS_PID=$!
+fi
+
+sanitize_chain() {  # runs in the background; each tool capped, all done by SAN_DEADLINE
+  local tool t rc left out
   for tool in ${SANITIZE_TOOLS:-memcheck racecheck initcheck}; do
     t=$(date +%s)
-    log="$WORK/sanitize_$tool.log"
-    timeout -k 10 "${SANITIZE_TIMEOUT_S:-60}" "$SANITIZER" --tool "$tool" --error-exitcode 3 \
-      --print-limit 20 "$PY" benchmarks/sanitize_cases.py </dev/null >"$log" 2>&1
+    left=$(( SAN_DEADLINE - t ))
+    if [ "$left" -lt 10 ]; then
+      STEPS="$WORK/sanitize_steps.tsv" step "sanitize_$tool" skipped 0 "no time left before the sweep"
+      continue
+    fi
+    timeout -k 10 "$(clamp "$left" 10 "${SANITIZE_TIMEOUT_S:-45}")" "$SANITIZER" --tool "$tool" --error-exitcode 3 \
+      --print-limit 20 "$PY" benchmarks/sanitize_cases.py </dev/null >"$WORK/sanitize_$tool.log" 2>&1
     rc=$?
-    verdict=$(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|sanitize_cases:' "$log" | tr '\n' ' ')
-    case $rc in
-      0) status=ok ;;
-      3) status=ERRORS ;;
-      124|137) status=TIMEOUT ;;
-      1) status=WRONG ;;  # the cases ran but an output missed the correctness bar
-      *) status=REFUSED ;;
-    esac
-    if grep -qiE 'device not supported|unable to (find|load|initialize)|not supported on this' "$log"; then
-      status=REFUSED  # the sanitizer could not instrument this device or driver
-    fi
-    if [ "$status" = REFUSED ] || [ -z "$verdict" ]; then
-      verdict="$verdict $(grep -v '^$' "$log" | tail -n 2 | tr '\n' ' ')"
-    fi
-    STEPS="$WORK/sanitize_steps.tsv" step "sanitize_$tool" "$status" $(( $(date +%s) - t )) "rc=$rc $verdict"
+    out=$(verdict sanitizer --rc "$rc" --log "$WORK/sanitize_$tool.log")
+    STEPS="$WORK/sanitize_steps.tsv" step "sanitize_$tool" "${out%%$'\t'*}" "$(since "$t")" "${out#*$'\t'}"
   done
 }
 
-FI_PID=''
+# -- 3. the GPU tests (the sanitizers beside them) ------------------------------------------------
+PT_CAP=${PYTEST_TIMEOUT_S:-110}
 SAN_PID=''
-if [ "$MODE" = gpu ]; then
-  FI_CAP=${FLASHINFER_JIT_CAP_S:-150}
-  mkdir -p "$WORK/flashinfer"
-  # Niced: its nvcc jobs (ninja runs ~30 at once over the 4 variants) would otherwise starve the
-  # pytest workers of the 16 cores and push the GPU tests toward their cap; it gets the CPU the
-  # tests leave, and all of it once they end.
-  NICE=(); command -v nice >/dev/null 2>&1 && NICE=(nice -n 10)
-  timeout $((FI_CAP + 60)) "${NICE[@]}" "$PY" benchmarks/baselines.py flashinfer-prewarm --timeout-s "$FI_CAP" \
-    --out "$WORK/flashinfer_status.json" --log-dir "$WORK/flashinfer" </dev/null >"$WORK/flashinfer_prewarm.log" 2>&1 &
-  FI_PID=$!
+if [ "$PROFILE" != quick ]; then
   SANITIZER=$(command -v compute-sanitizer)
   for candidate in /usr/local/cuda*/compute-sanitizer/compute-sanitizer; do
     if [ -z "$SANITIZER" ] && [ -x "$candidate" ]; then SANITIZER=$candidate; fi
   done
-  if [ -n "$SANITIZER" ] && [ -x "$SANITIZER" ]; then
-    say "compute-sanitizer (${SANITIZE_TOOLS:-memcheck racecheck initcheck}) in the background"
+  if [ "$MODE" = cpu ]; then
+    step sanitize skipped 0 "--cpu: no sanitizer (tests/test_benchmarks.py runs sanitize_cases.py --cpu)"
+  elif [ -n "$SANITIZER" ] && [ -x "$SANITIZER" ]; then
+    say "compute-sanitizer (${SANITIZE_TOOLS:-memcheck racecheck initcheck}) beside the tests"
+    SAN_DEADLINE=$(( $(date +%s) + PT_CAP + 15 ))
     sanitize_chain &
     SAN_PID=$!
   else
@@ -146,11 +211,12 @@ if [ "$MODE" = gpu ]; then
   fi
 
   t=$(date +%s)
-  PT_CAP=${PYTEST_TIMEOUT_S:-120}
   # The image has many pytest plugins (cov, benchmark, ...): load none but xdist, explicitly.
   export PYTEST_DISABLE_PLUGIN_AUTOLOAD=1
   XDIST=()
-  if "$PY" -c "import xdist.plugin" >/dev/null 2>&1; then XDIST=(-p xdist.plugin -n "${PYTEST_WORKERS:-6}"); fi
+  if [ "$MODE" = gpu ] && "$PY" -c "import xdist.plugin" >/dev/null 2>&1; then
+    XDIST=(-p xdist.plugin -n "${PYTEST_WORKERS:-6}")
+  fi
   say "pytest -m gpu tests/test_gpu.py ${XDIST[*]} (cap ${PT_CAP}s)"
   timeout -k 10 "$PT_CAP" "$PY" -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider -rfE \
     "${XDIST[@]}" >"$WORK/pytest_gpu.log" 2>&1
@@ -159,67 +225,102 @@ if [ "$MODE" = gpu ]; then
     # xdist could not start its workers: run serially in the time left.
     say "pytest with xdist failed to start (rc=$rc); running serially"
     mv "$WORK/pytest_gpu.log" "$WORK/pytest_gpu_xdist.log"
-    left=$(( PT_CAP - ($(date +%s) - t) ))
-    timeout -k 10 "$(clamp "$left" 10 "$PT_CAP")" "$PY" -m pytest -q -m gpu tests/test_gpu.py \
+    timeout -k 10 "$(clamp $(( PT_CAP - $(since "$t") )) 10 "$PT_CAP")" "$PY" -m pytest -q -m gpu tests/test_gpu.py \
       -p no:cacheprovider -rfE >"$WORK/pytest_gpu.log" 2>&1
     rc=$?
   fi
-  summary=$(grep -E '(passed|failed|error|skipped|no tests ran)' "$WORK/pytest_gpu.log" | tail -n 1)
-  if [ $rc -eq 0 ]; then status=ok
-  elif [ $rc -eq 124 ] || [ $rc -eq 137 ]; then status=TIMEOUT; summary="timed out after ${PT_CAP}s; $summary"
-  else status=FAIL; fi
-  step gpu_tests "$status" $(( $(date +%s) - t )) "rc=$rc ${summary:-$(tail -n 1 "$WORK/pytest_gpu.log")}"
-  tail -n 3 "$WORK/pytest_gpu.log"
+  out=$(verdict pytest --rc "$rc" --log "$WORK/pytest_gpu.log" --mode "$MODE")
+  step gpu_tests "${out%%$'\t'*}" "$(since "$t")" "${out#*$'\t'}"
+  say "gpu_tests: ${out%%$'\t'*} ${out#*$'\t'}"
   if [ -n "$SAN_PID" ]; then
-    say "waiting for compute-sanitizer"
+    say "waiting for compute-sanitizer (until $(( SAN_DEADLINE - T0 + 10 ))s at most)"
     wait "$SAN_PID"
     cat "$WORK/sanitize_steps.tsv" >>"$STEPS" 2>/dev/null
   fi
 else
-  step gpu_tests skipped 0 "--cpu: no GPU"
-  step sanitize skipped 0 "--cpu: no sanitizer"
+  step gpu_tests skipped 0 "--quick: no tests, no sanitizers (the sweep still checks every output it times)"
+fi
+checkpoint
+
+# -- 4. the L2 probe ----------------------------------------------------------------------------
+if [ "${L2_PROBE:-1}" = 1 ]; then
+  t=$(date +%s)
+  L2_CAP=${L2_PROBE_CAP_S:-70}
+  say "l2_probe.py (ncu, cap ${L2_CAP}s)"
+  timeout -k 10 $((L2_CAP + 15)) "$PY" benchmarks/l2_probe.py probe --out "$WORK/l2_probe.json" --work "$WORK/l2_probe" \
+    --timeout-s "$L2_CAP" "${CPUFLAG[@]}" ${NCU:+--ncu "$NCU"} 2>"$WORK/l2_probe.err" | tee "$WORK/l2_probe.log"
+  out=$(verdict json-status "$WORK/l2_probe.json")
+  step l2_probe "${out%%$'\t'*}" "$(since "$t")" "${out#*$'\t'}"
+else
+  step l2_probe skipped 0 "L2_PROBE=0"
+fi
+checkpoint
+
+# -- the SASS model's predictions: fresh if its report finished, else the committed one -----------
+t=$(date +%s)
+if [ -n "$SASS_JSON" ]; then
+  step sass_model ok 0 "given: $SASS_JSON"
+else
+  if [ -n "$SASS_PID" ]; then
+    if kill -0 "$SASS_PID" 2>/dev/null; then kill "$SASS_PID" 2>/dev/null; fi  # the GPU does not wait for it
+    wait "$SASS_PID" 2>/dev/null
+  fi
+  if [ -s "$WORK/sass_model.json" ]; then
+    SASS_JSON=$WORK/sass_model.json
+    step sass_model ok 0 "fresh: sass_report.py on this checkout"
+  elif [ -s benchmarks/results/sass_model.json ]; then
+    SASS_JSON=$REPO/benchmarks/results/sass_model.json
+    step sass_model ok 0 "committed benchmarks/results/sass_model.json$([ -n "$SASS_PID" ] && echo ' (the fresh report did not finish)')"
+  else
+    step sass_model none 0 "no SASS report: no prediction beside the rows"
+  fi
 fi
 
-# -- 4. benchmarks -----------------------------------------------------------------------------
-if [ -n "$FI_PID" ]; then
-  say "waiting for the FlashInfer JIT prewarm"
-  wait "$FI_PID"
-  step flashinfer_jit "$([ -s "$WORK/flashinfer_status.json" ] && echo ok || echo FAIL)" 0 \
-    "$(grep '^flashinfer' "$WORK/flashinfer_prewarm.log" | tr '\n' ';')"
-fi
+# -- 5. the sweep ---------------------------------------------------------------------------------
 t=$(date +%s)
-left=$(( DEADLINE_S - $(elapsed) ))
-BUDGET=$(clamp $(( left - 45 )) 20 "${BENCH_BUDGET_S:-150}")
-BENCH=(benchmarks/bench_decode.py --out-dir "$OUT" --env-json "$WORK/env.json" --time-budget-s "$BUDGET")
-if [ "$MODE" = gpu ]; then
-  BENCH+=(--flashinfer-status "$WORK/flashinfer_status.json")
-else
-  BENCH+=(--cpu)
-fi
+BUDGET=$(clamp $(( DEADLINE_S - $(elapsed) - 30 )) 30 "${BENCH_BUDGET_S:-300}")
+BENCH=(benchmarks/bench_decode.py --out-dir "$OUT" --env-json "$WORK/env.json" --time-budget-s "$BUDGET"
+       --profile "$PROFILE" --probe-json "$WORK/l2_probe.json" --checkpoint-s "$CHECKPOINT_S")
+[ -n "$SASS_JSON" ] && BENCH+=(--sass-json "$SASS_JSON")
+if [ "$MODE" = cpu ]; then BENCH+=(--cpu); elif [ "$PROFILE" = full ]; then BENCH+=(--flashinfer-status "$FI_STATUS"); fi
 # shellcheck disable=SC2206
 BENCH+=(${BENCH_ARGS:-})
-say "bench_decode.py, budget ${BUDGET}s"
+say "bench_decode.py --profile $PROFILE${CPUFLAG[*]:+ --cpu}, budget ${BUDGET}s"
 touch "$WORK/bench.start"
-# SIGTERM at the cap: bench_decode.py then writes what it measured; SIGKILL 20 s later.
-timeout -k 20 $(( BUDGET + 90 )) "$PY" "${BENCH[@]}" 2>&1 | tee "$WORK/bench.log" | grep -E '^\[|^wrote'
+checkpoint_loop() {  # summary.md and logs every CHECKPOINT_S while the sweep runs
+  local n=0
+  while [ ! -e "$WORK/bench.done" ]; do
+    sleep 1; n=$((n + 1))
+    if [ "$n" -ge "$CHECKPOINT_S" ]; then n=0; checkpoint benchmark; fi
+  done
+}
+checkpoint_loop &
+CK_PID=$!
+# SIGTERM at the cap: bench_decode.py then writes what it measured; SIGKILL 15 s later.
+timeout -k 15 $((BUDGET + 25)) "$PY" "${BENCH[@]}" 2>"$WORK/bench.err" | tee "$WORK/bench.log" \
+  | grep --line-buffered -E '^\[|^wrote '
 rc=${PIPESTATUS[0]}
-json=$(find "$OUT" -maxdepth 1 -name '*_bench.json' -newer "$WORK/bench.start" | head -n 1)
-if [ "$rc" -eq 0 ] && [ -n "$json" ]; then
-  step benchmark ok $(( $(date +%s) - t )) "$(basename "$json")"
-elif [ -n "$json" ]; then  # cut short (an error, or SIGTERM at the cap): what was measured is written
-  step benchmark PARTIAL $(( $(date +%s) - t )) "rc=$rc $(grep -m1 -E 'Terminated|Error' "$WORK/bench.log") $(basename "$json")"
-else
-  step benchmark FAIL $(( $(date +%s) - t )) "rc=$rc $(tail -n 1 "$WORK/bench.log")"
+touch "$WORK/bench.done"
+wait "$CK_PID"
+json=$(latest_json)
+out=$(verdict bench --rc "$rc" ${json:+--json "$json"})
+step benchmark "${out%%$'\t'*}" "$(since "$t")" "${out#*$'\t'}"
+
+if [ -n "$FI_PID" ]; then
+  kill -0 "$FI_PID" 2>/dev/null && kill "$FI_PID" 2>/dev/null  # its cleanup kills the nvcc groups
+  wait "$FI_PID" 2>/dev/null
+  out=$(verdict flashinfer "$FI_STATUS")
+  step flashinfer_jit "${out%%$'\t'*}" 0 "${out#*$'\t'}"
+elif [ "$PROFILE" = full ] && [ "$MODE" = gpu ]; then
+  step flashinfer_jit skipped 0 "$NO_FLASHINFER"
 fi
 
-# -- 5. summary (printed last) and logs --------------------------------------------------------
+# -- 6. summary (printed last) and logs --------------------------------------------------------
 "$PY" benchmarks/summarize.py --steps "$STEPS" --env "$WORK/env.json" ${json:+--bench "$json"} \
-  --out "$OUT/summary.md" --total-s "$(elapsed)" >"$WORK/summary.txt" 2>&1 || echo "summarize.py failed" >>"$WORK/summary.txt"
-# Keep logs.tar.gz far under the 16 MiB per-file limit: the last 4 MB of any larger log.
-find "$WORK" -type f -size +4M -exec sh -c 'tail -c 4000000 "$1" >"$1.tail" && mv "$1.tail" "$1"' _ {} \;
-tar -czf "$OUT/logs.tar.gz" -C "$WORK" .
+  --probe "$WORK/l2_probe.json" --mode "$MODE" --out "$OUT/summary.md" --total-s "$(elapsed)" \
+  >"$WORK/summary.txt" 2>&1 || echo "summarize.py failed" >>"$WORK/summary.txt"
+pack_logs
 cat "$WORK/summary.txt"
 [ "${KEEP_WORK:-0}" = 1 ] || rm -rf "$WORK"
-# Exit 0 when the run produced its benchmark result (its pass/fail lines are in the summary),
-# 1 when the harness itself broke.
-[ -n "$json" ]
+# Exit 0 when the sweep timed rows of ours (its pass/fail lines are in the summary), 1 when not.
+"$PY" benchmarks/steps.py exit-code ${json:+--json "$json"} >/dev/null

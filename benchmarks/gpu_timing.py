@@ -139,6 +139,22 @@ class GpuTimer:
                 graph = stream.end_capture()
         return lambda: graph.launch(stream)
 
+    def capture_poisoned(self, call: Callable[[], object], out, *, warmup: int = 2) -> Callable[[], None]:
+        """Warm ``call`` up on this stream, capture it (``capture_cupy``), fill ``out`` (a torch tensor)
+        with NaN and launch the graph once; returns the launch. ``out`` then holds what the graph
+        wrote, for the check before timing: an element it never wrote is still NaN."""
+        self.synchronize_device()
+        with self.on_stream():  # warm-up outside capture
+            for _ in range(warmup):
+                call()
+        launch = self.capture_cupy(call)
+        out.fill_(float("nan"))
+        self.synchronize_device()
+        with self.on_stream():
+            launch()
+        self.synchronize_device()
+        return launch
+
     def capture_torch(self, fn: Callable[[], object]):
         """Capture ``fn`` (PyTorch ops) with ``torch.cuda.graph``; returns ``(launch, output)``.
 

@@ -27,18 +27,18 @@ Usage: ``compute-sanitizer --tool memcheck python3 benchmarks/sanitize_cases.py`
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
 import numpy as np
 
-from metrale_attn import DecodeAttention, reference
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-ARMS = {
-    "unpacked": dict(splitk="off", gqa_pack=False),
-    "splitk": dict(splitk="auto", gqa_pack=False),
-    "gqa_packed": dict(splitk="off", gqa_pack=True),
-}
+from sweep_plan import ARM_OPTIONS as ARMS  # noqa: E402
+
+from metrale_attn import DecodeAttention, reference  # noqa: E402
+
 CASES = [
     # (kv dtype, layout, page size, head_dim for unpacked/split-K)
     ("bf16", "NHD", 16, 128),

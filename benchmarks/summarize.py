@@ -1,27 +1,36 @@
 """The last word of ``gpu_check.sh``: one summary of every step, the targets, and a short table.
 
-This script owns ``summary.md`` and the short plain-text table ``gpu_check.sh`` prints
-LAST (so it is what a reader of the device run's output tail sees first):
+This script owns ``summary.md`` (rewritten after every step, so a run cut off from
+outside still brings one back) and the short plain-text table ``gpu_check.sh`` prints
+LAST: the device tool returns only the last 12,000 characters of a run's output, so the
+table is kept to short lines and a few dozen of them:
 
-- the step table (``steps.tsv``: name, status, seconds, detail, one line per step);
-- the environment line and the copy bandwidth;
-- the targets (pass/fail) from the benchmark JSON;
-- per (model, KV dtype): % of the copy bandwidth of the policy's default arm, batch
-  by context, and the slowest speed-up over the fastest baseline that ran.
+- the step table (``steps.tsv``: name, status, seconds, detail), a running step if any;
+- the copy bandwidth and the targets (pass/fail) from the benchmark JSON;
+- the decisive configurations: every variant's % of copy, the static SASS model's
+  predicted ceiling beside it ``[pred]``, and the baselines;
+- the ``heads_per_cta`` sweep, the old-vs-new kernel comparison, the L2 probe;
+- per model: the policy's default arm's % of copy, batch by context;
+- ``OVERALL``: ok, or FAIL with the steps that failed (the last line).
 
-Usage: ``python3 benchmarks/summarize.py --steps steps.tsv --env env.json --bench X_bench.json --out summary.md``
+Usage: ``python3 benchmarks/summarize.py --steps steps.tsv --env env.json --bench X_bench.json
+--probe l2_probe.json --mode gpu --out summary.md [--running benchmark] [--quiet]``
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
+import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import bench_report  # noqa: E402
+from l2_probe import probe_text  # noqa: E402
+from steps import load_json, timed_rows  # noqa: E402
+
+FAILING = ("FAIL", "TIMEOUT", "ERRORS", "WRONG")
 
 
 def read_steps(path: str) -> list[dict]:
@@ -37,18 +46,85 @@ def read_steps(path: str) -> list[dict]:
     return steps
 
 
-def _load(path) -> dict:
-    if not path or not os.path.exists(path):
-        return {}
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except ValueError:
-        return {}
+def _value(r: dict, pct: bool) -> str:
+    if r.get("median_us") is None:
+        return r["status"]
+    if pct and r.get("pct_of_copy") is not None:
+        return f"{r['pct_of_copy']:.1f}"
+    return f"{r['median_us']:.0f}us"
+
+
+def decisive_lines(result: dict) -> list[str]:
+    """One line per decisive configuration: every variant of ours (``[pred]``: the SASS model's
+    ceiling %), then the baselines."""
+    pct = bool(result.get("copy_tb_per_s")) and result.get("mode") != "cpu"
+    rows = [r for r in result.get("rows", []) if str(r.get("tier", "")).startswith("decisive")]
+    if not rows:
+        return []
+    out = [f"decisive configurations ({'% of copy' if pct else 'simulator us'}; * the policy's default; "
+           "[n] the SASS model's ceiling %):"]
+    by_cfg: dict = {}
+    for r in rows:
+        by_cfg.setdefault((r["model"], r["kv_dtype"], r["batch"], r["context"]), []).append(r)
+    for (model, kv, batch, context), rs in by_cfg.items():
+        parts = []
+        for r in rs:
+            if r["impl"] == "metrale":
+                label = bench_report.short_label(r) + ("*" if r.get("default") else "")
+                pred = (r.get("sass") or {}).get("ceiling_pct")
+                parts.append(f"{label} {_value(r, pct)}" + (f"[{pred:.0f}]" if isinstance(pred, (int, float)) else ""))
+            else:
+                parts.append(f"{bench_report.short_label(r)} {_value(r, pct)}")
+        out += _wrap(f"  {model} {kv} b{batch} {bench_report._ctx(context)}:", parts)
+    return out
+
+
+def _wrap(head: str, parts: list[str], width: int = 110) -> list[str]:
+    """``head`` then ``parts`` two spaces apart, continued on indented lines past ``width``."""
+    lines, line = [], head
+    for part in parts:
+        if len(line) + 2 + len(part) > width and line.strip() != head.strip():
+            lines.append(line)
+            line = " " * 6
+        line += ("  " if line.strip() else "") + part
+    return lines + [line]
+
+
+def hpc_lines(result: dict) -> list[str]:
+    info = result.get("hpc_sweep") or {}
+    rows = [r for r in result.get("rows", []) if r.get("sweep") == "heads_per_cta"]
+    if not rows:
+        return [f"heads_per_cta sweep: {info.get('status', 'not planned')}"] if info else []
+    pct = bool(result.get("copy_tb_per_s")) and result.get("mode") != "cpu"
+    r0 = rows[0]
+    out = [f"heads_per_cta sweep ({r0['model']} {r0['kv_dtype']} {bench_report._ctx(r0['context'])}; "
+           f"{'% of copy' if pct else 'us'}; * the plan's choice):"]
+    for batch in sorted({r["batch"] for r in rows}):
+        cells = [f"h{r['heads_per_cta']}{'*' if r.get('hpc_choice') else ''} {_value(r, pct)}"
+                 for r in rows if r["batch"] == batch]
+        out += _wrap(f"  b{batch}:", cells)
+    return out
+
+
+def impl_line(result: dict) -> list[str]:
+    caps = result.get("kernel_impls") or {}
+    if not caps:
+        return []
+    if not caps.get("comparison"):
+        return [f"old vs new kernels: {caps.get('notes', {}).get('impl', 'not available in this build')}"]
+    pairs: dict = {}
+    for r in bench_report.arm_rows(result):
+        if r.get("median_us") is not None and r.get("arm") != "default" and r.get("kernel_impl"):
+            pairs.setdefault((bench_report._key(r), r["arm"]), {})[r["kernel_impl"]] = r["median_us"]
+    speedups = sorted(p["simt"] / p["mma"] for p in pairs.values() if "simt" in p and "mma" in p)
+    if not speedups:
+        return ["old vs new kernels: no configuration timed both"]
+    return [f"old vs new kernels: mma over simt {speedups[0]:.2f}x min, {statistics.median(speedups):.2f}x median, "
+            f"{speedups[-1]:.2f}x max over {len(speedups)} arm x configuration pairs"]
 
 
 def grid_tables(result: dict) -> list[str]:
-    """Per model: the default arm's % of copy (TB/s on the CPU), rows batch, columns context,
+    """Per model: the default arm's % of copy (us on the CPU), rows batch, columns context,
     one block of columns per KV dtype; then its slowest speed-up over the fastest baseline."""
     rows = [r for r in bench_report.default_rows(result) if r.get("median_us") is not None]
     if not rows:
@@ -60,14 +136,13 @@ def grid_tables(result: dict) -> list[str]:
             k = bench_report._key(r)
             fastest_base[k] = min(fastest_base.get(k, float("inf")), r["median_us"])
     out = []
-    models = list(dict.fromkeys(r["model"] for r in rows))
-    for model in models:
+    for model in dict.fromkeys(r["model"] for r in rows):
         rs = [r for r in rows if r["model"] == model]
         dtypes = list(dict.fromkeys(r["kv_dtype"] for r in rs))
         contexts = sorted({r["context"] for r in rs})
         cell = {(r["kv_dtype"], r["batch"], r["context"]): r for r in rs}
         width = 6 if pct else 8
-        out.append(f"{model} ({rs[0]['shape']}): {'% of copy' if pct else 'TB/s (CPU simulator)'}, default arm")
+        out.append(f"{model} ({rs[0]['shape']}): {'% of copy' if pct else 'simulator us'}, default arm")
         blocks = [f"KV {dt}".center(len(contexts) * (width + 1) - 1) for dt in dtypes]
         out.append(f"  {'':>5} " + " | ".join(blocks))
         out.append(f"  {'batch':>5} " + " | ".join(" ".join(f"{bench_report._ctx(c):>{width}}" for c in contexts)
@@ -81,7 +156,7 @@ def grid_tables(result: dict) -> list[str]:
                     if r is None:
                         vals.append(f"{'-':>{width}}")
                     else:
-                        vals.append(f"{r['pct_of_copy']:>{width}.1f}" if pct else f"{r['tb_per_s']:>{width}.5f}")
+                        vals.append(f"{r['pct_of_copy']:>{width}.1f}" if pct else f"{r['median_us']:>{width}.0f}")
                 parts.append(" ".join(vals))
             out.append(f"  {b:>5} " + " | ".join(parts))
         speedups = sorted(fastest_base[bench_report._key(r)] / r["median_us"] for r in rs
@@ -89,25 +164,43 @@ def grid_tables(result: dict) -> list[str]:
         if speedups:
             out.append(f"  vs fastest baseline: min {speedups[0]:.2f}x, median {speedups[len(speedups) // 2]:.2f}x "
                        f"over {len(speedups)} configurations")
-        out.append("")
     return out
 
 
-def render(steps: list[dict], env: dict, result: dict, total_s: str) -> tuple[str, str]:
+def overall(steps: list[dict], result: dict, mode: str) -> str:
+    """``OVERALL: ok``, or ``OVERALL: FAIL (gpu_tests FAIL; ...)``, with the targets' statuses."""
+    problems = [f"{s['name']} {s['status']}" for s in steps if s["status"] in FAILING]
+    if not timed_rows(result):
+        problems.append("no benchmark rows")
+    targets = result.get("targets") or []
+    if any(t["id"] == "C" and t["status"] == "FAIL" for t in targets):
+        problems.append("a wrong output (C FAIL)")
+    verdict = f"FAIL ({'; '.join(dict.fromkeys(problems))})" if problems else "ok"
+    tail = ", ".join(f"{t['id']} {t['status']}" for t in targets)
+    return f"OVERALL{' (CPU dry run)' if mode == 'cpu' else ''}: {verdict}" + (f"; targets {tail}" if tail else "")
+
+
+def render(steps: list[dict], env: dict, result: dict, total_s: str, *, probe: dict = None, running: str = None,
+           mode: str = None) -> tuple[str, str]:
     """(summary.md text, the short plain-text table)."""
     dev = (result.get("environment") or env).get("device", {})
     copy = result.get("copy_bandwidth") or env.get("copy_bandwidth", {})
-    mode = result.get("mode") or env.get("mode", "?")
+    mode = result.get("mode") or mode or env.get("mode", "?")
     head = f"metrale-attn gpu_check: {dev.get('name', '?')}"
     if dev.get("sm_count"):
         head += f", {dev['sm_count']} SMs"
-    head += f"; mode {mode}; {total_s} s in all"
+    head += f"; mode {mode}"
+    if result.get("profile"):
+        head += f", profile {result['profile']}"
+    head += f"; {total_s} s in all"
     copy_line = (f"copy bandwidth {copy['tb_per_s']:.3f} TB/s (decimal, read + write)" if copy.get("tb_per_s")
                  else f"copy bandwidth not measured ({copy.get('error', '?')})")
     text = [head, copy_line, ""]
-    text.append(f"{'step':<20} {'status':<9} {'s':>5}  detail")
+    text.append(f"{'step':<18} {'status':<9} {'s':>4}  detail")
     for s in steps:
-        text.append(f"{s['name']:<20} {s['status']:<9} {s['seconds']:>5}  {s['detail'][:150]}")
+        text.append(f"{s['name']:<18} {s['status']:<9} {s['seconds']:>4}  {s['detail'][:84]}")
+    if running:
+        text.append(f"{running:<18} {'running':<9} {'':>4}  (this summary was written while it ran)")
     text.append("")
     if result:
         budget = result.get("budget", {})
@@ -116,16 +209,25 @@ def render(steps: list[dict], env: dict, result: dict, total_s: str) -> tuple[st
                         "configurations not measured")
         text.append(bench_report.targets_table(result.get("targets") or bench_report.evaluate_targets(result)))
         text.append("")
+        for block in (decisive_lines(result), hpc_lines(result), impl_line(result)):
+            text += block
+        text.append("")
+    text += probe_text(probe or result.get("l2_probe"))
+    text.append("")
+    if result:
         text += grid_tables(result)
-        if mode == "cpu":
-            text.append("CPU backend simulator; not kernel performance")
     else:
         text.append("no benchmark result")
+    if mode == "cpu":
+        text.append("CPU backend simulator; not kernel performance")
+    text.append(overall(steps, result, mode))
     md = [f"# {head}", "", f"- {copy_line}", "", "| step | status | seconds | detail |", "| --- | --- | --- | --- |"]
     md += [f"| {s['name']} | {s['status']} | {s['seconds']} | {s['detail'].replace('|', '/')} |" for s in steps]
+    if running:
+        md.append(f"| {running} | running | | this summary was written while it ran |")
     md += ["", "## Short table", "", "```", *text, "```", ""]
     if result:
-        md += ["Full tables, baselines, host overhead and plots: the `*_bench.md` beside this file.", ""]
+        md += ["Full tables, baselines, host overhead, the L2 probe and plots: the `*_bench.md` beside this file.", ""]
     return "\n".join(md), "\n".join(text)
 
 
@@ -134,13 +236,21 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", required=True)
     parser.add_argument("--env")
     parser.add_argument("--bench")
+    parser.add_argument("--probe", help="l2_probe.py's JSON (when the benchmark JSON does not carry it yet)")
+    parser.add_argument("--mode", choices=("gpu", "cpu"))
     parser.add_argument("--out", required=True)
     parser.add_argument("--total-s", default="?")
+    parser.add_argument("--running", help="a step still running (a checkpoint's summary)")
+    parser.add_argument("--quiet", action="store_true", help="write summary.md only")
     args = parser.parse_args(argv)
-    md, text = render(read_steps(args.steps), _load(args.env), _load(args.bench), args.total_s)
-    with open(args.out, "w") as f:
+    md, text = render(read_steps(args.steps), load_json(args.env) or {}, load_json(args.bench) or {}, args.total_s,
+                      probe=load_json(args.probe), running=args.running, mode=args.mode)
+    tmp = os.path.join(os.path.dirname(os.path.abspath(args.out)), f".{os.path.basename(args.out)}.tmp")
+    with open(tmp, "w") as f:
         f.write(md)
-    print(text)
+    os.replace(tmp, args.out)
+    if not args.quiet:
+        print(text)
     return 0
 
 

@@ -3,9 +3,13 @@ reporting (targets, markdown, plots, summary) on a synthetic GPU-shaped result.
 
 The GPU run itself (``benchmarks/gpu_check.sh`` on a device) is not tested here; what
 is tested is everything it is built from that runs on a CPU: the CPU-backend sweep
-through the same code paths and output writers, the sanitizer cases' own checks on
-the CPU backend, the pass/fail arithmetic of the targets, and the shell scripts'
-syntax. Plots are checked only where matplotlib is installed (it is not a dependency).
+through the same job loop and output writers (the tiers' order, the per-step packing of
+logs and summary, a run killed mid-sweep), the step verdicts (an all-skipped GPU test
+step is FAIL, no benchmark rows is exit 1), the L2 probe's control flow with ncu absent,
+refusing or faked, the FlashInfer prewarm's scheduling, the switch-over to the new kernel
+API (``impl=``, ``heads_per_cta=``) through a stand-in, the sanitizer cases' own checks on
+the CPU backend, the pass/fail arithmetic of the targets, and the shell scripts' syntax.
+Plots are checked only where matplotlib is installed (it is not a dependency).
 """
 
 from __future__ import annotations
@@ -15,9 +19,11 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
+import time
 
 import pytest
 
@@ -25,30 +31,73 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(REPO, "benchmarks")
 sys.path.insert(0, BENCH)
 
+import baselines  # noqa: E402
 import bench_decode  # noqa: E402
 import bench_report  # noqa: E402
+import l2_probe  # noqa: E402
+import predictions  # noqa: E402
+import steps  # noqa: E402
 import summarize  # noqa: E402
+import sweep_plan  # noqa: E402
+from impls import kernel_impls  # noqa: E402
 
 HAVE_MPL = importlib.util.find_spec("matplotlib") is not None
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
+HAVE_BASH = shutil.which("bash") is not None
 OUT_NAME = re.compile(r"^[A-Za-z0-9._-]+$")  # what a device run's $OUT may hold
 
 
-def _python_env():
+def _python_env(tmp_path, **extra):
     env = dict(os.environ)
     env["PYTHON"] = sys.executable  # the interpreter running the tests, with the package installed
+    env["OUT"] = str(tmp_path / "out")
+    env["TMPDIR"] = str(tmp_path)
+    env.pop("NCU", None)
+    env.update(extra)
     return env
 
 
-@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def _gpu_check_cpu(tmp_path, *flags, **extra):
+    return subprocess.run(["bash", os.path.join(BENCH, "gpu_check.sh"), "--cpu", *flags], cwd=REPO,
+                          env=_python_env(tmp_path, **extra), capture_output=True, text=True, timeout=240)
+
+
+def _steps(summary_md: str) -> dict:
+    """``{step: (status, detail)}`` from summary.md's step table."""
+    out = {}
+    for line in summary_md.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("| ") and len(cells) == 4 and cells[0] not in ("step", "---"):
+            out[cells[0]] = (cells[1], cells[3])
+    return out
+
+
+SASS_ROWS = [  # a stand-in for sass_report.py --json: the CPU profile's shape on sm_90, one fp8 row, one sm_100 row
+    dict(arm=arm, q_heads=6, kv_heads=1, head_dim=256, q_dtype="bf16", kv_dtype="bf16", arch="sm_90",
+         heads_per_cta=h, instr_per_kib=110.0, kib_in_flight_per_sm=40.0, registers=96, spill_bytes=0,
+         ceiling_pct=ceiling, binding="issue")
+    for arm, h, ceiling in (("unpacked", 1, 88.0), ("splitk", 1, 86.0), ("gqa_packed", 6, 60.0))
+] + [dict(arm="unpacked", q_heads=6, kv_heads=1, head_dim=256, q_dtype="bf16", kv_dtype="fp8_e4m3", arch="sm_90",
+          heads_per_cta=1, instr_per_kib=150.0, kib_in_flight_per_sm=30.0, registers=120, spill_bytes=0,
+          ceiling_pct=75.0, binding="alu"),
+     dict(arm="unpacked", q_heads=6, kv_heads=1, head_dim=256, q_dtype="bf16", kv_dtype="bf16", arch="sm_100",
+          heads_per_cta=1, instr_per_kib=1.0, kib_in_flight_per_sm=1.0, registers=1, spill_bytes=0,
+          ceiling_pct=1.0, binding="x")]
+
+
+@pytest.mark.skipif(not HAVE_BASH, reason="needs bash")
 def test_gpu_check_cpu_dry_run_writes_every_output(tmp_path):
-    out = tmp_path / "out"
-    env = _python_env()
-    env["OUT"] = str(out)
-    env["TMPDIR"] = str(tmp_path)
-    done = subprocess.run(["bash", os.path.join(BENCH, "gpu_check.sh"), "--cpu"], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=240)
+    """The dry run end to end: tiers in order, the failure rules, a failed wheel install that the
+    run goes on from, the L2 probe with ncu absent, SASS predictions joined, the short table last."""
+    wheels = tmp_path / "whl"
+    wheels.mkdir()
+    (wheels / "broken-1.0-py3-none-any.whl").write_bytes(b"not a zip file")
+    sass = tmp_path / "sass_model.json"
+    sass.write_text(json.dumps(SASS_ROWS))
+    done = _gpu_check_cpu(tmp_path, WHEELS_DIR=str(wheels), WHEEL_TARGET=str(tmp_path / "site"),
+                          SASS_MODEL_JSON=str(sass))
     assert done.returncode == 0, done.stdout + done.stderr
+    out = tmp_path / "out"
     files = sorted(os.listdir(out))
     assert len(files) <= 8 and all(OUT_NAME.match(f) for f in files), files
     assert "summary.md" in files and "logs.tar.gz" in files
@@ -60,19 +109,89 @@ def test_gpu_check_cpu_dry_run_writes_every_output(tmp_path):
     assert {r["arm"] for r in ours} == {"unpacked", "splitk", "gqa_packed"}
     assert all(r["check"]["status"] == "ok" and r["median_us"] > 0 for r in ours)
     assert any(r["default"] for r in ours)
+    # The new ordering: decisive bf16, decisive fp8, (heads_per_cta: not in this build), then the grid.
+    assert list(dict.fromkeys(r["tier"] for r in ours)) == ["decisive-bf16", "decisive-fp8", "rest"]
+    assert [p["tier"] for p in result["plan"]][:3] == ["decisive-bf16", "decisive-fp8", "heads_per_cta"]
+    assert "not available in this build" in result["hpc_sweep"]["status"]
+    assert result["kernel_impls"]["impls"] == [] and "impl" in result["kernel_impls"]["notes"]
     assert {t["id"]: t["status"] for t in result["targets"]} == {"T1": "N/A", "T2": "N/A", "T3": "N/A", "C": "PASS"}
     assert all(b["status"] == "not run" for b in result["baselines"].values())
+    # The SASS model's prediction beside each row: by arm, shape, dtypes and heads per CTA, sm_90 only.
+    by_variant = {(r["kv_dtype"], r["arm"]): r for r in ours if r["tier"].startswith("decisive")}
+    assert by_variant[("bf16", "unpacked")]["sass"]["ceiling_pct"] == 88.0
+    assert by_variant[("bf16", "gqa_packed")]["sass"]["ceiling_pct"] == 60.0
+    assert by_variant[("fp8", "unpacked")]["sass"]["binding"] == "alu"
+    assert by_variant[("fp8", "splitk")]["sass"] is None
+    assert result["sass_model"]["rows"] == 4
+    assert result["l2_probe"]["status"] == "absent"
     md = (out / json_name.replace(".json", ".md")).read_text()
     assert "CPU backend simulator; not kernel performance" in md
+    assert "## Measured vs the static SASS model" in md and "| issue |" in md
+    assert "## L2 probe" in md and "## heads_per_cta sweep" in md and "## Old vs new kernels" in md
     if HAVE_MPL:
         assert any(f.endswith("_bench.png") for f in files) and any(f.endswith("_arms.png") for f in files)
     with tarfile.open(out / "logs.tar.gz") as tar:
         names = {os.path.basename(n) for n in tar.getnames()}
-    assert {"steps.tsv", "env.json", "bench.log", "summary.txt"} <= names
+    assert {"steps.tsv", "env.json", "bench.log", "summary.txt", "pytest_gpu.log", "l2_probe.json",
+            "wheels.log", "l2_probe_manifest.json"} <= names
     summary = (out / "summary.md").read_text()
-    assert "environment" in summary and "benchmark" in summary and "CPU backend simulator" in summary
-    # The short table is printed last.
-    assert done.stdout.rstrip().splitlines()[-1].startswith("CPU backend simulator")
+    table = _steps(summary)
+    assert table["wheels"][0] == "FAIL" and "going on without FlashInfer" in table["wheels"][1]
+    assert table["gpu_tests"][0] == "skipped" and "FAIL in GPU mode" in table["gpu_tests"][1]
+    assert table["l2_probe"][0] == "absent" and table["benchmark"][0] == "ok"
+    assert table["sass_model"][0] == "ok" and "CPU backend simulator" in summary
+    # Progress lines as they come, short; the short table printed last, its verdict the last line.
+    progress = [line for line in done.stdout.splitlines() if line.startswith("[bench ")]
+    assert len(progress) >= 6 and all(len(line) < 160 for line in progress)
+    assert "decisive configurations" in done.stdout and "L2 probe: absent" in done.stdout
+    last = done.stdout.rstrip().splitlines()
+    assert last[-2].startswith("CPU backend simulator")
+    assert last[-1].startswith("OVERALL (CPU dry run): FAIL (wheels FAIL)")
+
+
+@pytest.mark.skipif(not HAVE_BASH, reason="needs bash")
+def test_gpu_check_quick_exits_1_when_the_sweep_times_nothing(tmp_path):
+    """The rerun's steps (--quick: no tests, no wheels), and a sweep that timed nothing is a failed run."""
+    done = _gpu_check_cpu(tmp_path, "--quick", BENCH_ARGS="--kv-cap-gb 0", L2_PROBE="0")
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert done.stdout.rstrip().splitlines()[-1].startswith("OVERALL (CPU dry run): FAIL (benchmark FAIL")
+    table = _steps((tmp_path / "out" / "summary.md").read_text())
+    assert table["benchmark"][0] == "FAIL" and "no benchmark rows" in table["benchmark"][1]
+    assert table["gpu_tests"][0] == "skipped" and "--quick" in table["gpu_tests"][1]
+    assert table["wheels"][0] == "skipped" and table["l2_probe"][0] == "skipped"
+
+
+@pytest.mark.skipif(not HAVE_BASH, reason="needs bash")
+def test_a_run_killed_mid_sweep_still_leaves_logs_summary_and_numbers(tmp_path):
+    """The device tool kills a command at its limit: what was packed after each step, and what the
+    sweep checkpointed, must already be in $OUT; the progress lines already on stdout."""
+    env = _python_env(tmp_path, CHECKPOINT_S="1", BENCH_ARGS="--cpu-target-s 1 --checkpoint-s 0")
+    proc = subprocess.Popen(["bash", os.path.join(BENCH, "gpu_check.sh"), "--cpu"], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    out = tmp_path / "out"
+    deadline = time.monotonic() + 120
+    try:
+        while time.monotonic() < deadline:
+            summary = (out / "summary.md").read_text() if (out / "summary.md").exists() else ""
+            partial = [f for f in os.listdir(out) if f.endswith("_bench.json")] if out.exists() else []
+            if "| benchmark | running |" in summary and partial:
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail("the sweep never checkpointed")
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout = proc.communicate(timeout=30)[0]
+    files = os.listdir(out)
+    assert len(files) <= 8 and all(OUT_NAME.match(f) for f in files), files
+    result = json.loads((out / partial[0]).read_text())
+    assert result["rows"] and result["rows"][0]["tier"] == "decisive-bf16"
+    table = _steps((out / "summary.md").read_text())
+    assert table["gpu_tests"][0] == "skipped" and table["l2_probe"][0] == "absent"
+    with tarfile.open(out / "logs.tar.gz") as tar:
+        names = {os.path.basename(n) for n in tar.getnames()}
+    assert {"steps.tsv", "env.json", "pytest_gpu.log", "l2_probe.json"} <= names
+    assert re.search(r"^\[bench \d+s\] decisive-bf16 6/1/256 bf16 b2 300: ", stdout, re.M), stdout
 
 
 def test_sanitizer_cases_pass_on_the_cpu_backend():
@@ -83,10 +202,348 @@ def test_sanitizer_cases_pass_on_the_cpu_backend():
     assert "0 failure(s)" in done.stdout
 
 
-@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+@pytest.mark.skipif(not HAVE_BASH, reason="needs bash")
 @pytest.mark.parametrize("script", ["gpu_check.sh", "fetch_wheels.sh"])
 def test_shell_scripts_parse(script):
     subprocess.run(["bash", "-n", os.path.join(BENCH, script)], check=True)
+
+
+def test_the_readme_gives_both_run_calls_within_the_device_limits():
+    """benchmarks/README.md's two device calls: the script's deadline under the call's timeout_s with a
+    margin, the full run within 8 minutes and the rerun within 4, commands within the tool's 2,000 characters."""
+    readme = open(os.path.join(BENCH, "README.md")).read()
+    script = open(os.path.join(BENCH, "gpu_check.sh")).read()
+    calls = dict(re.findall(r'run\(command="(bash benchmarks/gpu_check\.sh[^"]*)", timeout_s=(\d+)', readme))
+    assert set(calls) == {"bash benchmarks/gpu_check.sh", "bash benchmarks/gpu_check.sh --quick"}
+    quick, full = map(int, re.search(r"then DEADLINE_S=\$\{GPU_CHECK_DEADLINE_S:-(\d+)\}; "
+                                     r"else DEADLINE_S=\$\{GPU_CHECK_DEADLINE_S:-(\d+)\}", script).groups())
+    assert full <= 8 * 60 - 15 and quick <= 4 * 60 - 20
+    assert int(calls["bash benchmarks/gpu_check.sh"]) - full >= 60 and int(calls["bash benchmarks/gpu_check.sh --quick"]) \
+        - quick >= 45
+    assert all(int(t) <= 600 and len(c) <= 2000 for c, t in calls.items())
+    assert 'carry=[".whl"]' in readme
+
+
+# -- step verdicts ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rc, log, mode, status", [
+    (0, "ssss\n258 skipped in 0.88s\n", "gpu", "FAIL"),  # the tests saw no device: nothing proven
+    (0, "ssss\n258 skipped in 0.88s\n", "cpu", "skipped"),
+    (5, "no tests ran in 0.01s\n", "gpu", "FAIL"),
+    (0, "6 workers [258 items]\n.....\n250 passed, 8 skipped in 80.10s\n", "gpu", "ok"),
+    (1, "FAILED tests/test_gpu.py::x\n1 failed, 249 passed in 81.0s\n", "gpu", "FAIL"),
+    (1, "===== 3 passed, 1 error in 2.00s =====\n", "gpu", "FAIL"),
+    (124, "....", "gpu", "TIMEOUT"),
+])
+def test_pytest_step_verdicts(rc, log, mode, status):
+    assert steps.pytest_verdict(rc, log, mode)[0] == status
+
+
+def test_sanitizer_step_verdicts():
+    assert steps.sanitizer_verdict(0, "========= ERROR SUMMARY: 0 errors\nsanitize_cases: 0 failure(s)")[0] == "ok"
+    assert steps.sanitizer_verdict(3, "========= ERROR SUMMARY: 2 errors")[0] == "ERRORS"
+    assert steps.sanitizer_verdict(1, "sanitize_cases: 1 failure(s)")[0] == "WRONG"
+    assert steps.sanitizer_verdict(255, "========= Error: Device not supported")[0] == "REFUSED"
+    assert steps.sanitizer_verdict(124, "")[0] == "TIMEOUT"
+
+
+def test_bench_verdict_and_exit_code(tmp_path):
+    assert steps.bench_verdict(1, None)[0] == "FAIL"
+    empty, full = tmp_path / "empty.json", tmp_path / "full.json"
+    empty.write_text(json.dumps({"rows": [{"impl": "metrale", "status": "failed"}], "budget": {}}))
+    full.write_text(json.dumps({"rows": [{"impl": "metrale", "median_us": 3.0}], "budget": {"reason": "SIGTERM"}}))
+    assert steps.bench_verdict(0, str(empty)) == ("FAIL", "rc=0 0 rows of ours timed, 0 not measured: no benchmark rows")
+    assert steps.bench_verdict(0, str(full))[0] == "ok" and steps.bench_verdict(1, str(full))[0] == "PARTIAL"
+    assert steps.main(["exit-code", "--json", str(empty)]) == 1 and steps.main(["exit-code", "--json", str(full)]) == 0
+    assert steps.main(["exit-code"]) == 1
+    fi = tmp_path / "fi.json"
+    fi.write_text(json.dumps({"variants": {"hd128-kvbf16-decode": {"status": "ok", "seconds": 95.2},
+                                           "hd256-kvbf16-tensorcore": {"status": "dropped"}}}))
+    assert steps.flashinfer_verdict(str(fi)) == ("ok", "hd128-kvbf16-decode ok 95s; hd256-kvbf16-tensorcore dropped")
+    fi.write_text(json.dumps({"variants": {}, "import_error": "wheel install failed"}))
+    assert steps.flashinfer_verdict(str(fi)) == ("skipped", "wheel install failed")
+
+
+# -- what runs, in which order --------------------------------------------------------------------------
+
+
+def _planned(*argv):
+    return sweep_plan.plan_jobs(bench_decode.parse_args(list(argv)))
+
+
+def test_the_full_profile_runs_the_decisive_configurations_first():
+    jobs = _planned()
+    head = [(j.tier, j.config.model, j.config.batch, j.config.context) for j in jobs[:10]]
+    decisive = [("llama-3-8b", 64, 4096), ("llama-3-8b", 64, 16384), ("llama-3-8b", 1, 32768),
+                ("llama-3-70b", 64, 4096), ("qwen3.8-27b", 64, 4096)]
+    assert head == [(f"decisive-{dt}", *c) for dt in ("bf16", "fp8") for c in decisive]
+    assert all(j.baselines == ("sdpa_gather", "sdpa_nogather") for j in jobs[:10])
+    hpc = jobs[10:13]
+    assert [(j.kind, j.config.model, j.config.batch, j.config.context) for j in hpc] == [
+        ("hpc", "llama-3-8b", b, 16384) for b in (1, 16, 64)]
+    assert all(j.hpc_values == (1, 2, 4, 8) for j in hpc)
+    rest = jobs[13:]
+    assert rest and all(j.tier == "rest" and not j.baselines for j in rest)
+    assert {j.config.batch for j in rest} == {1, 16, 64, 256} and {j.config.context for j in rest} == {
+        4096, 16384, 65536}  # no batch 4, no 1k contexts
+    points = [j.config for j in jobs if j.kind == "arms"]
+    assert len(points) == len(set(points)) == 72 + 2  # 3 models x 2 dtypes x 4 batches x 3 contexts; 1 x 32k
+    quick = _planned("--profile", "quick")
+    assert [j.tier for j in quick] == [j.tier for j in jobs[:13]] and not any(j.baselines for j in quick)
+
+
+def test_slots_force_every_arm_on_every_implementation():
+    job = _planned()[4]  # 24/4/256: all three arms
+    one = sweep_plan.slots_for(job, kernel_impls(), list(sweep_plan.DEFAULT_ARMS))
+    assert [s.label for s in one] == ["unpacked", "splitk", "gqa_packed"]
+    two = sweep_plan.slots_for(job, kernel_impls(NewApiStandIn), list(sweep_plan.DEFAULT_ARMS))
+    assert [s.label for s in two] == ["unpacked/simt", "unpacked/mma", "splitk/simt", "splitk/mma",
+                                      "gqa_packed/simt", "gqa_packed/mma"]
+    hpc = sweep_plan.slots_for(_planned()[10], kernel_impls(NewApiStandIn), [])
+    assert [s.label for s in hpc] == ["default/mma/h1", "default/mma/h2", "default/mma/h4", "default/mma/h8"]
+
+
+# -- the capability hook: the new kernel API switches everything on -----------------------------------------
+
+
+class NewApiStandIn:
+    def __init__(self, num_q_heads, num_kv_heads, head_dim, page_size, *, impl=None, heads_per_cta=None, **kw):
+        pass
+
+
+def test_kernel_impls_reads_the_signature():
+    today = kernel_impls()
+    assert today.impls == (None,) and not today.heads_per_cta and not today.comparison
+    assert today.options("mma", 4) == {} and "not available in this build" in today.why_not("impl")
+    new = kernel_impls(NewApiStandIn)
+    assert new.impls == ("simt", "mma") and new.heads_per_cta and new.sweep_impl() == "mma"
+    assert new.options("mma", 4) == {"impl": "mma", "heads_per_cta": 4} and new.why_not("impl") == ""
+
+
+NEW_API_DRIVER = r"""
+import sys
+sys.path.insert(0, sys.argv[1])
+import metrale_attn
+
+Real = metrale_attn.DecodeAttention
+
+
+class NewPlan:  # today's plan plus the new API's two fields
+    def __init__(self, plan, impl, heads_per_cta):
+        self._plan, self.impl, self.heads_per_cta = plan, impl, heads_per_cta
+
+    def __getattr__(self, name):
+        return getattr(self._plan, name)
+
+
+class NewApiAttention:  # today's kernels behind the new API's signature
+    def __init__(self, *args, impl=None, heads_per_cta=None, **kwargs):
+        self._real = Real(*args, **kwargs)
+        group = self._real.shape.group_size
+        if impl not in (None, "simt", "mma"):
+            raise ValueError(f"impl {impl!r}")
+        if heads_per_cta is not None and (impl == "simt" or group % heads_per_cta):
+            raise ValueError(f"heads_per_cta={heads_per_cta} must divide the group size {group} (mma only)")
+        self.impl, self.forced = impl or "mma", heads_per_cta
+
+    def plan(self, n):
+        p = self._real.plan(n)
+        rule = 1 if self.impl == "simt" else 6 if p.arm == "gqa_packed" else 2 if n >= 2 else 1
+        return NewPlan(p, self.impl, self.forced or rule)
+
+    def run(self, *args, **kwargs):
+        return self._real.run(*args, **kwargs)
+
+    def target_line(self):
+        return self._real.target_line()
+
+
+metrale_attn.DecodeAttention = NewApiAttention
+import bench_decode, l2_probe
+sys.exit((l2_probe if sys.argv[2] == "l2_probe" else bench_decode).main(sys.argv[3:]))
+"""
+
+
+def test_the_new_kernel_api_switches_on_the_comparison_the_sweep_and_the_probe(tmp_path):
+    """A stand-in with ``impl=`` and ``heads_per_cta=`` (today's kernels underneath): without an edit
+    to the harness, both implementations are timed, the heads_per_cta tier runs (invalid values
+    recorded, the plan's choice marked), and the probe's target launches old and new kernels."""
+    driver = tmp_path / "driver.py"
+    driver.write_text(NEW_API_DRIVER)
+    out = tmp_path / "out"
+    done = subprocess.run([sys.executable, str(driver), BENCH, "bench", "--cpu", "--out-dir", str(out),
+                           "--decisive-dtypes", "bf16", "--rest", "off"], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (name,) = [f for f in os.listdir(out) if f.endswith("_bench.json")]
+    result = json.loads((out / name).read_text())
+    caps = result["kernel_impls"]
+    assert caps["comparison"] and caps["heads_per_cta"] and caps["default_impl"] == "mma"
+    arms = [r for r in result["rows"] if r["tier"] == "decisive-bf16"]
+    assert {(r["arm"], r["kernel_impl"]) for r in arms} == {(a, i) for a in ("unpacked", "splitk", "gqa_packed")
+                                                             for i in ("simt", "mma")}
+    (default,) = [r for r in arms if r["default"]]
+    assert (default["arm"], default["kernel_impl"], default["heads_per_cta"]) == ("splitk", "mma", 2)
+    hpc = {r["heads_per_cta"]: r for r in result["rows"] if r.get("sweep") == "heads_per_cta"}
+    assert hpc[4]["status"] == hpc[8]["status"] == "invalid" and "does not divide" in hpc[8]["reason"]
+    assert hpc[1]["median_us"] > 0 and hpc[2]["hpc_choice"] and not hpc[1]["hpc_choice"]
+    assert result["hpc_sweep"]["choices"] == {"2": 2}
+    md = (out / name.replace(".json", ".md")).read_text()
+    assert "| unpacked/mma us (% copy) |" in md and "mma speed-up" in md and "h=2" in md
+    progress = [line for line in done.stdout.splitlines() if line.startswith("[bench ")]
+    assert any("pack/mma " in line for line in progress) and all(len(line) < 160 for line in progress), progress
+    manifest = tmp_path / "manifest.json"
+    done = subprocess.run([sys.executable, str(driver), BENCH, "l2_probe", "target", "--cpu", "--manifest",
+                           str(manifest)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    launches = json.loads(manifest.read_text())["launches"]
+    assert [(x["arm"], x["impl"]) for x in launches[:4]] == [("unpacked", "simt"), ("unpacked", "mma"),
+                                                             ("splitk", "simt"), ("splitk", "mma")]
+    assert len(launches) == 12 and not any(x.get("error") for x in launches)
+
+
+# -- the L2 probe ---------------------------------------------------------------------------------------
+
+FAKE_NCU = r"""#!PYTHON
+# A stand-in for ncu: runs the target, then writes ncu-style raw CSV for the kernels its manifest lists.
+import csv, json, os, subprocess, sys
+args = sys.argv[1:]
+mode = os.environ.get("FAKE_NCU", "ok")
+log = args[args.index("--log-file") + 1]
+target = args[args.index("--log-file") + 2:]
+if mode == "refuse":
+    open(log, "w").write("==ERROR== ERR_NVGPUCTRPERM - The user does not have permission to access NVIDIA GPU "
+                         "Performance Counters on the target device 0.\n")
+    sys.exit(1)
+if mode == "badmetric" and "--section" in args:
+    print("==ERROR== Failed to find metric sm__inst_issued.avg.pct_of_peak_sustained_active")
+    sys.exit(1)
+subprocess.check_call(target)
+manifest = json.load(open(target[target.index("--manifest") + 1]))
+metrics = args[args.index("--metrics") + 1].split(",")
+stall = "smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio"
+header = ["ID", "Kernel Name"] + metrics + [stall]
+units = {"dram__bytes_read.sum": "Kbyte", "gpu__time_duration.sum": "nsecond", "launch__registers_per_thread":
+         "register/thread", "lts__t_sectors_srcunit_tex_op_read.sum": "sector"}
+with open(log, "w") as f:
+    f.write("==PROF== Connected to process 1234\n")
+    w = csv.writer(f, quoting=csv.QUOTE_ALL)
+    w.writerow(header)
+    w.writerow([""] * 2 + [units.get(m, "") for m in metrics] + [""])
+    i = 0
+    for launch in manifest["launches"]:
+        for j, kernel in enumerate(launch["kernels"]):
+            dram = launch["kv_bytes"] if j == 0 else 4096  # the merge reads little
+            l2 = dram * launch["group"] / launch["heads_per_cta"] if j == 0 else dram
+            values = {"dram__bytes_read.sum": f"{dram / 1000:,.3f}", "lts__t_sectors_srcunit_tex_op_read.sum": l2 / 32,
+                      "gpu__time_duration.sum": 50000, "smsp__inst_executed.sum": 1000,
+                      "sm__inst_issued.avg.pct_of_peak_sustained_active": 25.5, "launch__registers_per_thread": 96}
+            w.writerow([i, kernel] + [values.get(m, 0) for m in metrics] + [7.5])
+            i += 1
+"""
+
+
+@pytest.mark.parametrize("mode, status, passes", [("ok", "ok", 1), ("badmetric", "ok", 2), ("refuse", "refused", 1)])
+def test_the_l2_probe_parses_ncu_and_records_a_refusal(tmp_path, mode, status, passes):
+    ncu = tmp_path / "ncu"
+    ncu.write_text(FAKE_NCU.replace("PYTHON", sys.executable))
+    ncu.chmod(0o755)
+    out = tmp_path / "l2.json"
+    env = dict(os.environ, FAKE_NCU=mode)
+    done = subprocess.run([sys.executable, os.path.join(BENCH, "l2_probe.py"), "probe", "--cpu", "--ncu", str(ncu),
+                           "--out", str(out), "--work", str(tmp_path)], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr  # never fatal
+    result = json.loads(out.read_text())
+    assert result["status"] == status and len(result["passes"]) == passes, result
+    if status == "refused":
+        assert "ERR_NVGPUCTRPERM" in result["detail"] and not result["rows"]
+        return
+    rows = result["rows"]
+    assert [(r["shape"], r["arm"]) for r in rows] == [(s, a) for s in ("2/2/256", "8/2/256", "16/2/256")
+                                                      for a in ("unpacked", "splitk")]
+    for r in rows:  # one head per CTA today: L2 serves each KV row G times
+        assert r["l2_over_dram"] == pytest.approx(r["group"]) and r["expected_l2_over_dram"] == r["group"]
+        assert r["dram_bytes"] == r["kv_bytes"] and r["time_us"] == pytest.approx(50.0)
+        if mode == "ok":
+            assert r["stalls"] == [["long_scoreboard", 7.5]] and r["issue_slots_pct"] == 25.5
+    assert [k["kernel"] for k in rows[1]["other_kernels"]] == ["paged_decode_splitk_merge"]
+    text = "\n".join(l2_probe.probe_text(result))
+    assert "L2 probe: ok" in text and max(len(line) for line in text.splitlines()) < 120
+    assert "| 16/2/256 | 8 | splitk |" in "\n".join(l2_probe.probe_markdown(result))
+
+
+def test_ncu_csv_parsing_scales_units_and_skips_noise():
+    text = ('==PROF== Connected\n"ID","Kernel Name","dram__bytes_read.sum","gpu__time_duration.sum"\n'
+            '"","","Mbyte","usecond"\n"0","paged_decode_unpacked","1,073.74","250.5"\n==PROF== Disconnected\n')
+    (k,) = l2_probe.parse_ncu_csv(text)
+    assert k["kernel"] == "paged_decode_unpacked" and k["dram__bytes_read.sum"] == pytest.approx(1.07374e9)
+    assert k["gpu__time_duration.sum"] == pytest.approx(250.5e-6)
+    assert l2_probe.parse_ncu_csv("==ERROR== nothing\n") == []
+    assert l2_probe.unit_scale("Msector") == 1e6 and l2_probe.unit_scale("register/thread") == 1.0
+    stalls = {"smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio": 4.0,
+              "smsp__average_warps_issue_stalled_selected_per_issue_active.ratio": 1.0,
+              "smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio": 0.5,
+              "smsp__warp_issue_stalled_long_scoreboard_per_warp_active.pct": 60.0}
+    assert l2_probe.stall_reasons(stalls) == [("long_scoreboard", 4.0), ("barrier", 0.5)]
+
+
+# -- the FlashInfer prewarm's scheduling -------------------------------------------------------------------
+
+
+def _fake_build(seconds, rc=0):
+    return lambda h, kv, d, dt: [sys.executable, "-c", f"import time, sys; time.sleep({seconds}); sys.exit({rc})"]
+
+
+def test_flashinfer_prewarm_builds_the_decode_variants_first_and_drops_what_cannot_finish(tmp_path):
+    status = tmp_path / "fi.json"
+    shapes = [(32, 8, 128), (24, 4, 256)]
+    state = baselines.flashinfer_prewarm(shapes, ["bf16", "fp8"], timeout_s=30, log_dir=str(tmp_path),
+                                         status_path=str(status), min_late_s=1000, command=_fake_build(0.1),
+                                         check_import=False, poll_s=0.05)
+    v = state["variants"]
+    assert v["hd128-kvbf16-decode"]["status"] == v["hd128-kvfp8-decode"]["status"] == "ok"
+    assert v["hd256-kvbf16-tensorcore"]["status"] == "dropped" and "cannot build in time" in \
+        v["hd256-kvbf16-tensorcore"]["reason"]
+    assert json.loads(status.read_text())["running"] is False
+    state = baselines.flashinfer_prewarm(shapes, ["bf16"], timeout_s=30, log_dir=str(tmp_path), min_late_s=0,
+                                         command=_fake_build(0.1), check_import=False, poll_s=0.05)
+    v = state["variants"]
+    assert v["hd256-kvbf16-tensorcore"]["status"] == "ok"
+    state = baselines.flashinfer_prewarm([(32, 8, 128)], ["bf16"], timeout_s=0.3, log_dir=str(tmp_path),
+                                         command=_fake_build(30), check_import=False, poll_s=0.05)
+    assert state["variants"]["hd128-kvbf16-decode"]["status"] == "timeout"
+    state = baselines.flashinfer_prewarm([(32, 8, 128)], ["bf16"], timeout_s=30, log_dir=str(tmp_path),
+                                         command=_fake_build(0, rc=2), check_import=False, poll_s=0.05)
+    assert state["variants"]["hd128-kvbf16-decode"]["status"] == "failed"
+    # What the sweep's late phase waits for: only what a running prewarm has not finished.
+    running = {"running": True, "variants": {"a": {"status": "building"}, "b": {"status": "ok"},
+                                             "c": {"status": "queued"}}}
+    assert baselines.pending_builds(running, ["a", "b", "c", "d"]) == ["a", "c"]
+    assert baselines.pending_builds(dict(running, running=False), ["a", "c"]) == []
+
+
+# -- the SASS model's predictions --------------------------------------------------------------------------
+
+
+def test_predictions_join_by_variant_on_the_device_arch(tmp_path):
+    path = tmp_path / "sass.json"
+    path.write_text(json.dumps(SASS_ROWS + [dict(SASS_ROWS[0], impl="mma", ceiling_pct=95.0, heads_per_cta=6)]))
+    p = predictions.Predictions.load(str(path), "sm_90")
+    key = dict(arm="unpacked", q_heads=6, kv_heads=1, head_dim=256, q_dtype="bf16")
+    assert p.lookup(**key, kv_dtype="bf16", heads_per_cta=1)["ceiling_pct"] == 88.0
+    assert p.lookup(**key, kv_dtype="fp8", heads_per_cta=1)["binding"] == "alu"  # fp8 is fp8_e4m3 there
+    assert p.lookup(**key, kv_dtype="bf16", heads_per_cta=6, impl="mma")["ceiling_pct"] == 95.0
+    assert p.lookup(**key, kv_dtype="bf16", heads_per_cta=6, impl="simt") is None
+    assert predictions.Predictions.load(str(path), "9.0").rows == p.rows
+    assert predictions.Predictions.load(str(path), "sm_100").lookup(**key, kv_dtype="bf16",
+                                                                    heads_per_cta=1)["ceiling_pct"] == 1.0
+    missing = predictions.Predictions.load(str(tmp_path / "none.json"), "sm_90")
+    assert missing.lookup(**key, kv_dtype="bf16", heads_per_cta=1) is None
+    assert "no prediction" in missing.describe()["note"]
+    assert predictions.ratio(80.0, {"ceiling_pct": 88.0}) == pytest.approx(80 / 88)
+    assert predictions.ratio(None, {"ceiling_pct": 88.0}) is None and predictions.ratio(80.0, None) is None
 
 
 def test_bytes_per_call_count_k_and_v_q_and_out():
@@ -188,6 +645,69 @@ def test_outputs_and_summary_from_a_synthetic_result(tmp_path):
     assert "vs fastest baseline" in text and md.startswith("# metrale-attn gpu_check")
 
 
+def test_markdown_gives_percent_of_copy_for_every_arm():
+    result = synthetic_result()
+    result["targets"] = bench_report.evaluate_targets(result)
+    md = bench_report.render_markdown(result)
+    assert "| unpacked us (% copy) | split-K us (% copy) |" in md
+    row = next(line for line in md.splitlines() if line.startswith("| 16 | 4k |"))
+    assert "(88.0%)" in row and "(92.0%)" in row and "(30.0%)" in row  # unpacked, split-K, SDPA
+
+
+def full_size_result(copy: float = 4.3) -> dict:
+    """The largest result a full run can bring back: every job of the full profile, both kernel
+    implementations, every baseline on the decisive configurations, a 12-kernel L2 probe."""
+    caps = kernel_impls(NewApiStandIn)
+    rows = []
+    for job in sweep_plan.plan_jobs(bench_decode.parse_args([])):
+        c = job.config
+        timing = bench_decode.Timing(123.4, 120.0, 130.0, 20, "cuda-graph")
+        for slot in sweep_plan.slots_for(job, caps, list(sweep_plan.DEFAULT_ARMS)):
+            row = bench_decode.make_row(c, "metrale", arm=slot.arm, timing=timing, copy_tb_per_s=copy, status="ok",
+                                        check={"status": "ok"}, slot=slot, tier=job.tier,
+                                        default=(slot.arm, slot.impl) == ("splitk", "mma"),
+                                        extra=dict(sass={"ceiling_pct": 91.0, "binding": "issue"}))
+            if job.kind == "hpc":
+                row.update(sweep="heads_per_cta", hpc_choice=slot.heads_per_cta == 4)
+            rows.append(row)
+        late = sweep_plan.LATE_BASELINES if job.tier.startswith("decisive") else ()
+        for name in job.baselines + late:
+            rows.append(bench_decode.make_row(c, name, timing=timing, copy_tb_per_s=copy, status="ok", tier=job.tier))
+    probe_rows = [dict(shape=s, group=g, arm=a, impl=i, heads_per_cta=1 if i == "simt" else g, status="ok",
+                       time_us=301.0, dram_bytes=1.07e9, l2_over_dram=float(g), expected_l2_over_dram=float(g),
+                       dram_tb_per_s=3.56, issue_slots_pct=22.0, instr_per_kib=101.0,
+                       stalls=[["long_scoreboard", 5.1], ["wait", 1.2], ["barrier", 0.4]])
+                  for s, g in (("8/8/128", 1), ("32/8/128", 4), ("64/8/128", 8)) for a in ("unpacked", "splitk")
+                  for i in ("simt", "mma")]
+    result = {"mode": "gpu", "profile": "full", "copy_tb_per_s": copy, "copy_bandwidth": {"tb_per_s": copy},
+              "environment": {"device": {"name": "NVIDIA H200", "sm_count": 132}}, "rows": rows, "not_measured": [],
+              "budget": {"stopped_early": True, "reason": "time budget of 290 s spent"},
+              "kernel_impls": {"impls": ["simt", "mma"], "comparison": True, "heads_per_cta": True,
+                               "default_impl": "mma"},
+              "hpc_sweep": {"status": "planned", "choices": {"1": 1, "16": 4, "64": 4}},
+              "l2_probe": {"status": "ok", "detail": "12 of 12 kernels profiled in 1 ncu pass(es)", "rows": probe_rows}}
+    result["targets"] = bench_report.evaluate_targets(result)
+    return result
+
+
+def test_the_short_table_of_a_full_run_fits_the_device_tools_output_tail():
+    """The device tool returns the last 12,000 characters: the table printed last must leave room for the
+    progress lines above it, in short lines."""
+    result = full_size_result()
+    names = ["wheels", "import", "environment", "sanitize_memcheck", "sanitize_racecheck", "sanitize_initcheck",
+             "gpu_tests", "l2_probe", "sass_model", "benchmark", "flashinfer_jit"]
+    table = [dict(name=n, status="ok", seconds="99", detail="x" * 300) for n in names]
+    _, text = summarize.render(table, {}, result, "463")
+    lines = text.splitlines()
+    assert len(text) < 8000 and max(map(len, lines)) <= 120, (len(text), max(lines, key=len))
+    assert lines[-1].startswith("OVERALL: ok; targets T1")
+    assert "old vs new kernels: mma over simt 1.00x min" in text and "L2 probe: ok" in text
+    assert any(line.startswith("  b16:") and "h4*" in line for line in lines)
+    md = bench_report.render_markdown(result)
+    assert "| unpacked/simt us (% copy) | unpacked/mma us (% copy) | split-K/simt us (% copy) |" in md
+    assert "mma speed-up" in md
+
+
 # -- the GPU sweep's control flow, on the CPU, with fakes (needs PyTorch) --------------------------------
 
 FAKE_GPU_DRIVER = r"""
@@ -199,7 +719,7 @@ import gpu_timing, bench_decode as bd, baselines
 from metrale_attn import DecodeAttention
 
 
-class FakeTimer:  # same interface as gpu_timing.GpuTimer; wall clock, no streams, no graphs
+class FakeTimer(gpu_timing.GpuTimer):  # GpuTimer without CuPy: wall clock, no streams, no graphs
     def __init__(self, **kw): pass
     def on_stream(self): return contextlib.nullcontext()
     def synchronize_device(self): pass
@@ -257,9 +777,10 @@ def test_gpu_sweep_control_flow_with_fakes_on_the_cpu(tmp_path):
     out = tmp_path / "out"
     done = subprocess.run(
         [sys.executable, str(driver), BENCH, "--env-json", str(env_json), "--out-dir", str(out),
-         "--models", "qwen3.8-27b,llama-3-8b", "--kv-dtypes", "bf16,fp8", "--batches", "1,2", "--contexts", "40",
-         "--flex-batches", "1", "--host-overhead-iters", "2", "--flashinfer-status", str(status),
-         "--kv-cap-gb", "0.0003"], cwd=REPO, capture_output=True, text=True, timeout=600)
+         "--decisive", "llama-3-8b:1:40,qwen3.8-27b:1:40,llama-3-8b:2:40", "--decisive-dtypes", "bf16,fp8",
+         "--hpc-batches", "none", "--rest", "off", "--flex-batches", "1", "--host-overhead-iters", "2",
+         "--flashinfer-status", str(status), "--kv-cap-gb", "0.0003"], cwd=REPO, capture_output=True, text=True,
+        timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     (name,) = [f for f in os.listdir(out) if f.endswith("_FAKE_bench.json")]
     result = json.loads((out / name).read_text())
@@ -271,7 +792,14 @@ def test_gpu_sweep_control_flow_with_fakes_on_the_cpu(tmp_path):
     for r in result["rows"]:
         by_impl.setdefault(r["impl"], set()).add(r["status"])
     assert by_impl["sdpa_gather"] == {"ok"} and by_impl["flashinfer"] == {"unavailable"}
-    assert "ok" in by_impl["flex_paged"] and "unavailable" in by_impl["flex_paged"]  # fp8 and batch 2: why not
-    assert result["skipped"] and all("--kv-cap-gb" in s["reason"] for s in result["skipped"])  # bf16 at batch 2
+    # Timed last: FlexAttention once per shape (bf16), FlashInfer on every measured configuration.
+    late = [r for r in result["rows"] if r.get("phase") == "late"]
+    assert result["rows"][-len(late):] == late
+    assert sorted(r["model"] for r in late if r["impl"] == "flex_paged") == ["llama-3-8b", "qwen3.8-27b"]
+    assert by_impl["flex_paged"] == {"ok"} and "one bf16 configuration per shape" in \
+        result["baselines"]["flex_paged"]["reason"]
+    assert len([r for r in late if r["impl"] == "flashinfer"]) == 5  # 3 bf16/fp8 b1 + fp8 b2 decisive; b2 bf16 skipped
+    assert [s["batch"] for s in result["skipped"]] == [2] and "--kv-cap-gb" in result["skipped"][0]["reason"]
     assert result["host_overhead"] and not result["budget"]["stopped_early"]
+    assert re.search(r"^\[bench \d+s\] late phase: flex_paged, flashinfer", done.stdout, re.M)
 

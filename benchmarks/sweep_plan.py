@@ -1,0 +1,261 @@
+"""What the benchmark sweep runs, and in which order: jobs grouped in tiers by what they decide.
+
+A device session has about 4 minutes for the sweep, and a run can be cut short, so the
+configurations that decide the design's questions run first and the grid fills in
+behind them (``plan_jobs``):
+
+1. ``decisive-bf16``: Llama-3-8B (32/8/128) batch 64 x 4k and 16k (T1), one sequence x
+   32k (T2, split-K), Llama-3-70B (64/8/128) batch 64 x 4k (T1 at group 8), and 24/4/256
+   batch 64 x 4k (GQA-packed against unpacked, group 6, head dim 256), KV bf16; every
+   forced arm x kernel implementation, the policy's default, and the SDPA baselines.
+2. ``decisive-fp8``: the same configurations with an fp8 e4m3 KV cache.
+3. ``heads_per_cta``: 32/8/128 bf16 at batch 1, 16 and 64 x 16k, each ``heads_per_cta``
+   of 1, 2, 4, 8 forced on the new kernels (only where the build takes ``heads_per_cta=``).
+4. ``rest``: the grid (models x KV dtypes x batch 1, 16, 64, 256 x context 4k, 16k, 64k),
+   less what the tiers above measured; ours only.
+
+FlexAttention (one configuration per shape) and FlashInfer (whatever its JIT built in
+time) are timed last, on the configurations already measured, in the same order
+(``bench_decode.py``'s late phase).
+
+Profiles: ``full`` (the above), ``quick`` (tiers 1-3 only, no baselines: the short
+rerun) and ``cpu`` (the CPU dry run: one 6/1/256 configuration per dtype, then a tiny grid).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from metrale_attn import policy
+from metrale_attn.cli import MODELS
+from metrale_attn.plan import ModelShape
+
+ITEMSIZE = {"bf16": 2, "fp8": 1}
+Q_ITEMSIZE = 2  # q and out are bf16
+
+ARM_OPTIONS = {
+    "unpacked": dict(splitk="off", gqa_pack=False),
+    "splitk": dict(splitk="auto", gqa_pack=False),
+    "gqa_packed": dict(splitk="off", gqa_pack=True),
+}
+DEFAULT_ARMS = ("unpacked", "splitk", "gqa_packed")
+BASELINE_NAMES = ("sdpa_gather", "sdpa_nogather", "flex_paged", "flashinfer")
+LATE_BASELINES = ("flex_paged", "flashinfer")
+"""Timed after every configuration of ours: FlexAttention compiles for tens of seconds per shape, and
+FlashInfer's JIT (nvcc, in the background) gets the whole run to finish."""
+
+DECISIVE = "llama-3-8b:64:4096,llama-3-8b:64:16384,llama-3-8b:1:32768,llama-3-70b:64:4096,qwen3.8-27b:64:4096"
+PROFILES = {
+    "full": dict(models="llama-3-8b,llama-3-70b,qwen3.8-27b", kv_dtypes="bf16,fp8", batches="1,16,64,256",
+                 contexts="4096,16384,65536", page_size=16, decisive=DECISIVE, decisive_dtypes="bf16,fp8",
+                 hpc_model="llama-3-8b", hpc_batches="1,16,64", hpc_context=16384, hpc_values="1,2,4,8", rest=True,
+                 baselines=",".join(BASELINE_NAMES)),
+    "quick": dict(models="llama-3-8b,llama-3-70b,qwen3.8-27b", kv_dtypes="bf16,fp8", batches="1,16,64,256",
+                  contexts="4096,16384,65536", page_size=16, decisive=DECISIVE, decisive_dtypes="bf16,fp8",
+                  hpc_model="llama-3-8b", hpc_batches="1,16,64", hpc_context=16384, hpc_values="1,2,4,8",
+                  rest=False, baselines="none"),
+    "cpu": dict(models="6/1/256", kv_dtypes="bf16", batches="1,2", contexts="64,300", page_size=16,
+                decisive="6/1/256:2:300", decisive_dtypes="bf16,fp8", hpc_model="6/1/256", hpc_batches="2",
+                hpc_context=300, hpc_values="1,2,4,8", rest=True, baselines="none"),
+}
+"""The CPU profile uses the smallest shape that reaches all three arms (the GQA pack needs
+q_heads = 6 x kv_heads at head_dim 256)."""
+
+
+@dataclass(frozen=True)
+class Config:
+    """One point of the sweep."""
+
+    model: str
+    shape: ModelShape
+    kv_dtype: str
+    batch: int
+    context: int
+    page_size: int
+
+    @property
+    def shape_label(self) -> str:
+        s = self.shape
+        return f"{s.num_q_heads}/{s.num_kv_heads}/{s.head_dim}"
+
+    @property
+    def kv_bytes(self) -> int:
+        """K and V bytes a call must read: tokens x kv_heads x head_dim x itemsize x 2."""
+        s = self.shape
+        return self.batch * self.context * s.num_kv_heads * s.head_dim * ITEMSIZE[self.kv_dtype] * 2
+
+    @property
+    def bytes_moved(self) -> int:
+        """KV read + q read + out written (block tables and lengths are negligible and not counted)."""
+        s = self.shape
+        return self.kv_bytes + 2 * self.batch * s.num_q_heads * s.head_dim * Q_ITEMSIZE
+
+    @property
+    def pages(self) -> int:
+        return self.batch * -(-self.context // self.page_size)
+
+    @property
+    def pool_key(self) -> tuple:
+        """Configurations with the same key share one paged K/V pool."""
+        return (self.shape.num_kv_heads, self.shape.head_dim, self.kv_dtype, self.page_size)
+
+    def describe(self) -> dict:
+        return dict(model=self.model, shape=self.shape_label, q_heads=self.shape.num_q_heads,
+                    kv_heads=self.shape.num_kv_heads, head_dim=self.shape.head_dim, kv_dtype=self.kv_dtype,
+                    q_dtype="bf16", page_size=self.page_size, batch=self.batch, context=self.context,
+                    kv_bytes=self.kv_bytes, bytes=self.bytes_moved)
+
+    def short(self) -> str:
+        """``llama-3-8b bf16 b64 16k``: a progress-line label."""
+        return f"{self.model} {self.kv_dtype} b{self.batch} {ctx_label(self.context)}"
+
+
+@dataclass(frozen=True)
+class Job:
+    """One configuration in one tier. ``kind``: ``arms`` (every forced arm x implementation, the
+    policy's default, ``baselines``) or ``hpc`` (``heads_per_cta`` forced to each of ``hpc_values``)."""
+
+    tier: str
+    config: Config
+    kind: str = "arms"
+    baselines: tuple = ()
+    hpc_values: tuple = ()
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One timed variant of ours on a configuration: an arm (``default``: the policy's choice), an
+    implementation (None: the build's only one, or the default) and a forced ``heads_per_cta``."""
+
+    arm: str
+    impl: Optional[str] = None
+    heads_per_cta: Optional[int] = None
+
+    @property
+    def label(self) -> str:
+        """``splitk``, ``splitk/mma``, ``default/mma/h4``: the row's arm label."""
+        out = self.arm
+        if self.impl:
+            out += f"/{self.impl}"
+        if self.heads_per_cta is not None:
+            out += f"/h{self.heads_per_cta}"
+        return out
+
+
+def ctx_label(n: int) -> str:
+    return f"{n // 1024}k" if n % 1024 == 0 else str(n)
+
+
+def ints(text) -> list[int]:
+    if text in (None, "", "none"):
+        return []
+    return [int(x) for x in str(text).split(",") if x.strip()]
+
+
+def parse_models(text: str) -> list[tuple[str, ModelShape]]:
+    """``qwen3.8-27b,llama-3-8b`` or ``24/4/256`` spellings -> (label, shape)."""
+    out = []
+    for item in (t.strip() for t in text.split(",") if t.strip()):
+        out.append((item, model_shape(item)))
+    return out
+
+
+def model_shape(item: str) -> ModelShape:
+    if item in MODELS:
+        return MODELS[item]
+    try:
+        h, kv, d = (int(x) for x in item.split("/"))
+    except ValueError:
+        raise SystemExit(f"{item!r} is neither one of {', '.join(MODELS)} nor q/kv/head_dim") from None
+    return ModelShape(h, kv, d)
+
+
+def parse_decisive(text: str) -> list[tuple[str, int, int]]:
+    """``llama-3-8b:64:4096,...`` -> [(model, batch, context)]; ``none`` -> []."""
+    if text in (None, "", "none"):
+        return []
+    out = []
+    for item in (t.strip() for t in text.split(",") if t.strip()):
+        try:
+            model, batch, context = item.rsplit(":", 2)
+            out.append((model, int(batch), int(context)))
+        except ValueError:
+            raise SystemExit(f"--decisive: {item!r} is not MODEL:BATCH:CONTEXT") from None
+    return out
+
+
+def arms_for(shape: ModelShape, arms: list[str]) -> list[str]:
+    """The forced arms that exist for ``shape`` (the GQA pack only where the shape fits)."""
+    out = []
+    for arm in arms:
+        if arm == "gqa_packed" and not policy.gqa_pack_shape_ok(shape.num_q_heads, shape.num_kv_heads,
+                                                               shape.head_dim):
+            continue
+        out.append(arm)
+    return out
+
+
+def arm_options(arm: str) -> dict:
+    """DecodeAttention overrides that force ``arm`` (``splitk:N`` pins N splits)."""
+    if arm.startswith("splitk:"):
+        return dict(splitk=arm.split(":", 1)[1], gqa_pack=False)
+    if arm == "default":
+        return {}
+    return ARM_OPTIONS[arm]
+
+
+def baseline_list(text: str) -> list[str]:
+    if text in (None, "", "none"):
+        return []
+    names = [b.strip() for b in text.split(",") if b.strip()]
+    unknown = [b for b in names if b not in BASELINE_NAMES]
+    if unknown:
+        raise SystemExit(f"--baselines: unknown {unknown}; choose from {', '.join(BASELINE_NAMES)}")
+    return names
+
+
+def apply_profile(args) -> None:
+    """Fill every sweep option left unset (None) from ``args.profile`` (``cpu`` under ``--cpu``)."""
+    if args.cpu:
+        args.profile = "cpu"
+    for key, value in PROFILES[args.profile].items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+
+
+def plan_jobs(args) -> list[Job]:
+    """Every job, in the order it runs (see the module docstring); ``args`` after ``apply_profile``."""
+    page, jobs, seen = args.page_size, [], set()
+    main_baselines = tuple(b for b in baseline_list(args.baselines) if b not in LATE_BASELINES)
+
+    def add(tier, model, dtype, batch, context, **kw):
+        config = Config(model, model_shape(model), dtype, batch, context, page)
+        if kw.get("kind", "arms") == "arms":
+            if config in seen:
+                return
+            seen.add(config)
+        jobs.append(Job(tier, config, **kw))
+
+    for dtype in [d for d in args.decisive_dtypes.split(",") if d]:
+        for model, batch, context in parse_decisive(args.decisive):
+            add(f"decisive-{dtype}", model, dtype, batch, context, baselines=main_baselines)
+    hpc_values = tuple(ints(args.hpc_values))
+    if hpc_values:
+        for batch in ints(args.hpc_batches):
+            add("heads_per_cta", args.hpc_model, "bf16", batch, int(args.hpc_context), kind="hpc",
+                hpc_values=hpc_values)
+    if args.rest:
+        for dtype in args.kv_dtypes.split(","):
+            for model, _ in parse_models(args.models):
+                for batch in ints(args.batches):
+                    for context in ints(args.contexts):
+                        add("rest", model, dtype, batch, context)
+    return jobs
+
+
+def slots_for(job: Job, impls, arms: list[str]) -> list[Slot]:
+    """The variants of ours a job times (``impls``: ``impls.kernel_impls()``)."""
+    if job.kind == "hpc":
+        return [Slot("default", impls.sweep_impl(), h) for h in job.hpc_values]
+    return [Slot(arm, impl) for arm in arms_for(job.config.shape, arms) for impl in impls.impls]
