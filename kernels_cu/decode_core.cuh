@@ -2,48 +2,55 @@
 // its three arms (decode_unpacked.cu, decode_splitk.cu, decode_gqa_packed.cu).
 //
 // What one CTA computes
-//   PD_THREADS threads (W = 4 warps) attend `rows` query heads head0 .. head0 + rows - 1
-//   (1 <= rows <= 8 * PD_ROW_TILES, all of one KV head) over the tokens [start, end) of
-//   one sequence, and leave per head the state (M, L, O): M = max_t x_t, L = sum_t
-//   2^(x_t - M), O[d] = sum_t 2^(x_t - M) v_t[d], with x_t = qk_scale_log2 * (q . k_t)
-//   in log2 units (the host folds sm_scale * k_scale * log2 e into qk_scale_log2).
+//   PD_THREADS threads (W = 4 warps) attend `rows` = heads_per_cta x q_len query rows of
+//   one sequence, all reading one KV head: row r = t * heads_per_cta + h is query token
+//   t (0 .. q_len - 1) of head head0 + h. Each row r sees the keys [lo_r, hi_r) (its
+//   causal prefix, its sliding window, its split: row_range), and the CTA leaves per row
+//   the state (M, L, O): M = max_t x_t, L = sum_t 2^(x_t - M), O[d] = sum_t 2^(x_t - M)
+//   v_t[d], in log2 units: x_t = qk_scale * (q . k_t) (the host folds sm_scale * k_scale
+//   * log2 e), or with the logits soft-cap x_t = cap_log2 * tanh(qk_scale * (q . k_t))
+//   (the host folds sm_scale * k_scale / cap and cap * log2 e).
 //
 // Data flow
-//   * Q: staged once into shared memory as MMA operands (bf16 or fp16 bits, rows >= `rows`
-//     zero). q fp16 with bf16 K is split exactly into two bf16 parts (hi + lo); q bf16
-//     with fp16/fp8 K is stored as fp16 of q * 2^c_h, a power of two per head chosen so
-//     that max |q_h| lands in [2^14, 2^15) (exact but for elements below 2^-28 max |q_h|,
-//     which round to fp16 subnormals: < 2^-39 max |q_h| absolute), and 2^-c_h is folded
-//     into that head's score scale.
-//   * K and V: each warp streams its own tiles of TT tokens (tile t of the CTA goes to
-//     warp t % W) through a ring of PD_STAGES shared-memory stages with cp.async: every
-//     copy of a stage is issued before any of it is used, rows past `end` are zero-filled
-//     (src-size 0) and masked in the scores, so full and ragged tiles run the same
-//     branch-free code. Page lookups: lane i < TT owns token i of the warp's next tile;
-//     its (page, slot) advances by W * TT tokens per tile without a division, its
-//     block-table entry is loaded one tile ahead, and the 64-bit K and V row offsets are
-//     computed once per token and handed to the copying lanes through a small
-//     shared-memory table.
-//   * Scores on tensor cores, transposed: S^T[token][head] = K Q^T, mma.m16n8k16 with the
-//     16 tokens of an MMA tile as M and the query rows (heads; later heads x q tokens) as
-//     N, 8 per row tile. Decode has at most 16 query rows per KV head, so putting them on
-//     the 8-wide N side wastes half as much as padding them to M = 16.
-//   * Online softmax per head column in fp32 (exp2f), then P^T is split into PP parts of
-//     the PV operand type (3 bf16 parts carry all 24 bits of an fp32 p; 2 fp16 parts of
-//     p * 2^15 carry 22), moved into the B-operand layout with movmatrix, and
-//     O^T[dim][head] += V^T P^T on tensor cores, one MMA per part, so rounding of p never
-//     reaches the output.
-//   * fp8 e4m3 K and V are converted exactly by cvt.rn.f16x2.e4m3x2 after an ldmatrix of
-//     their bytes as b16 pairs; the byte order that gives is absorbed by permuting q's
+//   * Q: staged once into shared memory as MMA operands (bf16 or fp16 bits, rows past
+//     `rows` zero). q fp16 with bf16 K is split exactly into two bf16 parts (hi + lo); q
+//     bf16 with fp16/fp8 K is stored as fp16 of q * 2^c_r, a power of two per row chosen
+//     so that max |q_r| lands in [2^14, 2^15) (exact but for elements below 2^-28
+//     max |q_r|, which round to fp16 subnormals: < 2^-39 max |q_r| absolute), and 2^-c_r
+//     is folded into that row's score scale.
+//   * K and V stream in tiles of TT tokens aligned to absolute token positions (tile k
+//     covers [k * TT, (k + 1) * TT) and goes to warp k % W), so a row's arithmetic
+//     depends only on the keys it sees, never on the range of its CTA: rows whose ranges
+//     differ (query tokens of a multi-token request, a split starting mid-tile) and the
+//     same row in another CTA give identical bytes. Each warp owns a ring of PD_STAGES
+//     shared-memory stages filled by cp.async: every copy of a stage is issued before any
+//     of it is used, keys outside the CTA's range are zero-filled (src-size 0) and masked
+//     in the scores, so full and ragged tiles run the same branch-free code. Page
+//     lookups: lane i < TT owns token i of the warp's next tile; its (page, slot) advances
+//     by W * TT tokens per tile without a division, its block-table entry is loaded one
+//     tile ahead (only for keys of the CTA's range: entries outside it are never read),
+//     and the 64-bit K and V row offsets are computed once per token and handed to the
+//     copying lanes through a small shared-memory table.
+//   * Scores on tensor cores, transposed: S^T[token][row] = K Q^T, mma.m16n8k16 with the
+//     16 tokens of an MMA tile as M and the query rows (heads x q tokens) as N, 8 per
+//     row tile. Decode has at most 16 query rows per KV head, so putting them on the
+//     8-wide N side wastes half as much as padding them to M = 16.
+//   * Online softmax per row in fp32 (exp2f), then P^T is split into PP parts of the PV
+//     operand type (3 bf16 parts carry all 24 bits of an fp32 p; 2 fp16 parts of p *
+//     2^15 carry 22), moved into the B-operand layout with movmatrix, and O^T[dim][row]
+//     += V^T P^T on tensor cores, one MMA per part, so rounding of p never reaches the
+//     output.
+//   * fp8 K and V are converted exactly by cvt.rn.f16x2.{e4m3x2,e5m2x2} after an ldmatrix
+//     of their bytes as b16 pairs; the byte order that gives is absorbed by permuting q's
 //     dims (K) and the output dims (V), never by moving data.
 //
-// Bytes do not depend on which heads share the CTA: a head's column of every MMA is
-// computed from that column alone, the token -> warp -> tile order, the online softmax,
-// the shuffle reductions and the warp combine (pd_mma::cta_combine, warps 0..W-1) are
-// the same code for every `rows` and both row-tile counts. On the CPU backend this holds
-// by construction of the MMA emulation (each output element summed in one fixed order);
-// on a GPU it rests on the tensor core computing each column independently, which the
-// GPU tests check.
+// Bytes do not depend on which heads share the CTA: a row's column of every MMA is
+// computed from that column alone; the token -> tile -> warp order, the online softmax,
+// the shuffle reductions and the warp combine (cta_combine, warps 0..W-1) are the same
+// code for every heads_per_cta, q_len and both row-tile counts. On the CPU backend this
+// holds by construction of the MMA emulation (each output element summed in one fixed
+// order); on a GPU it rests on the tensor core computing each column independently,
+// which the GPU tests check.
 //
 // Defines (all required, from Python): PD_HEAD_DIM, PD_Q_DTYPE, PD_KV_DTYPE (pd_common.cuh),
 //   PD_ROW_TILES   1 | 2      query-row tiles of 8 (rows <= 8 * PD_ROW_TILES)
@@ -52,6 +59,12 @@
 //   PD_SMEM_BYTES             the dynamic shared memory the launch gives; must equal
 //                             pd_mma::SMEM_BYTES (checked at compile time), so the host's
 //                             sizing and this carve cannot drift apart.
+//   PD_MULTI_TOKEN 0 | 1      rows may see different keys (q_len > 1): per-row masks
+//   PD_WINDOW      0 | 1      window_left bounds each row's keys from below
+//   PD_SOFTCAP     0 | 1      the logits soft-cap
+//   PD_SINKS       0 | 1      a learned sink logit per head joins the denominator
+//   PD_OUT_F32     0 | 1      out (and the merge's out) in fp32 instead of q's dtype
+// Every feature off is the plain path: no code of any feature is compiled into it.
 //
 // Numerics: fp32 denormals must be preserved (never -ftz=true / --use_fast_math), as for
 // pd_common.cuh. bf16 V with |v| < 2^-100 can give products that are fp32 denormals; the
@@ -62,6 +75,7 @@
 
 #include "pd_common.cuh"
 #include "pd_ptx.cuh"
+#include "pd_splitk.cuh"
 
 #ifndef PD_ROW_TILES
 #error "PD_ROW_TILES must be defined (-DPD_ROW_TILES=1|2)"
@@ -75,6 +89,16 @@
 #ifndef PD_SMEM_BYTES
 #error "PD_SMEM_BYTES must be defined (the dynamic shared memory of the launch)"
 #endif
+#if !defined(PD_MULTI_TOKEN) || !defined(PD_WINDOW) || !defined(PD_SOFTCAP) || !defined(PD_SINKS) || \
+    !defined(PD_OUT_F32)
+#error "PD_MULTI_TOKEN, PD_WINDOW, PD_SOFTCAP, PD_SINKS and PD_OUT_F32 must be defined (0 or 1)"
+#endif
+
+#if PD_OUT_F32
+typedef float pd_out_t;
+#else
+typedef pd_q_t pd_out_t;  // bf16 / fp16 bits, q's dtype
+#endif
 
 namespace pd_mma {
 
@@ -87,10 +111,10 @@ constexpr int MT = TT / 16;         // 16-token MMA tiles (the MMA's M) per stag
 constexpr int S = PD_STAGES;
 constexpr int KS = D / 16;  // 16-dim steps: the K dimension of QK, the M tiles of PV
 
-constexpr bool FP8 = PD_KV_DTYPE == PD_DTYPE_FP8_E4M3;
+constexpr bool FP8 = PD_KV_DTYPE == PD_DTYPE_FP8_E4M3 || PD_KV_DTYPE == PD_DTYPE_FP8_E5M2;
 constexpr bool MMA_BF16 = PD_KV_DTYPE == PD_DTYPE_BF16;               // else fp16 operands
 constexpr int QP = (MMA_BF16 && PD_Q_DTYPE == PD_DTYPE_FP16) ? 2 : 1;  // q parts
-constexpr bool Q_SCALED = !MMA_BF16 && PD_Q_DTYPE == PD_DTYPE_BF16;    // q * 2^c_h as fp16
+constexpr bool Q_SCALED = !MMA_BF16 && PD_Q_DTYPE == PD_DTYPE_BF16;    // q * 2^c_r as fp16
 constexpr int PP = MMA_BF16 ? 3 : 2;                                   // p parts
 
 constexpr int ES = (int)sizeof(pd_kv_t);
@@ -110,7 +134,7 @@ static_assert(KS % 2 == 0, "ldmatrix.x4 takes two 16-dim steps");
 
 // -- shared memory carve (bytes, every region 16-byte aligned) -------------------------
 constexpr int Q_OFF = 0;                               // QP x ROWS x QS  (after the loop: s_out)
-constexpr int SCALE_OFF = Q_OFF + QP * ROWS * QS;      // ROWS floats: per-head score scale
+constexpr int SCALE_OFF = Q_OFF + QP * ROWS * QS;      // ROWS floats: per-row score scale
 constexpr int TABLE_OFF = SCALE_OFF + ROWS * 4;        // W x TT x {k offset, v offset}
 constexpr int RING_OFF = (TABLE_OFF + W * TT * 16 + 127) / 128 * 128;
 constexpr int TILE_BYTES = TT * RS;                    // one K or one V tile
@@ -140,13 +164,58 @@ __device__ __forceinline__ int q_position(int d) {
   return (d & ~15) | (((d >> 1) & 1) << 3) | (((d >> 2) & 3) << 1) | (d & 1);
 }
 
+// -- what a CTA serves -----------------------------------------------------------------
+
+// The query rows of one CTA and what each may see. Rows r = t * heads + h, t < q_len.
+struct Rows {
+  int heads;                 // heads_per_cta
+  int q_len;                 // query tokens per sequence (1 on the plain path)
+  int rows;                  // heads * q_len
+  int seq_len, window_left;  // the sequence's length (its keys, the q tokens' included)
+  int split, num_splits;
+};
+
+// Keys [lo, hi) query token t sees: its causal prefix (L - q_len + 1 + t keys), from
+// window_left keys before its own position (when PD_WINDOW), cut to split `split` of
+// `num_splits` by the split rule of pd_splitk.cuh applied to that range alone (so the
+// split covers the window only and depends on the row's own keys, never on the batch
+// or on the other rows).
+__device__ __forceinline__ void row_range(const Rows& rw, int t, int& lo, int& hi) {
+  int seen = rw.seq_len - rw.q_len + 1 + t;  // causal: positions < seen
+  seen = seen > 0 ? seen : 0;
+  int first = 0;
+#if PD_WINDOW
+  if (rw.window_left >= 0) {
+    const int w0 = seen - 1 - rw.window_left;  // a token at position seen - 1 sees [seen - 1 - w, seen - 1]
+    first = w0 > 0 ? w0 : 0;
+  }
+#endif
+  int a, b;
+  pd_split_range(seen - first, rw.split, rw.num_splits, a, b);
+  lo = first + a;
+  hi = first + b;
+}
+
+// The CTA's key range: the union of its rows' ranges (empty when every row's is).
+__device__ __forceinline__ void cta_range(const Rows& rw, int& lo, int& hi) {
+  lo = 0;
+  hi = 0;
+  for (int t = 0; t < rw.q_len; ++t) {
+    int a, b;
+    row_range(rw, t, a, b);
+    if (a >= b) continue;
+    if (hi == 0 || a < lo) lo = a;
+    if (b > hi) hi = b;
+  }
+}
+
 // -- Q staging -----------------------------------------------------------------------
 
 // Stage the CTA's query rows (warp w converts rows w, w + W, ...; lane c holds dims
-// 8c .. 8c + 7) and each row's score scale qk_scale_log2 * 2^-c_h. Ends with
-// __syncthreads(); every thread of the CTA calls it.
-__device__ __forceinline__ void stage_q(unsigned char* smem, const pd_q_t* q_head0, long long q_stride_head,
-                                        int rows, float qk_scale_log2) {
+// 8c .. 8c + 7) and each row's score scale qk_scale * 2^-c_r. q_row(r) points at row r's
+// D elements. Ends with __syncthreads(); every thread of the CTA calls it.
+template <class QRow>
+__device__ __forceinline__ void stage_q(unsigned char* smem, const QRow& q_row, int rows, float qk_scale) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   PD_UNROLL
   for (int k = 0; k < ROWS / W; ++k) {
@@ -156,14 +225,14 @@ __device__ __forceinline__ void stage_q(unsigned char* smem, const pd_q_t* q_hea
     const bool mine = r < rows && lane < D / 8;
     {
       unsigned w4[4] = {0u, 0u, 0u, 0u};
-      if (mine) pd_load_words(q_head0 + r * q_stride_head + lane * 8, w4);
+      if (mine) pd_load_words(q_row(r) + lane * 8, w4);
       PD_UNROLL
       for (int j = 0; j < 8; ++j) {
         bits[j] = (w4[j >> 1] >> ((j & 1) * 16)) & 0xffffu;
         x[j] = pd_q_to_float(bits[j]);
       }
     }
-    float scale = qk_scale_log2;
+    float scale = qk_scale;
     if (Q_SCALED) {
       float amax = 0.f;
       PD_UNROLL
@@ -178,7 +247,7 @@ __device__ __forceinline__ void stage_q(unsigned char* smem, const pd_q_t* q_hea
       const float up = __uint_as_float((unsigned)(127 + c) << 23);
       PD_UNROLL
       for (int j = 0; j < 8; ++j) bits[j] = pd_float_to_fp16(x[j] * up);  // x * 2^c exact in fp32
-      scale = qk_scale_log2 * __uint_as_float((unsigned)(127 - c) << 23);
+      scale = qk_scale * __uint_as_float((unsigned)(127 - c) << 23);
     }
     if (lane == 0) reinterpret_cast<float*>(smem + SCALE_OFF)[r] = scale;
     PD_UNROLL
@@ -211,22 +280,23 @@ struct Stream {
   const unsigned char* k_lane;  // k_cache + kv_head * k_stride_head + this lane's 16-byte chunk
   const unsigned char* v_lane;
   const int* bt_row;
-  int page_size, end;
+  int page_size, lo, hi;  // the CTA's keys [lo, hi)
   int tok, page, slot, row;  // this lane's token of the next tile; its page index, slot, page id
   int step_pages, step_slots;  // W * TT tokens as whole pages + slots
 };
 
 // A __syncwarp, then the offsets of the next tile's rows into the warp's table, its
-// cp.async copies into `stage`, and one commit (an empty group when the tile does not exist, so the
-// wait_group arithmetic stays uniform). Advances the producer by W tiles and prefetches
-// the block-table entry that tile will need.
+// cp.async copies into `stage` (keys outside the CTA's range zero-filled), and one
+// commit (an empty group when the tile does not exist, so the wait_group arithmetic
+// stays uniform). Advances the producer by W tiles and prefetches the block-table
+// entry that tile will need.
 __device__ __forceinline__ void issue_tile(Stream& st, const long long (&strides)[4], bool exists, int tile_first,
                                            unsigned char* stage, unsigned char* table) {
   const int lane = threadIdx.x & 31;
   __syncwarp();  // every lane is done with the table, the stage and the copies it waited for
   if (exists) {
     if (lane < TT) {
-      const bool valid = st.tok < st.end;
+      const bool valid = st.tok >= st.lo && st.tok < st.hi;
       long long koff = 0, voff = 0;  // an invalid row is copied with src-size 0 from row 0
       if (valid) {
         // strides in elements (kernel parameters, not held in registers); bytes = elements * ES
@@ -236,13 +306,13 @@ __device__ __forceinline__ void issue_tile(Stream& st, const long long (&strides
       *reinterpret_cast<longlong2*>(table + lane * 16) = make_longlong2(koff, voff);
     }
     __syncwarp();
-    const int nvalid = st.end - tile_first;
+    const int first = st.lo - tile_first, past = st.hi - tile_first;  // the tile's valid rows [first, past)
     const int row0 = lane / CPR;
     PD_UNROLL
     for (int j = 0; j < RPL; ++j) {
       const int r = row0 + j * RPI;
       const longlong2 off = *reinterpret_cast<const longlong2*>(table + r * 16);
-      const unsigned n = r < nvalid ? 16u : 0u;
+      const unsigned n = (r >= first && r < past) ? 16u : 0u;
       unsigned char* dst = stage + r * RS + (lane % CPR) * 16;
       pd_cp_async_cg_16(dst, st.k_lane + off.x, n);
       pd_cp_async_cg_16(dst + TILE_BYTES, st.v_lane + off.y, n);
@@ -257,7 +327,7 @@ __device__ __forceinline__ void issue_tile(Stream& st, const long long (&strides
     st.slot -= st.page_size;
     st.page += 1;
   }
-  st.row = (lane < TT && st.tok < st.end) ? st.bt_row[st.page] : 0;
+  st.row = (lane < TT && st.tok >= st.lo && st.tok < st.hi) ? st.bt_row[st.page] : 0;
 }
 
 // -- MMA operand builders -------------------------------------------------------------
@@ -269,14 +339,21 @@ __device__ __forceinline__ void mma(float (&acc)[4], const unsigned (&a)[4], con
     pd_mma_f16_m16n8k16(acc, a, b, acc);
 }
 
-// Two e4m3 bytes (the low or high half of w) as an f16x2 pair.
-__device__ __forceinline__ unsigned fp8_lo(unsigned w) { return pd_cvt_f16x2_e4m3x2((unsigned short)(w & 0xffffu)); }
-__device__ __forceinline__ unsigned fp8_hi(unsigned w) { return pd_cvt_f16x2_e4m3x2((unsigned short)(w >> 16)); }
+// Two fp8 bytes (the low or high half of w) as an f16x2 pair.
+__device__ __forceinline__ unsigned fp8_pair(unsigned short two) {
+#if PD_KV_DTYPE == PD_DTYPE_FP8_E5M2
+  return pd_cvt_f16x2_e5m2x2(two);
+#else
+  return pd_cvt_f16x2_e4m3x2(two);
+#endif
+}
+__device__ __forceinline__ unsigned fp8_lo(unsigned w) { return fp8_pair((unsigned short)(w & 0xffffu)); }
+__device__ __forceinline__ unsigned fp8_hi(unsigned w) { return fp8_pair((unsigned short)(w >> 16)); }
 
 // The PP parts of four probabilities as B operands of the PV MMA: p[0..1] are token g,
-// heads 2t, 2t+1 and p[2..3] token g + 8 (the S^T accumulator layout). Part k rounds
+// rows 2t, 2t+1 and p[2..3] token g + 8 (the S^T accumulator layout). Part k rounds
 // what parts < k left (each residual exact in fp32); movmatrix turns each 8x8 (tokens x
-// heads) b16 block into the B layout (k = tokens 2t, 2t+1, n = head g).
+// rows) b16 block into the B layout (k = tokens 2t, 2t+1, n = row g).
 __device__ __forceinline__ void p_operands(const float (&p)[4], unsigned (&b)[PP][2]) {
   float r[4] = {p[0], p[1], p[2], p[3]};
   PD_UNROLL
@@ -295,7 +372,7 @@ __device__ __forceinline__ void p_operands(const float (&p)[4], unsigned (&b)[PP
 
 // -- the core --------------------------------------------------------------------------
 
-// The per-warp state: for row tile nt and head column j in {0, 1} (head nt * 8 + 2t + j,
+// The per-warp state: for row tile nt and column j in {0, 1} (row nt * 8 + 2t + j,
 // t = lane % 4): m (identical on the 8 lanes of a column), this lane's share of l, and
 // O^T fragments o[dt][nt][4] (dims of 16-dim block dt, see out_dim).
 struct State {
@@ -312,12 +389,12 @@ __device__ __forceinline__ int out_dim(int dt, int g, int e) {
   return FP8 ? dt * 16 + 2 * g + upper : dt * 16 + 8 * upper + g;
 }
 
-// Attend the tokens [start, end) (end - start may be 0) and leave the warp state in
-// `st`. `smem` is the launch's dynamic shared memory, Q staged (stage_q).
-__device__ __forceinline__ void attend(unsigned char* smem, const unsigned char* k_head, long long k_stride_page,
-                                       long long k_stride_token, const unsigned char* v_head, long long v_stride_page,
-                                       long long v_stride_token, const int* __restrict__ bt_row, int page_size,
-                                       int start, int end, State& st) {
+// Attend every row's keys and leave the warp state in `st`. `smem` is the launch's
+// dynamic shared memory, Q staged (stage_q).
+__device__ __forceinline__ void attend(unsigned char* smem, const Rows& rw, const unsigned char* k_head,
+                                       long long k_stride_page, long long k_stride_token, const unsigned char* v_head,
+                                       long long v_stride_page, long long v_stride_token,
+                                       const int* __restrict__ bt_row, int page_size, float cap_log2, State& st) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const float neg_inf = pd_neg_inf();
@@ -342,9 +419,24 @@ __device__ __forceinline__ void attend(unsigned char* smem, const unsigned char*
     PD_UNROLL
     for (int j = 0; j < 2; ++j) scale[nt][j] = reinterpret_cast<const float*>(smem + SCALE_OFF)[nt * 8 + 2 * t + j];
 
-  const int n = end > start ? end - start : 0;
-  const int num_tiles = (n + TT - 1) / TT;
-  const int my_tiles = num_tiles > warp ? (num_tiles - warp + W - 1) / W : 0;  // tiles warp, warp + W, ...
+  int lo, hi;  // the CTA's keys
+  cta_range(rw, lo, hi);
+#if PD_MULTI_TOKEN
+  int col_lo[NT][2], col_hi[NT][2];  // this lane's columns' keys (padding rows: none)
+  PD_UNROLL
+  for (int nt = 0; nt < NT; ++nt)
+    PD_UNROLL
+    for (int j = 0; j < 2; ++j) {
+      const int r = nt * 8 + 2 * t + j;
+      col_lo[nt][j] = 0;
+      col_hi[nt][j] = 0;
+      if (r < rw.rows) row_range(rw, r / rw.heads, col_lo[nt][j], col_hi[nt][j]);
+    }
+#endif
+  // Tiles k of [k0, k1) at absolute positions k * TT; warp w takes k = w mod W.
+  const int k0 = lo / TT, k1 = hi > lo ? (hi + TT - 1) / TT : k0;
+  const int first_tile = k0 + ((warp - k0) & (W - 1));
+  const int my_tiles = first_tile < k1 ? (k1 - first_tile + W - 1) / W : 0;
 
   unsigned char* ring = smem + RING_OFF + warp * RING_BYTES;
   unsigned char* table = smem + TABLE_OFF + warp * TT * 16;
@@ -355,22 +447,18 @@ __device__ __forceinline__ void attend(unsigned char* smem, const unsigned char*
   const long long strides[4] = {k_stride_page, k_stride_token, v_stride_page, v_stride_token};
   s.bt_row = bt_row;
   s.page_size = page_size;
-  s.end = end;
+  s.lo = lo;
+  s.hi = hi;
   s.step_pages = (W * TT) / page_size;
   s.step_slots = W * TT - s.step_pages * page_size;
-  s.tok = start + warp * TT + lane;
-  s.page = 0;
-  s.slot = 0;
-  s.row = 0;
-  if (lane < TT && s.tok < end) {
-    s.page = s.tok / page_size;
-    s.slot = s.tok - s.page * page_size;
-    s.row = bt_row[s.page];
-  }
+  s.tok = first_tile * TT + lane;
+  s.page = s.tok / page_size;  // one division per lane per CTA; the rest are increments
+  s.slot = s.tok - s.page * page_size;
+  s.row = (lane < TT && s.tok >= lo && s.tok < hi) ? bt_row[s.page] : 0;
 
   PD_UNROLL
   for (int k = 0; k < S - 1; ++k)
-    issue_tile(s, strides, k < my_tiles, start + (warp + k * W) * TT, ring + k * STAGE_BYTES, table);
+    issue_tile(s, strides, k < my_tiles, (first_tile + k * W) * TT, ring + k * STAGE_BYTES, table);
 
   // ldmatrix row address of this lane within a tile: token ((lane >> 3) & 1) * 8 +
   // (lane & 7) of a 16-token block, 16-byte chunk lane >> 4 of a chunk pair.
@@ -380,12 +468,12 @@ __device__ __forceinline__ void attend(unsigned char* smem, const unsigned char*
   for (int k = 0; k < my_tiles; ++k) {
     pd_cp_async_wait<S - 2>();  // this lane's copies of tile k have landed; issue_tile's
                                 // __syncwarp makes every lane's visible and frees the stage read last
-    issue_tile(s, strides, k + S - 1 < my_tiles, start + (warp + (k + S - 1) * W) * TT,
+    issue_tile(s, strides, k + S - 1 < my_tiles, (first_tile + (k + S - 1) * W) * TT,
                ring + ((k + S - 1) % S) * STAGE_BYTES, table);
 
     const unsigned char* kt = ring + (k % S) * STAGE_BYTES;
     const unsigned char* vt = kt + TILE_BYTES;
-    const int nvalid = end - (start + (warp + k * W) * TT);
+    const int base = (first_tile + k * W) * TT;  // absolute position of the tile's first key
 
     // -- scores S^T[token][row] = K Q^T, two 16-dim steps per ldmatrix.x4
     float sc[MT][NT][4];
@@ -438,26 +526,51 @@ __device__ __forceinline__ void attend(unsigned char* smem, const unsigned char*
       }
     }
 
-    // -- mask rows past `end`, update m and l, rescale O by alpha = 2^(m_old - m_new)
+    // -- logits (x in log2 units after the soft-cap), keys a row does not see masked
     PD_UNROLL
     for (int mt = 0; mt < MT; ++mt)
       PD_UNROLL
       for (int e = 0; e < 4; ++e) {
-        const bool valid = mt * 16 + g + 8 * (e >> 1) < nvalid;
+        const int pos = base + mt * 16 + g + 8 * (e >> 1);
+#if PD_MULTI_TOKEN
         PD_UNROLL
-        for (int nt = 0; nt < NT; ++nt) sc[mt][nt][e] = valid ? sc[mt][nt][e] : neg_inf;
+        for (int nt = 0; nt < NT; ++nt) {
+          const bool valid = pos >= col_lo[nt][e & 1] && pos < col_hi[nt][e & 1];
+#if PD_SOFTCAP
+          sc[mt][nt][e] = valid ? cap_log2 * tanhf(sc[mt][nt][e] * scale[nt][e & 1]) : neg_inf;
+#else
+          sc[mt][nt][e] = valid ? sc[mt][nt][e] : neg_inf;
+#endif
+        }
+#else
+        const bool valid = pos >= lo && pos < hi;
+        PD_UNROLL
+        for (int nt = 0; nt < NT; ++nt) {
+#if PD_SOFTCAP
+          sc[mt][nt][e] = valid ? cap_log2 * tanhf(sc[mt][nt][e] * scale[nt][e & 1]) : neg_inf;
+#else
+          sc[mt][nt][e] = valid ? sc[mt][nt][e] : neg_inf;
+#endif
+        }
+#endif
       }
+
+    // -- update m and l, rescale O by alpha = 2^(m_old - m_new)
     float alpha[NT][2];
     PD_UNROLL
     for (int nt = 0; nt < NT; ++nt)
       PD_UNROLL
       for (int j = 0; j < 2; ++j) {
-        float mx = neg_inf;  // of the raw scores: scale > 0 keeps the order
+        float mx = neg_inf;  // plain: of the raw scores (scale > 0 keeps the order); soft-cap: of x
         PD_UNROLL
         for (int mt = 0; mt < MT; ++mt) mx = fmaxf(mx, fmaxf(sc[mt][nt][j], sc[mt][nt][j + 2]));
         PD_UNROLL
         for (int off = 4; off <= 16; off <<= 1) mx = fmaxf(mx, __shfl_xor_sync(PD_FULL_MASK, mx, off));
+#if PD_SOFTCAP
+        const float m_new = fmaxf(st.m[nt][j], mx);
+#else
         const float m_new = fmaxf(st.m[nt][j], mx * scale[nt][j]);
+#endif
         // Nothing valid seen yet (m_new = -inf): subtract 0, so -inf - -inf = NaN never
         // happens; alpha and every p are then exp2f(-inf) = 0.
         const float ms = m_new == neg_inf ? 0.f : m_new;
@@ -468,7 +581,11 @@ __device__ __forceinline__ void attend(unsigned char* smem, const unsigned char*
         for (int mt = 0; mt < MT; ++mt)
           PD_UNROLL
           for (int e = j; e < 4; e += 2) {
+#if PD_SOFTCAP
+            const float p = exp2f(sc[mt][nt][e] - ms);
+#else
             const float p = exp2f(fmaf(sc[mt][nt][e], scale[nt][j], -ms));
+#endif
             lsum += p;
             sc[mt][nt][e] = p * p_scale();  // exact (a power of two)
           }
@@ -495,12 +612,12 @@ __device__ __forceinline__ void attend(unsigned char* smem, const unsigned char*
           pd_ldmatrix_x4_trans(r, vt + mt * 16 * RS + dp * 32 + kv_lane);
           PD_UNROLL
           for (int h = 0; h < 2; ++h) {
-            const unsigned lo = pd_prmt(r[2 * h], 0u, 0x3120u);      // tokens 0..7: (dim 2g | dim 2g + 1) pairs
-            const unsigned hi = pd_prmt(r[2 * h + 1], 0u, 0x3120u);  // tokens 8..15
-            a[h][0] = fp8_lo(lo);
-            a[h][1] = fp8_hi(lo);
-            a[h][2] = fp8_lo(hi);
-            a[h][3] = fp8_hi(hi);
+            const unsigned lo8 = pd_prmt(r[2 * h], 0u, 0x3120u);      // tokens 0..7: (dim 2g | dim 2g + 1) pairs
+            const unsigned hi8 = pd_prmt(r[2 * h + 1], 0u, 0x3120u);  // tokens 8..15
+            a[h][0] = fp8_lo(lo8);
+            a[h][1] = fp8_hi(lo8);
+            a[h][2] = fp8_lo(hi8);
+            a[h][3] = fp8_hi(hi8);
           }
         } else {  // two chunks of 8 dims per block
           PD_UNROLL
@@ -561,58 +678,72 @@ __device__ __forceinline__ void publish(unsigned char* smem, const State& st) {
   __syncthreads();
 }
 
-// The CTA's state of row h, dim d over the warps in order 0..W-1: M = max m_w (-inf when
-// the CTA saw no token), L = sum l_w 2^(m_w - M), O = sum o_w 2^(m_w - M).
-__device__ __forceinline__ void cta_combine(const unsigned char* smem, int h, int d, float& M, float& L, float& O) {
+// The CTA's state of row r, dim d over the warps in order 0..W-1: M = max m_w (-inf when
+// the CTA saw no key), L = sum l_w 2^(m_w - M), O = sum o_w 2^(m_w - M).
+__device__ __forceinline__ void cta_combine(const unsigned char* smem, int r, int d, float& M, float& L, float& O) {
   const float* s_m = reinterpret_cast<const float*>(smem + EPI_M_OFF);
   const float* s_l = reinterpret_cast<const float*>(smem + EPI_L_OFF);
   const float* s_o = reinterpret_cast<const float*>(smem + EPI_O_OFF);
   const float neg_inf = pd_neg_inf();
   float mx = neg_inf;
   PD_UNROLL
-  for (int w = 0; w < W; ++w) mx = fmaxf(mx, s_m[h * W + w]);
+  for (int w = 0; w < W; ++w) mx = fmaxf(mx, s_m[r * W + w]);
   const float ms = mx == neg_inf ? 0.f : mx;  // every warp empty: avoid -inf - -inf
   float lsum = 0.f, o = 0.f;
   PD_UNROLL
   for (int w = 0; w < W; ++w) {
-    const float wt = exp2f(s_m[h * W + w] - ms);  // an empty warp: 2^-inf = 0, and its l = o = 0
-    lsum = fmaf(s_l[h * W + w], wt, lsum);
-    o = fmaf(s_o[(h * W + w) * D + d], wt, o);
+    const float wt = exp2f(s_m[r * W + w] - ms);  // an empty warp: 2^-inf = 0, and its l = o = 0
+    lsum = fmaf(s_l[r * W + w], wt, lsum);
+    o = fmaf(s_o[(r * W + w) * D + d], wt, o);
   }
   M = mx;
   L = lsum;
   O = o * o_unscale();  // exact
 }
 
-// The whole CTA: stage q, attend [start, end), publish. Afterwards cta_combine(h, d)
-// gives row h's state; the caller writes the outputs of rows < `rows`.
-__device__ __forceinline__ void run_cta(unsigned char* smem, const pd_q_t* q_head0, long long q_stride_head, int rows,
-                                        float qk_scale_log2, const pd_kv_t* k_head, long long k_stride_page,
+// The whole CTA: stage q (q_row(r) = row r's D elements), attend, publish. Afterwards
+// cta_combine(r, d) gives row r's state; the caller writes the outputs of rows < rows.
+template <class QRow>
+__device__ __forceinline__ void run_cta(unsigned char* smem, const Rows& rw, const QRow& q_row, float qk_scale,
+                                        float cap_log2, const pd_kv_t* k_head, long long k_stride_page,
                                         long long k_stride_token, const pd_kv_t* v_head, long long v_stride_page,
-                                        long long v_stride_token, const int* __restrict__ bt_row, int page_size,
-                                        int start, int end) {
-  stage_q(smem, q_head0, q_stride_head, rows, qk_scale_log2);
+                                        long long v_stride_token, const int* __restrict__ bt_row, int page_size) {
+  stage_q(smem, q_row, rw.rows, qk_scale);
   State st;
-  attend(smem, reinterpret_cast<const unsigned char*>(k_head), k_stride_page, k_stride_token,
-         reinterpret_cast<const unsigned char*>(v_head), v_stride_page, v_stride_token, bt_row, page_size, start,
-         end, st);
+  attend(smem, rw, reinterpret_cast<const unsigned char*>(k_head), k_stride_page, k_stride_token,
+         reinterpret_cast<const unsigned char*>(v_head), v_stride_page, v_stride_token, bt_row, page_size, cap_log2,
+         st);
   publish(smem, st);
 }
 
-// Write rows 0..rows-1 of the CTA's normalized output (bf16/fp16 bits) to out_rows (rows
-// contiguous rows of D) and, when lse != nullptr, lse_rows[h]. Every thread calls it.
-__device__ __forceinline__ void store_rows(unsigned char* smem, int rows, float v_scale, pd_q_t* out_rows,
-                                           float* lse_rows) {
+// Write every row's normalized output and, when lse != nullptr, its lse. Row r = t *
+// heads + h goes to out_row0[(t * num_q_heads + h) * D] (the q tokens of one sequence
+// are num_q_heads rows apart), lse_row0[t * num_q_heads + h]; sinks (when PD_SINKS) is
+// the sink logit of each of the CTA's heads, in natural-log units. Every thread calls it.
+__device__ __forceinline__ void store_rows(unsigned char* smem, const Rows& rw, int num_q_heads, float v_scale,
+                                           const float* __restrict__ sinks, pd_out_t* out_row0, float* lse_row0) {
   unsigned short* s_out = reinterpret_cast<unsigned short*>(smem + Q_OFF);
-  for (int idx = threadIdx.x; idx < rows * D; idx += PD_THREADS) {
-    const int h = idx / D, d = idx - h * D;
+  for (int idx = threadIdx.x; idx < rw.rows * D; idx += PD_THREADS) {
+    const int r = idx / D, d = idx - r * D;
     float M, L, O;
-    cta_combine(smem, h, d, M, L, O);
-    s_out[idx] = (unsigned short)pd_float_to_q(pd_normalize(O, L, v_scale));  // zeros for an empty state
-    if (d == 0 && lse_rows != nullptr) lse_rows[h] = pd_lse(M, L);
+    cta_combine(smem, r, d, M, L, O);
+#if PD_SINKS
+    pd_add_sink(sinks[r % rw.heads], M, L, O);
+#endif
+    const float value = pd_normalize(O, L, v_scale);  // zeros for an empty state
+    const long long at = (long long)(r / rw.heads) * num_q_heads + r % rw.heads;
+#if PD_OUT_F32
+    out_row0[at * D + d] = value;
+#else
+    s_out[idx] = (unsigned short)pd_float_to_q(value);
+#endif
+    if (d == 0 && lse_row0 != nullptr) lse_row0[at] = pd_lse(M, L);
   }
+#if !PD_OUT_F32
   __syncthreads();
-  pd_store_span(out_rows, s_out, rows * D);
+  for (int t = 0; t < rw.q_len; ++t)  // the heads of one token are contiguous in out
+    pd_store_span(out_row0 + (long long)t * num_q_heads * D, s_out + t * rw.heads * D, rw.heads * D);
+#endif
 }
 
 }  // namespace pd_mma

@@ -15,6 +15,16 @@
 
 #include "decode_core.cuh"
 
+// Row r = t * heads + h of the CTA: query token t of head head0 + h.
+struct QRows {
+  const pd_q_t* q;  // q[seq, 0, head0]
+  long long stride_token, stride_head;
+  int heads;
+  __device__ __forceinline__ const pd_q_t* operator()(int r) const {
+    return q + (r / heads) * stride_token + (r % heads) * stride_head;
+  }
+};
+
 #define PD_GQA 6
 #define PD_HDIM 256
 
@@ -24,28 +34,30 @@
 static_assert(PD_GQA <= pd_mma::ROWS, "PD_ROW_TILES must hold the pack width");
 
 extern "C" __global__ void PD_LAUNCH_BOUNDS(PD_THREADS, 1) decode_gqa_packed(
-    const pd_q_t* __restrict__ q, long long q_stride_seq, long long q_stride_head,
+    const pd_q_t* __restrict__ q, long long q_stride_seq, long long q_stride_token, long long q_stride_head,
     const pd_kv_t* __restrict__ k_cache, long long k_stride_page, long long k_stride_token,
     long long k_stride_head,
     const pd_kv_t* __restrict__ v_cache, long long v_stride_page, long long v_stride_token,
     long long v_stride_head,
     const int* __restrict__ block_tables, long long block_tables_stride,
     const int* __restrict__ seq_lens,
-    int num_kv_heads, int page_size,
-    float qk_scale_log2, float v_scale,
-    pd_q_t* __restrict__ out, float* __restrict__ lse) {
+    int num_kv_heads, int page_size, int q_len, int window_left,
+    float qk_scale, float cap_log2, float v_scale, const float* __restrict__ sinks,
+    pd_out_t* __restrict__ out, float* __restrict__ lse) {
   DYNAMIC_SHARED(unsigned char, smem);
   const int kv_head = blockIdx.x;
   const int seq = blockIdx.y;
   const int num_q_heads = num_kv_heads * PD_GQA;
   const int head0 = kv_head * PD_GQA;
-  int seq_len = seq_lens[seq];
-  seq_len = seq_len > 0 ? seq_len : 0;
+  const int seq_len = seq_lens[seq];
+  const pd_mma::Rows rw{PD_GQA, q_len, PD_GQA * q_len, seq_len > 0 ? seq_len : 0, window_left, 0, 1};
 
-  pd_mma::run_cta(smem, q + seq * q_stride_seq + head0 * q_stride_head, q_stride_head, PD_GQA, qk_scale_log2,
-                  k_cache + kv_head * k_stride_head, k_stride_page, k_stride_token,
+  pd_mma::run_cta(smem, rw, QRows{q + seq * q_stride_seq + head0 * q_stride_head, q_stride_token, q_stride_head,
+                                  PD_GQA},
+                  qk_scale, cap_log2, k_cache + kv_head * k_stride_head, k_stride_page, k_stride_token,
                   v_cache + kv_head * v_stride_head, v_stride_page, v_stride_token,
-                  block_tables + seq * block_tables_stride, page_size, 0, seq_len);
-  const long long row0 = (long long)seq * num_q_heads + head0;
-  pd_mma::store_rows(smem, PD_GQA, v_scale, out + row0 * PD_HEAD_DIM, lse == nullptr ? nullptr : lse + row0);
+                  block_tables + seq * block_tables_stride, page_size);
+  const long long row0 = (long long)seq * q_len * num_q_heads + head0;
+  pd_mma::store_rows(smem, rw, num_q_heads, v_scale, PD_SINKS ? sinks + head0 : nullptr, out + row0 * PD_HEAD_DIM,
+                     lse == nullptr ? nullptr : lse + row0);
 }

@@ -38,6 +38,10 @@
 
 #include "pd_common.cuh"
 
+#if PD_KV_DTYPE == PD_DTYPE_FP8_E5M2
+#error "the simt kernels do not read fp8 e5m2 caches (impl mma does)"
+#endif
+
 #define PD_GQA 6
 #define PD_HDIM 256
 

@@ -41,6 +41,10 @@
 // launch the merge with programmatic dependent launch to hide its launch latency.
 
 #include "pd_common.cuh"
+
+#if PD_KV_DTYPE == PD_DTYPE_FP8_E5M2
+#error "the simt kernels do not read fp8 e5m2 caches (impl mma does)"
+#endif
 #include "pd_splitk.cuh"
 
 extern "C" __global__ void PD_LAUNCH_BOUNDS(PD_THREADS, 4) paged_decode_splitk(
@@ -96,5 +100,5 @@ extern "C" __global__ void PD_LAUNCH_BOUNDS(PD_MERGE_THREADS, 4) paged_decode_sp
     const float* __restrict__ workspace, int num_splits,
     pd_q_t* __restrict__ out, float* __restrict__ lse) {
   __shared__ unsigned short s_out[PD_HEAD_DIM];
-  pd_merge_splits(workspace, num_splits, out, lse, s_out);
+  pd_merge_splits(workspace, num_splits, (const float*)nullptr, out, lse, s_out);
 }

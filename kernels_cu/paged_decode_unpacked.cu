@@ -39,6 +39,10 @@
 
 #include "pd_common.cuh"
 
+#if PD_KV_DTYPE == PD_DTYPE_FP8_E5M2
+#error "the simt kernels do not read fp8 e5m2 caches (impl mma does)"
+#endif
+
 extern "C" __global__ void PD_LAUNCH_BOUNDS(PD_THREADS, 4) paged_decode_unpacked(
     const pd_q_t* __restrict__ q, long long q_stride_seq, long long q_stride_head,
     const pd_kv_t* __restrict__ k_cache, long long k_stride_page, long long k_stride_token,

@@ -18,7 +18,8 @@
 // Defines (all required, given by Python as -D):
 //   PD_HEAD_DIM  64 | 128 | 256
 //   PD_Q_DTYPE   PD_DTYPE_BF16 (0) | PD_DTYPE_FP16 (1)            (q and out)
-//   PD_KV_DTYPE  PD_DTYPE_BF16 (0) | PD_DTYPE_FP16 (1) | PD_DTYPE_FP8_E4M3 (2)
+//   PD_KV_DTYPE  PD_DTYPE_BF16 (0) | PD_DTYPE_FP16 (1) | PD_DTYPE_FP8_E4M3 (2) |
+//                PD_DTYPE_FP8_E5M2 (3, the tensor-core kernels only)
 // Defined here and read back by Python as plain `#define NAME <int>` lines:
 //   PD_THREADS (attention kernels' block size), PD_MERGE_THREADS (merge kernel).
 //
@@ -41,6 +42,7 @@
 #define PD_DTYPE_BF16 0
 #define PD_DTYPE_FP16 1
 #define PD_DTYPE_FP8_E4M3 2
+#define PD_DTYPE_FP8_E5M2 3
 
 #ifndef PD_HEAD_DIM
 #error "PD_HEAD_DIM must be defined (-DPD_HEAD_DIM=64|128|256)"
@@ -57,8 +59,9 @@
 #if PD_Q_DTYPE != PD_DTYPE_BF16 && PD_Q_DTYPE != PD_DTYPE_FP16
 #error "PD_Q_DTYPE must be PD_DTYPE_BF16 (0) or PD_DTYPE_FP16 (1)"
 #endif
-#if PD_KV_DTYPE != PD_DTYPE_BF16 && PD_KV_DTYPE != PD_DTYPE_FP16 && PD_KV_DTYPE != PD_DTYPE_FP8_E4M3
-#error "PD_KV_DTYPE must be PD_DTYPE_BF16 (0), PD_DTYPE_FP16 (1) or PD_DTYPE_FP8_E4M3 (2)"
+#if PD_KV_DTYPE != PD_DTYPE_BF16 && PD_KV_DTYPE != PD_DTYPE_FP16 && PD_KV_DTYPE != PD_DTYPE_FP8_E4M3 && \
+    PD_KV_DTYPE != PD_DTYPE_FP8_E5M2
+#error "PD_KV_DTYPE must be PD_DTYPE_BF16 (0), PD_DTYPE_FP16 (1), PD_DTYPE_FP8_E4M3 (2) or PD_DTYPE_FP8_E5M2 (3)"
 #endif
 
 #if (PD_THREADS % 32) != 0 || (PD_MERGE_THREADS % 32) != 0
@@ -84,11 +87,12 @@
 
 #define PD_FULL_MASK 0xffffffffu
 #define PD_LN2 0.693147180559945309f
+#define PD_LOG2E 1.44269504088896341f
 
 // Storage types: 16-bit floats and fp8 travel as raw bits.
 typedef unsigned short pd_q_t;  // q and out: bf16 or fp16 bits
-#if PD_KV_DTYPE == PD_DTYPE_FP8_E4M3
-typedef unsigned char pd_kv_t;  // fp8 e4m3fn bits
+#if PD_KV_DTYPE == PD_DTYPE_FP8_E4M3 || PD_KV_DTYPE == PD_DTYPE_FP8_E5M2
+typedef unsigned char pd_kv_t;  // fp8 e4m3fn / e5m2 bits
 #else
 typedef unsigned short pd_kv_t;  // bf16 or fp16 bits
 #endif

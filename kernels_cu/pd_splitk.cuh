@@ -11,7 +11,8 @@
 // m = -inf, l = 0, so every slot is always written and the host never clears it. Slots
 // are not 16-byte aligned: scalar accesses only.
 //
-// The merge combines the splits of (seq, head) in the fixed order 0..n-1:
+// The merge combines the splits of (row, head) in the fixed order 0..n-1, then the sink if
+// there is one (pd_add_sink):
 //   M = max m_i; w_i = l_i 2^(m_i - M); L = sum w_i; out = sum w_i o_i / L;
 //   lse = (M + log2 L) ln 2 (natural log; lse may be null).
 // M = -inf (no token at all, seq_len 0) gives out = 0 and lse = -inf.
@@ -52,18 +53,38 @@ __device__ __forceinline__ void pd_store_split(float* slot, int d, float M, floa
   }
 }
 
-// The merge of (seq = blockIdx.y, head = blockIdx.x) over grid (num_q_heads, num_seqs),
-// staging the output row in s_out (PD_HEAD_DIM shared elements: the caller's, since a
-// __shared__ array inside an inline function is not portable to the CPU build). Every
-// thread of the CTA calls it.
+// Fold a sink into a state (M, L, O): a logit `sink_ln` (natural-log units of the scaled
+// scores) that joins the softmax denominator and contributes no value:
+//   M' = max(M, s), L' = L 2^(M - M') + 2^(s - M'), O' = O 2^(M - M'),   s = sink_ln log2 e.
+// A sink of -inf leaves (M, L, O) bit for bit (2^0 = 1, + 0); an empty state (M = -inf)
+// takes M' = s, L' = 1, O' = 0.
+__device__ __forceinline__ void pd_add_sink(float sink_ln, float& M, float& L, float& O) {
+  const float s = sink_ln * PD_LOG2E;
+  const float mx = fmaxf(M, s);
+  const float ms = mx == pd_neg_inf() ? 0.f : mx;  // both -inf: avoid -inf - -inf
+  const float a = exp2f(M - ms);
+  L = fmaf(L, a, exp2f(s - ms));
+  O = O * a;
+  M = mx;
+}
+
+// The merge of (row = blockIdx.y, head = blockIdx.x) over grid (num_q_heads, rows): a row
+// is a sequence (a query token of one, for multi-token decode: row = seq * q_len + t).
+// `sinks` (may be null) holds each head's sink logit; it enters here, once, after the
+// splits. `Out` is the output element: unsigned short (bf16/fp16 bits of PD_Q_DTYPE,
+// staged in s_out, PD_HEAD_DIM shared elements of the caller's: a __shared__ array
+// inside an inline function is not portable to the CPU build) or float. Every thread
+// of the CTA calls it.
+template <class Out>
 __device__ __forceinline__ void pd_merge_splits(const float* __restrict__ workspace, int num_splits,
-                                                pd_q_t* __restrict__ out, float* __restrict__ lse,
-                                                unsigned short* s_out) {
+                                                const float* __restrict__ sinks, Out* __restrict__ out,
+                                                float* __restrict__ lse, unsigned short* s_out) {
   const int head = blockIdx.x;
-  const int seq = blockIdx.y;
+  const int row = blockIdx.y;
   const int num_q_heads = gridDim.x;
   const float neg_inf = pd_neg_inf();
-  const float* slots = workspace + ((long long)seq * num_q_heads + head) * num_splits * (PD_HEAD_DIM + 2);
+  const float* slots = workspace + ((long long)row * num_q_heads + head) * num_splits * (PD_HEAD_DIM + 2);
+  Out* out_row = out + ((long long)row * num_q_heads + head) * PD_HEAD_DIM;
 
   for (int d = threadIdx.x; d < PD_HEAD_DIM; d += blockDim.x) {
     float mx = neg_inf;
@@ -79,12 +100,19 @@ __device__ __forceinline__ void pd_merge_splits(const float* __restrict__ worksp
       L += w;
       o = fmaf(w, sl[d], o);
     }
+    if (sinks != nullptr) pd_add_sink(sinks[head], mx, L, o);
     // L >= w of the split holding the max (its l >= 1) unless every split is empty (L = 0).
-    s_out[d] = (unsigned short)pd_float_to_q(pd_normalize(o, L, 1.f));
-    if (d == 0 && lse != nullptr) lse[(long long)seq * num_q_heads + head] = pd_lse(mx, L);
+    const float value = pd_normalize(o, L, 1.f);
+    if (sizeof(Out) == 4)
+      reinterpret_cast<float*>(out_row)[d] = value;
+    else
+      s_out[d] = (unsigned short)pd_float_to_q(value);
+    if (d == 0 && lse != nullptr) lse[(long long)row * num_q_heads + head] = pd_lse(mx, L);
   }
-  __syncthreads();
-  pd_store_span(out + ((long long)seq * num_q_heads + head) * PD_HEAD_DIM, s_out, PD_HEAD_DIM);
+  if (sizeof(Out) != 4) {
+    __syncthreads();
+    pd_store_span(reinterpret_cast<pd_q_t*>(out_row), s_out, PD_HEAD_DIM);
+  }
 }
 
 #endif  // PD_SPLITK_CUH

@@ -13,26 +13,33 @@ import functools
 import ml_dtypes
 import numpy as np
 
-BF16, FP16, FP8 = "bf16", "fp16", "fp8"
+BF16, FP16, FP8, FP8_E5M2 = "bf16", "fp16", "fp8", "fp8e5m2"
 Q_DTYPES = (BF16, FP16)
-KV_DTYPES = (BF16, FP16, FP8)
+KV_DTYPES = (BF16, FP16, FP8, FP8_E5M2)
+FP8_KINDS = (FP8, FP8_E5M2)
+"""The one-byte caches: given as their ml_dtypes type or as uint8 bits of it."""
 
 NUMPY_DTYPES = {
     BF16: np.dtype(ml_dtypes.bfloat16),
     FP16: np.dtype(np.float16),
     FP8: np.dtype(ml_dtypes.float8_e4m3fn),
+    FP8_E5M2: np.dtype(ml_dtypes.float8_e5m2),
 }
 ITEMSIZE = {name: dtype.itemsize for name, dtype in NUMPY_DTYPES.items()}
-CODE_DEFINES = {BF16: "PD_DTYPE_BF16", FP16: "PD_DTYPE_FP16", FP8: "PD_DTYPE_FP8_E4M3"}
+CODE_DEFINES = {BF16: "PD_DTYPE_BF16", FP16: "PD_DTYPE_FP16", FP8: "PD_DTYPE_FP8_E4M3",
+                FP8_E5M2: "PD_DTYPE_FP8_E5M2"}
 """The kernels' ``#define`` naming each type's code (read back from the header)."""
 
 INT32, FLOAT32 = "int32", "float32"
 _TORCH = {"torch.bfloat16": BF16, "torch.float16": FP16, "torch.float8_e4m3fn": FP8, "torch.uint8": FP8,
+          "torch.float8_e5m2": FP8_E5M2,
           "torch.int32": INT32, "torch.float32": FLOAT32}
 _SPELLINGS = {
     "bf16": BF16, "bfloat16": BF16,
     "fp16": FP16, "float16": FP16, "half": FP16,
     "fp8": FP8, "fp8_e4m3": FP8, "fp8e4m3": FP8, "float8_e4m3fn": FP8, "e4m3": FP8,
+    "fp8_e5m2": FP8_E5M2, "fp8e5m2": FP8_E5M2, "float8_e5m2": FP8_E5M2, "e5m2": FP8_E5M2,
+    "float32": "float32", "fp32": "float32",
 }
 
 

@@ -266,6 +266,12 @@ class Tiling:
     smem_bytes: int
 
 
+FEATURES = {"mt": "PD_MULTI_TOKEN", "win": "PD_WINDOW", "cap": "PD_SOFTCAP", "sink": "PD_SINKS",
+            "of32": "PD_OUT_F32"}
+"""``mma`` specializations, as they appear in variant names, and the define each sets:
+multi-token decode (query rows that see different keys), a sliding window, the logits
+soft-cap, attention sinks, fp32 output."""
+
 WARPS = 4
 STAGE_TARGET_BYTES = 8192
 """K+V bytes one warp's stage aims at: with 3 stages and 4 warps a CTA keeps 64 KiB of
@@ -305,6 +311,9 @@ class Variant:
     kv_dtype: str
     impl: str = DEFAULT_IMPL
     row_tiles: int = 1
+    features: frozenset = frozenset()
+    """``mma`` only: which of ``FEATURES`` this variant is compiled with (each a
+    specialization: the plain path compiles none of their code)."""
 
     def __post_init__(self) -> None:
         if self.impl not in IMPLS:
@@ -318,13 +327,20 @@ class Variant:
             raise ValueError(f"the {self.arm} kernel supports head_dim {allowed}, got {self.head_dim}")
         if self.row_tiles not in ((1, MAX_HEADS_PER_CTA // 8) if self.impl == "mma" else (1,)):
             raise ValueError(f"row_tiles must be 1 or 2 (mma) or 1 (simt), got {self.row_tiles!r}")
+        object.__setattr__(self, "features", frozenset(self.features))
+        unknown = self.features - set(FEATURES)
+        if unknown:
+            raise ValueError(f"features must be among {', '.join(FEATURES)}, got {sorted(unknown)}")
+        if self.impl == "simt" and (self.features or self.kv_dtype == dtypes.FP8_E5M2):
+            raise ValueError("the simt kernels have no features (sinks, window, soft-cap, multi-token, fp32 out) "
+                             "and no fp8 e5m2 cache: use impl='mma'")
 
     @property
     def name(self) -> str:
         dt = f"q{self.q_dtype}_kv{self.kv_dtype}_hd{self.head_dim}"
         if self.impl == "simt":
             return f"paged_decode_{self.arm}_{dt}"
-        return f"decode_{self.arm}_{dt}_r{8 * self.row_tiles}"
+        return f"decode_{self.arm}_{dt}_r{8 * self.row_tiles}" + "".join(f"_{f}" for f in FEATURES if f in self.features)
 
     @property
     def filename(self) -> str:
@@ -377,6 +393,7 @@ class Variant:
         if self.tiling:
             out.update(PD_ROW_TILES=self.row_tiles, PD_TILE_TOKENS=self.tiling.tile_tokens,
                        PD_STAGES=self.tiling.stages, PD_SMEM_BYTES=self.tiling.smem_bytes)
+            out.update({define: int(f in self.features) for f, define in FEATURES.items()})
         return out
 
 

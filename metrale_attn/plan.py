@@ -39,8 +39,12 @@ KERNELS = {
 """(impl, arm) -> the ``extern "C"`` kernels a plan launches, in order (their sources:
 ``kernels.SOURCE_FILES``; tests check that each source defines them)."""
 
-MAX_HEADS_PER_CTA = 16
-"""Query heads one ``mma`` CTA can hold: two row tiles of 8 (the MMA's N side)."""
+MAX_ROWS_PER_CTA = 16
+"""Query rows (heads x query tokens) one ``mma`` CTA can hold: two row tiles of 8 (the
+MMA's N side)."""
+MAX_HEADS_PER_CTA = MAX_ROWS_PER_CTA
+MAX_Q_LEN = 8
+"""Query tokens per sequence in one call (multi-token decode: speculative verification, MTP)."""
 
 MIN_CTAS_PER_SM = 0.5
 """``heads_per_cta_for`` keeps at least this many attention CTAs per SM. One CTA keeps
@@ -123,11 +127,13 @@ class DecodePlan:
     reason: str
     impl: str = DEFAULT_IMPL
     heads_per_cta: int = 1
+    q_len: int = 1
 
     @property
     def row_tiles(self) -> int:
-        """Query-row tiles of 8 the ``mma`` kernel needs (1 for ``simt``)."""
-        return 1 if self.impl == "simt" or self.heads_per_cta <= 8 else 2
+        """Query-row tiles of 8 the ``mma`` kernel needs (1 for ``simt``): a CTA holds
+        ``heads_per_cta x q_len`` rows."""
+        return 1 if self.impl == "simt" or self.heads_per_cta * self.q_len <= 8 else 2
 
     @property
     def ctas(self) -> int:
@@ -150,12 +156,14 @@ a serving loop may pass its configured decode batch instead."""
 
 
 def workspace_for(
-    defaults: Defaults, shape: ModelShape, *, max_batch: int, max_decode_seqs: int = LEGACY_MAX_DECODE_SEQS
+    defaults: Defaults, shape: ModelShape, *, max_batch: int, max_decode_seqs: int = LEGACY_MAX_DECODE_SEQS,
+    max_q_len: int = 1,
 ) -> Workspace:
     """The workspace ``DecodeAttention`` allocates once: ``workspace_slots`` with
-    ``max_rows = max_batch`` (legacy: ``sm_count`` slots, whatever the batch)."""
+    ``max_rows = max_batch x max_q_len`` (a query token of a multi-token call is a row of
+    its own; legacy: ``sm_count`` slots, whatever the batch)."""
     ref = policy.split_ref_seqs(max_batch, max_decode_seqs)
-    slots = policy.workspace_slots(defaults.splitk, defaults.sm_count, shape.num_q_heads, max_batch, ref)
+    slots = policy.workspace_slots(defaults.splitk, defaults.sm_count, shape.num_q_heads, max_batch * max_q_len, ref)
     return Workspace(slots, shape.head_dim)
 
 
@@ -172,12 +180,13 @@ def resolve_impl(impl: Optional[str], env_raw: Optional[str]) -> str:
     return DEFAULT_IMPL
 
 
-def heads_per_cta_choices(group_size: int) -> tuple[int, ...]:
-    """The divisors of the group size an ``mma`` CTA can hold (1 .. ``MAX_HEADS_PER_CTA``)."""
-    return tuple(d for d in range(1, min(group_size, MAX_HEADS_PER_CTA) + 1) if group_size % d == 0)
+def heads_per_cta_choices(group_size: int, q_len: int = 1) -> tuple[int, ...]:
+    """The divisors of the group size an ``mma`` CTA can hold with ``q_len`` query tokens
+    each (``h x q_len <= MAX_ROWS_PER_CTA``)."""
+    return tuple(d for d in range(1, min(group_size, MAX_ROWS_PER_CTA // q_len) + 1) if group_size % d == 0)
 
 
-def resolve_heads_per_cta(value, env_raw: Optional[str], group_size: int) -> Optional[int]:
+def resolve_heads_per_cta(value, env_raw: Optional[str], group_size: int, max_q_len: int = 1) -> Optional[int]:
     """An override of the rule: the ``heads_per_cta`` argument, else a non-empty
     ``METRALE_ATTN_DECODE_HEADS_PER_CTA``; None when neither is set. It must be one of
     ``heads_per_cta_choices(group_size)``: a value the kernels cannot serve is an error,
@@ -192,14 +201,15 @@ def resolve_heads_per_cta(value, env_raw: Optional[str], group_size: int) -> Opt
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"heads_per_cta must be an int or None, got {value!r}")
-    choices = heads_per_cta_choices(group_size)
+    choices = heads_per_cta_choices(group_size, max_q_len)
     if value not in choices:
-        raise ValueError(f"{where} must divide the group size {group_size} and be at most {MAX_HEADS_PER_CTA}: "
-                         f"one of {', '.join(map(str, choices))}; got {value}")
+        limit = f" ({max_q_len} query tokens each)" if max_q_len > 1 else ""
+        raise ValueError(f"{where} must divide the group size {group_size} and be at most "
+                         f"{MAX_ROWS_PER_CTA // max_q_len}{limit}: one of {', '.join(map(str, choices))}; got {value}")
     return value
 
 
-def heads_per_cta_for(shape: ModelShape, num_seqs: int, num_splits: int, sm_count: int) -> int:
+def heads_per_cta_for(shape: ModelShape, num_seqs: int, num_splits: int, sm_count: int, q_len: int = 1) -> int:
     """Query heads per ``mma`` CTA: the largest divisor of the group size G (at most
     ``MAX_HEADS_PER_CTA``) whose grid, ``num_kv_heads * (G / h) * num_splits *
     num_seqs`` CTAs, still gives ``MIN_CTAS_PER_SM`` per SM; 1 when none does.
@@ -217,11 +227,14 @@ def heads_per_cta_for(shape: ModelShape, num_seqs: int, num_splits: int, sm_coun
     * Llama-3-8B with split-K off (one split), batch 8: 64 CTAs at 4, 128 at 2: 2;
       from batch 9 on: 4.
 
+    With ``q_len`` query tokens per sequence a CTA holds ``h x q_len`` rows, so ``h``
+    is at most ``MAX_ROWS_PER_CTA / q_len``.
+
     The batch may move this choice (unlike the split count) because a head's output
     bytes do not depend on which heads share its CTA.
     """
     need = math.ceil(MIN_CTAS_PER_SM * max(sm_count, 1))
-    choices = heads_per_cta_choices(shape.group_size)
+    choices = heads_per_cta_choices(shape.group_size, q_len)
     for h in reversed(choices):
         if shape.num_kv_heads * (shape.group_size // h) * num_splits * num_seqs >= need:
             return h
@@ -238,6 +251,7 @@ def make_plan(
     workspace: Optional[Workspace] = None,
     impl: str = DEFAULT_IMPL,
     heads_per_cta: Optional[int] = None,
+    q_len: int = 1,
 ) -> DecodePlan:
     """Plan a call of ``num_seqs`` sequences (``0 <= num_seqs <= max_batch``).
 
@@ -245,7 +259,9 @@ def make_plan(
     pinned policies read neither, which is the batch-invariance guarantee.
     ``heads_per_cta`` (``mma`` only) overrides ``heads_per_cta_for``; it must be one of
     ``heads_per_cta_choices``. The packed arm always serves ``DECODE_GQA_PACK_WIDTH``
-    heads per CTA, and ``simt`` one (its packed arm: the pack).
+    heads per CTA, and ``simt`` one (its packed arm: the pack). ``q_len`` (``mma``
+    only) query tokens per sequence: each is a row of its own in the workspace and
+    the merge; the packed arm serves ``q_len = 1`` only.
 
     ``workspace`` is what was allocated (default: ``workspace_for`` the same
     arguments); a split-K geometry that needs more slots is refused here, with
@@ -259,8 +275,11 @@ def make_plan(
     max_batch, num_seqs = batch, seqs
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {', '.join(IMPLS)}, got {impl!r}")
-    if heads_per_cta is not None and heads_per_cta not in heads_per_cta_choices(shape.group_size):
-        raise ValueError(f"heads_per_cta must be one of {heads_per_cta_choices(shape.group_size)}, got {heads_per_cta!r}")
+    if not 1 <= q_len <= (MAX_Q_LEN if impl == "mma" else 1):
+        raise ValueError(f"q_len must be in 1..{MAX_Q_LEN if impl == 'mma' else 1} ({impl}), got {q_len!r}")
+    if heads_per_cta is not None and heads_per_cta not in heads_per_cta_choices(shape.group_size, q_len):
+        raise ValueError(f"heads_per_cta must be one of {heads_per_cta_choices(shape.group_size, q_len)} at "
+                         f"q_len {q_len}, got {heads_per_cta!r}")
     if workspace is None:
         workspace = workspace_for(defaults, shape, max_batch=max_batch, max_decode_seqs=max_decode_seqs)
     sms, heads = defaults.sm_count, shape.num_q_heads
@@ -268,7 +287,7 @@ def make_plan(
     splits = policy.num_splits(defaults.splitk, sms, heads, ref)
     why = _why_splits(defaults, heads, ref, splits)
 
-    pack_fits = policy.gqa_pack_shape_ok(shape.num_q_heads, shape.num_kv_heads, shape.head_dim)
+    pack_fits = policy.gqa_pack_shape_ok(shape.num_q_heads, shape.num_kv_heads, shape.head_dim) and q_len == 1
     if splits == 1 and defaults.gqa_pack and pack_fits:
         hpc, why_h = policy.DECODE_GQA_PACK_WIDTH, "the pack"
     elif impl == "simt":
@@ -276,38 +295,39 @@ def make_plan(
     elif heads_per_cta is not None:
         hpc, why_h = heads_per_cta, "override"
     else:
-        hpc = heads_per_cta_for(shape, max(num_seqs, 1), splits, sms)
+        hpc = heads_per_cta_for(shape, max(num_seqs, 1), splits, sms, q_len)
         why_h = f"rule (>= {MIN_CTAS_PER_SM:g} CTAs per SM)"
     why += f"; {impl}: {hpc} head(s) per CTA ({why_h})"
     ctas_x = heads // hpc
 
     if splits > 1:
-        needed = num_seqs * heads * splits
+        needed = num_seqs * q_len * heads * splits
         if needed > workspace.slots:
+            tokens = f" x {q_len} query tokens" if q_len > 1 else ""
             raise WorkspaceTooSmall(
-                f"split-K workspace too small: {num_seqs} seqs x {heads} q heads x {splits} splits need "
+                f"split-K workspace too small: {num_seqs} seqs{tokens} x {heads} q heads x {splits} splits need "
                 f"{needed} slots ({needed * workspace.slot_floats * FP32_BYTES} bytes), but the workspace "
                 f"holds {workspace.slots} slots ({workspace.nbytes} bytes)"
             )
         launches = (
             KernelGrid(KERNELS[impl, "splitk"][0], (ctas_x, splits, num_seqs)),
-            KernelGrid(KERNELS[impl, "splitk"][1], (heads, num_seqs, 1)),
+            KernelGrid(KERNELS[impl, "splitk"][1], (heads, num_seqs * q_len, 1)),
         )
         return DecodePlan("splitk", num_seqs, splits, launches, workspace, needed, why + "; split-K then merge",
-                          impl, hpc)
+                          impl, hpc, q_len)
 
     if defaults.gqa_pack and pack_fits:
         grid = KernelGrid(KERNELS[impl, "gqa_packed"][0], (shape.num_kv_heads, num_seqs, 1))
         assert grid.ctas == policy.gqa_pack_ctas(shape.num_kv_heads, num_seqs)
         return DecodePlan("gqa_packed", num_seqs, 1, (grid,), workspace, 0, why + "; GQA pack armed and shape fits",
-                          impl, hpc)
+                          impl, hpc, q_len)
     if defaults.gqa_pack:
         why += (
             f"; GQA pack armed but the shape does not fit (needs q_heads = kv_heads x "
-            f"{policy.DECODE_GQA_PACK_WIDTH} at head_dim {policy.DECODE_GQA_PACK_HEAD_DIM})"
+            f"{policy.DECODE_GQA_PACK_WIDTH} at head_dim {policy.DECODE_GQA_PACK_HEAD_DIM}, one query token)"
         )
     grid = KernelGrid(KERNELS[impl, "unpacked"][0], (ctas_x, num_seqs, 1))
-    return DecodePlan("unpacked", num_seqs, 1, (grid,), workspace, 0, why + "; unpacked", impl, hpc)
+    return DecodePlan("unpacked", num_seqs, 1, (grid,), workspace, 0, why + "; unpacked", impl, hpc, q_len)
 
 
 def _why_splits(defaults: Defaults, heads: int, ref: int, splits: int) -> str:
