@@ -27,7 +27,7 @@ What one row means (GPU):
 - Check before timing: ``out`` is filled with NaN, the captured graph is launched
   once, then (1) no element of the whole output is NaN, and (2) the first and last
   sequences (``--check-seqs``) meet the package's correctness bar
-  (``reference.assert_close_to_reference``: 1 ulp, or the near-zero absolute
+  (``tolerance.assert_close_to_reference``: 1 ulp, or the near-zero absolute
   bound) against a float64 computation done on the GPU with PyTorch. Baselines get
   the same float64 comparison with a loose bar (they round P to bf16): max abs
   error <= 1% of max|reference|.
@@ -93,7 +93,7 @@ from sweep_plan import (ARM_OPTIONS, BASELINE_NAMES, DEFAULT_ARMS, LATE_BASELINE
                         Config, Job, Slot, apply_profile, arm_options, arms_for, baseline_list, parse_models,
                         plan_jobs, slots_for)
 
-from metrale_attn import DecodeAttention, policy, reference  # noqa: E402
+from metrale_attn import DecodeAttention, policy, problems, tolerance  # noqa: E402
 from metrale_attn.plan import ModelShape  # noqa: E402
 
 GB = 1e9  # decimal
@@ -531,10 +531,10 @@ class CpuSweep(Sweep):
     def case(self, config: Config):
         self._seed += 1
         s = config.shape
-        p = reference.make_problem(np.random.default_rng(self._seed), num_seqs=config.batch,
-                                   num_q_heads=s.num_q_heads, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim,
-                                   page_size=config.page_size, seq_lens=config.context, kv_dtype=config.kv_dtype,
-                                   q_dtype="bf16", layout="NHD")
+        p = problems.make_problem(np.random.default_rng(self._seed), num_seqs=config.batch,
+                                  num_q_heads=s.num_q_heads, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim,
+                                  page_size=config.page_size, seq_lens=config.context, kv_dtype=config.kv_dtype,
+                                  q_dtype="bf16", layout="NHD")
         return p, p.reference(), p.v_absmax()
 
     def time_ours(self, config: Config, case, attn):
@@ -549,10 +549,10 @@ class CpuSweep(Sweep):
 
 def _check_numpy(out, ref, v_absmax: float, seqs: list[int]) -> dict:
     nan_free = not bool(np.isnan(out.astype(np.float32)).any())
-    check = {"seqs": seqs, "nan_free": nan_free, "bar": "1 ulp or 2^-20 max|V| (reference.assert_close_to_reference)"}
+    check = {"seqs": seqs, "nan_free": nan_free, "bar": "1 ulp or 2^-20 max|V| (tolerance.assert_close_to_reference)"}
     try:
-        reference.assert_close_to_reference(out[seqs], ref[seqs], v_absmax=v_absmax)
-        ulps = reference.ulp_distance(out[seqs], reference.round_to(ref[seqs], out.dtype))
+        tolerance.assert_close_to_reference(out[seqs], ref[seqs], v_absmax=v_absmax)
+        ulps = tolerance.ulp_distance(out[seqs], tolerance.round_to(ref[seqs], out.dtype))
         check.update(status="ok" if nan_free else "FAIL", max_ulp=int(ulps.max()) if ulps.size else 0)
         if not nan_free:
             check["message"] = "NaN left in the output (an element was never written)"
@@ -670,13 +670,13 @@ def check_gpu_output(case, out, seqs: list[int], ref_cache: dict, *, strict: boo
     ref, v_absmax = ref_cache["ref"]
     got = _to_numpy_bf16(out[seqs])
     check = {"seqs": seqs, "nan_free": nan_free}
-    ulps = reference.ulp_distance(got, reference.round_to(ref, got.dtype))
+    ulps = tolerance.ulp_distance(got, tolerance.round_to(ref, got.dtype))
     abs_err = float(np.nanmax(np.abs(got.astype(np.float64) - ref))) if got.size else 0.0
     check.update(max_ulp=int(ulps.max()) if ulps.size else 0, max_abs_err=abs_err)
     if strict:
-        check["bar"] = "1 ulp or 2^-20 max|V| (reference.assert_close_to_reference)"
+        check["bar"] = "1 ulp or 2^-20 max|V| (tolerance.assert_close_to_reference)"
         try:
-            reference.assert_close_to_reference(got, ref, v_absmax=v_absmax)
+            tolerance.assert_close_to_reference(got, ref, v_absmax=v_absmax)
             check["status"] = "ok"
         except AssertionError as err:
             check.update(status="FAIL", message=str(err)[:600])

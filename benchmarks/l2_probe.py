@@ -132,11 +132,11 @@ def _gpu_data(q_heads, kv_heads, head_dim, batch, context):
 def _cpu_data(q_heads, kv_heads, head_dim, batch, context):
     import numpy as np
 
-    from metrale_attn import reference
+    from metrale_attn.problems import make_problem
 
-    p = reference.make_problem(np.random.default_rng(1), num_seqs=batch, num_q_heads=q_heads,
-                               num_kv_heads=kv_heads, head_dim=head_dim, page_size=16, seq_lens=context,
-                               kv_dtype="bf16", q_dtype="bf16", layout="NHD")
+    p = make_problem(np.random.default_rng(1), num_seqs=batch, num_q_heads=q_heads,
+                     num_kv_heads=kv_heads, head_dim=head_dim, page_size=16, seq_lens=context,
+                     kv_dtype="bf16", q_dtype="bf16", layout="NHD")
 
     def run_once(attn, p):
         out = attn.run(p.q, p.k_cache, p.v_cache, p.block_tables, p.seq_lens)

@@ -11,7 +11,7 @@ Why the arrays look the way they do:
   its exact size and memcheck sees an access one element past any of them (the
   pool would hide it inside a larger block). The split-K workspace is allocated
   the same way, so a write past it is caught too.
-- ``reference.make_problem`` shuffles pages and fills every block-table entry past a
+- ``problems.make_problem`` shuffles pages and fills every block-table entry past a
   sequence's last page with ``GARBAGE_PAGE_ID`` (far outside the pool): a kernel
   that reads one more page than it needs reads far out of bounds.
 - Lengths cover the edges: 0 (no token: zeros and lse -inf), 1, a partial page, a
@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from sweep_plan import ARM_OPTIONS as ARMS  # noqa: E402
 
-from metrale_attn import DecodeAttention, reference  # noqa: E402
+from metrale_attn import DecodeAttention, problems, tolerance  # noqa: E402
 
 CASES = [
     # (kv dtype, layout, page size, head_dim for unpacked/split-K)
@@ -54,9 +54,9 @@ def heads(arm: str, head_dim: int) -> tuple[int, int, int]:
 
 def run_case(arm: str, kv: str, layout: str, page: int, head_dim: int, backend: str, seed: int) -> str:
     H, KV, D = heads(arm, head_dim)
-    p = reference.make_problem(np.random.default_rng(seed), num_seqs=len(SEQ_LENS), num_q_heads=H, num_kv_heads=KV,
-                               head_dim=D, page_size=page, seq_lens=list(SEQ_LENS), kv_dtype=kv, q_dtype="bf16",
-                               layout=layout)
+    p = problems.make_problem(np.random.default_rng(seed), num_seqs=len(SEQ_LENS), num_q_heads=H, num_kv_heads=KV,
+                              head_dim=D, page_size=page, seq_lens=list(SEQ_LENS), kv_dtype=kv, q_dtype="bf16",
+                              layout=layout)
     attn = DecodeAttention(H, KV, D, page, q_dtype="bf16", kv_dtype=kv, kv_layout=layout, max_batch=len(SEQ_LENS),
                            backend=backend, **ARMS[arm])
     plan = attn.plan(len(SEQ_LENS))
@@ -79,7 +79,7 @@ def run_case(arm: str, kv: str, layout: str, page: int, head_dim: int, backend: 
         attn.backend.synchronize()
         out, lse = cupy.asnumpy(out_d), cupy.asnumpy(lse_d)
     ref_out, ref_lse = p.reference(return_lse=True)
-    reference.assert_close_to_reference(out, ref_out, v_absmax=p.v_absmax())
+    tolerance.assert_close_to_reference(out, ref_out, v_absmax=p.v_absmax())
     empty = p.seq_lens == 0
     if not np.all(np.isneginf(lse[empty])):
         raise AssertionError(f"lse of empty sequences should be -inf, got {lse[empty]}")

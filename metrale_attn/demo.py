@@ -13,9 +13,10 @@ from typing import Optional
 
 import numpy as np
 
-from . import reference
+from . import tolerance
 from .attention import DecodeAttention
 from .backends import get_backend
+from .problems import make_problem
 
 SHAPE = dict(num_q_heads=24, num_kv_heads=4, head_dim=256)
 PAGE_SIZE = 16
@@ -25,7 +26,7 @@ SEQ_LENS = (1, 16, 17, 300, 777, 1500)
 def run_demo(backend: Optional[str] = None, target: Optional[str] = None, seed: int = 0) -> int:
     """Run, check, print; returns 0 when every element is within the 1-ulp bar."""
     be = get_backend(backend)
-    problem = reference.make_problem(
+    problem = make_problem(
         np.random.default_rng(seed), num_seqs=len(SEQ_LENS), page_size=PAGE_SIZE, seq_lens=list(SEQ_LENS),
         kv_dtype="fp8", q_dtype="bf16", layout="NHD", share_prefix_pages=1, **SHAPE,
     )
@@ -47,8 +48,8 @@ def run_demo(backend: Optional[str] = None, target: Optional[str] = None, seed: 
 
     ref_out, ref_lse = problem.reference(return_lse=True)
     got = np.asarray(be.host_copy(out))
-    ulps = reference.ulp_distance(got, reference.round_to(ref_out, got.dtype))
-    ok = reference.close_to_reference_mask(got, ref_out, v_absmax=problem.v_absmax())
+    ulps = tolerance.ulp_distance(got, tolerance.round_to(ref_out, got.dtype))
+    ok = tolerance.close_to_reference_mask(got, ref_out, v_absmax=problem.v_absmax())
     lse_err = float(np.max(np.abs(np.asarray(be.host_copy(lse)) - ref_lse)))
     kind = "GPU kernel time" if be.name == "cupy" else "CPU-backend time (a simulator, not kernel performance)"
     print(f"worst error: {int(ulps.max())} ulp (bf16) over {got.size} outputs; lse max abs error {lse_err:.2e}")

@@ -9,8 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from metrale_attn import DecodeAttention, kernels, policy, reference
+from metrale_attn import DecodeAttention, kernels, policy, tolerance
 from metrale_attn.backends.cpu_backend import CpuBackend
+from metrale_attn.problems import Problem, make_problem
 from metrale_attn.targets import TARGETS
 
 TOYS = Path(__file__).parent / "toy_kernels"
@@ -46,13 +47,13 @@ ARM_OPTIONS = {
 
 def problem(*, seed=0, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16, seq_lens=(0, 1, 37),
             kv_dtype="bf16", q_dtype="bf16", layout="NHD", **kwargs):
-    return reference.make_problem(
+    return make_problem(
         np.random.default_rng(seed), num_seqs=len(seq_lens), num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
         head_dim=head_dim, page_size=page_size, seq_lens=list(seq_lens), kv_dtype=kv_dtype, q_dtype=q_dtype,
         layout=layout, **kwargs)
 
 
-def decoder(p: reference.Problem, *, max_batch=None, backend="cpu", **options) -> DecodeAttention:
+def decoder(p: Problem, *, max_batch=None, backend="cpu", **options) -> DecodeAttention:
     return DecodeAttention(
         p.q.shape[1], p.k_cache.shape[2] if p.kv_layout == "NHD" else p.k_cache.shape[1], p.q.shape[2],
         p.k_cache.shape[1] if p.kv_layout == "NHD" else p.k_cache.shape[2],
@@ -60,7 +61,7 @@ def decoder(p: reference.Problem, *, max_batch=None, backend="cpu", **options) -
         max_batch=max_batch or max(len(p.seq_lens), 1), backend=backend, **options)
 
 
-def run_poisoned(attn: DecodeAttention, p: reference.Problem, **kwargs):
+def run_poisoned(attn: DecodeAttention, p: Problem, **kwargs):
     """Run with out and lse pre-filled with NaN, so anything the kernel fails to write shows."""
     n, h, d = p.q.shape
     out = np.full((n, h, d), np.nan, dtype=p.q.dtype)
@@ -70,9 +71,9 @@ def run_poisoned(attn: DecodeAttention, p: reference.Problem, **kwargs):
     return out, lse
 
 
-def check_against_reference(p: reference.Problem, out, lse, sm_scale=None):
+def check_against_reference(p: Problem, out, lse, sm_scale=None):
     ref_out, ref_lse = p.reference(return_lse=True, sm_scale=sm_scale)
-    reference.assert_close_to_reference(out, ref_out, v_absmax=p.v_absmax())
+    tolerance.assert_close_to_reference(out, ref_out, v_absmax=p.v_absmax())
     empty = p.seq_lens == 0
     assert np.all(np.isneginf(lse[empty]))
     np.testing.assert_allclose(lse[~empty], ref_lse[~empty], rtol=2e-6, atol=2e-6)

@@ -7,8 +7,9 @@ import itertools
 import numpy as np
 import pytest
 
-from metrale_attn import reference
+from metrale_attn import tolerance
 from metrale_attn.backends import cuda_available
+from metrale_attn.problems import Problem
 
 import ptx_toys
 from conftest import ARM_OPTIONS, check_against_reference, decoder, problem, run_poisoned
@@ -56,7 +57,7 @@ def test_every_arm_on_the_gpu_is_within_one_ulp_and_matches_the_cpu_backend(arm,
     check_against_reference(p, out, lse)
     if page_size == 16 and layout == "NHD":
         cpu_out, _ = run_poisoned(decoder(p, backend="cpu", **ARM_OPTIONS[arm]), p)
-        assert reference.ulp_distance(out, cpu_out).max() <= 1
+        assert tolerance.ulp_distance(out, cpu_out).max() <= 1
 
 
 @pytest.mark.parametrize("splitk", ["auto", "4"])
@@ -67,8 +68,8 @@ def test_gpu_bytes_do_not_depend_on_the_batch(splitk):
     full, _ = run_gpu(attn, p)
     for target in range(8):
         rows = [target] + [r for r in range(8) if r != target][:target]
-        sub = reference.Problem(p.q[rows], p.k_cache, p.v_cache, p.block_tables[rows], p.seq_lens[rows], p.k_scale,
-                                p.v_scale, p.kv_layout)
+        sub = Problem(p.q[rows], p.k_cache, p.v_cache, p.block_tables[rows], p.seq_lens[rows], p.k_scale,
+                      p.v_scale, p.kv_layout)
         out, _ = run_gpu(attn, sub)
         assert out[0].tobytes() == full[target].tobytes()
     for _ in range(3):
@@ -134,8 +135,8 @@ def test_a_captured_cuda_graph_replays_with_seq_lens_changed_in_place():
     cupy.cuda.Device().synchronize()  # the graph's stream does not wait on the null stream
     graph.launch(stream)
     stream.synchronize()
-    changed = reference.Problem(p.q, p.k_cache, p.v_cache, p.block_tables, shorter, p.k_scale, p.v_scale,
-                                p.kv_layout)
+    changed = Problem(p.q, p.k_cache, p.v_cache, p.block_tables, shorter, p.k_scale, p.v_scale,
+                      p.kv_layout)
     check_against_reference(changed, cupy.asnumpy(out), cupy.asnumpy(lse))
 
 
@@ -158,7 +159,7 @@ def test_the_benchmark_timer_captures_torch_inputs_on_its_own_stream():
     timer = GpuTimer(flush_bytes=1 << 20, min_iters=2, max_iters=3, target_ms=0.1, warmup=1)
     launch = timer.capture_poisoned(call, out, warmup=1)  # what bench_decode.py does before timing
     ref_out = p.reference()
-    reference.assert_close_to_reference(_to_numpy_bf16(torch, out, p.q), ref_out, v_absmax=p.v_absmax())
+    tolerance.assert_close_to_reference(_to_numpy_bf16(torch, out, p.q), ref_out, v_absmax=p.v_absmax())
     timing = timer.measure(launch)
     assert timing.iters >= 2 and timing.median_us > 0
 

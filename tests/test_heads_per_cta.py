@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from metrale_attn import policy, reference
+from metrale_attn import policy
+from metrale_attn.problems import Problem
 from metrale_attn.backends.cpu_backend import CpuBackend
 from metrale_attn.plan import heads_per_cta_choices
 
@@ -47,10 +48,10 @@ def test_a_head_gives_the_same_bytes_grouped_or_alone_at_every_position_of_a_bat
         assert out.tobytes() == ref[0].tobytes() and lse.tobytes() == ref[1].tobytes(), h
     # the second sequence alone, and the batch reversed, at every grouping
     rows = [3, 2, 1, 0]
-    reversed_batch = reference.Problem(p.q[rows], p.k_cache, p.v_cache, p.block_tables[rows], p.seq_lens[rows],
-                                       p.k_scale, p.v_scale, p.kv_layout)
-    alone = reference.Problem(p.q[1:2], p.k_cache, p.v_cache, p.block_tables[1:2], p.seq_lens[1:2],
-                              p.k_scale, p.v_scale, p.kv_layout)
+    reversed_batch = Problem(p.q[rows], p.k_cache, p.v_cache, p.block_tables[rows], p.seq_lens[rows],
+                             p.k_scale, p.v_scale, p.kv_layout)
+    alone = Problem(p.q[1:2], p.k_cache, p.v_cache, p.block_tables[1:2], p.seq_lens[1:2],
+                    p.k_scale, p.v_scale, p.kv_layout)
     for h in heads_per_cta_choices(4):
         out, lse = _outputs(reversed_batch, h, splitk="auto")
         assert out[::-1].tobytes() == ref[0].tobytes() and lse[::-1].tobytes() == ref[1].tobytes(), h

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from metrale_attn import reference
+from metrale_attn import tolerance
+from metrale_attn.problems import Problem
 from metrale_attn.backends.cpu_backend import CpuBackend
 
 from conftest import check_against_reference, decoder, problem, run_poisoned
@@ -12,11 +13,11 @@ from conftest import check_against_reference, decoder, problem, run_poisoned
 LENGTHS = (700, 3, 0, 1500, 257, 64, 999, 16)
 
 
-def _pick(p: reference.Problem, rows) -> reference.Problem:
+def _pick(p: Problem, rows) -> Problem:
     """The sub-batch of ``p`` made of ``rows``, in that order (same cache, same pages)."""
     rows = list(rows)
-    return reference.Problem(p.q[rows], p.k_cache, p.v_cache, p.block_tables[rows], p.seq_lens[rows],
-                             p.k_scale, p.v_scale, p.kv_layout)
+    return Problem(p.q[rows], p.k_cache, p.v_cache, p.block_tables[rows], p.seq_lens[rows],
+                   p.k_scale, p.v_scale, p.kv_layout)
 
 
 @pytest.fixture(scope="module")
@@ -61,4 +62,4 @@ def test_under_legacy_the_split_count_moves_with_the_batch(batch):
     alone, _ = run_poisoned(attn, _pick(batch, [3]))
     together, lse = run_poisoned(attn, batch)
     check_against_reference(batch, together, lse)
-    assert reference.ulp_distance(alone[0], together[3]).max() <= 2
+    assert tolerance.ulp_distance(alone[0], together[3]).max() <= 2

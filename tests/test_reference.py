@@ -1,10 +1,9 @@
-"""Tests of the float64 reference (metrale_attn.reference) and of its correctness bar."""
+"""Tests of the float64 reference (metrale_attn.reference): against naive loops, paging, lse, split-K."""
 
 from __future__ import annotations
 
 import math
 
-import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -12,10 +11,7 @@ from hypothesis import strategies as st
 
 from metrale_attn import reference as R
 from metrale_attn.policy import PD_MIN_KV_PER_SPLIT
-
-BF16 = np.dtype(ml_dtypes.bfloat16)
-FP16 = np.dtype(np.float16)
-FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
+from metrale_attn.problems import GARBAGE_PAGE_ID, Problem, make_problem
 
 
 # --------------------------------------------------------------------------------------
@@ -80,7 +76,7 @@ def naive_paged_decode(q, k_cache, v_cache, block_tables, seq_lens, layout, sm_s
     return out, lse
 
 
-def decode_args(p: R.Problem) -> dict:
+def decode_args(p: Problem) -> dict:
     return dict(kv_layout=p.kv_layout, k_scale=p.k_scale, v_scale=p.v_scale)
 
 
@@ -97,7 +93,7 @@ def test_reference_matches_a_naive_loop_implementation(layout, kv_dtype, gqa_rat
     rng = np.random.default_rng([page_size, gqa_ratio, len(kv_dtype), len(layout)])
     num_kv_heads = 2
     scales = {} if kv_dtype in ("fp8", "uint8") else dict(k_scale=0.75, v_scale=1.5)
-    p = R.make_problem(
+    p = make_problem(
         rng,
         num_seqs=4,
         num_q_heads=num_kv_heads * gqa_ratio,
@@ -138,7 +134,7 @@ def test_every_finite_fp8_bit_pattern_decodes_like_the_hand_written_e4m3fn_decod
 
 
 def test_fp8_as_uint8_bits_and_as_float8_dtype_give_identical_results():
-    p = R.make_problem(
+    p = make_problem(
         np.random.default_rng(1), num_seqs=3, num_q_heads=4, num_kv_heads=2, head_dim=16,
         page_size=16, seq_lens=[5, 33, 64], kv_dtype="fp8", q_dtype="bf16", layout="NHD",
     )
@@ -150,7 +146,7 @@ def test_fp8_as_uint8_bits_and_as_float8_dtype_give_identical_results():
 
 
 def test_the_nhd_and_hnd_layouts_of_the_same_cache_give_identical_results():
-    p = R.make_problem(
+    p = make_problem(
         np.random.default_rng(2), num_seqs=3, num_q_heads=6, num_kv_heads=3, head_dim=16,
         page_size=7, seq_lens=[1, 20, 50], kv_dtype="bf16", q_dtype="bf16", layout="NHD",
     )
@@ -169,7 +165,7 @@ def test_the_nhd_and_hnd_layouts_of_the_same_cache_give_identical_results():
 
 
 def test_layout_names_are_case_insensitive_and_a_bad_one_is_rejected_naming_the_argument():
-    p = R.make_problem(
+    p = make_problem(
         np.random.default_rng(3), num_seqs=2, num_q_heads=2, num_kv_heads=1, head_dim=8,
         page_size=4, seq_lens=[3, 9], kv_dtype="fp16", q_dtype="fp16", layout="HND",
     )
@@ -189,7 +185,7 @@ def test_gather_kv_returns_the_stored_tokens_in_order_without_scaling():
     cache = np.zeros((num_pages, page_size, num_kv_heads, head_dim))
     for idx in np.ndindex(cache.shape):
         cache[idx] = 1000 * idx[0] + 100 * idx[1] + 10 * idx[2] + idx[3]
-    block_tables = np.array([[3, 0, 4, R.GARBAGE_PAGE_ID]], dtype=np.int32)
+    block_tables = np.array([[3, 0, 4, GARBAGE_PAGE_ID]], dtype=np.int32)
     seq_lens = np.array([10], dtype=np.int32)
     got = R.gather_kv(cache, block_tables, seq_lens, 0, "nhd")
     assert got.shape == (10, num_kv_heads, head_dim) and got.dtype == np.float64
@@ -208,7 +204,7 @@ def test_gather_kv_returns_the_stored_tokens_in_order_without_scaling():
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 def test_permuting_the_page_pool_and_the_block_table_together_changes_nothing(layout):
     rng = np.random.default_rng(4)
-    p = R.make_problem(
+    p = make_problem(
         rng, num_seqs=3, num_q_heads=8, num_kv_heads=2, head_dim=16, page_size=16,
         seq_lens=[1, 100, 300], kv_dtype="bf16", q_dtype="bf16", layout=layout, shuffle_pages=False,
     )
@@ -217,7 +213,7 @@ def test_permuting_the_page_pool_and_the_block_table_together_changes_nothing(la
     perm = rng.permutation(num_pages)  # new page j holds old page perm[j]
     new_id_of_old = np.argsort(perm)
     tables = p.block_tables.copy()
-    used = tables != R.GARBAGE_PAGE_ID
+    used = tables != GARBAGE_PAGE_ID
     tables[used] = new_id_of_old[tables[used]]
     after = R.paged_decode(p.q, p.k_cache[perm], p.v_cache[perm], tables, p.seq_lens, return_lse=True, **decode_args(p))
     np.testing.assert_array_equal(before[0], after[0])
@@ -226,7 +222,7 @@ def test_permuting_the_page_pool_and_the_block_table_together_changes_nothing(la
 
 def test_sequences_sharing_pages_read_the_shared_pages_and_match_the_naive_loops():
     rng = np.random.default_rng(5)
-    p = R.make_problem(
+    p = make_problem(
         rng, num_seqs=3, num_q_heads=4, num_kv_heads=4, head_dim=8, page_size=8,
         seq_lens=[40, 20, 3], kv_dtype="fp16", q_dtype="fp16", layout="NHD", share_prefix_pages=2,
     )
@@ -244,17 +240,17 @@ def test_sequences_sharing_pages_read_the_shared_pages_and_match_the_naive_loops
     np.testing.assert_allclose(R.paged_decode(p.q, p.k_cache, p.v_cache, p.block_tables, p.seq_lens), want, rtol=1e-12)
 
 
-@pytest.mark.parametrize("garbage", [R.GARBAGE_PAGE_ID, -1, -(2**31), 2**31 - 1])
+@pytest.mark.parametrize("garbage", [GARBAGE_PAGE_ID, -1, -(2**31), 2**31 - 1])
 def test_garbage_block_table_entries_past_the_last_page_are_never_read(garbage):
     rng = np.random.default_rng(6)
-    p = R.make_problem(
+    p = make_problem(
         rng, num_seqs=3, num_q_heads=4, num_kv_heads=2, head_dim=8, page_size=16,
         seq_lens=[0, 16, 17], kv_dtype="bf16", q_dtype="bf16", layout="HND",
     )
     clean = p.block_tables.copy()
-    clean[clean == R.GARBAGE_PAGE_ID] = 0  # a valid page, whose contents must not matter
+    clean[clean == GARBAGE_PAGE_ID] = 0  # a valid page, whose contents must not matter
     dirty = p.block_tables.copy()
-    dirty[dirty == R.GARBAGE_PAGE_ID] = garbage
+    dirty[dirty == GARBAGE_PAGE_ID] = garbage
     assert (dirty == garbage).sum() >= 3  # every row has a garbage tail
     want = R.paged_decode(p.q, p.k_cache, p.v_cache, clean, p.seq_lens, return_lse=True, **decode_args(p))
     got = R.paged_decode(p.q, p.k_cache, p.v_cache, dirty, p.seq_lens, return_lse=True, **decode_args(p))
@@ -267,7 +263,7 @@ def test_garbage_block_table_entries_past_the_last_page_are_never_read(garbage):
 @pytest.mark.parametrize("bad_page", [-1, 10**6])
 def test_a_needed_page_id_outside_the_pool_raises_instead_of_wrapping(bad_page):
     rng = np.random.default_rng(7)
-    p = R.make_problem(
+    p = make_problem(
         rng, num_seqs=1, num_q_heads=2, num_kv_heads=1, head_dim=8, page_size=4,
         seq_lens=[9], kv_dtype="bf16", q_dtype="bf16", layout="NHD",
     )
@@ -279,7 +275,7 @@ def test_a_needed_page_id_outside_the_pool_raises_instead_of_wrapping(bad_page):
 
 def test_a_sequence_longer_than_its_block_table_row_is_rejected():
     rng = np.random.default_rng(8)
-    p = R.make_problem(
+    p = make_problem(
         rng, num_seqs=1, num_q_heads=2, num_kv_heads=1, head_dim=8, page_size=4,
         seq_lens=[8], kv_dtype="bf16", q_dtype="bf16", layout="NHD",
     )
@@ -294,7 +290,7 @@ def test_a_sequence_longer_than_its_block_table_row_is_rejected():
 
 def test_lse_is_the_natural_log_of_the_sum_of_exponentiated_scaled_logits():
     rng = np.random.default_rng(9)
-    p = R.make_problem(
+    p = make_problem(
         rng, num_seqs=2, num_q_heads=4, num_kv_heads=2, head_dim=16, page_size=16,
         seq_lens=[7, 50], kv_dtype="fp8", q_dtype="bf16", layout="NHD",
     )
@@ -310,7 +306,7 @@ def test_lse_is_the_natural_log_of_the_sum_of_exponentiated_scaled_logits():
 
 
 def test_default_sm_scale_is_one_over_the_square_root_of_head_dim():
-    p = R.make_problem(
+    p = make_problem(
         np.random.default_rng(10), num_seqs=2, num_q_heads=2, num_kv_heads=1, head_dim=32,
         page_size=16, seq_lens=[5, 30], kv_dtype="bf16", q_dtype="bf16", layout="NHD",
     )
@@ -323,7 +319,7 @@ def test_default_sm_scale_is_one_over_the_square_root_of_head_dim():
 
 
 def test_an_empty_sequence_gives_zeros_and_minus_infinite_lse_without_nan_or_warnings():
-    p = R.make_problem(
+    p = make_problem(
         np.random.default_rng(11), num_seqs=3, num_q_heads=4, num_kv_heads=2, head_dim=8,
         page_size=16, seq_lens=[0, 5, 0], kv_dtype="fp16", q_dtype="fp16", layout="NHD",
     )
@@ -356,7 +352,7 @@ def _lengths_around_min_split_multiples():
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 def test_merged_split_k_partials_equal_the_unsplit_result(num_splits, layout):
     lens = _lengths_around_min_split_multiples()
-    p = R.make_problem(
+    p = make_problem(
         np.random.default_rng([12, num_splits]), num_seqs=len(lens), num_q_heads=4, num_kv_heads=2,
         head_dim=8, page_size=16, seq_lens=lens, kv_dtype="uint8", q_dtype="bf16", layout=layout,
     )
@@ -376,7 +372,7 @@ def test_merged_split_k_partials_equal_the_unsplit_result(num_splits, layout):
 
 
 def test_more_splits_than_tokens_leave_trailing_splits_empty_with_neutral_values():
-    p = R.make_problem(
+    p = make_problem(
         np.random.default_rng(13), num_seqs=2, num_q_heads=2, num_kv_heads=1, head_dim=8,
         page_size=1, seq_lens=[3, PD_MIN_KV_PER_SPLIT + 2], kv_dtype="bf16", q_dtype="bf16", layout="NHD",
     )
@@ -396,7 +392,7 @@ def test_more_splits_than_tokens_leave_trailing_splits_empty_with_neutral_values
 
 
 def test_partials_follow_the_workspace_formulas_in_log2_units():
-    p = R.make_problem(
+    p = make_problem(
         np.random.default_rng(14), num_seqs=1, num_q_heads=6, num_kv_heads=2, head_dim=8,
         page_size=7, seq_lens=[2 * PD_MIN_KV_PER_SPLIT + 10], kv_dtype="fp8", q_dtype="bf16", layout="HND",
     )
@@ -417,7 +413,7 @@ def test_partials_follow_the_workspace_formulas_in_log2_units():
 
 
 def test_partials_are_laid_out_in_the_kernel_workspace_slot_order():
-    p = R.make_problem(
+    p = make_problem(
         np.random.default_rng(15), num_seqs=3, num_q_heads=4, num_kv_heads=2, head_dim=8,
         page_size=16, seq_lens=[10, 600, 300], kv_dtype="bf16", q_dtype="bf16", layout="NHD",
     )
@@ -471,193 +467,8 @@ def test_split_bounds_rejects_nonsense():
         R.split_bounds(-1, 2)
 
 
-# --------------------------------------------------------------------------------------
-# Rounding and ulps
-# --------------------------------------------------------------------------------------
-
-
-def bits_to(dtype, bits):
-    return np.array(bits, dtype=np.uint16).view(dtype)
-
-
-@pytest.mark.parametrize("dtype", [BF16, FP16])
-def test_adjacent_values_are_one_ulp_apart(dtype):
-    one = np.array([1.0], dtype=dtype).view(np.uint16)[0]
-    a = bits_to(dtype, [one, one, 0x0001, 0x8001, 0x0100, 0x8100])
-    b = bits_to(dtype, [one + 1, one - 1, 0x0002, 0x8002, 0x0101, 0x80FF])
-    np.testing.assert_array_equal(R.ulp_distance(a, b), [1, 1, 1, 1, 1, 1])
-    np.testing.assert_array_equal(R.ulp_distance(a, a), 0)
-
-
-@pytest.mark.parametrize("dtype", [BF16, FP16])
-def test_positive_and_negative_zero_are_zero_ulps_apart(dtype):
-    assert R.ulp_distance(bits_to(dtype, [0x0000]), bits_to(dtype, [0x8000]))[0] == 0
-
-
-@pytest.mark.parametrize("dtype", [BF16, FP16])
-def test_ulp_distance_across_zero_counts_the_steps_on_both_sides(dtype):
-    tiny, minus_tiny = bits_to(dtype, [0x0001]), bits_to(dtype, [0x8001])
-    minus_zero = bits_to(dtype, [0x8000])
-    assert R.ulp_distance(tiny, minus_tiny)[0] == 2
-    assert R.ulp_distance(minus_zero, tiny)[0] == 1
-    assert R.ulp_distance(bits_to(dtype, [0x0003]), bits_to(dtype, [0x8002]))[0] == 5
-
-
-def test_ulp_distance_of_known_bf16_and_fp16_values():
-    assert R.ulp_distance(np.array([1.0], BF16), np.array([1.0 + 2**-7], BF16))[0] == 1
-    assert R.ulp_distance(np.array([1.0], BF16), np.array([2.0], BF16))[0] == 128
-    assert R.ulp_distance(np.array([1.0], FP16), np.array([1.0 + 2**-10], FP16))[0] == 1
-    assert R.ulp_distance(np.array([-1.0], FP16), np.array([1.0], FP16))[0] == 2 * 0x3C00
-    assert R.ulp_distance(np.array([65504.0], FP16), np.array([np.inf], FP16))[0] == 1
-
-
-@pytest.mark.parametrize("dtype", [BF16, FP16])
-def test_nan_is_flagged_as_infinitely_far_from_everything(dtype):
-    nan = np.array([np.nan, np.nan, 1.0], dtype=dtype)
-    other = np.array([1.0, np.nan, np.nan], dtype=dtype)
-    assert (R.ulp_distance(nan, other) == R.ULP_NAN).all()
-    assert R.ULP_NAN > 2**17
-
-
-def test_ulp_distance_refuses_mixed_dtypes():
-    with pytest.raises(TypeError):
-        R.ulp_distance(np.zeros(2, BF16), np.zeros(2, FP16))
-
-
-def test_round_to_rounds_once_from_float64_to_nearest_even():
-    # Just above the bf16 halfway point between 1 and 1 + 2**-7: rounding through
-    # float32 first would land exactly on the tie and go down to 1.
-    x = np.array([1 + 2**-8 + 2**-30, 1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8 + 2**-30)])
-    np.testing.assert_array_equal(R.round_to(x, BF16).astype(np.float64), [1 + 2**-7, 1.0, 1 + 2**-6, -(1 + 2**-7)])
-    y = np.array([1 + 2**-11 + 2**-40, 1 + 2**-11, 1 + 3 * 2**-11])
-    np.testing.assert_array_equal(R.round_to(y, FP16).astype(np.float64), [1 + 2**-10, 1.0, 1 + 2**-9])
-
-
-def test_round_to_handles_zero_signs_subnormals_overflow_and_nan():
-    x = np.array([-0.0, 0.0, -(2.0**-140), 2.0**-133 * 0.75, 1e300, -1e300, np.inf, np.nan, 3.39e38])
-    got = R.round_to(x, BF16)
-    assert got.dtype == BF16
-    bits = got.view(np.uint16)
-    assert bits[0] == 0x8000 and bits[1] == 0x0000 and bits[2] == 0x8000
-    assert bits[3] == 0x0001  # 0.75 of the smallest subnormal rounds up to it
-    assert np.isposinf(got[4]) and np.isneginf(got[5]) and np.isposinf(got[6]) and np.isnan(got[7])
-    assert np.isfinite(got[8])
-    bf16_max = (2 - 2.0**-7) * 2.0**127
-    halfway_to_inf = (2 - 2.0**-8) * 2.0**127  # a tie: even goes up, to infinity
-    edge = R.round_to(np.array([halfway_to_inf, np.nextafter(halfway_to_inf, 0)]), BF16)
-    assert np.isposinf(edge[0]) and float(edge[1]) == bf16_max
-    f16 = R.round_to(np.array([65520.0, 65519.9, 2.0**-25, 2.0**-25 * 1.01]), FP16)
-    assert np.isposinf(f16[0]) and f16[1] == 65504.0
-    assert f16.view(np.uint16)[2] == 0x0000 and f16.view(np.uint16)[3] == 0x0001
-
-
-def test_round_to_fp16_agrees_with_numpys_correctly_rounded_cast():
-    rng = np.random.default_rng(16)
-    x = rng.standard_normal(20000) * np.exp2(rng.uniform(-30, 17, 20000))
-    with np.errstate(over="ignore"):  # numpy warns when its cast overflows to inf
-        want = x.astype(FP16)
-    np.testing.assert_array_equal(R.round_to(x, FP16).view(np.uint16), want.view(np.uint16))
-
-
-def test_round_to_bf16_agrees_with_ml_dtypes_on_values_already_in_float32():
-    rng = np.random.default_rng(17)
-    x32 = (rng.standard_normal(20000) * np.exp2(rng.uniform(-140, 127, 20000))).astype(np.float32)
-    np.testing.assert_array_equal(
-        R.round_to(x32.astype(np.float64), BF16).view(np.uint16), x32.astype(BF16).view(np.uint16)
-    )
-
-
-@settings(max_examples=500, deadline=None)
-@given(st.floats(min_value=-3e38, max_value=3e38, allow_nan=False))
-def test_round_to_bf16_picks_the_nearer_neighbour(x):
-    r = R.round_to(np.array([x]), BF16)
-    bits = int(r.view(np.uint16)[0])
-    err = abs(float(r[0]) - x)
-    for neighbour_bits in (bits + 1, bits - 1):
-        neighbour = float(np.array([neighbour_bits & 0xFFFF], np.uint16).view(BF16)[0])
-        if math.isfinite(neighbour) and (neighbour >= 0) == (float(r[0]) >= 0):
-            assert err <= abs(neighbour - x)
-
-
-# --------------------------------------------------------------------------------------
-# THE correctness bar
-# --------------------------------------------------------------------------------------
-
-
-def _shift_ulps(values, dtype, ulps):
-    """Move each (positive) value by `ulps` steps in `dtype`."""
-    bits = np.asarray(values, dtype=dtype).view(np.uint16).astype(np.int64) + ulps
-    return bits.astype(np.uint16).view(dtype)
-
-
-@pytest.mark.parametrize("dtype", [BF16, FP16])
-def test_the_bar_accepts_one_ulp_and_rejects_two_ulps_away_from_zero(dtype):
-    ref = np.array([0.5, 1.25, 3.0, 0.1])
-    rounded = R.round_to(ref, dtype)
-    R.assert_close_to_reference(rounded, ref, v_absmax=4.0)
-    R.assert_close_to_reference(_shift_ulps(rounded, dtype, 1), ref, v_absmax=4.0)
-    R.assert_close_to_reference(_shift_ulps(rounded, dtype, -1), ref, v_absmax=4.0)
-    with pytest.raises(AssertionError):
-        R.assert_close_to_reference(_shift_ulps(rounded, dtype, 2), ref, v_absmax=4.0)
-    bad = rounded.copy()
-    bad[2] = _shift_ulps(rounded[2:3], dtype, -2)[0]
-    assert list(R.close_to_reference_mask(bad, ref, v_absmax=4.0)) == [True, True, False, True]
-
-
-@pytest.mark.parametrize("dtype", [BF16, FP16])
-def test_the_near_zero_allowance_accepts_absolute_errors_up_to_two_to_the_minus_20_of_max_v(dtype):
-    v_absmax = 8.0
-    allowance = R.NEAR_ZERO_ABS * v_absmax  # 2**-17
-    ref = np.array([0.0, 1e-7, -3e-6, 2.0**-30])
-    within = (ref + 0.9 * allowance).astype(dtype)  # many ulps off, but tiny in absolute terms
-    assert (R.ulp_distance(within, R.round_to(ref, dtype)) > 1).any()
-    R.assert_close_to_reference(within, ref, v_absmax=v_absmax)
-    beyond = (ref + 1.5 * allowance).astype(dtype)
-    assert not R.close_to_reference_mask(beyond, ref, v_absmax=v_absmax).any()
-    with pytest.raises(AssertionError):
-        R.assert_close_to_reference(beyond, ref, v_absmax=v_absmax)
-
-
-@pytest.mark.parametrize("dtype", [BF16, FP16])
-def test_nan_in_the_kernel_output_always_fails(dtype):
-    ref = np.array([1.0, 0.0])
-    out = np.array([1.0, np.nan], dtype=dtype)
-    with pytest.raises(AssertionError, match="NaN"):
-        R.assert_close_to_reference(out, ref, v_absmax=1e30)
-
-
-def test_a_failure_message_gives_the_count_the_worst_ulp_its_index_and_both_values():
-    ref = np.array([[1.0, 2.0, 4.0], [8.0, 16.0, 32.0]])
-    out = R.round_to(ref, BF16)
-    out[1, 2] = _shift_ulps(out[1, 2:3], BF16, 5)[0]
-    out[0, 1] = _shift_ulps(out[0, 1:2], BF16, 3)[0]
-    with pytest.raises(AssertionError) as info:
-        R.assert_close_to_reference(out, ref, v_absmax=32.0, what="paged_decode out")
-    message = str(info.value)
-    assert "paged_decode out" in message
-    assert "2 of 6" in message
-    assert "worst 5 ulp" in message
-    assert "(1, 2)" in message
-    assert repr(float(out[1, 2])) in message and "32.0" in message
-
-
-def test_a_shape_mismatch_fails_the_bar():
-    with pytest.raises(AssertionError, match="shape"):
-        R.assert_close_to_reference(np.zeros((2, 3), BF16), np.zeros((3, 2)), v_absmax=1.0)
-
-
-def test_the_reference_rounded_to_the_output_dtype_passes_its_own_bar():
-    p = R.make_problem(
-        np.random.default_rng(18), num_seqs=3, num_q_heads=8, num_kv_heads=1, head_dim=16,
-        page_size=16, seq_lens=[1, 77, 400], kv_dtype="fp8", q_dtype="bf16", layout="NHD",
-    )
-    ref = p.reference()
-    for dtype in (BF16, FP16):
-        R.assert_close_to_reference(R.round_to(ref, dtype), ref, v_absmax=p.v_absmax())
-
-
 def test_max_abs_v_read_only_counts_tokens_that_are_attended_to():
-    p = R.make_problem(
+    p = make_problem(
         np.random.default_rng(19), num_seqs=2, num_q_heads=2, num_kv_heads=1, head_dim=4,
         page_size=4, seq_lens=[5, 2], kv_dtype="fp16", q_dtype="fp16", layout="NHD", v_scale=0.5,
     )
@@ -665,66 +476,9 @@ def test_max_abs_v_read_only_counts_tokens_that_are_attended_to():
     want = p.v_absmax()
     last_page = p.block_tables[0, 1]
     v_cache[last_page, 1:] = 1000.0  # past token 4 of sequence 0
-    unused = sorted(set(range(v_cache.shape[0])) - set(p.block_tables[p.block_tables != R.GARBAGE_PAGE_ID].tolist()))
+    unused = sorted(set(range(v_cache.shape[0])) - set(p.block_tables[p.block_tables != GARBAGE_PAGE_ID].tolist()))
     v_cache[unused] = -2000.0
     got = R.max_abs_v_read(v_cache, p.block_tables, p.seq_lens, kv_layout="NHD", v_scale=0.5)
     assert got == want
     v_cache[last_page, 0, 0, 0] = 100.0  # token 4 of sequence 0 is read
     assert R.max_abs_v_read(v_cache, p.block_tables, p.seq_lens, kv_layout="NHD", v_scale=0.5) == 50.0
-
-
-# --------------------------------------------------------------------------------------
-# make_problem
-# --------------------------------------------------------------------------------------
-
-
-def _problem(seed, **overrides):
-    args = dict(
-        num_seqs=4, num_q_heads=4, num_kv_heads=2, head_dim=8, page_size=16,
-        seq_lens=[0, 20, 40, 70], kv_dtype="fp8", q_dtype="bf16", layout="HND", share_prefix_pages=1,
-    )
-    args.update(overrides)
-    return R.make_problem(np.random.default_rng(seed), **args)
-
-
-def test_make_problem_is_deterministic_from_the_rng():
-    a, b, c = _problem(20), _problem(20), _problem(21)
-    for field in ("q", "k_cache", "v_cache", "block_tables", "seq_lens"):
-        np.testing.assert_array_equal(getattr(a, field).view(np.uint8), getattr(b, field).view(np.uint8))
-    assert a.k_scale == b.k_scale and a.v_scale == b.v_scale
-    assert not np.array_equal(a.k_cache.view(np.uint8), c.k_cache.view(np.uint8))
-
-
-def test_make_problem_fills_block_table_tails_with_an_out_of_range_page_id():
-    p = _problem(22)
-    num_pages = p.k_cache.shape[0]
-    assert p.block_tables.dtype == np.int32 and p.seq_lens.dtype == np.int32
-    for s, length in enumerate(p.seq_lens):
-        used = -(-int(length) // 16)
-        assert ((p.block_tables[s, :used] >= 0) & (p.block_tables[s, :used] < num_pages)).all()
-        assert (p.block_tables[s, used:] == R.GARBAGE_PAGE_ID).all() and used < p.block_tables.shape[1]
-    assert R.GARBAGE_PAGE_ID >= 2**24
-
-
-def test_make_problem_gives_each_page_to_one_sequence_except_the_shared_prefix():
-    p = _problem(23, share_prefix_pages=2, seq_lens=[10, 40, 40, 100], num_pages=40)
-    assert p.k_cache.shape[0] == 40
-    shared = {int(p.block_tables[3, 0]), int(p.block_tables[3, 1])}
-    assert p.block_tables[0, 0] in shared  # the short sequence shares what it has
-    private = [int(x) for s in range(4) for x in p.block_tables[s, 2 : -(-int(p.seq_lens[s]) // 16)]]
-    assert len(private) == len(set(private)) and not shared & set(private)
-    unshuffled = _problem(23, shuffle_pages=False, share_prefix_pages=0, seq_lens=[16, 32, 0, 5])
-    assert unshuffled.block_tables[:, :2].tolist()[:2] == [[0, R.GARBAGE_PAGE_ID], [1, 2]]
-
-
-def test_make_problem_fp8_caches_span_the_e4m3_range_and_dequantize_near_unit_scale():
-    p = _problem(24, kv_dtype="uint8")
-    assert p.k_cache.dtype == np.uint8
-    stored = R.to_float64(p.k_cache)
-    assert not np.isnan(stored).any()
-    assert np.abs(stored).max() == 448.0
-    dequantized = stored * p.k_scale
-    assert 0.8 < dequantized.std() < 1.2
-    assert 0.0 < p.k_scale < 0.05 and 0.0 < p.v_scale < 0.05
-    bf = _problem(24, kv_dtype="bf16")
-    assert bf.k_cache.dtype == BF16 and bf.k_scale == 1.0 and bf.v_scale == 1.0
