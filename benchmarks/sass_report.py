@@ -60,7 +60,7 @@ except ImportError:  # a bare checkout: the package sits beside benchmarks/
 
 from metrale_attn import dtypes  # noqa: E402
 from metrale_attn.kernels import Variant, all_variants  # noqa: E402
-from metrale_attn.plan import MAX_HEADS_PER_CTA  # noqa: E402
+from metrale_attn.plan import max_rows_per_cta  # noqa: E402
 
 # ======================================================================================
 # THE ASSUMPTIONS: every number the model uses, with its source. H200 SXM, sm_90.
@@ -761,7 +761,7 @@ def serves(variant: Variant, q_heads: int, kv_heads: int, head_dim: int) -> bool
         return False
     if not loop.grouped:
         return group % loop.heads_per_cta == 0
-    best = max(h for h in range(1, MAX_HEADS_PER_CTA + 1) if group % h == 0)
+    best = max(h for h in range(1, max_rows_per_cta(head_dim) + 1) if group % h == 0)
     return (best > 8) == (loop.heads_per_cta > 8)
 
 
@@ -770,6 +770,8 @@ def select(patterns, shapes, kv_dtypes, q_dtypes) -> list[tuple[Variant, tuple[i
     for shape in shapes:
         for v in all_variants():
             if v.kv_dtype not in kv_dtypes or v.q_dtype not in q_dtypes or not serves(v, *shape):
+                continue
+            if v.features and not (patterns and any(fnmatch.fnmatch(v.name, p) for p in patterns)):
                 continue
             if patterns and not any(fnmatch.fnmatch(v.name, p) or fnmatch.fnmatch(v.arm, p) for p in patterns):
                 continue

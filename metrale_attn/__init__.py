@@ -1,8 +1,9 @@
 """metrale-attn: paged-decode attention with a batch-invariant split-K policy."""
 
 from .attention import DecodeAttention, StreamReuseWarning
+from .merge import merge_states
 from .plan import DecodePlan, ModelShape
 from .policy import SplitkPolicy
 
-__all__ = ["DecodeAttention", "DecodePlan", "ModelShape", "SplitkPolicy", "StreamReuseWarning"]
+__all__ = ["DecodeAttention", "DecodePlan", "ModelShape", "SplitkPolicy", "StreamReuseWarning", "merge_states"]
 __version__ = "0.1.0"

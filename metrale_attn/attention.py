@@ -27,7 +27,8 @@ from . import dtypes, policy
 from .backends import ArrayInfo, Launch, get_backend
 from .kernels import Variant, kernel_params, source_constants
 from .plan import (ENV_HEADS_PER_CTA, ENV_IMPL, LEGACY_MAX_DECODE_SEQS, MAX_Q_LEN, DecodePlan, ModelShape,
-                   heads_per_cta_choices, make_plan, resolve_heads_per_cta, resolve_impl, workspace_for)
+                   heads_per_cta_choices, make_plan, max_rows_per_cta, resolve_heads_per_cta, resolve_impl,
+                   workspace_for)
 from .targets import DEFAULT_TARGET, Defaults, detect_target, get_target, resolve_defaults
 
 LAYOUTS = ("NHD", "HND")
@@ -206,8 +207,9 @@ class DecodeAttention:
                 warnings.warn(f"metrale-attn: this device's {', '.join(disagree)} disagree with the emulation the "
                               "mma kernels were verified on; using impl='simt' instead", RuntimeWarning, stacklevel=2)
                 self.impl = "simt"
+        max_rows = max_rows_per_cta(head_dim)
         self.heads_per_cta = resolve_heads_per_cta(heads_per_cta, os.environ.get(ENV_HEADS_PER_CTA),
-                                                   self.shape.group_size, self.max_q_len)
+                                                   self.shape.group_size, self.max_q_len, max_rows)
         self._plans: dict[tuple[int, int], DecodePlan] = {}
         constants = source_constants()
         self._threads, self._merge_threads = constants.threads, constants.merge_threads
@@ -224,7 +226,7 @@ class DecodeAttention:
                 elif self.heads_per_cta is not None:
                     options = {self.heads_per_cta}
                 else:
-                    options = set(heads_per_cta_choices(self.shape.group_size, q_len))
+                    options = set(heads_per_cta_choices(self.shape.group_size, q_len, max_rows))
                 for rt in sorted({replace(plan, heads_per_cta=h).row_tiles for h in options}):
                     key = (plan.arm, rt, q_len > 1)
                     if key not in self._modules:

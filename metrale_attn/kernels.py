@@ -34,10 +34,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import dtypes, policy
-from .plan import ARMS, DEFAULT_IMPL, HEAD_DIMS, IMPLS, KERNELS, MAX_HEADS_PER_CTA
+from .plan import ARMS, DEFAULT_IMPL, HEAD_DIMS, IMPLS, KERNELS, max_rows_per_cta
 
 SOURCE_PACKAGE = "metrale_attn.kernels_cu"
 COMMON_HEADER = "pd_common.cuh"
+CONVERT_HEADER = "pd_convert.cuh"
 CORE_HEADER = "decode_core.cuh"
 SOURCE_FILES = {
     ("mma", "unpacked"): "decode_unpacked.cu",
@@ -127,7 +128,8 @@ def source_constants() -> SourceConstants:
     return SourceConstants(
         threads=read_define(header, "PD_THREADS"),
         merge_threads=read_define(header, "PD_MERGE_THREADS"),
-        dtype_codes={name: read_define(header, define) for name, define in dtypes.CODE_DEFINES.items()},
+        dtype_codes={name: read_define(read_source(CONVERT_HEADER), define)
+                     for name, define in dtypes.CODE_DEFINES.items()},
     )
 
 
@@ -325,8 +327,9 @@ class Variant:
         allowed = (policy.DECODE_GQA_PACK_HEAD_DIM,) if self.arm == "gqa_packed" else HEAD_DIMS
         if self.head_dim not in allowed:
             raise ValueError(f"the {self.arm} kernel supports head_dim {allowed}, got {self.head_dim}")
-        if self.row_tiles not in ((1, MAX_HEADS_PER_CTA // 8) if self.impl == "mma" else (1,)):
-            raise ValueError(f"row_tiles must be 1 or 2 (mma) or 1 (simt), got {self.row_tiles!r}")
+        if self.row_tiles not in (tuple(range(1, max_rows_per_cta(self.head_dim) // 8 + 1)) if self.impl == "mma"
+                                  else (1,)):
+            raise ValueError(f"row_tiles must be 1 or 2 (mma; 1 at head dim 256) or 1 (simt), got {self.row_tiles!r}")
         object.__setattr__(self, "features", frozenset(self.features))
         unknown = self.features - set(FEATURES)
         if unknown:
@@ -445,6 +448,33 @@ class SelfTest:
         return {}
 
 
+@dataclass(frozen=True)
+class MergeStates:
+    """The state-merge kernel (``kernels_cu/merge_states.cu``) for one pair of dtypes
+    (``bf16``, ``fp16`` or ``float32`` in and out). Builds like a variant."""
+
+    in_dtype: str
+    out_dtype: str
+    filename: str = "merge_states.cu"
+    kernels: tuple[str, ...] = ("merge_states",)
+    shared_bytes: int = 0
+
+    @property
+    def name(self) -> str:
+        return f"merge_states_in{self.in_dtype}_out{self.out_dtype}"
+
+    def source(self, text: str | None = None) -> str:
+        return inline(self.filename, text)
+
+    def defines(self) -> dict[str, int]:
+        codes = source_constants().dtype_codes
+        return {"PD_IN_DTYPE": codes[self.in_dtype], "PD_OUT_DTYPE": codes[self.out_dtype]}
+
+    @property
+    def threads(self) -> int:
+        return read_define(read_source(self.filename), "PD_STATE_THREADS")
+
+
 @functools.cache
 def kernel_params(variant: Variant) -> dict[str, tuple[Param, ...]]:
     """The parameters of each kernel of ``variant``, read from its source: the ABI."""
@@ -456,13 +486,26 @@ def kernel_params(variant: Variant) -> dict[str, tuple[Param, ...]]:
 
 
 def all_variants() -> list[Variant]:
-    """Every variant the dispatch can ask for."""
-    return [
+    """Every plain variant the dispatch can ask for, and the feature variants CI compiles:
+    each feature alone on every mma arm (head dim 128, fp8 KV; the packed arm at 256),
+    and all of them together on the heaviest (8 rows of head dim 256, 16 of 128)."""
+    plain = [
         Variant(arm, head_dim, q, kv, impl, row_tiles)
         for impl in IMPLS
         for arm in ARMS
-        for row_tiles in ((1, 2) if impl == "mma" and arm != "gqa_packed" else (1,))
         for head_dim in ((policy.DECODE_GQA_PACK_HEAD_DIM,) if arm == "gqa_packed" else HEAD_DIMS)
+        for row_tiles in (range(1, max_rows_per_cta(head_dim) // 8 + 1) if impl == "mma" and arm != "gqa_packed"
+                          else (1,))
         for q in dtypes.Q_DTYPES
         for kv in dtypes.KV_DTYPES
+        if impl == "mma" or kv != dtypes.FP8_E5M2
     ]
+    featured = [
+        Variant(arm, 256 if arm == "gqa_packed" else 128, dtypes.BF16, dtypes.FP8, "mma", 1, {feature})
+        for arm in ARMS
+        for feature in FEATURES
+        if not (arm == "gqa_packed" and feature == "mt")  # the packed arm serves one query token
+    ]
+    every = [Variant(arm, d, dtypes.FP16, dtypes.BF16, "mma", rt, set(FEATURES))
+             for arm in ("unpacked", "splitk") for d, rt in ((256, 1), (128, 2))]
+    return plain + featured + every

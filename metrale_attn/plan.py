@@ -41,7 +41,7 @@ KERNELS = {
 
 MAX_ROWS_PER_CTA = 16
 """Query rows (heads x query tokens) one ``mma`` CTA can hold: two row tiles of 8 (the
-MMA's N side)."""
+MMA's N side); ``max_rows_per_cta`` lowers it for head dim 256."""
 MAX_HEADS_PER_CTA = MAX_ROWS_PER_CTA
 MAX_Q_LEN = 8
 """Query tokens per sequence in one call (multi-token decode: speculative verification, MTP)."""
@@ -180,13 +180,21 @@ def resolve_impl(impl: Optional[str], env_raw: Optional[str]) -> str:
     return DEFAULT_IMPL
 
 
-def heads_per_cta_choices(group_size: int, q_len: int = 1) -> tuple[int, ...]:
+def max_rows_per_cta(head_dim: int) -> int:
+    """Query rows an ``mma`` CTA holds at ``head_dim``: 16, but 8 at head dim 256, where 16
+    rows' fp32 accumulators alone (16 x 256 / 32 lanes = 128 registers) leave ptxas no
+    room for the rest of the loop without spilling."""
+    return 8 if head_dim >= 256 else MAX_ROWS_PER_CTA
+
+
+def heads_per_cta_choices(group_size: int, q_len: int = 1, max_rows: int = MAX_ROWS_PER_CTA) -> tuple[int, ...]:
     """The divisors of the group size an ``mma`` CTA can hold with ``q_len`` query tokens
-    each (``h x q_len <= MAX_ROWS_PER_CTA``)."""
-    return tuple(d for d in range(1, min(group_size, MAX_ROWS_PER_CTA // q_len) + 1) if group_size % d == 0)
+    each (``h x q_len <= max_rows``, see ``max_rows_per_cta``)."""
+    return tuple(d for d in range(1, min(group_size, max_rows // q_len) + 1) if group_size % d == 0)
 
 
-def resolve_heads_per_cta(value, env_raw: Optional[str], group_size: int, max_q_len: int = 1) -> Optional[int]:
+def resolve_heads_per_cta(value, env_raw: Optional[str], group_size: int, max_q_len: int = 1,
+                          max_rows: int = MAX_ROWS_PER_CTA) -> Optional[int]:
     """An override of the rule: the ``heads_per_cta`` argument, else a non-empty
     ``METRALE_ATTN_DECODE_HEADS_PER_CTA``; None when neither is set. It must be one of
     ``heads_per_cta_choices(group_size)``: a value the kernels cannot serve is an error,
@@ -201,11 +209,11 @@ def resolve_heads_per_cta(value, env_raw: Optional[str], group_size: int, max_q_
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"heads_per_cta must be an int or None, got {value!r}")
-    choices = heads_per_cta_choices(group_size, max_q_len)
+    choices = heads_per_cta_choices(group_size, max_q_len, max_rows)
     if value not in choices:
         limit = f" ({max_q_len} query tokens each)" if max_q_len > 1 else ""
         raise ValueError(f"{where} must divide the group size {group_size} and be at most "
-                         f"{MAX_ROWS_PER_CTA // max_q_len}{limit}: one of {', '.join(map(str, choices))}; got {value}")
+                         f"{max_rows // max_q_len}{limit}: one of {', '.join(map(str, choices))}; got {value}")
     return value
 
 
@@ -228,13 +236,13 @@ def heads_per_cta_for(shape: ModelShape, num_seqs: int, num_splits: int, sm_coun
       from batch 9 on: 4.
 
     With ``q_len`` query tokens per sequence a CTA holds ``h x q_len`` rows, so ``h``
-    is at most ``MAX_ROWS_PER_CTA / q_len``.
+    is at most ``max_rows_per_cta(head_dim) / q_len``.
 
     The batch may move this choice (unlike the split count) because a head's output
     bytes do not depend on which heads share its CTA.
     """
     need = math.ceil(MIN_CTAS_PER_SM * max(sm_count, 1))
-    choices = heads_per_cta_choices(shape.group_size, q_len)
+    choices = heads_per_cta_choices(shape.group_size, q_len, max_rows_per_cta(shape.head_dim))
     for h in reversed(choices):
         if shape.num_kv_heads * (shape.group_size // h) * num_splits * num_seqs >= need:
             return h
@@ -277,9 +285,10 @@ def make_plan(
         raise ValueError(f"impl must be one of {', '.join(IMPLS)}, got {impl!r}")
     if not 1 <= q_len <= (MAX_Q_LEN if impl == "mma" else 1):
         raise ValueError(f"q_len must be in 1..{MAX_Q_LEN if impl == 'mma' else 1} ({impl}), got {q_len!r}")
-    if heads_per_cta is not None and heads_per_cta not in heads_per_cta_choices(shape.group_size, q_len):
-        raise ValueError(f"heads_per_cta must be one of {heads_per_cta_choices(shape.group_size, q_len)} at "
-                         f"q_len {q_len}, got {heads_per_cta!r}")
+    choices = heads_per_cta_choices(shape.group_size, q_len, max_rows_per_cta(shape.head_dim))
+    if heads_per_cta is not None and heads_per_cta not in choices:
+        raise ValueError(f"heads_per_cta must be one of {choices} at q_len {q_len}, head_dim {shape.head_dim}, "
+                         f"got {heads_per_cta!r}")
     if workspace is None:
         workspace = workspace_for(defaults, shape, max_batch=max_batch, max_decode_seqs=max_decode_seqs)
     sms, heads = defaults.sm_count, shape.num_q_heads

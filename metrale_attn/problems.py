@@ -18,7 +18,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .reference import BF16, FP8, FP16, check_layout, max_abs_v_read, paged_decode
+from .reference import BF16, FP8, FP8_E5M2, FP16, check_layout, max_abs_v_read, paged_decode
 
 __all__ = ["GARBAGE_PAGE_ID", "Problem", "make_problem"]
 
@@ -27,6 +27,7 @@ __all__ = ["GARBAGE_PAGE_ID", "Problem", "make_problem"]
 GARBAGE_PAGE_ID = 0x3FFF_FFFF
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
+FP8_E5M2_MAX = 57344.0  # largest finite float8_e5m2
 
 _DTYPE_ALIASES = {
     "bf16": BF16,
@@ -40,6 +41,9 @@ _DTYPE_ALIASES = {
     "fp8_e4m3": FP8,
     "fp8_e4m3fn": FP8,
     "float8_e4m3fn": FP8,
+    "fp8_e5m2": FP8_E5M2,
+    "fp8e5m2": FP8_E5M2,
+    "float8_e5m2": FP8_E5M2,
     "uint8": np.dtype(np.uint8),
     "fp8_bits": np.dtype(np.uint8),
 }
@@ -67,10 +71,11 @@ class Problem:
     v_scale: float
     kv_layout: str  # "NHD" or "HND"
 
-    def reference(self, *, sm_scale: float | None = None, return_lse: bool = False):
-        """:func:`paged_decode` on this problem."""
+    def reference(self, *, sm_scale: float | None = None, return_lse: bool = False, q=None, **features):
+        """:func:`paged_decode` on this problem (``q`` replaces the problem's, e.g. by a
+        multi-token one; ``features``: ``window_left``, ``logits_soft_cap``, ``sinks``)."""
         return paged_decode(
-            self.q,
+            self.q if q is None else q,
             self.k_cache,
             self.v_cache,
             self.block_tables,
@@ -80,6 +85,7 @@ class Problem:
             k_scale=self.k_scale,
             v_scale=self.v_scale,
             return_lse=return_lse,
+            **features,
         )
 
     def v_absmax(self) -> float:
@@ -98,6 +104,10 @@ def _random_cache(rng: np.random.Generator, shape, dtype: np.dtype, scale: float
     scale is honoured, with stored values clipped to +-448 (never NaN bits).
     """
     values = rng.standard_normal(shape)
+    if dtype == FP8_E5M2:
+        if scale is None:
+            scale = float(np.abs(values).max()) / FP8_E5M2_MAX
+        return np.clip(values / scale, -FP8_E5M2_MAX, FP8_E5M2_MAX).astype(FP8_E5M2), float(scale)
     if dtype in (FP8, np.dtype(np.uint8)):
         if scale is None:
             scale = float(np.abs(values).max()) / FP8_MAX

@@ -54,6 +54,7 @@ __all__ = [
     "split_bounds",
     "splitk_partials",
     "merge_partials",
+    "merge_states",
     "max_abs_v_read",
 ]
 
@@ -65,6 +66,7 @@ LN2 = math.log(2.0)  # ln(2)
 BF16 = np.dtype(ml_dtypes.bfloat16)
 FP16 = np.dtype(np.float16)
 FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
+FP8_E5M2 = np.dtype(ml_dtypes.float8_e5m2)
 
 
 # --------------------------------------------------------------------------------------
@@ -94,21 +96,22 @@ def to_float64(a) -> np.ndarray:
     """Convert stored values to float64 exactly (no scale applied).
 
     ``uint8`` arrays are fp8 e4m3fn bit patterns and are reinterpreted as
-    ``ml_dtypes.float8_e4m3fn`` first. Float dtypes (fp8, bf16, fp16, fp32, fp64)
-    convert exactly. Any other dtype is a TypeError.
+    ``ml_dtypes.float8_e4m3fn`` first (view e5m2 bits as ``ml_dtypes.float8_e5m2``
+    yourself). Float dtypes (fp8 e4m3fn and e5m2, bf16, fp16, fp32, fp64) convert
+    exactly. Any other dtype is a TypeError.
     """
     a = np.asarray(a)
     if a.dtype == np.uint8:
         a = a.view(FP8)
-    if a.dtype not in (FP8, BF16, FP16, np.dtype(np.float32), np.dtype(np.float64)):
+    if a.dtype not in (FP8, FP8_E5M2, BF16, FP16, np.dtype(np.float32), np.dtype(np.float64)):
         raise TypeError(
-            f"unsupported dtype {a.dtype}: expected bfloat16, float16, float8_e4m3fn, "
+            f"unsupported dtype {a.dtype}: expected bfloat16, float16, float8_e4m3fn, float8_e5m2, "
             "uint8 (fp8 e4m3fn bits), float32 or float64"
         )
     return a.astype(np.float64)
 
 
-def gather_kv(cache, block_tables, seq_lens, seq: int, layout: str) -> np.ndarray:
+def gather_kv(cache, block_tables, seq_lens, seq: int, layout: str, start: int = 0) -> np.ndarray:
     """Gather one sequence's tokens out of a paged cache.
 
     Args:
@@ -121,12 +124,13 @@ def gather_kv(cache, block_tables, seq_lens, seq: int, layout: str) -> np.ndarra
         layout: ``"NHD"`` or ``"HND"`` (case-insensitive).
 
     Returns:
-        float64 ``[seq_lens[seq], num_kv_heads, head_dim]``: the STORED values
-        (fp8 bits decoded, no ``k_scale``/``v_scale`` applied -- the caller scales).
+        float64 ``[seq_lens[seq] - start, num_kv_heads, head_dim]``: the STORED values
+        of tokens ``start .. seq_len - 1`` (fp8 bits decoded, no ``k_scale``/``v_scale``
+        applied -- the caller scales).
 
-    Only the first ``ceil(seq_len / page_size)`` block-table entries are looked at;
-    one of those outside ``[0, num_pages)`` raises IndexError (NumPy would silently
-    wrap a negative id).
+    Only the block-table entries of those tokens' pages are looked at (a sliding
+    window frees the pages before it); one of those outside ``[0, num_pages)`` raises
+    IndexError (NumPy would silently wrap a negative id).
     """
     layout = check_layout(layout, "layout")
     cache = np.asarray(cache)
@@ -142,14 +146,16 @@ def gather_kv(cache, block_tables, seq_lens, seq: int, layout: str) -> np.ndarra
             f"block_tables has only {block_tables.shape[1]} columns"
         )
     pages = block_tables[seq, :n_used].astype(np.int64)
-    bad = np.flatnonzero((pages < 0) | (pages >= num_pages))
+    start = min(max(int(start), 0), seq_len)
+    needed = np.arange(n_used) >= start // page_size
+    bad = np.flatnonzero(needed & ((pages < 0) | (pages >= num_pages)))
     if bad.size:
         j = int(bad[0])
         raise IndexError(
             f"block_tables[{seq}, {j}] = {int(pages[j])} is outside the page pool "
             f"[0, {num_pages}) but is needed for seq_lens[{seq}] = {seq_len}"
         )
-    t = np.arange(seq_len)
+    t = np.arange(start, seq_len)
     page_of_t = pages[t // page_size]
     offset_of_t = t % page_size
     if layout == "NHD":
@@ -166,18 +172,23 @@ def gather_kv(cache, block_tables, seq_lens, seq: int, layout: str) -> np.ndarra
 # --------------------------------------------------------------------------------------
 
 
-def attention(q_seq, k, v, sm_scale: float) -> tuple[np.ndarray, np.ndarray]:
+def attention(q_seq, k, v, sm_scale: float, *, logits_soft_cap: float | None = None,
+              sinks=None) -> tuple[np.ndarray, np.ndarray]:
     """Dense single-token attention for one sequence, in float64.
 
     Args:
         q_seq: ``[num_q_heads, head_dim]``.
         k, v: ``[T, num_kv_heads, head_dim]``, already dequantized (scales applied).
         sm_scale: multiplies ``q . k``.
+        logits_soft_cap: ``s = cap * tanh(s / cap)`` on each scaled score, if given.
+        sinks: ``[num_q_heads]`` sink logits (natural-log units of the scores, -inf for
+            none) that join each head's softmax denominator with no value.
 
     Returns:
         ``(out, lse)``: float64 ``[num_q_heads, head_dim]`` and float64
-        ``[num_q_heads]``, where ``lse = ln(sum_t exp(sm_scale * q . k_t))`` (natural
-        log). For ``T == 0``: ``out`` is zeros and ``lse`` is ``-inf``.
+        ``[num_q_heads]``, where ``lse = ln(e^sink + sum_t exp(s_t))`` (natural log,
+        the sink term only with ``sinks``). For ``T == 0``: ``out`` is zeros and
+        ``lse`` is ``-inf`` (the sink, with one).
 
     Query head ``h`` attends with kv head ``h // (num_q_heads // num_kv_heads)``.
     """
@@ -188,16 +199,24 @@ def attention(q_seq, k, v, sm_scale: float) -> tuple[np.ndarray, np.ndarray]:
     num_tokens, num_kv_heads, _ = k.shape
     if num_q_heads % num_kv_heads:
         raise ValueError(f"num_q_heads={num_q_heads} is not a multiple of num_kv_heads={num_kv_heads}")
-    if num_tokens == 0:
-        return np.zeros((num_q_heads, head_dim)), np.full(num_q_heads, -np.inf)
     group = num_q_heads // num_kv_heads
+    sink = None if sinks is None else np.asarray(sinks, np.float64).reshape(num_kv_heads, group)
+    if num_tokens == 0:
+        lse = np.full(num_q_heads, -np.inf) if sink is None else sink.reshape(num_q_heads).copy()
+        return np.zeros((num_q_heads, head_dim)), lse
     q_grouped = q_seq.reshape(num_kv_heads, group, head_dim)  # [Hkv, G, D]
     logits = sm_scale * np.einsum("kgd,tkd->kgt", q_grouped, k)  # [Hkv, G, T]
-    m = logits.max(axis=-1, keepdims=True)
-    p = np.exp(logits - m)
+    if logits_soft_cap is not None:
+        logits = logits_soft_cap * np.tanh(logits / logits_soft_cap)
+    m = logits.max(axis=-1)
+    if sink is not None:
+        m = np.maximum(m, sink)
+    p = np.exp(logits - m[..., None])
     denom = p.sum(axis=-1)  # [Hkv, G]
+    if sink is not None:
+        denom = denom + np.exp(sink - m)
     out = np.einsum("kgt,tkd->kgd", p, v) / denom[..., None]
-    lse = m[..., 0] + np.log(denom)
+    lse = m + np.log(denom)
     return out.reshape(num_q_heads, head_dim), lse.reshape(num_q_heads)
 
 
@@ -209,12 +228,12 @@ def _check_decode_args(q, k_cache, v_cache, block_tables, seq_lens, kv_layout):
     v_cache = np.asarray(v_cache)
     block_tables = np.asarray(block_tables)
     seq_lens = np.asarray(seq_lens)
-    if q.ndim != 3:
-        raise ValueError(f"q must be [num_seqs, num_q_heads, head_dim], got shape {q.shape}")
+    if q.ndim not in (3, 4):
+        raise ValueError(f"q must be [num_seqs, (q_len,) num_q_heads, head_dim], got shape {q.shape}")
     if k_cache.shape != v_cache.shape:
         raise ValueError(f"k_cache shape {k_cache.shape} != v_cache shape {v_cache.shape}")
     _, _, num_kv_heads, head_dim = _cache_geometry(k_cache, layout, "k_cache")
-    num_seqs, num_q_heads, q_head_dim = q.shape
+    num_seqs, num_q_heads, q_head_dim = q.shape[0], q.shape[-2], q.shape[-1]
     if q_head_dim != head_dim:
         raise ValueError(f"q head_dim {q_head_dim} != cache head_dim {head_dim}")
     if num_q_heads % num_kv_heads:
@@ -238,11 +257,17 @@ def paged_decode(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     return_lse: bool = False,
+    window_left: int = -1,
+    logits_soft_cap: float | None = None,
+    sinks=None,
 ):
-    """Reference paged decode: one query token per sequence over its paged KV cache.
+    """Reference paged decode: each sequence's query tokens over its paged KV cache.
 
     Args:
-        q: ``[num_seqs, num_q_heads, head_dim]`` (bf16, fp16, fp32 or fp64).
+        q: ``[num_seqs, num_q_heads, head_dim]``, or ``[num_seqs, q_len,
+            num_q_heads, head_dim]`` for multi-token decode (bf16, fp16, fp32, fp64).
+            Query token ``i`` of a sequence of length ``L`` (its keys, the q tokens'
+            included) attends causally to positions ``< L - q_len + 1 + i``.
         k_cache, v_cache: 4-D caches in ``kv_layout`` (see module docstring).
         block_tables: int ``[num_seqs, max_pages_per_seq]``.
         seq_lens: int ``[num_seqs]``.
@@ -250,25 +275,39 @@ def paged_decode(
         sm_scale: logit scale; default ``1 / sqrt(head_dim)``.
         k_scale, v_scale: per-tensor dequantization scales (dequantized = stored * scale).
         return_lse: also return the log-sum-exp.
+        window_left: a token at position ``p`` attends to ``[p - window_left, p]``
+            (-1: no window); pages before every window are never looked at.
+        logits_soft_cap, sinks: as :func:`attention` (sinks ``[num_q_heads]``).
 
     Returns:
-        ``out`` float64 ``[num_seqs, num_q_heads, head_dim]``, and if ``return_lse``
-        also ``lse`` float64 ``[num_seqs, num_q_heads]`` =
-        ``ln(sum_t exp(sm_scale * k_scale * q . k_t_stored))`` (NATURAL log).
-        A sequence of length 0 gives zeros and ``lse = -inf``.
+        ``out`` float64 with q's shape, and if ``return_lse`` also ``lse`` float64
+        ``[num_seqs, (q_len,) num_q_heads]`` = ``ln(e^sink + sum_t exp(s_t))`` with
+        ``s_t = sm_scale * k_scale * q . k_t_stored`` (soft-capped when asked;
+        NATURAL log). A query token that sees no key gives zeros and ``lse = -inf``
+        (the sink, with one).
     """
     layout, q, k_cache, v_cache, block_tables, seq_lens = _check_decode_args(
         q, k_cache, v_cache, block_tables, seq_lens, kv_layout
     )
-    num_seqs, num_q_heads, head_dim = q.shape
+    tokens = q if q.ndim == 4 else q[:, None]
+    num_seqs, q_len, num_q_heads, head_dim = tokens.shape
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(head_dim)
-    out = np.zeros((num_seqs, num_q_heads, head_dim))
-    lse = np.full((num_seqs, num_q_heads), -np.inf)
+    out = np.zeros((num_seqs, q_len, num_q_heads, head_dim))
+    lse = np.full((num_seqs, q_len, num_q_heads), -np.inf)
     for s in range(num_seqs):
-        k = gather_kv(k_cache, block_tables, seq_lens, s, layout) * k_scale
-        v = gather_kv(v_cache, block_tables, seq_lens, s, layout) * v_scale
-        out[s], lse[s] = attention(q[s], k, v, sm_scale)
+        length = int(seq_lens[s])
+        seen = [max(length - q_len + 1 + i, 0) for i in range(q_len)]  # causal: positions < seen[i]
+        first = [max(n - 1 - window_left, 0) if window_left >= 0 else 0 for n in seen]
+        start = min(first)
+        k = gather_kv(k_cache, block_tables, seq_lens, s, layout, start) * k_scale
+        v = gather_kv(v_cache, block_tables, seq_lens, s, layout, start) * v_scale
+        for i in range(q_len):
+            lo, hi = first[i] - start, max(seen[i] - start, first[i] - start)
+            out[s, i], lse[s, i] = attention(tokens[s, i], k[lo:hi], v[lo:hi], sm_scale,
+                                             logits_soft_cap=logits_soft_cap, sinks=sinks)
+    if q.ndim == 3:
+        out, lse = out[:, 0], lse[:, 0]
     return (out, lse) if return_lse else out
 
 
@@ -328,6 +367,8 @@ def splitk_partials(
     layout, q, k_cache, v_cache, block_tables, seq_lens = _check_decode_args(
         q, k_cache, v_cache, block_tables, seq_lens, kv_layout
     )
+    if q.ndim != 3:
+        raise ValueError(f"splitk_partials takes one query token per sequence, got q of shape {q.shape}")
     num_seqs, num_q_heads, head_dim = q.shape
     num_kv_heads = _cache_geometry(k_cache, layout)[2]
     group = num_q_heads // num_kv_heads
@@ -391,6 +432,27 @@ def merge_partials(partials) -> tuple[np.ndarray, np.ndarray]:
     out = np.where(all_empty[..., None], 0.0, acc / safe_denom[..., None])
     lse = np.where(all_empty, -np.inf, (safe_m + np.log2(safe_denom)) * LN2)
     return out, lse
+
+
+def merge_states(v_a, s_a, v_b, s_b) -> tuple[np.ndarray, np.ndarray]:
+    """Merge two attention states of the same queries over disjoint keys, in float64.
+
+    ``v_*``: ``[..., head_dim]`` normalized outputs; ``s_*``: ``[...]`` NATURAL-log
+    softmax denominators (lse). Returns ``(v, s)`` of the union: ``M = max(s_a, s_b)``,
+    ``w = exp(s - M)``, ``v = (w_a v_a + w_b v_b) / (w_a + w_b)``, ``s = M + ln(w_a +
+    w_b)``; an empty state (``s = -inf``) weighs 0, two give ``v = 0``, ``s = -inf``.
+    """
+    v_a, v_b = to_float64(v_a), to_float64(v_b)
+    s_a, s_b = np.asarray(s_a, np.float64), np.asarray(s_b, np.float64)
+    m = np.maximum(s_a, s_b)
+    empty = np.isneginf(m)
+    safe = np.where(empty, 0.0, m)
+    w_a, w_b = np.exp(s_a - safe), np.exp(s_b - safe)
+    total = w_a + w_b
+    ta = np.where((w_a > 0)[..., None], w_a[..., None] * np.nan_to_num(v_a), 0.0)
+    tb = np.where((w_b > 0)[..., None], w_b[..., None] * np.nan_to_num(v_b), 0.0)
+    v = np.where(empty[..., None], 0.0, (ta + tb) / np.where(empty, 1.0, total)[..., None])
+    return v, np.where(empty, -np.inf, safe + np.log(np.where(empty, 1.0, total)))
 
 
 # --------------------------------------------------------------------------------------

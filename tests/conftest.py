@@ -83,8 +83,9 @@ ARCHES = tuple(sorted({t.arch for t in TARGETS.values()} | {"sm_120"}, key=lambd
 """Every target's architecture, and sm_120 (consumer Blackwell), which DESIGN.md names."""
 
 SPOT_VARIANTS = (
-    kernels.Variant("unpacked", 256, "fp16", "bf16", "mma", 2),  # the most registers: 16 heads x 256 dims
-    kernels.Variant("splitk", 256, "fp16", "bf16", "mma", 2),
+    kernels.Variant("unpacked", 256, "fp16", "bf16", "mma", 1, {"mt", "win", "cap", "sink", "of32"}),  # most registers
+    kernels.Variant("splitk", 256, "fp16", "bf16", "mma", 1),
+    kernels.Variant("unpacked", 128, "fp16", "bf16", "mma", 2, {"mt", "win", "cap", "sink", "of32"}),
     kernels.Variant("unpacked", 128, "bf16", "fp8", "mma"),
     kernels.Variant("splitk", 64, "fp16", "fp8", "mma"),  # 4-stage rings
     kernels.Variant("gqa_packed", 256, "bf16", "fp8", "mma"),

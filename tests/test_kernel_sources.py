@@ -84,16 +84,19 @@ def test_a_packed_source_without_the_define_is_refused():
 def test_block_sizes_and_dtype_codes_are_read_from_the_common_header():
     c = source_constants()
     assert c.threads % 32 == 0 and c.merge_threads % 32 == 0
-    assert sorted(c.dtype_codes.values()) == [0, 1, 2]
+    assert sorted(c.dtype_codes.values()) == [0, 1, 2, 3, 4]
 
 
 def test_variant_names_carry_every_specialization_parameter():
     assert Variant("splitk", 128, "bf16", "fp8", "simt").name == "paged_decode_splitk_qbf16_kvfp8_hd128"
     assert Variant("splitk", 128, "bf16", "fp8", "mma", 2).name == "decode_splitk_qbf16_kvfp8_hd128_r16"
+    assert Variant("unpacked", 64, "fp16", "fp8e5m2", features={"sink", "mt"}).name == \
+        "decode_unpacked_qfp16_kvfp8e5m2_hd64_r8_mt_sink"
     names = [v.name for v in all_variants()]
-    simt = 3 * 2 * 3 + 3 * 2 * 3 + 1 * 2 * 3
-    mma = 2 * (3 * 2 * 3 + 3 * 2 * 3) + 1 * 2 * 3  # unpacked and split-K at 1 or 2 row tiles
-    assert len(names) == len(set(names)) == simt + mma
+    simt = 3 * 2 * 3 + 3 * 2 * 3 + 1 * 2 * 3  # three KV dtypes (no e5m2)
+    mma = 2 * (5 * 2 * 4) + 1 * 2 * 4  # four KV dtypes; unpacked and split-K at 1 or 2 row tiles (hd256: 1)
+    featured = 3 * 5 - 1 + 4  # each feature alone per arm (the packed arm has no multi-token), all of them 4 times
+    assert len(names) == len(set(names)) == simt + mma + featured
 
 
 def test_the_packed_variant_exists_only_at_its_head_dim():

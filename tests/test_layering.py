@@ -12,7 +12,7 @@ LAYERS = [
     {"plan", "cuda_on_cpu", "problems"},
     {"kernels"},
     {"backends"},
-    {"attention"},
+    {"attention", "merge"},
     {"demo"},
     {"cli"},
     {"__init__", "__main__"},

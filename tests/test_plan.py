@@ -318,6 +318,14 @@ def test_heads_per_cta_choices_are_the_divisors_of_the_group_up_to_sixteen():
     assert heads_per_cta_choices(16) == (1, 2, 4, 8, 16)
     assert heads_per_cta_choices(32) == (1, 2, 4, 8, 16)
     assert heads_per_cta_choices(7) == (1, 7)
+    assert heads_per_cta_choices(16, max_rows=8) == (1, 2, 4, 8) and heads_per_cta_choices(16, 4) == (1, 2, 4)
+
+
+def test_at_head_dim_256_a_cta_holds_eight_rows_so_nothing_spills():
+    shape = ModelShape(32, 2, 256)
+    assert make_plan(defaults("hopper"), shape, 64, max_batch=64).heads_per_cta == 8
+    with pytest.raises(ValueError, match="head_dim 256"):
+        make_plan(defaults("hopper"), shape, 64, max_batch=64, heads_per_cta=16)
 
 
 def test_the_split_count_and_the_workspace_never_read_heads_per_cta():
