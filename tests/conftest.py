@@ -98,14 +98,21 @@ each implementation and arm); the whole matrix is behind the ``slow`` marker."""
 
 
 def arch_matrix():
-    """``(variant, arch)`` test parameters: every variant for sm_90, the spot variants for
-    every other architecture, the rest marked ``slow`` (``.ci/run`` runs them)."""
+    """``(variant, arch)`` test parameters: every plain variant for sm_90, the spot variants
+    (feature-bearing ones among them) for every architecture, the rest marked ``slow``
+    (``.ci/run`` runs them)."""
     params = []
     for arch in ARCHES:
         for v in kernels.all_variants():
-            slow = arch != "sm_90" and v not in SPOT_VARIANTS
+            slow = (arch != "sm_90" or bool(v.features)) and v not in SPOT_VARIANTS
             params.append(pytest.param(v, arch, id=f"{v.name}-{arch}", marks=[pytest.mark.slow] if slow else []))
     return params
+
+
+def variant_matrix():
+    """Every variant as a test parameter, the sm_90 column of ``arch_matrix``."""
+    return [pytest.param(p.values[0], id=p.values[0].name, marks=p.marks) for p in arch_matrix()
+            if p.values[1] == "sm_90"]
 
 
 def nvrtc_build(variant, arch: str):

@@ -5,7 +5,7 @@ import pathlib
 import re
 
 import pytest
-from conftest import ARCHES, arch_matrix, nvrtc_build, nvrtc_ptx
+from conftest import ARCHES, arch_matrix, nvrtc_build, nvrtc_ptx, variant_matrix
 
 from metrale_attn import policy
 from metrale_attn.kernels import (
@@ -208,7 +208,7 @@ def test_every_variant_compiles_through_nvrtc_with_no_stack_frame_and_no_spills(
 
 
 @needs_nvrtc
-@pytest.mark.parametrize("variant", all_variants(), ids=lambda v: v.name)
+@pytest.mark.parametrize("variant", variant_matrix())
 def test_k_and_v_rows_are_read_with_vector_loads_and_nothing_touches_local_memory(variant):
     ptx = nvrtc_ptx(variant)
     assert not re.search(r"\b(ld|st)\.local\b", ptx)
