@@ -4,9 +4,13 @@ reference under the one bar, batch-invariant, and refused where a kernel cannot 
 
 from __future__ import annotations
 
+import os
+
 import ml_dtypes
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from metrale_attn import tolerance
 from metrale_attn.backends.cpu_backend import CpuBackend
@@ -318,3 +322,30 @@ def test_feature_bytes_hold_under_the_seeded_thread_orders():
     for order in ("reverse", "shuffle:4", "warp-ahead:3"):
         got = _run(decoder(p, backend=CpuBackend(order=order), **options), p, q=q, sinks=sinks)
         assert got[0].tobytes() == base[0].tobytes() and got[1].tobytes() == base[1].tobytes(), order
+
+
+@settings(max_examples=int(os.environ.get("METRALE_FUZZ_EXAMPLES", 12)), deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(
+    arm=st.sampled_from(list(SPLIT)),
+    kv=st.sampled_from(["bf16", "fp16", "fp8", "fp8_e5m2"]),
+    q=st.sampled_from(["bf16", "fp16"]),
+    group=st.sampled_from([1, 2, 3, 4, 8]),
+    head_dim=st.sampled_from([64, 128, 256]),
+    page_size=st.sampled_from([1, 3, 16, 64]),
+    q_len=st.integers(1, 4),
+    window=st.sampled_from([-1, 0, 7, 200]),
+    cap=st.sampled_from([None, 8.0]),
+    with_sinks=st.booleans(),
+    lengths=st.lists(st.integers(0, 900), min_size=1, max_size=4),
+    seed=st.integers(0, 2**16),
+)
+def test_random_feature_combinations_match_the_reference(arm, kv, q, group, head_dim, page_size, q_len, window,
+                                                         cap, with_sinks, lengths, seed):
+    p = problem(seed=seed, num_q_heads=group * 2, num_kv_heads=2, head_dim=head_dim, page_size=page_size,
+                seq_lens=tuple(lengths), kv_dtype=kv, q_dtype=q, layout=("NHD", "HND")[seed % 2])
+    qm = _multi_q(p, q_len, seed)
+    sinks = _sinks(group * 2, seed) if with_sinks else None
+    attn = decoder(p, max_q_len=q_len, window_left=window, logits_soft_cap=cap, sinks=with_sinks, **SPLIT[arm])
+    out, lse = _run(attn, p, q=qm, sinks=sinks)
+    _check(p, out, lse, q=qm, window_left=window, logits_soft_cap=cap, sinks=sinks)
