@@ -305,6 +305,8 @@ wait "$CK_PID"
 json=$(latest_json)
 out=$(verdict bench --rc "$rc" ${json:+--json "$json"})
 step benchmark "${out%%$'\t'*}" "$(since "$t")" "${out#*$'\t'}"
+out=$(verdict selftest ${json:+--json "$json"})  # whether the mma rows ran mma (read from what was built)
+step mma_selftest "${out%%$'\t'*}" 0 "${out#*$'\t'}"
 
 if [ -n "$FI_PID" ]; then
   kill -0 "$FI_PID" 2>/dev/null && kill "$FI_PID" 2>/dev/null  # its cleanup kills the nvcc groups
