@@ -551,6 +551,31 @@ def test_predictions_join_by_variant_on_the_device_arch(tmp_path):
     assert predictions.ratio(None, {"ceiling_pct": 88.0}) is None and predictions.ratio(80.0, None) is None
 
 
+def test_the_committed_sass_model_predicts_every_decisive_variant_of_both_implementations():
+    """benchmarks/results/sass_model.json (``sass_report.py --json``) joined as the sweep joins it: every forced
+    arm on simt and mma at every decisive configuration, at the heads per CTA its plan on an H200 runs. The
+    report gives mma at the group's largest heads per CTA only, so the one plan that picks fewer (unpacked, one
+    sequence: 8 KV heads x 4 / h CTAs, h = 1 to cover half the SMs) has none."""
+    from metrale_attn.plan import make_plan
+    from metrale_attn.targets import get_target, resolve_defaults
+
+    p = predictions.Predictions.load(os.path.join(BENCH, "results", "sass_model.json"), "sm_90")
+    decisive, missing = [j for j in _planned() if j.tier.startswith("decisive")], []
+    for job in decisive:
+        c = job.config
+        for slot in sweep_plan.slots_for(job, list(sweep_plan.DEFAULT_ARMS)):
+            defaults = resolve_defaults(get_target("hopper"), environ={}, **sweep_plan.arm_options(slot.arm))
+            plan = make_plan(defaults, c.shape, c.batch, max_batch=c.batch, impl=slot.impl)
+            found = p.lookup(impl=plan.impl, arm=plan.arm, q_heads=c.shape.num_q_heads,
+                             kv_heads=c.shape.num_kv_heads, head_dim=c.shape.head_dim, q_dtype="bf16",
+                             kv_dtype=c.kv_dtype, heads_per_cta=plan.heads_per_cta)
+            if found is None:
+                missing.append((c.short(), slot.label, plan.heads_per_cta))
+            else:
+                assert isinstance(found["ceiling_pct"], float) and found["binding"], (c.short(), slot.label)
+    assert missing == [(f"llama-3-8b {kv} b1 32k", "unpacked/mma", 1) for kv in ("bf16", "fp8")]
+
+
 def test_bytes_per_call_count_k_and_v_q_and_out():
     shape = bench_decode.MODELS["qwen3.8-27b"]
     c = bench_decode.Config("qwen3.8-27b", shape, "bf16", batch=2, context=1024, page_size=16)
