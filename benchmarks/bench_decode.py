@@ -5,8 +5,8 @@ correctness check before timing, the bytes a call must move, the rows of the res
 and the time budget. What runs and in which order (tiers: the decisive
 configurations first) is ``sweep_plan.py``; timing is ``gpu_timing.py``; the
 baselines ``baselines.py``; the environment and copy-bandwidth ceiling ``gpu_env.py``;
-JSON / markdown / plots / targets ``bench_report.py``; which kernel implementations
-the build offers ``impls.py``; the static SASS model's predictions ``predictions.py``.
+JSON / markdown / plots / targets ``bench_report.py``; the kernel implementations and
+the mma self-test's verdict ``impls.py``; the static SASS model's predictions ``predictions.py``.
 
 What one row means (GPU):
 
@@ -19,9 +19,13 @@ What one row means (GPU):
 - Ours: ``DecodeAttention(..., backend="cupy")`` with each arm forced
   (``unpacked``: splitk off; ``splitk``: splitk auto; ``gqa_packed``: splitk off +
   gqa_pack on, where the shape fits; ``splitk:N``: pinned N splits), on each kernel
-  implementation the build offers (``impl=``), and the policy's default (flagged
-  ``default`` on the forced variant with the same geometry, or timed on its own). The
-  ``heads_per_cta`` tier forces ``heads_per_cta=`` instead and marks the plan's choice.
+  implementation (``impl="simt"``, ``impl="mma"``), and the policy's default (flagged
+  ``default`` on the forced variant with the same geometry: arm, splits, implementation,
+  heads per CTA; or timed on its own). The ``heads_per_cta`` tier forces ``heads_per_cta=``
+  on the mma kernels instead and marks the plan's choice. A row's ``kernel_impl`` and
+  ``heads_per_cta`` are what the plan of the built object runs: where the mma self-test
+  failed on the device (``DecodeAttention`` warned and built simt), a forced mma variant
+  is not timed but listed with status ``fallback`` and the warning.
   Arrays are PyTorch CUDA tensors (fp8 as ``torch.float8_e4m3fn``); ``run`` is given
   ``out`` so it allocates nothing.
 - Check before timing: ``out`` is filled with NaN, the captured graph is launched
@@ -85,7 +89,7 @@ import numpy as np  # noqa: E402
 import bench_report  # noqa: E402
 import gpu_env  # noqa: E402
 from gpu_timing import Timing, time_host  # noqa: E402
-from impls import kernel_impls, plan_heads_per_cta, plan_impl  # noqa: E402
+import impls  # noqa: E402
 from predictions import Predictions, arch_digits  # noqa: E402
 from steps import load_json  # noqa: E402
 from predictions import ratio as prediction_ratio  # noqa: E402
@@ -101,7 +105,6 @@ FP8_MAX = 448.0
 FP8_SCALE = 6.0 / FP8_MAX
 """Per-tensor fp8 scale of the benchmark's caches: values ~ N(0, 1) stored as x / scale,
 so |x| up to 6 (more than 6 sigma) spans the e4m3 range."""
-PACK_WIDTH = policy.DECODE_GQA_PACK_WIDTH
 HOST_OVERHEAD_CONTEXT = 1024
 
 
@@ -112,19 +115,19 @@ def make_row(config: Config, impl: str, *, timing: Optional[Timing], copy_tb_per
     """One result row: configuration, implementation, time, bytes, TB/s and % of copy bandwidth.
 
     ``impl`` is ``metrale`` (ours) or a baseline's name; ours also carries ``kernel_impl``
-    (``simt``/``mma``; None in a build with one implementation) and ``heads_per_cta``."""
+    (``simt``/``mma``: what the plan runs, else what the slot asked for) and ``heads_per_cta``."""
     row = config.describe()
     row.update(impl=impl, arm=arm, default=default, status=status, reason=reason, check=check)
     if tier:
         row["tier"] = tier
     if slot is not None:
-        row.update(arm_label=slot.label, kernel_impl=slot.impl, hpc_forced=slot.heads_per_cta is not None)
+        row.update(arm_label=slot.label, kernel_impl=slot.impl, impl_asked=slot.impl,
+                   hpc_forced=slot.heads_per_cta is not None)
     if plan is not None:
         row.update(plan_arm=plan.arm, num_splits=plan.num_splits, ctas=plan.ctas,
                    grids=[list(g.grid) for g in plan.launches], plan_reason=plan.reason,
-                   kernels=[g.kernel for g in plan.launches], plan_heads_per_cta=plan_heads_per_cta(plan, PACK_WIDTH))
-        row["kernel_impl"] = row.get("kernel_impl") or plan_impl(plan)
-        row["heads_per_cta"] = row["plan_heads_per_cta"]
+                   kernels=[g.kernel for g in plan.launches], plan_heads_per_cta=plan.heads_per_cta,
+                   kernel_impl=plan.impl, heads_per_cta=plan.heads_per_cta)
     if slot is not None and slot.heads_per_cta is not None:
         row["heads_per_cta"] = slot.heads_per_cta  # forced (plan_heads_per_cta says what the plan made of it)
     if timing is not None:
@@ -216,7 +219,6 @@ class Sweep:
 
     def __init__(self, args, result: dict):
         self.args, self.result = args, result
-        self.impls = kernel_impls(DecodeAttention)
         self.arms = args.arms.split(",")
         self.baselines = baseline_list(args.baselines)
         self.copy_tb = result["copy_tb_per_s"]
@@ -228,10 +230,9 @@ class Sweep:
         self.t_start = self.last_checkpoint = time.monotonic()
         self.predictions = Predictions.load(args.sass_json, self.arch())
         result["sass_model"] = self.predictions.describe()
-        result["kernel_impls"] = dict(
-            impls=[i for i in self.impls.impls if i], heads_per_cta=self.impls.heads_per_cta,
-            comparison=self.impls.comparison, default_impl=None,
-            notes={f: self.impls.why_not(f) for f in ("impl", "heads_per_cta") if self.impls.why_not(f)})
+        result["kernel_impls"] = dict(impls=list(impls.IMPLS), default_impl=None,
+                                      selftest=impls.selftest_record(None, self.backend))
+        self._selftest_seen = False
         result["hpc_sweep"] = {"status": "not planned", "choices": {}}
 
     # -- hooks ------------------------------------------------------------------
@@ -287,8 +288,7 @@ class Sweep:
                     f"KV {j.config.kv_bytes / GB:.3g} GB > cap {args.kv_cap_gb:g} GB (--kv-cap-gb)")))
         self.max_batch = max([j.config.batch for j in runnable] + [1])
         if any(j.kind == "hpc" for j in runnable):
-            result["hpc_sweep"]["status"] = "planned" if self.impls.heads_per_cta else self.impls.why_not(
-                "heads_per_cta")
+            result["hpc_sweep"]["status"] = "planned"
         self.prepare(runnable)
         self.pending = list(runnable)
         late = [b for b in self.baselines if b in LATE_BASELINES]
@@ -308,10 +308,6 @@ class Sweep:
     def run_job(self, job: Job) -> None:
         rows, t0 = self.result["rows"], time.monotonic()
         first = len(rows)
-        if job.kind == "hpc" and not self.impls.heads_per_cta:
-            print(f"[bench {self.elapsed():.0f}s] {job.tier} {job.config.short()}: "
-                  f"{self.impls.why_not('heads_per_cta')}", flush=True)
-            return
         try:
             case = self.case(job.config)
             try:
@@ -341,15 +337,19 @@ class Sweep:
     # -- ours ---------------------------------------------------------------------
 
     def attn(self, config: Config, slot: Slot):
-        """The memoized ``DecodeAttention`` of a slot; a construction error is cached and raised again."""
+        """The memoized ``DecodeAttention`` of a slot; a construction error is cached and raised again,
+        and so is ``impls.FellBack`` for a forced mma slot that built simt (the self-test failed)."""
         key = (config.model, config.kv_dtype, slot.arm, slot.impl, slot.heads_per_cta)
         if key not in self.attns:
             s, t0 = config.shape, time.monotonic()
             try:
-                self.attns[key] = DecodeAttention(
-                    s.num_q_heads, s.num_kv_heads, s.head_dim, config.page_size, q_dtype="bf16",
+                built = impls.build(
+                    DecodeAttention, s.num_q_heads, s.num_kv_heads, s.head_dim, config.page_size, q_dtype="bf16",
                     kv_dtype=config.kv_dtype, max_batch=self.max_batch, backend=self.backend,
-                    **arm_options(slot.arm), **self.impls.options(slot.impl, slot.heads_per_cta))
+                    impl=slot.impl, heads_per_cta=slot.heads_per_cta, **arm_options(slot.arm))
+                self._note_selftest(built)
+                self.attns[key] = impls.FellBack(built.fallback_reason()) if (
+                    built.fell_back and slot.impl) else built.attn
             except ValueError as err:  # the build refuses this combination: say why, per slot
                 self.attns[key] = err
             self.result["compile_s"][f"{config.model}/{config.kv_dtype}/{slot.label}"] = round(
@@ -359,20 +359,32 @@ class Sweep:
             raise attn
         return attn
 
+    def _note_selftest(self, built) -> None:
+        """The first build that wants mma decides the self-test's record (the device runs the test once)."""
+        if self._selftest_seen or built.wanted != "mma":
+            return
+        self._selftest_seen = True
+        record = impls.selftest_record(built, self.backend)
+        self.result["kernel_impls"]["selftest"] = record
+        print(f"[bench {self.elapsed():.0f}s] mma self-test: {record['status']} ({record['detail']})", flush=True)
+
     @staticmethod
     def geometry(plan) -> tuple:
-        return (plan.arm, plan.num_splits, plan_impl(plan), plan_heads_per_cta(plan, PACK_WIDTH))
+        return (plan.arm, plan.num_splits, plan.impl, plan.heads_per_cta)
 
     def _run_arms(self, job: Job, case) -> None:
         config, rows = job.config, self.result["rows"]
         default_attn = self.attn(config, Slot("default"))
         default_plan = default_attn.plan(config.batch)
         if self.result["kernel_impls"]["default_impl"] is None:
-            self.result["kernel_impls"]["default_impl"] = plan_impl(default_plan)
+            self.result["kernel_impls"]["default_impl"] = default_plan.impl
         want, matched = self.geometry(default_plan), False
-        for slot in slots_for(job, self.impls, self.arms):
+        for slot in slots_for(job, self.arms):
             try:
                 attn = self.attn(config, slot)
+            except impls.FellBack as err:
+                rows.append(self._unavailable(job, slot, str(err), status="fallback"))
+                continue
             except ValueError as err:
                 rows.append(self._unavailable(job, slot, _short(err)))
                 continue
@@ -387,21 +399,22 @@ class Sweep:
             rows.append(self.measure_baseline(job, case, name))
 
     def _run_hpc(self, job: Job, case) -> None:
-        """``heads_per_cta`` forced to each value on the policy's arm; the plan's own choice marked."""
+        """``heads_per_cta`` forced to each choice of the group on the mma kernels, the policy's arm; the
+        plan's own choice marked."""
         config, rows = job.config, self.result["rows"]
-        group = config.shape.group_size
-        choice = plan_heads_per_cta(self.attn(config, Slot("default", self.impls.sweep_impl())).plan(config.batch),
-                                    PACK_WIDTH)
-        self.result["hpc_sweep"]["choices"][str(config.batch)] = choice
-        for slot in slots_for(job, self.impls, self.arms):
+        try:
+            choice = self.attn(config, Slot("default", impls.SWEEP_IMPL)).plan(config.batch).heads_per_cta
+        except impls.FellBack:
+            choice = None
+        self.result["hpc_sweep"]["choices"][f"{config.model} b{config.batch}"] = choice
+        for slot in slots_for(job, self.arms):
             extra = dict(sweep="heads_per_cta", hpc_choice=slot.heads_per_cta == choice)
-            if group % slot.heads_per_cta:
-                rows.append(self._unavailable(job, slot, f"heads_per_cta {slot.heads_per_cta} does not divide the "
-                                                         f"group size {group}", status="invalid", extra=extra))
-                continue
             try:
                 attn = self.attn(config, slot)
-            except ValueError as err:
+            except impls.FellBack as err:
+                rows.append(self._unavailable(job, slot, str(err), status="fallback", extra=extra))
+                continue
+            except ValueError as err:  # a heads_per_cta the build refuses: the message is the row's reason
                 rows.append(self._unavailable(job, slot, _short(err), extra=extra))
                 continue
             rows.append(self.measure_ours(job, case, attn, slot, attn.plan(config.batch), False, extra))
@@ -426,7 +439,7 @@ class Sweep:
         prediction = self.predictions.lookup(
             arm=plan.arm, q_heads=config.shape.num_q_heads, kv_heads=config.shape.num_kv_heads,
             head_dim=config.shape.head_dim, q_dtype="bf16", kv_dtype=config.kv_dtype,
-            heads_per_cta=row.get("plan_heads_per_cta", 1), impl=row.get("kernel_impl"))
+            heads_per_cta=plan.heads_per_cta, impl=plan.impl)
         row.update(sass=prediction, pred_ratio=prediction_ratio(row.get("pct_of_copy"), prediction))
         return row
 
@@ -959,10 +972,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--page-size", type=int)
     p.add_argument("--decisive", help="decisive configurations MODEL:BATCH:CONTEXT, comma-separated, or none")
     p.add_argument("--decisive-dtypes", help="one decisive tier per KV dtype, in this order")
-    p.add_argument("--hpc-model", help="heads_per_cta tier: model")
+    p.add_argument("--hpc-models", help="heads_per_cta tier: models, comma-separated, or none (each sweeps every "
+                                        "heads_per_cta its group allows)")
     p.add_argument("--hpc-batches", help="heads_per_cta tier: batches, or none")
     p.add_argument("--hpc-context", type=int, help="heads_per_cta tier: context")
-    p.add_argument("--hpc-values", help="heads_per_cta tier: the values forced")
     p.add_argument("--rest", choices=("on", "off"), help="run the rest tier (the grid)")
     p.add_argument("--arms", default=",".join(DEFAULT_ARMS), help="forced arms: unpacked, splitk, gqa_packed, splitk:N")
     p.add_argument("--baselines", help="comma-separated, or none (default: the profile's)")

@@ -237,9 +237,8 @@ def render_markdown(result: dict, plot_files: Optional[list[str]] = None, plot_n
         out.append(f"- copy bandwidth: not measured ({copy.get('error', 'unknown')})")
     caps = result.get("kernel_impls")
     if caps:
-        impls = ", ".join(caps.get("impls") or []) or "one (no impl=)"
-        out.append(f"- kernel implementations: {impls}; default {caps.get('default_impl') or '-'}; heads_per_cta= "
-                   f"{'taken' if caps.get('heads_per_cta') else 'not taken'}")
+        out.append(f"- kernel implementations: {', '.join(caps.get('impls') or []) or '-'}; default "
+                   f"{caps.get('default_impl') or '-'}; {selftest_line(result)}")
     budget = result.get("budget", {})
     line = f"- sweep ({result.get('profile', 'full')} profile): {budget.get('elapsed_s', '-')} s of a " \
            f"{budget.get('time_budget_s', '-')} s budget"
@@ -396,16 +395,31 @@ def _result_tables(result: dict) -> list[str]:
     return out
 
 
-def _impl_comparison(result: dict) -> list[str]:
-    """Old (simt) against new (mma) kernels, arm by arm, on every configuration both ran."""
-    caps = result.get("kernel_impls") or {}
-    out = ["## Old vs new kernels (simt vs mma)", ""]
-    if not caps.get("comparison"):
-        return out + [f"Not run: {caps.get('notes', {}).get('impl', 'not available in this build')}.", ""]
+def selftest_line(result: dict) -> str:
+    """``mma self-test: ok (...)``, or ``FELL BACK to simt`` with the device's warning: whether the mma
+    rows are mma."""
+    record = (result.get("kernel_impls") or {}).get("selftest") or {}
+    status = record.get("status", "not run")
+    word = "FELL BACK to simt, the mma rows were not timed" if status == "fallback" else status
+    return f"mma self-test: {word}" + (f" ({record['detail']})" if record.get("detail") else "")
+
+
+def impl_pairs(result: dict) -> dict:
+    """``{(configuration key, arm): {impl: row}}``: the forced-arm rows timed on each implementation
+    (the ``kernel_impl`` the plan ran)."""
     pairs: dict = {}
     for r in arm_rows(result):
         if _timed(r) and r.get("arm") != "default" and r.get("kernel_impl"):
             pairs.setdefault((_key(r), r["arm"]), {})[r["kernel_impl"]] = r
+    return pairs
+
+
+def _impl_comparison(result: dict) -> list[str]:
+    """Old (simt) against new (mma) kernels, arm by arm, on every configuration both ran."""
+    out = ["## Old vs new kernels (simt vs mma)", "", selftest_line(result) + ".", ""]
+    pairs = impl_pairs(result)
+    if not any(len(by) > 1 for by in pairs.values()):
+        return out + ["Not compared: no configuration timed both implementations.", ""]
     out += ["| configuration | arm | simt us (% copy) | mma us (% copy) | mma speed-up |", "| --- | --- | --- | --- | --- |"]
     for (key, arm), by in pairs.items():
         old, new = by.get("simt"), by.get("mma")
@@ -416,26 +430,40 @@ def _impl_comparison(result: dict) -> list[str]:
     return out + [""]
 
 
+def hpc_rows(result: dict) -> dict:
+    """The heads_per_cta tier's rows: ``{model: {batch: [rows in heads_per_cta order]}}``."""
+    out: dict = {}
+    for r in result["rows"]:
+        if r.get("sweep") == "heads_per_cta":
+            out.setdefault(r["model"], {}).setdefault(r["batch"], []).append(r)
+    return out
+
+
 def _hpc_sweep(result: dict) -> list[str]:
-    """The heads_per_cta tier: % of copy per value and batch, the plan's choice marked."""
+    """The heads_per_cta tier: per model, % of copy per value and batch, the plan's choice marked."""
     info = result.get("hpc_sweep") or {}
-    rows = [r for r in result["rows"] if r.get("sweep") == "heads_per_cta"]
+    by_model = hpc_rows(result)
     out = ["## heads_per_cta sweep", ""]
-    if not rows:
+    if not by_model:
         return out + [f"Not run: {info.get('status', 'not planned')}.", ""]
-    values = sorted({r["heads_per_cta"] for r in rows})
-    r0 = rows[0]
-    out += [f"{r0['model']} ({r0['shape']}), KV {r0['kv_dtype']}, context {_ctx(r0['context'])}, the policy's split "
-            "count; `*` = the plan's choice; us (% of copy).", "",
-            "| batch | " + " | ".join(f"h={v}" for v in values) + " | plan's choice |", "|" + " --- |" * (len(values) + 2)]
-    for batch in sorted({r["batch"] for r in rows}):
-        cells = []
-        for v in values:
-            r = next((r for r in rows if r["batch"] == batch and r["heads_per_cta"] == v), None)
-            cells.append((_us_pct(r) if r is None or _timed(r) else r["status"]) + ("*" if r and r.get("hpc_choice")
-                                                                                     else ""))
-        out.append(f"| {batch} | " + " | ".join(cells) + f" | {info.get('choices', {}).get(str(batch), '-')} |")
-    return out + [""]
+    for model, by_batch in by_model.items():
+        r0 = next(iter(by_batch.values()))[0]
+        values = sorted({r["heads_per_cta"] for rs in by_batch.values() for r in rs})
+        out += [f"{model} ({r0['shape']}, group {r0['q_heads'] // r0['kv_heads']}), mma kernels, KV "
+                f"{r0['kv_dtype']}, context {_ctx(r0['context'])}, the policy's split count; every heads_per_cta "
+                "the group allows; `*` = the plan's choice; us (% of copy).", "",
+                "| batch | " + " | ".join(f"h={v}" for v in values) + " | plan's choice |",
+                "|" + " --- |" * (len(values) + 2)]
+        for batch, rs in sorted(by_batch.items()):
+            cells = []
+            for v in values:
+                r = next((r for r in rs if r["heads_per_cta"] == v), None)
+                mark = "*" if r and r.get("hpc_choice") else ""
+                cells.append((_us_pct(r) if r is None or _timed(r) else r["status"]) + mark)
+            choice = info.get("choices", {}).get(f"{model} b{batch}")
+            out.append(f"| {batch} | " + " | ".join(cells) + f" | {'-' if choice is None else choice} |")
+        out.append("")
+    return out
 
 
 def _predictions(result: dict) -> list[str]:

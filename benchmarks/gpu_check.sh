@@ -16,7 +16,9 @@
 #   4. the L2 probe: ncu (--clock-control none) on one small configuration per arm and
 #      kernel implementation; absence or refusal recorded                  (l2_probe.py)
 #   5. the sweep, with what the deadline leaves: the decisive configurations first (bf16,
-#      fp8, heads_per_cta), then the grid; FlexAttention and FlashInfer last (bench_decode.py)
+#      fp8, heads_per_cta), then the grid; FlexAttention and FlashInfer last (bench_decode.py);
+#      every arm on simt and mma; step mma_selftest: whether the mma rows ran mma (a device
+#      that fails the self-test gets simt: FALLBACK, the mma rows not timed)
 #   6. summary: summary.md, and a short table printed LAST                   (summarize.py)
 #
 # After every step (and every CHECKPOINT_S seconds during the sweep) summary.md is rewritten
@@ -47,7 +49,7 @@ for arg in "$@"; do
   case "$arg" in
     --cpu) MODE=cpu ;;
     --quick) PROFILE=quick ;;
-    -h|--help) sed -n '2,41p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,43p' "$0"; exit 0 ;;
     *) echo "gpu_check.sh: unknown argument $arg (use --cpu, --quick or nothing)" >&2; exit 2 ;;
   esac
 done
@@ -305,6 +307,8 @@ wait "$CK_PID"
 json=$(latest_json)
 out=$(verdict bench --rc "$rc" ${json:+--json "$json"})
 step benchmark "${out%%$'\t'*}" "$(since "$t")" "${out#*$'\t'}"
+out=$(verdict selftest ${json:+--json "$json"})  # whether the mma rows ran mma (read from what was built)
+step mma_selftest "${out%%$'\t'*}" 0 "${out#*$'\t'}"
 
 if [ -n "$FI_PID" ]; then
   kill -0 "$FI_PID" 2>/dev/null && kill "$FI_PID" 2>/dev/null  # its cleanup kills the nvcc groups

@@ -1,80 +1,86 @@
-"""Which kernel implementations this build of ``metrale_attn`` offers: the benchmarks' one capability hook.
+"""The kernel implementations the harness measures, and building one with the mma self-test's verdict.
 
-The lead is replacing the CUDA-core kernels ("simt") by tensor-core kernels ("mma")
-that serve ``heads_per_cta`` query heads of one KV head per CTA. The new API adds two
-keyword arguments to ``DecodeAttention`` (``impl=``: "simt", "mma", or None for the
-default; ``heads_per_cta=``: an int dividing the group size, or None for the plan's
-rule) and two fields to ``DecodePlan`` (``impl``, ``heads_per_cta``). Everything in
-``benchmarks/`` that depends on that API (the old-vs-new comparison, the L2 probe's
-old/new kernels, the ``heads_per_cta`` sweep) asks ``kernel_impls()`` and nothing
-else, so today's build runs, measures its one implementation and says what is "not
-available in this build"; when the new API lands, all of it switches on without edits.
+``metrale_attn`` has two (``metrale_attn.plan.IMPLS``): ``mma``, the default, the tensor-core
+kernels whose CTA serves ``heads_per_cta`` query heads of one KV head; and ``simt``, the first
+CUDA-core kernels, one head per CTA. The sweep and the L2 probe force each (``IMPLS``, the old one
+first); the ``heads_per_cta`` tier forces every choice of a group (``plan.heads_per_cta_choices``)
+on ``SWEEP_IMPL``.
+
+On a GPU the first ``mma`` construction per device runs a known-answer test of the PTX the mma
+kernels use (``metrale_attn/backends/selftest.py``). Where the device disagrees with the emulation
+the kernels were verified on, ``DecodeAttention`` warns (``RuntimeWarning``) and builds ``simt``
+instead. So what ran is read from what was built (``plan(n).impl``), never from what was asked:
+``build`` returns the object with the warnings its construction raised, and ``Built.fell_back``
+says that an ``mma`` request got ``simt``; ``selftest_record`` is what the result and the summary
+say about it.
 """
 
 from __future__ import annotations
 
-import inspect
+import os
+import warnings
 from dataclasses import dataclass
 from typing import Optional
 
-IMPL_NAMES = ("simt", "mma")
-"""``impl=`` spellings of the new API: the CUDA-core kernels (old) and the tensor-core kernels (new)."""
-NEW_IMPL = "mma"
-NOT_AVAILABLE = "not available in this build"
+from metrale_attn.plan import ENV_IMPL, resolve_impl
+
+IMPLS = ("simt", "mma")
+"""``impl=`` values the harness forces, in the order rows are timed and shown: old, new."""
+SWEEP_IMPL = "mma"
+"""The implementation the ``heads_per_cta`` tier forces (``simt`` serves one head per CTA)."""
+
+
+class FellBack(Exception):
+    """A forced ``mma`` variant built ``simt``: the device failed the self-test (no row is timed)."""
 
 
 @dataclass(frozen=True)
-class KernelImpls:
-    """What ``DecodeAttention`` accepts. ``impls``: the ``impl=`` values to measure, ``(None,)``
-    when there is one implementation (then no ``impl=`` is passed)."""
+class Built:
+    """A constructed ``DecodeAttention``; ``asked`` is the ``impl=`` it was given (None: the default)."""
 
-    impls: tuple
-    heads_per_cta: bool
+    attn: object
+    asked: Optional[str]
+    warnings: tuple = ()
 
     @property
-    def comparison(self) -> bool:
-        """Old and new kernels can both be forced (the old-vs-new comparison runs)."""
-        return len(self.impls) > 1
+    def wanted(self) -> str:
+        """The implementation the request resolves to (``impl=``, else the environment, else ``mma``)."""
+        return resolve_impl(self.asked, os.environ.get(ENV_IMPL))
 
-    def why_not(self, feature: str) -> str:
-        """Why ``feature`` ("impl" or "heads_per_cta") did not run, or "" if it did."""
-        have = self.comparison if feature == "impl" else self.heads_per_cta
-        return "" if have else f"{NOT_AVAILABLE} (DecodeAttention takes no {feature}=)"
+    @property
+    def impl(self) -> str:
+        """What was built: the plan's implementation."""
+        return self.attn.plan(1).impl
 
-    def options(self, impl: Optional[str] = None, heads_per_cta: Optional[int] = None) -> dict:
-        """``DecodeAttention`` keyword arguments forcing ``impl`` / ``heads_per_cta``; only what the build takes."""
-        out = {}
-        if impl is not None and self.comparison:
-            out["impl"] = impl
-        if heads_per_cta is not None and self.heads_per_cta:
-            out["heads_per_cta"] = heads_per_cta
-        return out
+    @property
+    def fell_back(self) -> bool:
+        return self.impl != self.wanted
 
-    def sweep_impl(self) -> Optional[str]:
-        """The implementation the ``heads_per_cta`` sweep forces: the new kernels where there is a choice."""
-        return NEW_IMPL if self.comparison else None
+    def fallback_reason(self) -> str:
+        said = "; ".join(self.warnings) or "no warning was raised"
+        return f"asked for {self.wanted}, built {self.impl} (mma self-test failed on this device: {said})"[:400]
 
 
-def kernel_impls(decode_attention=None) -> KernelImpls:
-    """Inspect ``DecodeAttention``'s signature: ``impl=`` -> both implementations; ``heads_per_cta=``."""
-    if decode_attention is None:
-        from metrale_attn import DecodeAttention as decode_attention
-    try:
-        params = inspect.signature(decode_attention).parameters
-    except (TypeError, ValueError):
-        params = {}
-    return KernelImpls(impls=IMPL_NAMES if "impl" in params else (None,), heads_per_cta="heads_per_cta" in params)
+def build(decode_attention, *args, impl: Optional[str] = None, **kwargs) -> Built:
+    """``decode_attention(*args, impl=impl, **kwargs)``, the ``RuntimeWarning``s of its construction
+    recorded (not shown); a construction error (``ValueError``: a ``heads_per_cta`` the group refuses)
+    propagates."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", RuntimeWarning)
+        attn = decode_attention(*args, impl=impl, **kwargs)
+    said = tuple(str(w.message) for w in caught if issubclass(w.category, RuntimeWarning))
+    return Built(attn, impl, said)
 
 
-def plan_impl(plan) -> Optional[str]:
-    """The implementation a plan runs (``DecodePlan.impl`` of the new API; None today)."""
-    return getattr(plan, "impl", None)
+def selftest_record(built: Optional[Built], backend: str) -> dict:
+    """What the run says about the mma self-test, from the first build that wanted ``mma``:
+    ``status`` ``ok`` (the mma rows are mma), ``fallback`` (they would be simt: not timed), or
+    ``not run`` (nothing asked for mma)."""
+    if built is None:
+        return {"status": "not run", "detail": "no mma variant was built"}
+    if built.fell_back:
+        return {"status": "fallback", "detail": built.fallback_reason(), "warnings": list(built.warnings)}
+    where = ("CPU backend: the emulation is what the kernels are verified against" if backend == "cpu"
+             else "the device agrees with the emulation; the mma rows ran mma")
+    return {"status": "ok", "detail": where, "warnings": list(built.warnings)}
 
-
-def plan_heads_per_cta(plan, pack_width: int) -> int:
-    """Query heads per CTA of a plan: ``DecodePlan.heads_per_cta`` of the new API; today 1, or
-    ``pack_width`` (``DECODE_GQA_PACK_WIDTH``) on the GQA-packed arm."""
-    value = getattr(plan, "heads_per_cta", None)
-    if value is not None:
-        return int(value)
-    return pack_width if plan.arm == "gqa_packed" else 1

@@ -3,9 +3,11 @@ implementation, to tell whether a low number comes from L2 amplification.
 
 Three shapes with the same KV bytes and group sizes G = 1, 4 and 8 (8/8/128, 32/8/128,
 64/8/128; batch 16 x 16k tokens, KV bf16: 1.07 GB each, far more than the 50-60 MB L2),
-on the unpacked and split-K arms, with each kernel implementation the build offers
-(``impls.kernel_impls()``: the old one-head-per-CTA kernels and the new grouped ones
-once the new API lands). For each attention kernel ncu reads:
+on the unpacked and split-K arms, with each kernel implementation (``impls.IMPLS``: simt,
+the one-head-per-CTA CUDA-core kernels, and mma, whose CTA serves the plan's
+``heads_per_cta`` heads of a KV head). ncu profiles the attention kernels only
+(``attention_kernel_regex``: the first kernel of each launch in ``plan.KERNELS``; not the merges, not
+the mma self-test). For each attention kernel ncu reads:
 
 - ``dram__bytes_read.sum``: bytes read from HBM (each KV row once, ideally);
 - ``lts__t_sectors_srcunit_tex_op_read.sum``: 32-byte sectors the SMs read from L2;
@@ -16,7 +18,9 @@ once the new API lands). For each attention kernel ncu reads:
 
 L2-read bytes / DRAM bytes should be about G / heads_per_cta: about G for one head per
 CTA (each of the G CTAs of a KV head streams the same rows, L2 serves G - 1 of them) and
-about 1 for a CTA that serves the whole group. ncu runs with ``--clock-control none``
+about 1 for a CTA that serves the whole group. A launch's implementation and heads per CTA
+are read from the plan of what was built (an mma request that fell back to simt after a
+failed self-test is recorded as ``fallback`` and not launched). ncu runs with ``--clock-control none``
 (the device's clocks are never changed) and its default cache control (caches flushed
 before each replay pass, so the DRAM bytes are cold). A refusal of ncu, or its absence,
 is recorded in the result, never fatal.
@@ -50,9 +54,6 @@ from typing import Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SECTOR_BYTES = 32
-KERNEL_REGEX = "regex:^paged_decode"
-"""Which kernels ncu profiles: ours are ``extern "C" paged_decode_*``; the new kernels must keep the prefix
-(or pass ``--kernel-regex``)."""
 METRICS = ("dram__bytes_read.sum", "lts__t_sectors_srcunit_tex_op_read.sum", "gpu__time_duration.sum",
            "smsp__inst_executed.sum", "sm__inst_issued.avg.pct_of_peak_sustained_active",
            "launch__registers_per_thread")
@@ -76,32 +77,36 @@ def run_target(manifest_path: str, *, cpu: bool, batch: int, context: int) -> di
     """Run every probe configuration once and write the manifest: per launch, the shape, arm,
     implementation, heads per CTA and the names of the kernels it launched, in launch order."""
     sys.path.insert(0, HERE)
-    from impls import kernel_impls, plan_heads_per_cta, plan_impl
+    import impls
     from sweep_plan import arm_options
 
-    from metrale_attn import DecodeAttention, policy
+    from metrale_attn import DecodeAttention
 
-    caps = kernel_impls(DecodeAttention)
+    backend = "cpu" if cpu else "cupy"
     shapes = CPU_SHAPES if cpu else GPU_SHAPES
     data = _cpu_data if cpu else _gpu_data
-    manifest = {"batch": batch, "context": context, "kv_dtype": "bf16", "launches": [],
-                "impls": [i for i in caps.impls if i], "comparison_note": caps.why_not("impl")}
+    manifest = {"batch": batch, "context": context, "kv_dtype": "bf16", "launches": [], "impls": list(impls.IMPLS),
+                "selftest": impls.selftest_record(None, backend)}
     for q_heads, kv_heads, head_dim in shapes:
         inputs, run_once = data(q_heads, kv_heads, head_dim, batch, context)
         kv_bytes = batch * context * kv_heads * head_dim * 2 * 2
         for arm in ARMS:
-            for impl in caps.impls:
+            for impl in impls.IMPLS:
                 entry = dict(shape=f"{q_heads}/{kv_heads}/{head_dim}", group=q_heads // kv_heads, arm=arm,
                              impl=impl, kv_bytes=kv_bytes)
                 try:
-                    attn = DecodeAttention(q_heads, kv_heads, head_dim, 16, q_dtype="bf16", kv_dtype="bf16",
-                                           max_batch=batch, backend="cpu" if cpu else "cupy", **arm_options(arm),
-                                           **caps.options(impl))
-                    plan = attn.plan(batch)
-                    run_once(attn, inputs)
-                    entry.update(plan_arm=plan.arm, num_splits=plan.num_splits, impl=impl or plan_impl(plan),
-                                 heads_per_cta=plan_heads_per_cta(plan, policy.DECODE_GQA_PACK_WIDTH),
-                                 kernels=[g.kernel for g in plan.launches])
+                    built = impls.build(DecodeAttention, q_heads, kv_heads, head_dim, 16, q_dtype="bf16",
+                                        kv_dtype="bf16", max_batch=batch, backend=backend, impl=impl,
+                                        **arm_options(arm))
+                    if built.wanted == "mma" and manifest["selftest"]["status"] == "not run":
+                        manifest["selftest"] = impls.selftest_record(built, backend)
+                    if built.fell_back:  # it would launch simt again under an mma label: not profiled
+                        entry.update(fallback=True, error=built.fallback_reason(), kernels=[])
+                    else:
+                        plan = built.attn.plan(batch)
+                        run_once(built.attn, inputs)
+                        entry.update(plan_arm=plan.arm, num_splits=plan.num_splits, impl=plan.impl,
+                                     heads_per_cta=plan.heads_per_cta, kernels=[g.kernel for g in plan.launches])
                 except Exception as err:  # recorded per launch: the others still run
                     entry.update(error=f"{type(err).__name__}: {err}"[:300], kernels=[])
                 manifest["launches"].append(entry)
@@ -232,7 +237,7 @@ def probe_rows(manifest: dict, kernels: list[dict]) -> list[dict]:
                                         else None)
         ks = by_launch.get(i, [])
         if not ks:
-            row["status"] = "not profiled" if not launch.get("error") else "failed"
+            row["status"] = "fallback" if launch.get("fallback") else "failed" if launch.get("error") else "not profiled"
             rows.append(row)
             continue
         attn, rest = ks[0], ks[1:]
@@ -292,9 +297,18 @@ def _run_capped(cmd: list[str], timeout_s: float, log_path: str) -> tuple[Option
         return rc, f.read()
 
 
+def attention_kernel_regex() -> str:
+    """ncu's ``--kernel-name``: the attention kernel (the first launch) of each probed arm on each
+    implementation, by exact name (``plan.KERNELS``); the merges and the mma self-test are left out."""
+    from metrale_attn.plan import IMPLS, KERNELS
+
+    return "regex:^(" + "|".join(sorted(KERNELS[impl, arm][0] for impl in IMPLS for arm in ARMS)) + ")$"
+
+
 def probe(*, out: str, work: str, cpu: bool, ncu: Optional[str], timeout_s: float, batch: int, context: int,
-          kernel_regex: str = KERNEL_REGEX) -> dict:
+          kernel_regex: Optional[str] = None) -> dict:
     t0 = time.monotonic()
+    kernel_regex = kernel_regex or attention_kernel_regex()
     os.makedirs(work, exist_ok=True)
     manifest_path = os.path.join(work, "l2_probe_manifest.json")
     target = [sys.executable, os.path.abspath(__file__), "target", "--manifest", manifest_path, "--batch", str(batch),
@@ -345,7 +359,7 @@ def probe(*, out: str, work: str, cpu: bool, ncu: Optional[str], timeout_s: floa
                 manifest = json.load(f)
             result["rows"] = probe_rows(manifest, kernels)
             result["impls"] = manifest.get("impls")
-            result["comparison_note"] = manifest.get("comparison_note")
+            result["selftest"] = manifest.get("selftest")
             ok = [r for r in result["rows"] if r.get("status") == "ok"]
             result.update(status="ok" if len(ok) == len(result["rows"]) else "partial",
                           detail=f"{len(ok)} of {len(result['rows'])} kernels profiled in "
@@ -387,8 +401,9 @@ def probe_markdown(probe: Optional[dict]) -> list[str]:
            f"{probe.get('kv_dtype', 'bf16')} KV, batch {probe.get('batch')} x {probe.get('context')} tokens, equal KV "
            "bytes for G = 1, 4, 8; L2/DRAM = L2 read sectors x 32 B / DRAM bytes read, expected about G / heads per "
            f"CTA. Status **{probe.get('status')}**: {probe.get('detail', '')}", ""]
-    if probe.get("comparison_note"):
-        out += [f"Old vs new kernels: {probe['comparison_note']}.", ""]
+    if (probe.get("selftest") or {}).get("status") == "fallback":
+        out += [f"mma self-test fell back to simt: {probe['selftest'].get('detail', '')}; the mma launches were not "
+                "profiled.", ""]
     if probe.get("rows"):
         out += ["| " + " | ".join(HEAD) + " |", "|" + " --- |" * len(HEAD)]
         out += ["| " + " | ".join(_row_cells(r)) + " |" for r in probe["rows"]]
@@ -426,7 +441,7 @@ def main(argv=None) -> int:
     p.add_argument("--work", help="where the manifest, ncu CSV and logs go (default: beside --out)")
     p.add_argument("--ncu", help="ncu to use; 'none' for absent (default: $NCU, PATH, /usr/local/cuda, /opt/nvidia)")
     p.add_argument("--timeout-s", type=float, default=70.0, help="all ncu passes together")
-    p.add_argument("--kernel-regex", default=KERNEL_REGEX)
+    p.add_argument("--kernel-regex", help="ncu --kernel-name (default: attention_kernel_regex(), both implementations)")
     r.add_argument("--csv", required=True)
     r.add_argument("--manifest", required=True)
     r.add_argument("--out", required=True)

@@ -9,10 +9,14 @@ disassembles) writes a JSON list of rows, each with at least ``arm``, ``q_heads`
 falls back to the committed ``benchmarks/results/sass_model.json`` (regenerate it with
 ``python benchmarks/sass_report.py --json benchmarks/results/sass_model.json``).
 
-Rows are joined by (arm, q_heads, kv_heads, head_dim, q_dtype, kv_dtype,
-heads_per_cta), and by the implementation too where the report names one (``impl``),
-on the device's architecture. A missing or unreadable report means "no prediction",
-never a failure.
+Rows are joined by (implementation, arm, q_heads, kv_heads, head_dim, q_dtype,
+kv_dtype, heads_per_cta) on the device's architecture, the implementation and heads per
+CTA being what the measured plan ran (``plan.impl``, ``plan.heads_per_cta``). The report
+gives an mma variant on a shape at the largest heads per CTA its group allows (up to
+16), so an mma row at another ``heads_per_cta`` (the ``heads_per_cta`` sweep's, or the
+plan's choice at a small batch) has no prediction. A report row without ``impl`` is a
+simt row (the report named none before the mma kernels existed). A missing or
+unreadable report means "no prediction", never a failure.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ import os
 import re
 from typing import Optional
 
+REPORT_DEFAULT_IMPL = "simt"
+"""The implementation of a report row that names none."""
 FIELDS = ("instr_per_kib", "kib_in_flight_per_sm", "registers", "spill_bytes", "ceiling_pct", "binding")
 KV_SPELLING = {"bf16": "bf16", "fp16": "fp16", "fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3"}
 
@@ -63,20 +69,19 @@ class Predictions:
                              f"no prediction: no row for sm_{self.arch} in {self.total}")
         return {"source": self.source, "arch": f"sm_{self.arch}", "rows": len(self.rows), "note": note}
 
-    def lookup(self, *, arm: str, q_heads: int, kv_heads: int, head_dim: int, q_dtype: str, kv_dtype: str,
-               heads_per_cta: int, impl: Optional[str] = None) -> Optional[dict]:
+    def lookup(self, *, impl: str, arm: str, q_heads: int, kv_heads: int, head_dim: int, q_dtype: str,
+               kv_dtype: str, heads_per_cta: int) -> Optional[dict]:
         """The prediction for one measured variant, or None."""
-        want = (arm, int(q_heads), int(kv_heads), int(head_dim), KV_SPELLING.get(q_dtype, q_dtype),
+        want = (impl, arm, int(q_heads), int(kv_heads), int(head_dim), KV_SPELLING.get(q_dtype, q_dtype),
                 KV_SPELLING.get(kv_dtype, kv_dtype), int(heads_per_cta))
         for r in self.rows:
             try:
-                key = (r["arm"], int(r["q_heads"]), int(r["kv_heads"]), int(r["head_dim"]),
-                       KV_SPELLING.get(r["q_dtype"], r["q_dtype"]), KV_SPELLING.get(r["kv_dtype"], r["kv_dtype"]),
-                       int(r["heads_per_cta"]))
+                key = (r.get("impl") or REPORT_DEFAULT_IMPL, r["arm"], int(r["q_heads"]), int(r["kv_heads"]),
+                       int(r["head_dim"]), KV_SPELLING.get(r["q_dtype"], r["q_dtype"]),
+                       KV_SPELLING.get(r["kv_dtype"], r["kv_dtype"]), int(r["heads_per_cta"]))
             except (KeyError, TypeError, ValueError):
                 continue
-            row_impl = r.get("impl", r.get("kernel_impl"))
-            if key == want and (impl is None or row_impl is None or row_impl == impl):
+            if key == want:
                 return {k: r.get(k) for k in FIELDS}
         return None
 

@@ -1,9 +1,12 @@
-"""One small decode per kernel arm, for compute-sanitizer (memcheck, racecheck, initcheck).
+"""One small decode per kernel arm and implementation, for compute-sanitizer (memcheck, racecheck, initcheck).
 
 This script owns the cases ``gpu_check.sh`` runs under ``compute-sanitizer``: every
-arm (unpacked, split-K + merge, GQA-packed) once per case below, at small shapes,
-each output checked against the float64 reference. It exits 0 only if every
-output met the correctness bar; the sanitizer's own verdict is its ERROR SUMMARY.
+arm (unpacked, split-K + merge, GQA-packed) on each implementation (mma first: the
+default, with its cp.async rings in shared memory; then simt) once per case below, at
+small shapes, each output checked against the float64 reference. It exits 0 only if
+every output met the correctness bar; the sanitizer's own verdict is its ERROR SUMMARY.
+A line says which implementation the plan ran (an mma request that fell back to simt
+after a failed self-test says so).
 
 Why the arrays look the way they do:
 
@@ -36,6 +39,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from sweep_plan import ARM_OPTIONS as ARMS  # noqa: E402
+from impls import IMPLS  # noqa: E402
 
 from metrale_attn import DecodeAttention, problems, tolerance  # noqa: E402
 
@@ -52,13 +56,13 @@ def heads(arm: str, head_dim: int) -> tuple[int, int, int]:
     return (12, 2, 256) if arm == "gqa_packed" else (8, 2, head_dim)
 
 
-def run_case(arm: str, kv: str, layout: str, page: int, head_dim: int, backend: str, seed: int) -> str:
+def run_case(arm: str, impl: str, kv: str, layout: str, page: int, head_dim: int, backend: str, seed: int) -> str:
     H, KV, D = heads(arm, head_dim)
     p = problems.make_problem(np.random.default_rng(seed), num_seqs=len(SEQ_LENS), num_q_heads=H, num_kv_heads=KV,
                               head_dim=D, page_size=page, seq_lens=list(SEQ_LENS), kv_dtype=kv, q_dtype="bf16",
                               layout=layout)
     attn = DecodeAttention(H, KV, D, page, q_dtype="bf16", kv_dtype=kv, kv_layout=layout, max_batch=len(SEQ_LENS),
-                           backend=backend, **ARMS[arm])
+                           backend=backend, impl=impl, **ARMS[arm])
     plan = attn.plan(len(SEQ_LENS))
     if plan.arm != arm:
         raise AssertionError(f"forcing {arm} gave the {plan.arm} arm")
@@ -84,13 +88,15 @@ def run_case(arm: str, kv: str, layout: str, page: int, head_dim: int, backend: 
     if not np.all(np.isneginf(lse[empty])):
         raise AssertionError(f"lse of empty sequences should be -inf, got {lse[empty]}")
     np.testing.assert_allclose(lse[~empty], ref_lse[~empty], rtol=2e-6, atol=2e-6)
-    return f"{plan.num_splits} split(s), grids {[g.grid for g in plan.launches]}"
+    return (f"{plan.impl} ({plan.heads_per_cta} head(s)/CTA), {plan.num_splits} split(s), grids "
+            f"{[g.grid for g in plan.launches]}")
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cpu", action="store_true", help="run on the CPU backend (dry run, no sanitizer)")
     parser.add_argument("--arms", default=",".join(ARMS))
+    parser.add_argument("--impls", default=",".join(reversed(IMPLS)), help="in this order (default: mma first)")
     args = parser.parse_args(argv)
     backend = "cpu" if args.cpu else "cupy"
     if not args.cpu:
@@ -99,12 +105,13 @@ def main(argv=None) -> int:
         cupy.cuda.set_allocator(None)  # one exact-size cudaMalloc per array: memcheck sees every overrun
         cupy.cuda.set_pinned_memory_allocator(None)
     failures = 0
-    for arm in args.arms.split(","):
+    for impl, arm in ((impl, arm) for impl in args.impls.split(",") for arm in args.arms.split(",")):
         for i, (kv, layout, page, head_dim) in enumerate(CASES):
-            label = f"{arm:<10} kv={kv:<4} {layout} page={page:<2} hd={heads(arm, head_dim)[2]} lens={SEQ_LENS}"
+            label = (f"{impl:<4} {arm:<10} kv={kv:<4} {layout} page={page:<2} hd={heads(arm, head_dim)[2]} "
+                     f"lens={SEQ_LENS}")
             t0 = time.monotonic()
             try:
-                detail = run_case(arm, kv, layout, page, head_dim, backend, seed=i)
+                detail = run_case(arm, impl, kv, layout, page, head_dim, backend, seed=i)
                 print(f"ok    {label}  {detail}  ({time.monotonic() - t0:.1f} s)", flush=True)
             except Exception as err:
                 failures += 1

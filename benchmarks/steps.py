@@ -13,6 +13,9 @@ so that they are tested (``tests/test_benchmarks.py``) rather than trusted.
   that measured nothing is a failed run, whatever else passed).
 - ``json-status``: ``status<TAB>detail`` of a step's own JSON (the L2 probe's).
 - ``flashinfer``: the JIT prewarm's status file: ``ok`` when a variant built, each variant's fate.
+- ``selftest``: the mma self-test's record in the benchmark JSON: ``ok`` (the mma rows ran mma),
+  ``FALLBACK`` (the device disagreed with the emulation: ``DecodeAttention`` built simt, the mma
+  rows were not timed) or ``skipped`` (nothing was built).
 
 Each command prints ``STATUS<TAB>DETAIL`` (``exit-code`` prints the code and exits with it).
 """
@@ -114,6 +117,12 @@ def flashinfer_verdict(path: str) -> tuple[str, str]:
     return ("ok" if built else "FAIL"), detail or "no variant"
 
 
+def selftest_verdict(json_path: Optional[str]) -> tuple[str, str]:
+    record = ((load_json(json_path) or {}).get("kernel_impls") or {}).get("selftest") or {}
+    status = {"ok": "ok", "fallback": "FALLBACK"}.get(record.get("status"), "skipped")
+    return status, record.get("detail") or "no benchmark JSON, or nothing built"
+
+
 def json_status(path: str) -> tuple[str, str]:
     data = load_json(path)
     if data is None:
@@ -140,6 +149,8 @@ def main(argv=None) -> int:
     j.add_argument("path")
     f = sub.add_parser("flashinfer")
     f.add_argument("path")
+    t = sub.add_parser("selftest")
+    t.add_argument("--json")
     args = parser.parse_args(argv)
     if args.command == "exit-code":
         code = 0 if timed_rows(load_json(args.json)) else 1
@@ -149,6 +160,8 @@ def main(argv=None) -> int:
         status, detail = json_status(args.path)
     elif args.command == "flashinfer":
         status, detail = flashinfer_verdict(args.path)
+    elif args.command == "selftest":
+        status, detail = selftest_verdict(args.json)
     elif args.command == "bench":
         status, detail = bench_verdict(args.rc, args.json)
     else:

@@ -7,9 +7,10 @@ table is kept to short lines and a few dozen of them:
 
 - the step table (``steps.tsv``: name, status, seconds, detail), a running step if any;
 - the copy bandwidth and the targets (pass/fail) from the benchmark JSON;
-- the decisive configurations: every variant's % of copy, the static SASS model's
-  predicted ceiling beside it ``[pred]``, and the baselines;
-- the ``heads_per_cta`` sweep, the old-vs-new kernel comparison, the L2 probe;
+- the mma self-test's verdict (whether the mma rows ran mma);
+- the decisive configurations: simt against mma per arm in % of copy, the static SASS
+  model's predicted ceiling beside each ``[n]``, the speed-up, and the baselines;
+- the ``heads_per_cta`` sweep (per model), the old-vs-new kernel comparison, the L2 probe;
 - per model: the policy's default arm's % of copy, batch by context;
 - ``OVERALL``: ok, or FAIL with the steps that failed (the last line).
 
@@ -30,7 +31,7 @@ import bench_report  # noqa: E402
 from l2_probe import probe_text  # noqa: E402
 from steps import load_json, timed_rows  # noqa: E402
 
-FAILING = ("FAIL", "TIMEOUT", "ERRORS", "WRONG")
+FAILING = ("FAIL", "TIMEOUT", "ERRORS", "WRONG", "FALLBACK")
 
 
 def read_steps(path: str) -> list[dict]:
@@ -54,28 +55,54 @@ def _value(r: dict, pct: bool) -> str:
     return f"{r['median_us']:.0f}us"
 
 
-def decisive_lines(result: dict) -> list[str]:
-    """One line per decisive configuration: every variant of ours (``[pred]``: the SASS model's
-    ceiling %), then the baselines."""
-    pct = bool(result.get("copy_tb_per_s")) and result.get("mode") != "cpu"
+def _pct_mode(result: dict) -> bool:
+    return bool(result.get("copy_tb_per_s")) and result.get("mode") != "cpu"
+
+
+def _ours_cell(r, pct: bool) -> str:
+    """``88.3*[100]``: measured (``!`` a wrong output; a status where nothing was timed), ``*`` the
+    policy's default, ``[n]`` the SASS model's predicted ceiling %."""
+    if r is None:
+        return "-"
+    pred = (r.get("sass") or {}).get("ceiling_pct")
+    return (_value(r, pct) + ("!" if r.get("median_us") is not None and r.get("status") != "ok" else "")
+            + ("*" if r.get("default") else "") + (f"[{pred:.0f}]" if isinstance(pred, (int, float)) else "[-]"))
+
+
+def decisive_lines(result: dict, width: int = 118) -> list[str]:
+    """The decisive configurations: per arm, simt against mma (% of copy, the SASS model's prediction
+    beside each), the speed-up, and the baselines on the configuration's first line."""
+    pct = _pct_mode(result)
     rows = [r for r in result.get("rows", []) if str(r.get("tier", "")).startswith("decisive")]
     if not rows:
         return []
-    out = [f"decisive configurations ({'% of copy' if pct else 'simulator us'}; * the policy's default; "
-           "[n] the SASS model's ceiling %):"]
+    out = [f"decisive configurations, simt vs mma ({'% of copy' if pct else 'simulator us'}; [n] SASS model's "
+           "predicted %; * policy's default; ! wrong output):",
+           f"  {'configuration':<24} {'arm':<5} {'simt':>12} {'mma':>12} {'mma/simt':>8}  baselines"]
     by_cfg: dict = {}
     for r in rows:
         by_cfg.setdefault((r["model"], r["kv_dtype"], r["batch"], r["context"]), []).append(r)
     for (model, kv, batch, context), rs in by_cfg.items():
-        parts = []
-        for r in rs:
-            if r["impl"] == "metrale":
-                label = bench_report.short_label(r) + ("*" if r.get("default") else "")
-                pred = (r.get("sass") or {}).get("ceiling_pct")
-                parts.append(f"{label} {_value(r, pct)}" + (f"[{pred:.0f}]" if isinstance(pred, (int, float)) else ""))
-            else:
-                parts.append(f"{bench_report.short_label(r)} {_value(r, pct)}")
-        out += _wrap(f"  {model} {kv} b{batch} {bench_report._ctx(context)}:", parts)
+        ours = [r for r in rs if r["impl"] == "metrale"]
+        bases = "  ".join(f"{bench_report.short_label(r)} {_value(r, pct) if r.get('median_us') is not None else '-'}"
+                          for r in rs if r["impl"] != "metrale")
+        by_arm: dict = {}
+        for r in ours:
+            by_arm.setdefault(r.get("arm"), {})[r.get("kernel_impl") or r.get("impl_asked")] = r
+        label = f"{model} {kv} b{batch} {bench_report._ctx(context)}"
+        for arm, by in by_arm.items():
+            old, new = by.get("simt"), by.get("mma")
+            speed = (f"{old['median_us'] / new['median_us']:.2f}x" if old and new and old.get("median_us")
+                     and new.get("median_us") else "-")
+            line = (f"  {label:<24} {bench_report.ARM_SHORT.get(arm, arm):<5} {_ours_cell(old, pct):>12} "
+                    f"{_ours_cell(new, pct):>12} {speed:>8}")
+            if bases:
+                if len(line) + 2 + len(bases) > width:
+                    out.append(line)
+                    line = " " * 66
+                line += "  " + bases
+            out.append(line)
+            label, bases = "", ""
     return out
 
 
@@ -92,31 +119,25 @@ def _wrap(head: str, parts: list[str], width: int = 110) -> list[str]:
 
 def hpc_lines(result: dict) -> list[str]:
     info = result.get("hpc_sweep") or {}
-    rows = [r for r in result.get("rows", []) if r.get("sweep") == "heads_per_cta"]
-    if not rows:
+    by_model = bench_report.hpc_rows(result)
+    if not by_model:
         return [f"heads_per_cta sweep: {info.get('status', 'not planned')}"] if info else []
-    pct = bool(result.get("copy_tb_per_s")) and result.get("mode") != "cpu"
-    r0 = rows[0]
-    out = [f"heads_per_cta sweep ({r0['model']} {r0['kv_dtype']} {bench_report._ctx(r0['context'])}; "
+    pct = _pct_mode(result)
+    r0 = next(iter(next(iter(by_model.values())).values()))[0]
+    out = [f"heads_per_cta sweep (mma, {r0['kv_dtype']} {bench_report._ctx(r0['context'])}; "
            f"{'% of copy' if pct else 'us'}; * the plan's choice):"]
-    for batch in sorted({r["batch"] for r in rows}):
-        cells = [f"h{r['heads_per_cta']}{'*' if r.get('hpc_choice') else ''} {_value(r, pct)}"
-                 for r in rows if r["batch"] == batch]
-        out += _wrap(f"  b{batch}:", cells)
+    for model, by_batch in by_model.items():
+        for batch, rs in sorted(by_batch.items()):
+            cells = [f"h{r['heads_per_cta']}{'*' if r.get('hpc_choice') else ''} {_value(r, pct)}" for r in rs]
+            out += _wrap(f"  {model} b{batch}:", cells)
     return out
 
 
 def impl_line(result: dict) -> list[str]:
-    caps = result.get("kernel_impls") or {}
-    if not caps:
+    if not result.get("kernel_impls"):
         return []
-    if not caps.get("comparison"):
-        return [f"old vs new kernels: {caps.get('notes', {}).get('impl', 'not available in this build')}"]
-    pairs: dict = {}
-    for r in bench_report.arm_rows(result):
-        if r.get("median_us") is not None and r.get("arm") != "default" and r.get("kernel_impl"):
-            pairs.setdefault((bench_report._key(r), r["arm"]), {})[r["kernel_impl"]] = r["median_us"]
-    speedups = sorted(p["simt"] / p["mma"] for p in pairs.values() if "simt" in p and "mma" in p)
+    pairs = [{impl: r["median_us"] for impl, r in by.items()} for by in bench_report.impl_pairs(result).values()]
+    speedups = sorted(p["simt"] / p["mma"] for p in pairs if "simt" in p and "mma" in p)
     if not speedups:
         return ["old vs new kernels: no configuration timed both"]
     return [f"old vs new kernels: mma over simt {speedups[0]:.2f}x min, {statistics.median(speedups):.2f}x median, "
@@ -209,6 +230,7 @@ def render(steps: list[dict], env: dict, result: dict, total_s: str, *, probe: d
                         "configurations not measured")
         text.append(bench_report.targets_table(result.get("targets") or bench_report.evaluate_targets(result)))
         text.append("")
+        text.append(bench_report.selftest_line(result))
         for block in (decisive_lines(result), hpc_lines(result), impl_line(result)):
             text += block
         text.append("")

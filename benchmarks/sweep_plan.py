@@ -7,10 +7,12 @@ behind them (``plan_jobs``):
 1. ``decisive-bf16``: Llama-3-8B (32/8/128) batch 64 x 4k and 16k (T1), one sequence x
    32k (T2, split-K), Llama-3-70B (64/8/128) batch 64 x 4k (T1 at group 8), and 24/4/256
    batch 64 x 4k (GQA-packed against unpacked, group 6, head dim 256), KV bf16; every
-   forced arm x kernel implementation, the policy's default, and the SDPA baselines.
+   forced arm on both kernel implementations (``impls.IMPLS``: simt, mma), the policy's
+   default, and the SDPA baselines.
 2. ``decisive-fp8``: the same configurations with an fp8 e4m3 KV cache.
-3. ``heads_per_cta``: 32/8/128 bf16 at batch 1, 16 and 64 x 16k, each ``heads_per_cta``
-   of 1, 2, 4, 8 forced on the new kernels (only where the build takes ``heads_per_cta=``).
+3. ``heads_per_cta``: 32/8/128 and 64/8/128 bf16 at batch 1, 16 and 64 x 16k, the mma
+   kernels with ``heads_per_cta`` forced to every choice of the group
+   (``plan.heads_per_cta_choices``: 1, 2, 4 and 1, 2, 4, 8), the plan's choice marked.
 4. ``rest``: the grid (models x KV dtypes x batch 1, 16, 64, 256 x context 4k, 16k, 64k),
    less what the tiers above measured; ours only.
 
@@ -19,7 +21,8 @@ time) are timed last, on the configurations already measured, in the same order
 (``bench_decode.py``'s late phase).
 
 Profiles: ``full`` (the above), ``quick`` (tiers 1-3 only, no baselines: the short
-rerun) and ``cpu`` (the CPU dry run: one 6/1/256 configuration per dtype, then a tiny grid).
+rerun) and ``cpu`` (the CPU dry run: one 6/1/256 configuration per dtype, a tiny
+``heads_per_cta`` sweep on groups of 4 and 8, then a tiny grid).
 """
 
 from __future__ import annotations
@@ -27,9 +30,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from impls import IMPLS, SWEEP_IMPL
+
 from metrale_attn import policy
 from metrale_attn.cli import MODELS
-from metrale_attn.plan import ModelShape
+from metrale_attn.plan import ModelShape, heads_per_cta_choices
 
 ITEMSIZE = {"bf16": 2, "fp8": 1}
 Q_ITEMSIZE = 2  # q and out are bf16
@@ -45,22 +50,24 @@ LATE_BASELINES = ("flex_paged", "flashinfer")
 """Timed after every configuration of ours: FlexAttention compiles for tens of seconds per shape, and
 FlashInfer's JIT (nvcc, in the background) gets the whole run to finish."""
 
+HPC_MODELS = "llama-3-8b,llama-3-70b"
+"""The heads_per_cta tier's shapes: groups of 4 (choices 1, 2, 4) and 8 (1, 2, 4, 8)."""
 DECISIVE = "llama-3-8b:64:4096,llama-3-8b:64:16384,llama-3-8b:1:32768,llama-3-70b:64:4096,qwen3.8-27b:64:4096"
 PROFILES = {
     "full": dict(models="llama-3-8b,llama-3-70b,qwen3.8-27b", kv_dtypes="bf16,fp8", batches="1,16,64,256",
                  contexts="4096,16384,65536", page_size=16, decisive=DECISIVE, decisive_dtypes="bf16,fp8",
-                 hpc_model="llama-3-8b", hpc_batches="1,16,64", hpc_context=16384, hpc_values="1,2,4,8", rest=True,
+                 hpc_models=HPC_MODELS, hpc_batches="1,16,64", hpc_context=16384, rest=True,
                  baselines=",".join(BASELINE_NAMES)),
     "quick": dict(models="llama-3-8b,llama-3-70b,qwen3.8-27b", kv_dtypes="bf16,fp8", batches="1,16,64,256",
                   contexts="4096,16384,65536", page_size=16, decisive=DECISIVE, decisive_dtypes="bf16,fp8",
-                  hpc_model="llama-3-8b", hpc_batches="1,16,64", hpc_context=16384, hpc_values="1,2,4,8",
-                  rest=False, baselines="none"),
+                  hpc_models=HPC_MODELS, hpc_batches="1,16,64", hpc_context=16384, rest=False, baselines="none"),
     "cpu": dict(models="6/1/256", kv_dtypes="bf16", batches="1,2", contexts="64,300", page_size=16,
-                decisive="6/1/256:2:300", decisive_dtypes="bf16,fp8", hpc_model="6/1/256", hpc_batches="2",
-                hpc_context=300, hpc_values="1,2,4,8", rest=True, baselines="none"),
+                decisive="6/1/256:2:300", decisive_dtypes="bf16,fp8", hpc_models="4/1/64,8/1/64", hpc_batches="1,2",
+                hpc_context=64, rest=True, baselines="none"),
 }
 """The CPU profile uses the smallest shape that reaches all three arms (the GQA pack needs
-q_heads = 6 x kv_heads at head_dim 256)."""
+q_heads = 6 x kv_heads at head_dim 256), and for the heads_per_cta sweep the smallest shapes
+with the Llama groups (4 and 8: the same choices as on the GPU)."""
 
 
 @dataclass(frozen=True)
@@ -114,7 +121,8 @@ class Config:
 @dataclass(frozen=True)
 class Job:
     """One configuration in one tier. ``kind``: ``arms`` (every forced arm x implementation, the
-    policy's default, ``baselines``) or ``hpc`` (``heads_per_cta`` forced to each of ``hpc_values``)."""
+    policy's default, ``baselines``) or ``hpc`` (``heads_per_cta`` forced to each of ``hpc_values``,
+    every choice of the shape's group)."""
 
     tier: str
     config: Config
@@ -126,7 +134,7 @@ class Job:
 @dataclass(frozen=True)
 class Slot:
     """One timed variant of ours on a configuration: an arm (``default``: the policy's choice), an
-    implementation (None: the build's only one, or the default) and a forced ``heads_per_cta``."""
+    implementation forced (None: the default) and a forced ``heads_per_cta`` (None: the plan's rule)."""
 
     arm: str
     impl: Optional[str] = None
@@ -240,11 +248,10 @@ def plan_jobs(args) -> list[Job]:
     for dtype in [d for d in args.decisive_dtypes.split(",") if d]:
         for model, batch, context in parse_decisive(args.decisive):
             add(f"decisive-{dtype}", model, dtype, batch, context, baselines=main_baselines)
-    hpc_values = tuple(ints(args.hpc_values))
-    if hpc_values:
+    for model, shape in parse_models("" if args.hpc_models in (None, "none") else args.hpc_models):
         for batch in ints(args.hpc_batches):
-            add("heads_per_cta", args.hpc_model, "bf16", batch, int(args.hpc_context), kind="hpc",
-                hpc_values=hpc_values)
+            add("heads_per_cta", model, "bf16", batch, int(args.hpc_context), kind="hpc",
+                hpc_values=heads_per_cta_choices(shape.group_size))
     if args.rest:
         for dtype in args.kv_dtypes.split(","):
             for model, _ in parse_models(args.models):
@@ -254,8 +261,9 @@ def plan_jobs(args) -> list[Job]:
     return jobs
 
 
-def slots_for(job: Job, impls, arms: list[str]) -> list[Slot]:
-    """The variants of ours a job times (``impls``: ``impls.kernel_impls()``)."""
+def slots_for(job: Job, arms: list[str]) -> list[Slot]:
+    """The variants of ours a job times: each forced arm on each implementation, or (``hpc``) each
+    ``heads_per_cta`` on the mma kernels."""
     if job.kind == "hpc":
-        return [Slot("default", impls.sweep_impl(), h) for h in job.hpc_values]
-    return [Slot(arm, impl) for arm in arms_for(job.config.shape, arms) for impl in impls.impls]
+        return [Slot("default", SWEEP_IMPL, h) for h in job.hpc_values]
+    return [Slot(arm, impl) for arm in arms_for(job.config.shape, arms) for impl in IMPLS]

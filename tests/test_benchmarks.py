@@ -6,9 +6,11 @@ is tested is everything it is built from that runs on a CPU: the CPU-backend swe
 through the same job loop and output writers (the tiers' order, the per-step packing of
 logs and summary, a run killed mid-sweep), the step verdicts (an all-skipped GPU test
 step is FAIL, no benchmark rows is exit 1), the L2 probe's control flow with ncu absent,
-refusing or faked, the FlashInfer prewarm's scheduling, the switch-over to the new kernel
-API (``impl=``, ``heads_per_cta=``) through a stand-in, the sanitizer cases' own checks on
-the CPU backend, the pass/fail arithmetic of the targets, and the shell scripts' syntax.
+refusing or faked, the FlashInfer prewarm's scheduling, both kernel implementations (simt
+and mma) and the heads_per_cta sweep on the real API, a device that fails the mma self-test
+(DecodeAttention falls back to simt: recorded, the mma rows not timed), the sanitizer cases'
+own checks on the CPU backend, the pass/fail arithmetic of the targets, and the shell
+scripts' syntax.
 Plots are checked only where matplotlib is installed (it is not a dependency).
 """
 
@@ -38,8 +40,8 @@ import l2_probe  # noqa: E402
 import predictions  # noqa: E402
 import steps  # noqa: E402
 import summarize  # noqa: E402
+import impls  # noqa: E402
 import sweep_plan  # noqa: E402
-from impls import kernel_impls  # noqa: E402
 
 HAVE_MPL = importlib.util.find_spec("matplotlib") is not None
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
@@ -72,17 +74,20 @@ def _steps(summary_md: str) -> dict:
     return out
 
 
-SASS_ROWS = [  # a stand-in for sass_report.py --json: the CPU profile's shape on sm_90, one fp8 row, one sm_100 row
-    dict(arm=arm, q_heads=6, kv_heads=1, head_dim=256, q_dtype="bf16", kv_dtype="bf16", arch="sm_90",
-         heads_per_cta=h, instr_per_kib=110.0, kib_in_flight_per_sm=40.0, registers=96, spill_bytes=0,
-         ceiling_pct=ceiling, binding="issue")
-    for arm, h, ceiling in (("unpacked", 1, 88.0), ("splitk", 1, 86.0), ("gqa_packed", 6, 60.0))
-] + [dict(arm="unpacked", q_heads=6, kv_heads=1, head_dim=256, q_dtype="bf16", kv_dtype="fp8_e4m3", arch="sm_90",
-          heads_per_cta=1, instr_per_kib=150.0, kib_in_flight_per_sm=30.0, registers=120, spill_bytes=0,
-          ceiling_pct=75.0, binding="alu"),
-     dict(arm="unpacked", q_heads=6, kv_heads=1, head_dim=256, q_dtype="bf16", kv_dtype="bf16", arch="sm_100",
-          heads_per_cta=1, instr_per_kib=1.0, kib_in_flight_per_sm=1.0, registers=1, spill_bytes=0,
-          ceiling_pct=1.0, binding="x")]
+def _sass_row(impl, arm, heads_per_cta, ceiling, kv_dtype="bf16", arch="sm_90", binding="issue"):
+    return dict(impl=impl, arm=arm, q_heads=6, kv_heads=1, head_dim=256, q_dtype="bf16", kv_dtype=kv_dtype, arch=arch,
+                heads_per_cta=heads_per_cta, instr_per_kib=110.0, kib_in_flight_per_sm=40.0, registers=96,
+                spill_bytes=0, ceiling_pct=ceiling, binding=binding)
+
+
+SASS_ROWS = [  # a stand-in for sass_report.py --json: the CPU profile's shape on sm_90, both implementations as the
+    # report writes them (mma at the group's largest heads per CTA, 6), one fp8 row, one sm_100 row
+    _sass_row("simt", "unpacked", 1, 41.0), _sass_row("simt", "splitk", 1, 40.0),
+    _sass_row("simt", "gqa_packed", 6, 60.0),
+    _sass_row("mma", "unpacked", 6, 99.0), _sass_row("mma", "splitk", 6, 98.0), _sass_row("mma", "gqa_packed", 6, 97.0),
+    _sass_row("simt", "unpacked", 1, 75.0, kv_dtype="fp8_e4m3", binding="alu"),
+    _sass_row("simt", "unpacked", 1, 1.0, arch="sm_100", binding="x"),
+]
 
 
 @pytest.mark.skipif(not HAVE_BASH, reason="needs bash")
@@ -106,23 +111,44 @@ def test_gpu_check_cpu_dry_run_writes_every_output(tmp_path):
     result = json.loads((out / json_name).read_text())
     assert result["mode"] == "cpu" and "not kernel performance" in result["timing_note"]
     ours = [r for r in result["rows"] if r["impl"] == "metrale"]
-    assert {r["arm"] for r in ours} == {"unpacked", "splitk", "gqa_packed"}
     assert all(r["check"]["status"] == "ok" and r["median_us"] > 0 for r in ours)
-    assert any(r["default"] for r in ours)
-    # The new ordering: decisive bf16, decisive fp8, (heads_per_cta: not in this build), then the grid.
-    assert list(dict.fromkeys(r["tier"] for r in ours)) == ["decisive-bf16", "decisive-fp8", "rest"]
-    assert [p["tier"] for p in result["plan"]][:3] == ["decisive-bf16", "decisive-fp8", "heads_per_cta"]
-    assert "not available in this build" in result["hpc_sweep"]["status"]
-    assert result["kernel_impls"]["impls"] == [] and "impl" in result["kernel_impls"]["notes"]
+    # Tiers in order: decisive bf16, decisive fp8, the heads_per_cta sweep, then the grid.
+    assert list(dict.fromkeys(r["tier"] for r in ours)) == ["decisive-bf16", "decisive-fp8", "heads_per_cta", "rest"]
+    # Every forced arm on both implementations, each row saying what its plan ran; the default flagged once.
+    caps = result["kernel_impls"]
+    assert caps["impls"] == ["simt", "mma"] and caps["default_impl"] == "mma"
+    assert caps["selftest"]["status"] == "ok" and "CPU backend" in caps["selftest"]["detail"]
+    for tier in ("decisive-bf16", "decisive-fp8"):
+        rows = [r for r in ours if r["tier"] == tier]
+        assert {(r["arm"], r["kernel_impl"]) for r in rows} == {(a, i) for a in ("unpacked", "splitk", "gqa_packed")
+                                                                 for i in ("simt", "mma")}
+        assert [(r["arm"], r["kernel_impl"]) for r in rows if r["default"]] == [("splitk", "mma")]
+        assert all(r["heads_per_cta"] == (6 if r["arm"] == "gqa_packed" else 1)
+                   for r in rows if r["kernel_impl"] == "simt")
+        assert all(r["kernels"][0].startswith("decode_") for r in rows if r["kernel_impl"] == "mma")
+    # The sweep: every heads_per_cta of each group (4: 1, 2, 4; 8: 1, 2, 4, 8) on mma, the plan's choice marked once.
+    hpc = [r for r in ours if r.get("sweep") == "heads_per_cta"]
+    assert {(r["model"], r["batch"]) for r in hpc} == {(m, b) for m in ("4/1/64", "8/1/64") for b in (1, 2)}
+    for (model, values) in (("4/1/64", [1, 2, 4]), ("8/1/64", [1, 2, 4, 8])):
+        for batch in (1, 2):
+            rs = [r for r in hpc if (r["model"], r["batch"]) == (model, batch)]
+            assert [r["heads_per_cta"] for r in rs] == [r["plan_heads_per_cta"] for r in rs] == values
+            assert all(r["kernel_impl"] == "mma" for r in rs)
+            (choice,) = [r["heads_per_cta"] for r in rs if r["hpc_choice"]]
+            assert result["hpc_sweep"]["choices"][f"{model} b{batch}"] == choice
     assert {t["id"]: t["status"] for t in result["targets"]} == {"T1": "N/A", "T2": "N/A", "T3": "N/A", "C": "PASS"}
     assert all(b["status"] == "not run" for b in result["baselines"].values())
-    # The SASS model's prediction beside each row: by arm, shape, dtypes and heads per CTA, sm_90 only.
-    by_variant = {(r["kv_dtype"], r["arm"]): r for r in ours if r["tier"].startswith("decisive")}
-    assert by_variant[("bf16", "unpacked")]["sass"]["ceiling_pct"] == 88.0
-    assert by_variant[("bf16", "gqa_packed")]["sass"]["ceiling_pct"] == 60.0
-    assert by_variant[("fp8", "unpacked")]["sass"]["binding"] == "alu"
-    assert by_variant[("fp8", "splitk")]["sass"] is None
-    assert result["sass_model"]["rows"] == 4
+    # The SASS model's prediction beside each row: by implementation, arm, shape, dtypes and heads per CTA (what
+    # the plan ran), sm_90 only. The mma split-K plan serves 2 heads per CTA at batch 2: not in the report.
+    by_variant = {(r["kv_dtype"], r["arm"], r["kernel_impl"]): r for r in ours if r["tier"].startswith("decisive")}
+    assert by_variant[("bf16", "unpacked", "simt")]["sass"]["ceiling_pct"] == 41.0
+    assert by_variant[("bf16", "gqa_packed", "simt")]["sass"]["ceiling_pct"] == 60.0
+    assert by_variant[("bf16", "gqa_packed", "mma")]["sass"]["ceiling_pct"] == 97.0
+    assert by_variant[("bf16", "splitk", "mma")]["heads_per_cta"] == 2 and by_variant[("bf16", "splitk", "mma")][
+        "sass"] is None
+    assert by_variant[("fp8", "unpacked", "simt")]["sass"]["binding"] == "alu"
+    assert by_variant[("fp8", "splitk", "simt")]["sass"] is None
+    assert result["sass_model"]["rows"] == 7
     assert result["l2_probe"]["status"] == "absent"
     md = (out / json_name.replace(".json", ".md")).read_text()
     assert "CPU backend simulator; not kernel performance" in md
@@ -140,10 +166,14 @@ def test_gpu_check_cpu_dry_run_writes_every_output(tmp_path):
     assert table["gpu_tests"][0] == "skipped" and "FAIL in GPU mode" in table["gpu_tests"][1]
     assert table["l2_probe"][0] == "absent" and table["benchmark"][0] == "ok"
     assert table["sass_model"][0] == "ok" and "CPU backend simulator" in summary
+    assert table["mma_selftest"][0] == "ok"
     # Progress lines as they come, short; the short table printed last, its verdict the last line.
     progress = [line for line in done.stdout.splitlines() if line.startswith("[bench ")]
     assert len(progress) >= 6 and all(len(line) < 160 for line in progress)
-    assert "decisive configurations" in done.stdout and "L2 probe: absent" in done.stdout
+    assert "decisive configurations, simt vs mma" in done.stdout and "L2 probe: absent" in done.stdout
+    assert re.search(r"^  6/1/256 bf16 b2 300 +unp +\d+us\[41\] +\d+us\[-\] +\d\.\d\dx\n {27}spk .*\n"
+                     r" {27}pack +\d+us\[60\] +\d+us\[97\] +\d\.\d\dx$", done.stdout, re.M)
+    assert "mma self-test: ok" in done.stdout and "  8/1/64 b2:  h1" in done.stdout
     last = done.stdout.rstrip().splitlines()
     assert last[-2].startswith("CPU backend simulator")
     assert last[-1].startswith("OVERALL (CPU dry run): FAIL (wheels FAIL)")
@@ -198,7 +228,10 @@ def test_sanitizer_cases_pass_on_the_cpu_backend():
     done = subprocess.run([sys.executable, os.path.join(BENCH, "sanitize_cases.py"), "--cpu"], cwd=REPO,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.count("\nok ") + done.stdout.startswith("ok ") == 6
+    lines = [line.split() for line in done.stdout.splitlines() if line.startswith("ok ")]
+    assert [(line[1], line[2]) for line in lines] == [(i, a) for i in ("mma", "simt") for a in sweep_plan.DEFAULT_ARMS
+                                                      for _ in range(2)]
+    assert all(f") {line[1]} (" in " ".join(line) for line in lines)  # the plan ran the implementation asked for
     assert "0 failure(s)" in done.stdout
 
 
@@ -279,135 +312,97 @@ def test_the_full_profile_runs_the_decisive_configurations_first():
                 ("llama-3-70b", 64, 4096), ("qwen3.8-27b", 64, 4096)]
     assert head == [(f"decisive-{dt}", *c) for dt in ("bf16", "fp8") for c in decisive]
     assert all(j.baselines == ("sdpa_gather", "sdpa_nogather") for j in jobs[:10])
-    hpc = jobs[10:13]
-    assert [(j.kind, j.config.model, j.config.batch, j.config.context) for j in hpc] == [
-        ("hpc", "llama-3-8b", b, 16384) for b in (1, 16, 64)]
-    assert all(j.hpc_values == (1, 2, 4, 8) for j in hpc)
-    rest = jobs[13:]
+    hpc = jobs[10:16]  # every heads_per_cta of each group: 4 -> 1, 2, 4; 8 -> 1, 2, 4, 8
+    assert [(j.kind, j.config.model, j.config.batch, j.config.context, j.hpc_values) for j in hpc] == [
+        ("hpc", m, b, 16384, values) for m, values in (("llama-3-8b", (1, 2, 4)), ("llama-3-70b", (1, 2, 4, 8)))
+        for b in (1, 16, 64)]
+    rest = jobs[16:]
     assert rest and all(j.tier == "rest" and not j.baselines for j in rest)
     assert {j.config.batch for j in rest} == {1, 16, 64, 256} and {j.config.context for j in rest} == {
         4096, 16384, 65536}  # no batch 4, no 1k contexts
     points = [j.config for j in jobs if j.kind == "arms"]
     assert len(points) == len(set(points)) == 72 + 2  # 3 models x 2 dtypes x 4 batches x 3 contexts; 1 x 32k
     quick = _planned("--profile", "quick")
-    assert [j.tier for j in quick] == [j.tier for j in jobs[:13]] and not any(j.baselines for j in quick)
+    assert [j.tier for j in quick] == [j.tier for j in jobs[:16]] and not any(j.baselines for j in quick)
 
 
 def test_slots_force_every_arm_on_every_implementation():
-    job = _planned()[4]  # 24/4/256: all three arms
-    one = sweep_plan.slots_for(job, kernel_impls(), list(sweep_plan.DEFAULT_ARMS))
-    assert [s.label for s in one] == ["unpacked", "splitk", "gqa_packed"]
-    two = sweep_plan.slots_for(job, kernel_impls(NewApiStandIn), list(sweep_plan.DEFAULT_ARMS))
-    assert [s.label for s in two] == ["unpacked/simt", "unpacked/mma", "splitk/simt", "splitk/mma",
-                                      "gqa_packed/simt", "gqa_packed/mma"]
-    hpc = sweep_plan.slots_for(_planned()[10], kernel_impls(NewApiStandIn), [])
-    assert [s.label for s in hpc] == ["default/mma/h1", "default/mma/h2", "default/mma/h4", "default/mma/h8"]
+    jobs = _planned()
+    assert [s.label for s in sweep_plan.slots_for(jobs[4], list(sweep_plan.DEFAULT_ARMS))] == [  # 24/4/256
+        "unpacked/simt", "unpacked/mma", "splitk/simt", "splitk/mma", "gqa_packed/simt", "gqa_packed/mma"]
+    assert [s.label for s in sweep_plan.slots_for(jobs[0], list(sweep_plan.DEFAULT_ARMS))] == [  # 32/8/128: no pack
+        "unpacked/simt", "unpacked/mma", "splitk/simt", "splitk/mma"]
+    assert [s.label for s in sweep_plan.slots_for(jobs[13], [])] == [  # 64/8/128: group 8
+        "default/mma/h1", "default/mma/h2", "default/mma/h4", "default/mma/h8"]
 
 
-# -- the capability hook: the new kernel API switches everything on -----------------------------------------
+# -- the mma self-test: a device that disagrees gets simt, and the harness says so --------------------------
 
-
-class NewApiStandIn:
-    def __init__(self, num_q_heads, num_kv_heads, head_dim, page_size, *, impl=None, heads_per_cta=None, **kw):
-        pass
-
-
-def test_kernel_impls_reads_the_signature():
-    today = kernel_impls()
-    assert today.impls == (None,) and not today.heads_per_cta and not today.comparison
-    assert today.options("mma", 4) == {} and "not available in this build" in today.why_not("impl")
-    new = kernel_impls(NewApiStandIn)
-    assert new.impls == ("simt", "mma") and new.heads_per_cta and new.sweep_impl() == "mma"
-    assert new.options("mma", 4) == {"impl": "mma", "heads_per_cta": 4} and new.why_not("impl") == ""
-
-
-NEW_API_DRIVER = r"""
-import sys
+DISAGREEING_DEVICE_DRIVER = r"""
+import json, sys
 sys.path.insert(0, sys.argv[1])
-import metrale_attn
-
-Real = metrale_attn.DecodeAttention
-
-
-class NewPlan:  # today's plan plus the new API's two fields
-    def __init__(self, plan, impl, heads_per_cta):
-        self._plan, self.impl, self.heads_per_cta = plan, impl, heads_per_cta
-
-    def __getattr__(self, name):
-        return getattr(self._plan, name)
-
-
-class NewApiAttention:  # today's kernels behind the new API's signature
-    def __init__(self, *args, impl=None, heads_per_cta=None, **kwargs):
-        self._real = Real(*args, **kwargs)
-        group = self._real.shape.group_size
-        if impl not in (None, "simt", "mma"):
-            raise ValueError(f"impl {impl!r}")
-        if heads_per_cta is not None and (impl == "simt" or group % heads_per_cta):
-            raise ValueError(f"heads_per_cta={heads_per_cta} must divide the group size {group} (mma only)")
-        self.impl, self.forced = impl or "mma", heads_per_cta
-
-    def plan(self, n):
-        p = self._real.plan(n)
-        rule = 1 if self.impl == "simt" else 6 if p.arm == "gqa_packed" else 2 if n >= 2 else 1
-        return NewPlan(p, self.impl, self.forced or rule)
-
-    def run(self, *args, **kwargs):
-        return self._real.run(*args, **kwargs)
-
-    def target_line(self):
-        return self._real.target_line()
-
-
-metrale_attn.DecodeAttention = NewApiAttention
+from metrale_attn.backends.cpu_backend import CpuBackend
+CpuBackend.verify_mma = lambda self: ["mma.m16n8k16 bf16"]  # as the CuPy backend reports a disagreeing device
 import bench_decode, l2_probe
-sys.exit((l2_probe if sys.argv[2] == "l2_probe" else bench_decode).main(sys.argv[3:]))
+rc = bench_decode.main(sys.argv[3:])
+manifest = l2_probe.run_target(sys.argv[2], cpu=True, batch=1, context=64)
+sys.exit(rc)
 """
 
 
-def test_the_new_kernel_api_switches_on_the_comparison_the_sweep_and_the_probe(tmp_path):
-    """A stand-in with ``impl=`` and ``heads_per_cta=`` (today's kernels underneath): without an edit
-    to the harness, both implementations are timed, the heads_per_cta tier runs (invalid values
-    recorded, the plan's choice marked), and the probe's target launches old and new kernels."""
+def test_a_device_that_fails_the_mma_self_test_runs_simt_and_the_run_says_so(tmp_path):
+    """DecodeAttention warns and builds simt: ``impls.build`` sees it from the plan of what was built, the sweep
+    records the warning and times no mma row (status ``fallback``), the probe profiles no mma launch, and the
+    step table and the verdict say FALLBACK."""
+    from metrale_attn.backends.cpu_backend import CpuBackend
+
+    class Disagreeing(CpuBackend):
+        def verify_mma(self):
+            return ["ldmatrix.x4"]
+
+    built = impls.build(bench_decode.DecodeAttention, 8, 2, 64, 16, q_dtype="bf16", kv_dtype="bf16", max_batch=2,
+                        backend=Disagreeing(), impl="mma")
+    assert built.fell_back and built.impl == "simt" and "ldmatrix.x4" in built.fallback_reason()
+    assert not impls.build(bench_decode.DecodeAttention, 8, 2, 64, 16, q_dtype="bf16", kv_dtype="bf16", max_batch=2,
+                           backend="cpu", impl="mma").fell_back
+    with pytest.raises(ValueError, match="heads_per_cta"):  # a bad heads_per_cta is the build's refusal
+        impls.build(bench_decode.DecodeAttention, 8, 2, 64, 16, q_dtype="bf16", kv_dtype="bf16", max_batch=2,
+                    backend="cpu", heads_per_cta=3)
+
     driver = tmp_path / "driver.py"
-    driver.write_text(NEW_API_DRIVER)
-    out = tmp_path / "out"
-    done = subprocess.run([sys.executable, str(driver), BENCH, "bench", "--cpu", "--out-dir", str(out),
-                           "--decisive-dtypes", "bf16", "--rest", "off"], cwd=REPO, capture_output=True, text=True,
+    driver.write_text(DISAGREEING_DEVICE_DRIVER)
+    out, manifest = tmp_path / "out", tmp_path / "manifest.json"
+    done = subprocess.run([sys.executable, str(driver), BENCH, str(manifest), "--cpu", "--out-dir", str(out),
+                           "--decisive", "6/1/256:1:64", "--decisive-dtypes", "bf16", "--hpc-models", "4/1/64",
+                           "--hpc-batches", "1", "--rest", "off"], cwd=REPO, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     (name,) = [f for f in os.listdir(out) if f.endswith("_bench.json")]
     result = json.loads((out / name).read_text())
-    caps = result["kernel_impls"]
-    assert caps["comparison"] and caps["heads_per_cta"] and caps["default_impl"] == "mma"
-    arms = [r for r in result["rows"] if r["tier"] == "decisive-bf16"]
-    assert {(r["arm"], r["kernel_impl"]) for r in arms} == {(a, i) for a in ("unpacked", "splitk", "gqa_packed")
-                                                             for i in ("simt", "mma")}
-    (default,) = [r for r in arms if r["default"]]
-    assert (default["arm"], default["kernel_impl"], default["heads_per_cta"]) == ("splitk", "mma", 2)
-    hpc = {r["heads_per_cta"]: r for r in result["rows"] if r.get("sweep") == "heads_per_cta"}
-    assert hpc[4]["status"] == hpc[8]["status"] == "invalid" and "does not divide" in hpc[8]["reason"]
-    assert hpc[1]["median_us"] > 0 and hpc[2]["hpc_choice"] and not hpc[1]["hpc_choice"]
-    assert result["hpc_sweep"]["choices"] == {"2": 2}
-    md = (out / name.replace(".json", ".md")).read_text()
-    assert "| unpacked/mma us (% copy) |" in md and "mma speed-up" in md and "h=2" in md
-    progress = [line for line in done.stdout.splitlines() if line.startswith("[bench ")]
-    assert any("pack/mma " in line for line in progress) and all(len(line) < 160 for line in progress), progress
-    manifest = tmp_path / "manifest.json"
-    done = subprocess.run([sys.executable, str(driver), BENCH, "l2_probe", "target", "--cpu", "--manifest",
-                           str(manifest)], cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout + done.stderr
+    record = result["kernel_impls"]["selftest"]
+    assert record["status"] == "fallback" and "disagree" in record["detail"] and result["kernel_impls"][
+        "default_impl"] == "simt"
+    ours = [r for r in result["rows"] if r["impl"] == "metrale"]
+    assert {r["status"] for r in ours if r["impl_asked"] == "mma"} == {"fallback"}
+    assert all(r["kernel_impl"] == "simt" for r in ours if r.get("median_us") is not None)
+    assert [(r["arm"], r["kernel_impl"]) for r in ours if r["default"]] == [("splitk", "simt")]
+    assert [r["status"] for r in ours if r.get("sweep") == "heads_per_cta"] == ["fallback"] * 3
+    assert "mma self-test: fallback" in done.stdout
     launches = json.loads(manifest.read_text())["launches"]
-    assert [(x["arm"], x["impl"]) for x in launches[:4]] == [("unpacked", "simt"), ("unpacked", "mma"),
-                                                             ("splitk", "simt"), ("splitk", "mma")]
-    assert len(launches) == 12 and not any(x.get("error") for x in launches)
+    assert {x["impl"] for x in launches if x.get("kernels")} == {"simt"}
+    assert all(x.get("fallback") for x in launches if x["impl"] == "mma")
+    assert steps.selftest_verdict(str(out / name))[0] == "FALLBACK"
+    table = [dict(name="mma_selftest", status="FALLBACK", seconds="0", detail=record["detail"])]
+    _, text = summarize.render(table, {}, result, "9")
+    assert "mma self-test: FELL BACK to simt" in text and "fallback[-]" in text
+    assert text.splitlines()[-1].startswith("OVERALL (CPU dry run): FAIL (mma_selftest FALLBACK)")
 
 
 # -- the L2 probe ---------------------------------------------------------------------------------------
 
 FAKE_NCU = r"""#!PYTHON
 # A stand-in for ncu: runs the target, then writes ncu-style raw CSV for the kernels its manifest lists.
-import csv, json, os, subprocess, sys
+import csv, json, os, re, subprocess, sys
 args = sys.argv[1:]
 mode = os.environ.get("FAKE_NCU", "ok")
 log = args[args.index("--log-file") + 1]
@@ -421,6 +416,7 @@ if mode == "badmetric" and "--section" in args:
     sys.exit(1)
 subprocess.check_call(target)
 manifest = json.load(open(target[target.index("--manifest") + 1]))
+wanted = re.compile(args[args.index("--kernel-name") + 1].removeprefix("regex:"))  # ncu profiles these only
 metrics = args[args.index("--metrics") + 1].split(",")
 stall = "smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio"
 header = ["ID", "Kernel Name"] + metrics + [stall]
@@ -434,6 +430,8 @@ with open(log, "w") as f:
     i = 0
     for launch in manifest["launches"]:
         for j, kernel in enumerate(launch["kernels"]):
+            if not wanted.search(kernel):
+                continue
             dram = launch["kv_bytes"] if j == 0 else 4096  # the merge reads little
             l2 = dram * launch["group"] / launch["heads_per_cta"] if j == 0 else dram
             values = {"dram__bytes_read.sum": f"{dram / 1000:,.3f}", "lts__t_sectors_srcunit_tex_op_read.sum": l2 / 32,
@@ -461,17 +459,21 @@ def test_the_l2_probe_parses_ncu_and_records_a_refusal(tmp_path, mode, status, p
         assert "ERR_NVGPUCTRPERM" in result["detail"] and not result["rows"]
         return
     rows = result["rows"]
-    assert [(r["shape"], r["arm"]) for r in rows] == [(s, a) for s in ("2/2/256", "8/2/256", "16/2/256")
-                                                      for a in ("unpacked", "splitk")]
-    for r in rows:  # one head per CTA today: L2 serves each KV row G times
-        assert r["l2_over_dram"] == pytest.approx(r["group"]) and r["expected_l2_over_dram"] == r["group"]
+    assert [(r["shape"], r["arm"], r["impl"]) for r in rows] == [
+        (s, a, i) for s in ("2/2/256", "8/2/256", "16/2/256") for a in ("unpacked", "splitk") for i in ("simt", "mma")]
+    assert result["impls"] == ["simt", "mma"] and result["selftest"]["status"] == "ok"
+    for r in rows:  # L2 serves each KV row G / heads_per_cta times (the plan's heads per CTA)
+        assert r["expected_l2_over_dram"] == r["group"] / r["heads_per_cta"]
+        assert r["l2_over_dram"] == pytest.approx(r["expected_l2_over_dram"])
         assert r["dram_bytes"] == r["kv_bytes"] and r["time_us"] == pytest.approx(50.0)
+        assert r["kernel"] == ("paged_" if r["impl"] == "simt" else "") + "decode_" + r["arm"]
+        assert r["other_kernels"] == []  # the merges (and the mma self-test) are not profiled
         if mode == "ok":
             assert r["stalls"] == [["long_scoreboard", 7.5]] and r["issue_slots_pct"] == 25.5
-    assert [k["kernel"] for k in rows[1]["other_kernels"]] == ["paged_decode_splitk_merge"]
+    assert all(r["heads_per_cta"] == 1 for r in rows if r["impl"] == "simt")
     text = "\n".join(l2_probe.probe_text(result))
     assert "L2 probe: ok" in text and max(len(line) for line in text.splitlines()) < 120
-    assert "| 16/2/256 | 8 | splitk |" in "\n".join(l2_probe.probe_markdown(result))
+    assert "| 16/2/256 | 8 | splitk | mma |" in "\n".join(l2_probe.probe_markdown(result))
 
 
 def test_ncu_csv_parsing_scales_units_and_skips_noise():
@@ -529,21 +531,49 @@ def test_flashinfer_prewarm_builds_the_decode_variants_first_and_drops_what_cann
 
 def test_predictions_join_by_variant_on_the_device_arch(tmp_path):
     path = tmp_path / "sass.json"
-    path.write_text(json.dumps(SASS_ROWS + [dict(SASS_ROWS[0], impl="mma", ceiling_pct=95.0, heads_per_cta=6)]))
+    old = {k: v for k, v in _sass_row("simt", "unpacked", 1, 33.0).items() if k != "impl"}  # a report before impl=
+    path.write_text(json.dumps(SASS_ROWS[1:] + [old]))  # SASS_ROWS[0] is the simt unpacked bf16 row
     p = predictions.Predictions.load(str(path), "sm_90")
     key = dict(arm="unpacked", q_heads=6, kv_heads=1, head_dim=256, q_dtype="bf16")
-    assert p.lookup(**key, kv_dtype="bf16", heads_per_cta=1)["ceiling_pct"] == 88.0
-    assert p.lookup(**key, kv_dtype="fp8", heads_per_cta=1)["binding"] == "alu"  # fp8 is fp8_e4m3 there
-    assert p.lookup(**key, kv_dtype="bf16", heads_per_cta=6, impl="mma")["ceiling_pct"] == 95.0
-    assert p.lookup(**key, kv_dtype="bf16", heads_per_cta=6, impl="simt") is None
+    assert p.lookup(**key, impl="simt", kv_dtype="fp8", heads_per_cta=1)["binding"] == "alu"  # fp8: fp8_e4m3 there
+    assert p.lookup(**key, impl="mma", kv_dtype="bf16", heads_per_cta=6)["ceiling_pct"] == 99.0
+    assert p.lookup(**key, impl="mma", kv_dtype="bf16", heads_per_cta=1) is None  # only the group's largest
+    assert p.lookup(**key, impl="simt", kv_dtype="bf16", heads_per_cta=1)["ceiling_pct"] == 33.0  # no impl: simt
+    packed = dict(key, arm="gqa_packed", kv_dtype="bf16", heads_per_cta=6)  # the same key but the implementation
+    assert [p.lookup(**packed, impl=i)["ceiling_pct"] for i in ("simt", "mma")] == [60.0, 97.0]
     assert predictions.Predictions.load(str(path), "9.0").rows == p.rows
-    assert predictions.Predictions.load(str(path), "sm_100").lookup(**key, kv_dtype="bf16",
+    assert predictions.Predictions.load(str(path), "sm_100").lookup(**key, impl="simt", kv_dtype="bf16",
                                                                     heads_per_cta=1)["ceiling_pct"] == 1.0
     missing = predictions.Predictions.load(str(tmp_path / "none.json"), "sm_90")
-    assert missing.lookup(**key, kv_dtype="bf16", heads_per_cta=1) is None
+    assert missing.lookup(**key, impl="simt", kv_dtype="bf16", heads_per_cta=1) is None
     assert "no prediction" in missing.describe()["note"]
     assert predictions.ratio(80.0, {"ceiling_pct": 88.0}) == pytest.approx(80 / 88)
     assert predictions.ratio(None, {"ceiling_pct": 88.0}) is None and predictions.ratio(80.0, None) is None
+
+
+def test_the_committed_sass_model_predicts_every_decisive_variant_of_both_implementations():
+    """benchmarks/results/sass_model.json (``sass_report.py --json``) joined as the sweep joins it: every forced
+    arm on simt and mma at every decisive configuration, at the heads per CTA its plan on an H200 runs. The
+    report gives mma at the group's largest heads per CTA only, so the one plan that picks fewer (unpacked, one
+    sequence: 8 KV heads x 4 / h CTAs, h = 1 to cover half the SMs) has none."""
+    from metrale_attn.plan import make_plan
+    from metrale_attn.targets import get_target, resolve_defaults
+
+    p = predictions.Predictions.load(os.path.join(BENCH, "results", "sass_model.json"), "sm_90")
+    decisive, missing = [j for j in _planned() if j.tier.startswith("decisive")], []
+    for job in decisive:
+        c = job.config
+        for slot in sweep_plan.slots_for(job, list(sweep_plan.DEFAULT_ARMS)):
+            defaults = resolve_defaults(get_target("hopper"), environ={}, **sweep_plan.arm_options(slot.arm))
+            plan = make_plan(defaults, c.shape, c.batch, max_batch=c.batch, impl=slot.impl)
+            found = p.lookup(impl=plan.impl, arm=plan.arm, q_heads=c.shape.num_q_heads,
+                             kv_heads=c.shape.num_kv_heads, head_dim=c.shape.head_dim, q_dtype="bf16",
+                             kv_dtype=c.kv_dtype, heads_per_cta=plan.heads_per_cta)
+            if found is None:
+                missing.append((c.short(), slot.label, plan.heads_per_cta))
+            else:
+                assert isinstance(found["ceiling_pct"], float) and found["binding"], (c.short(), slot.label)
+    assert missing == [(f"llama-3-8b {kv} b1 32k", "unpacked/mma", 1) for kv in ("bf16", "fp8")]
 
 
 def test_bytes_per_call_count_k_and_v_q_and_out():
@@ -656,21 +686,25 @@ def test_markdown_gives_percent_of_copy_for_every_arm():
 
 def full_size_result(copy: float = 4.3) -> dict:
     """The largest result a full run can bring back: every job of the full profile, both kernel
-    implementations, every baseline on the decisive configurations, a 12-kernel L2 probe."""
-    caps = kernel_impls(NewApiStandIn)
+    implementations (mma twice as fast), every baseline on the decisive configurations, the heads_per_cta
+    sweep on both groups, a 12-kernel L2 probe."""
     rows = []
     for job in sweep_plan.plan_jobs(bench_decode.parse_args([])):
         c = job.config
-        timing = bench_decode.Timing(123.4, 120.0, 130.0, 20, "cuda-graph")
-        for slot in sweep_plan.slots_for(job, caps, list(sweep_plan.DEFAULT_ARMS)):
-            row = bench_decode.make_row(c, "metrale", arm=slot.arm, timing=timing, copy_tb_per_s=copy, status="ok",
+        at = lambda pct: c.bytes_moved / (pct / 100 * copy * 1e12) * 1e6  # noqa: E731  (us at pct % of copy)
+        for slot in sweep_plan.slots_for(job, list(sweep_plan.DEFAULT_ARMS)):
+            us = at(92.0 if slot.impl == "mma" else 46.0)
+            row = bench_decode.make_row(c, "metrale", arm=slot.arm, copy_tb_per_s=copy, status="ok",
+                                        timing=bench_decode.Timing(us, us, us, 20, "cuda-graph"),
                                         check={"status": "ok"}, slot=slot, tier=job.tier,
                                         default=(slot.arm, slot.impl) == ("splitk", "mma"),
-                                        extra=dict(sass={"ceiling_pct": 91.0, "binding": "issue"}))
+                                        extra=dict(sass={"ceiling_pct": 100.0 if slot.impl == "mma" else 41.0,
+                                                         "binding": "hbm"}))
             if job.kind == "hpc":
                 row.update(sweep="heads_per_cta", hpc_choice=slot.heads_per_cta == 4)
             rows.append(row)
         late = sweep_plan.LATE_BASELINES if job.tier.startswith("decisive") else ()
+        timing = bench_decode.Timing(at(60.0), at(60.0), at(60.0), 20, "cuda-graph")
         for name in job.baselines + late:
             rows.append(bench_decode.make_row(c, name, timing=timing, copy_tb_per_s=copy, status="ok", tier=job.tier))
     probe_rows = [dict(shape=s, group=g, arm=a, impl=i, heads_per_cta=1 if i == "simt" else g, status="ok",
@@ -682,9 +716,10 @@ def full_size_result(copy: float = 4.3) -> dict:
     result = {"mode": "gpu", "profile": "full", "copy_tb_per_s": copy, "copy_bandwidth": {"tb_per_s": copy},
               "environment": {"device": {"name": "NVIDIA H200", "sm_count": 132}}, "rows": rows, "not_measured": [],
               "budget": {"stopped_early": True, "reason": "time budget of 290 s spent"},
-              "kernel_impls": {"impls": ["simt", "mma"], "comparison": True, "heads_per_cta": True,
-                               "default_impl": "mma"},
-              "hpc_sweep": {"status": "planned", "choices": {"1": 1, "16": 4, "64": 4}},
+              "kernel_impls": {"impls": ["simt", "mma"], "default_impl": "mma", "selftest": {
+                  "status": "ok", "detail": "the device agrees with the emulation; the mma rows ran mma"}},
+              "hpc_sweep": {"status": "planned", "choices": {f"{m} b{b}": 4 for m in ("llama-3-8b", "llama-3-70b")
+                                                             for b in (1, 16, 64)}},
               "l2_probe": {"status": "ok", "detail": "12 of 12 kernels profiled in 1 ncu pass(es)", "rows": probe_rows}}
     result["targets"] = bench_report.evaluate_targets(result)
     return result
@@ -692,20 +727,32 @@ def full_size_result(copy: float = 4.3) -> dict:
 
 def test_the_short_table_of_a_full_run_fits_the_device_tools_output_tail():
     """The device tool returns the last 12,000 characters: the table printed last must leave room for the
-    progress lines above it, in short lines."""
+    progress lines above it, in short lines, and compare simt with mma on every decisive configuration in % of
+    copy, the SASS model's prediction beside each."""
     result = full_size_result()
     names = ["wheels", "import", "environment", "sanitize_memcheck", "sanitize_racecheck", "sanitize_initcheck",
-             "gpu_tests", "l2_probe", "sass_model", "benchmark", "flashinfer_jit"]
+             "gpu_tests", "l2_probe", "sass_model", "benchmark", "mma_selftest", "flashinfer_jit"]
     table = [dict(name=n, status="ok", seconds="99", detail="x" * 300) for n in names]
     _, text = summarize.render(table, {}, result, "463")
     lines = text.splitlines()
     assert len(text) < 8000 and max(map(len, lines)) <= 120, (len(text), max(lines, key=len))
-    assert lines[-1].startswith("OVERALL: ok; targets T1")
-    assert "old vs new kernels: mma over simt 1.00x min" in text and "L2 probe: ok" in text
-    assert any(line.startswith("  b16:") and "h4*" in line for line in lines)
+    assert lines[-1].startswith("OVERALL: ok; targets T1 PASS, T2 PASS, T3 PASS, C PASS")
+    assert "old vs new kernels: mma over simt 2.00x min" in text and "L2 probe: ok" in text
+    assert "mma self-test: ok" in text
+    decisive = [job for job in sweep_plan.plan_jobs(bench_decode.parse_args([])) if job.tier.startswith("decisive")]
+    for job in decisive:  # the configuration's first arm line: simt and mma in % of copy with [prediction], x2.00
+        c = job.config
+        label = f"{c.model} {c.kv_dtype} b{c.batch} {bench_report._ctx(c.context)}"
+        (line,) = [line for line in lines if line.startswith(f"  {label} ")]
+        assert re.search(r" unp +\d+\.\d\[41\] +\d+\.\d\[100\] +2\.00x  sdpa\+g \d+\.\d  sdpa \d", line), line
+    spk = [line for line in lines if re.match(r"^ {27}spk +\d+\.\d\[41\] +\d+\.\d\*\[100\] +2\.00x$", line)]
+    assert len(spk) == len(decisive)
+    assert sum(1 for line in lines if re.match(r"^ {27}pack ", line)) == 2  # 24/4/256, bf16 and fp8
+    assert any(line.startswith("  llama-3-8b b16:") and "h4*" in line and "h8" not in line for line in lines)
+    assert any(line.startswith("  llama-3-70b b64:") and "h4*" in line and "h8 " in line for line in lines)
     md = bench_report.render_markdown(result)
     assert "| unpacked/simt us (% copy) | unpacked/mma us (% copy) | split-K/simt us (% copy) |" in md
-    assert "mma speed-up" in md
+    assert "mma speed-up" in md and "llama-3-70b (64/8/128, group 8), mma kernels" in md
 
 
 # -- the GPU sweep's control flow, on the CPU, with fakes (needs PyTorch) --------------------------------

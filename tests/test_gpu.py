@@ -145,10 +145,11 @@ def test_a_captured_cuda_graph_replays_with_seq_lens_changed_in_place():
     check_against_reference(changed, cupy.asnumpy(out), cupy.asnumpy(lse))
 
 
-def test_the_benchmark_timer_captures_torch_inputs_on_its_own_stream():
-    """bench_decode.py times ``run`` on torch tensors through ``GpuTimer.capture_cupy``: the graph
-    must hold the launch (torch's current stream is the timer's inside the capture), or the
-    sweep would time an empty graph and read NaN back."""
+@pytest.mark.parametrize("impl", ["simt", "mma"])
+def test_the_benchmark_timer_captures_torch_inputs_on_its_own_stream(impl):
+    """bench_decode.py times ``run`` on torch tensors through ``GpuTimer.capture_cupy``, on both kernel
+    implementations: the graph must hold the launch (torch's current stream is the timer's inside the
+    capture), or the sweep would time an empty graph and read NaN back."""
     torch = pytest.importorskip("torch")
     import os
     import sys
@@ -157,7 +158,9 @@ def test_the_benchmark_timer_captures_torch_inputs_on_its_own_stream():
     from gpu_timing import GpuTimer
 
     p = problem(seed=7, page_size=16, seq_lens=(700, 5), head_dim=128, num_q_heads=8, num_kv_heads=2)
-    attn = decoder(p, backend="cupy")
+    attn = decoder(p, backend="cupy", impl=impl, splitk="4", heads_per_cta=4 if impl == "mma" else None)
+    if attn.plan(2).impl != impl:  # the device failed the mma self-test (the harness records that itself)
+        pytest.skip(f"impl={impl!r} built {attn.plan(2).impl!r} on this device")
     q, k, v, bt, sl = _torch_inputs(torch, p)
     out = torch.empty_like(q)
     call = lambda: attn.run(q, k, v, bt, sl, out=out)  # noqa: E731
