@@ -22,7 +22,6 @@ NUMPY_DTYPES = {
     FP16: np.dtype(np.float16),
     FP8: np.dtype(ml_dtypes.float8_e4m3fn),
 }
-ITEMSIZE = {name: dtype.itemsize for name, dtype in NUMPY_DTYPES.items()}
 CODE_DEFINES = {BF16: "PD_DTYPE_BF16", FP16: "PD_DTYPE_FP16", FP8: "PD_DTYPE_FP8_E4M3"}
 """The kernels' ``#define`` naming each type's code (read back from the header)."""
 

@@ -31,8 +31,6 @@ class Module:
         self.name = name
         self.path = Path(path)
         self.asan = asan
-        self.static_shared_bytes = meta.get("static_shared_bytes", 0)
-        self._meta = meta
         self._index = {k["name"]: i for i, k in enumerate(meta["kernels"])}
         self._params = {k["name"]: tuple(Param(**p) for p in k["params"]) for k in meta["kernels"]}
         self.kernels: tuple[str, ...] = tuple(self._index)
