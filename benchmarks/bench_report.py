@@ -2,7 +2,7 @@
 
 This module owns the presentation of a run, not its measurement:
 
-- ``evaluate_targets``: the performance bar of DESIGN.md as pass/fail lines:
+- ``evaluate_targets``: the performance bar of docs/architecture.md as pass/fail lines:
   T1 >= 90% of the copy bandwidth for batch >= 16 at context >= 4k (the policy's
   default arm), T2 >= 80% for batch 1 at context >= 32k on the split-K arm (the
   default kernel implementation), T3 faster than every baseline that ran (same

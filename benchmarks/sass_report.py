@@ -89,8 +89,8 @@ ASSUMPTIONS: dict[str, Assumption] = {
                           "for 13-34 MB data sets that stay in L2"),
     "latency_short_ns": Assumption(500, "ns", "DRAM load latency, lightly loaded: gpu-benches gpu-latency/"
                                    "h100_pcie.txt reads ~650 cycles at 1.755 GHz (~370 ns) unloaded; plus queueing"),
-    "latency_long_ns": Assumption(800, "ns", "DRAM load latency near the bandwidth limit (DESIGN.md's ~800 ns; "
-                                  "loaded latency is not in the public benches: to be measured)"),
+    "latency_long_ns": Assumption(800, "ns", "DRAM load latency near the bandwidth limit (docs/architecture.md's "
+                                  "~800 ns; loaded latency is not in the public benches: to be measured)"),
     "issue_per_clk": Assumption(4, "warp instr/clk/SM", "4 SM sub-partitions (warp schedulers), one warp "
                                 "instruction each per clock (CUDA C++ Programming Guide, 'Hardware "
                                 "Multithreading'; NVIDIA H100 Tensor Core GPU Architecture whitepaper)"),

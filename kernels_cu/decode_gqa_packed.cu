@@ -1,4 +1,4 @@
-// decode_gqa_packed.cu: the seed's GQA-packed paged decode on the tensor-core core (impl
+// decode_gqa_packed.cu: the gated GQA-packed paged decode on the tensor-core core (impl
 // "mma"): the PD_GQA query heads of one KV head in one CTA, head dim PD_HDIM only.
 //
 // Computes the same function as decode_unpacked.cu (same core, rows = PD_GQA), so its

@@ -241,10 +241,9 @@ class DecodeAttention:
         device = self.backend.device()
         if device is None:  # no GPU: the target's table stands in
             return get_target(name or DEFAULT_TARGET)
-        _, capability, sm_count, _ = device
         if name is None:
-            return detect_target(capability, sm_count)
-        return replace(get_target(name), sm_count=sm_count)
+            return detect_target(device.compute_capability, device.sm_count)
+        return replace(get_target(name), sm_count=device.sm_count)
 
     def _allocate_workspace(self):
         spec = self.workspace_spec

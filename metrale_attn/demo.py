@@ -51,7 +51,7 @@ def run_demo(backend: Optional[str] = None, target: Optional[str] = None, seed: 
     ulps = tolerance.ulp_distance(got, tolerance.round_to(ref_out, got.dtype))
     ok = tolerance.close_to_reference_mask(got, ref_out, v_absmax=problem.v_absmax())
     lse_err = float(np.max(np.abs(np.asarray(be.host_copy(lse)) - ref_lse)))
-    kind = "GPU kernel time" if be.name == "cupy" else "CPU-backend time (a simulator, not kernel performance)"
+    kind = "CPU-backend time (a simulator, not kernel performance)" if be.emulated else "GPU kernel time"
     print(f"worst error: {int(ulps.max())} ulp (bf16) over {got.size} outputs; lse max abs error {lse_err:.2e}")
     print(f"{kind}: {elapsed * 1e3:.1f} ms, first call")
     print("PASS: within 1 ulp of the float64 reference" if ok.all() else f"FAIL: {int((~ok).sum())} outputs off")
@@ -60,9 +60,5 @@ def run_demo(backend: Optional[str] = None, target: Optional[str] = None, seed: 
 
 def _to_backend(be, problem):
     arrays = (problem.q, problem.k_cache, problem.v_cache, problem.block_tables, problem.seq_lens)
-    if be.name == "cpu":
-        return arrays
-    import cupy
-
-    # CuPy has no fp8 dtype: the cache travels as its uint8 bits, which run() accepts.
-    return tuple(cupy.asarray(a.view(np.uint8) if a.dtype.itemsize == 1 else a) for a in arrays)
+    # CuPy has no fp8 dtype: the cache travels as its uint8 bits, which run() accepts on every backend.
+    return tuple(be.upload(a.view(np.uint8) if a.dtype.itemsize == 1 else a) for a in arrays)

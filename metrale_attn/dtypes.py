@@ -25,7 +25,6 @@ NUMPY_DTYPES = {
     FP8: np.dtype(ml_dtypes.float8_e4m3fn),
     FP8_E5M2: np.dtype(ml_dtypes.float8_e5m2),
 }
-ITEMSIZE = {name: dtype.itemsize for name, dtype in NUMPY_DTYPES.items()}
 CODE_DEFINES = {BF16: "PD_DTYPE_BF16", FP16: "PD_DTYPE_FP16", FP8: "PD_DTYPE_FP8_E4M3",
                 FP8_E5M2: "PD_DTYPE_FP8_E5M2", "float32": "PD_DTYPE_FP32"}
 """The kernels' ``#define`` naming each type's code (read back from the header)."""

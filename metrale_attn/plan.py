@@ -4,9 +4,10 @@ policy (rules) -> plan (this module: implementation, arm, split count, heads per
 CTA, grids, workspace) -> kernels (what to compile) -> launch (backends). A plan is
 frozen and cheap; ``DecodeAttention`` memoizes one per batch size. Dispatch rule:
 one split -> the GQA-packed kernel if armed and the shape fits, else the unpacked
-kernel; more -> split-K, then merge. The split count comes from the seed's policy
+kernel; more -> split-K, then merge. The split count comes from the launch policy
 alone; ``heads_per_cta`` from ``heads_per_cta_for``, which may read the batch
-because a head's bytes do not depend on which heads share its CTA.
+because a head's bytes do not depend on which heads share its CTA. The rules and
+their worked numbers: docs/launch-policy.md.
 """
 
 from __future__ import annotations

@@ -11,9 +11,10 @@ would change a sequence's output bytes depending on what it is batched with.
 ``auto`` and pinned counts depend only on ``(sm_count, num_q_heads)``; only
 ``legacy`` reads the batch.
 
-All counts follow the specification's unsigned 32-bit arithmetic: arguments must
-lie in ``0 .. 2**32 - 1`` and products saturate at ``2**32 - 1`` instead of wrapping.
-A count may be any ``numbers.Integral`` (a NumPy integer too) but not a bool.
+All counts are unsigned 32-bit integers: arguments must lie in ``0 .. 2**32 - 1``
+and products saturate at ``2**32 - 1`` instead of wrapping. A count may be any
+``numbers.Integral`` (a NumPy integer too) but not a bool. The rules, their constants
+and the reasons behind them, with worked numbers: docs/launch-policy.md.
 """
 
 from __future__ import annotations
@@ -57,8 +58,8 @@ partial) near 1% of the bytes it streams. The split-K kernel receives it as
 ``-DPD_MIN_KV_PER_SPLIT``; this constant is its only source.
 """
 
-# Rust's str::trim strips the Unicode White_Space set; Python's str.strip() would
-# also strip U+001C..U+001F, which the specification's parser keeps (and rejects).
+# Spellings are trimmed of the Unicode White_Space set only. Python's str.strip() would
+# also strip U+001C..U+001F, which are not White_Space: "\x1c4" must not parse as 4.
 _WHITESPACE = (
     "\t\n\x0b\x0c\r \x85\xa0\u1680\u2000\u2001\u2002\u2003\u2004\u2005\u2006"
     "\u2007\u2008\u2009\u200a\u2028\u2029\u202f\u205f\u3000"

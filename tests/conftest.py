@@ -80,7 +80,8 @@ def check_against_reference(p: Problem, out, lse, sm_scale=None):
 
 
 ARCHES = tuple(sorted({t.arch for t in TARGETS.values()} | {"sm_120"}, key=lambda a: int(a[3:])))
-"""Every target's architecture, and sm_120 (consumer Blackwell), which DESIGN.md names."""
+"""Every target's architecture, and sm_120 (consumer Blackwell), which the build bar names too
+(docs/architecture.md)."""
 
 SPOT_VARIANTS = (
     kernels.Variant("unpacked", 256, "fp16", "bf16", "mma", 1, {"mt", "win", "cap", "sink", "of32"}),  # most registers

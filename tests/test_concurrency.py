@@ -5,7 +5,6 @@ from __future__ import annotations
 import threading
 import warnings
 
-import numpy as np
 import pytest
 
 from metrale_attn.attention import StreamReuseWarning

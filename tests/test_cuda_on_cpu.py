@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from metrale_attn.cuda_on_cpu import CudaOnCpuCompileError, CudaOnCpuError, compile_module, loader
+from metrale_attn.cuda_on_cpu import CudaOnCpuCompileError, CudaOnCpuError, Module, abi, asan, build, compile_module
 
 from conftest import TOYS, toy_source
 
@@ -49,7 +49,7 @@ def line_of(name: str, needle: str) -> int:
 
 rng = np.random.default_rng(20240607)
 
-needs_asan = pytest.mark.skipif(loader.libasan_path() is None, reason="the host compiler has no libasan.so")
+needs_asan = pytest.mark.skipif(asan.libasan_path() is None, reason="the host compiler has no libasan.so")
 
 
 # ---------------------------------------------------------------------------------------
@@ -255,7 +255,7 @@ def test_the_module_lists_its_kernels_and_their_parameters():
     params = mod.params("takes_everything")
     assert [p.name for p in params] == ["x", "y", "n", "u", "ll", "f", "vec"]
     assert [(p.kind, p.size) for p in params[2:6]] == [
-        (loader.SIGNED, 4), (loader.UNSIGNED, 4), (loader.SIGNED, 8), (loader.FLOAT, 4)]
+        (abi.SIGNED, 4), (abi.UNSIGNED, 4), (abi.SIGNED, 8), (abi.FLOAT, 4)]
     assert params[0].pointee_const and not params[1].pointee_const
     assert params[6].pointee_size == 16 and params[6].pointee_align == 16
 
@@ -489,21 +489,21 @@ def test_the_ucontext_fallback_gives_the_same_results(monkeypatch):
 def test_a_second_compile_of_the_same_source_does_not_run_the_compiler(monkeypatch):
     src = toy_source("block_reduce") + "\n// cache test\n"
     first = compile_module(src, name="cache_probe")
-    calls = len(loader.compiler_calls)
+    calls = len(build.compiler_calls)
     assert compile_module(src, name="cache_probe") is first  # in-process memo
-    monkeypatch.setattr(loader, "_MEMO", {})  # a fresh process: only the disk cache is left
+    monkeypatch.setattr(build, "_MEMO", {})  # a fresh process: only the disk cache is left
     again = compile_module(src, name="cache_probe")
     assert again is not first and again.path == first.path
-    assert len(loader.compiler_calls) == calls
+    assert len(build.compiler_calls) == calls
     x, out = np.ones(128, np.float32), np.zeros(1, np.float32)
     again.launch("block_sum", (1, 1, 1), (128, 1, 1), 0, (x, out, np.int32(128)))
     assert out[0] == 128
     # Another define is another library.
     compile_module(src, name="cache_probe", defines={"UNUSED_KNOB": 1})
-    assert len(loader.compiler_calls) > calls
+    assert len(build.compiler_calls) > calls
 
 
-def _damage(kind: str, so: Path, meta: Path, other: "loader.Module") -> None:
+def _damage(kind: str, so: Path, meta: Path, other: Module) -> None:
     """Damage a cached library. Files are replaced, never rewritten in place: this process
     has the library mapped, and shrinking a mapped file would fault here too."""
 
@@ -535,11 +535,11 @@ def test_a_damaged_cached_library_is_rebuilt_instead_of_crashing_the_process(kin
     _damage(kind, good.path, good.path.with_suffix(".json"), toy("dynamic_shared"))
     code = (  # a fresh process, so only the disk cache is left; a crash must not take pytest with it
         "import numpy as np\n"
-        "from metrale_attn.cuda_on_cpu import compile_module, loader\n"
+        "from metrale_attn.cuda_on_cpu import build, compile_module\n"
         f"mod = compile_module({src!r}, name='damaged')\n"
         "x, out = np.ones(128, np.float32), np.zeros(1, np.float32)\n"
         "mod.launch('block_sum', (1, 1, 1), (128, 1, 1), 0, (x, out, np.int32(128)))\n"
-        "print(out[0], len(loader.compiler_calls) > 0)\n"
+        "print(out[0], len(build.compiler_calls) > 0)\n"
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=dict(os.environ))
     assert (r.returncode, r.stdout.split()) == (0, ["128.0", "True"]), r.stderr
@@ -564,7 +564,7 @@ def _read_only(directory: Path, monkeypatch) -> None:
 
 def _fresh_process(monkeypatch) -> None:
     for name, value in (("_MEMO", {}), ("_FALLBACK_DIRS", {}), ("_FALLBACK_WARNED", False)):
-        monkeypatch.setattr(loader, name, value)
+        monkeypatch.setattr(build, name, value)
 
 
 @pytest.mark.parametrize("how", ["a file stands where the directory should be", "read-only directory"])
@@ -579,7 +579,7 @@ def test_an_unwritable_cache_directory_falls_back_to_a_private_temporary_one_wit
         root.write_text("")
     monkeypatch.setenv("METRALE_ATTN_CACHE_DIR", str(root))
     _fresh_process(monkeypatch)
-    with pytest.warns(loader.CacheFallbackWarning) as caught:
+    with pytest.warns(build.CacheFallbackWarning) as caught:
         mods = [toy("block_reduce"), toy("dynamic_shared")]
     assert len(caught) == 1 and str(root) in str(caught[0].message)
     assert mods[0].path.parent == mods[1].path.parent != root / "cuda_on_cpu"
@@ -594,11 +594,11 @@ def test_valid_libraries_in_a_read_only_cache_are_used_without_a_rebuild_or_a_wa
     built = toy("block_reduce")
     _read_only(built.path.parent, monkeypatch)
     _fresh_process(monkeypatch)
-    calls = len(loader.compiler_calls)
+    calls = len(build.compiler_calls)
     with warnings.catch_warnings():
-        warnings.simplefilter("error", loader.CacheFallbackWarning)
+        warnings.simplefilter("error", build.CacheFallbackWarning)
         again = toy("block_reduce")
-    assert again.path == built.path and len(loader.compiler_calls) == calls
+    assert again.path == built.path and len(build.compiler_calls) == calls
 
 
 def test_a_bad_stack_size_variable_is_refused_naming_it(monkeypatch):

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from metrale_attn import tolerance
-from metrale_attn.backends import cuda_available
+from metrale_attn.backends import DeviceInfo, cuda_available, get_backend
 from metrale_attn.problems import Problem
 
 import ptx_toys
@@ -48,6 +48,18 @@ def _cases():
 def _heads(arm):
     return dict(num_q_heads=24, num_kv_heads=4) if arm == "gqa_packed" else dict(num_q_heads=8, num_kv_heads=2)
 
+
+
+def test_the_cupy_backend_describes_its_device_by_name_and_the_target_takes_its_sm_count():
+    import cupy
+
+    device = get_backend("cupy").device()
+    assert isinstance(device, DeviceInfo) and device.ordinal == cupy.cuda.Device().id and device.name
+    props = cupy.cuda.runtime.getDeviceProperties(device.ordinal)
+    assert device.compute_capability == (props["major"], props["minor"])
+    assert device.sm_count == props["multiProcessorCount"]
+    attn = decoder(problem(), backend="cupy", target="hopper")
+    assert attn.defaults.sm_count == device.sm_count
 
 @pytest.mark.parametrize("impl, arm, kv, q, head_dim, layout, page_size", list(_cases()))
 def test_every_arm_on_the_gpu_is_within_one_ulp_and_matches_the_cpu_backend(impl, arm, kv, q, head_dim, layout,

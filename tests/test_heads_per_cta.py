@@ -1,5 +1,5 @@
 """The mma core: a head's bytes never depend on which heads share its CTA (heads_per_cta),
-for every arm and group size, alone or batched, under every thread order; and the seed's
+for every arm and group size, alone or batched, under every thread order; and the gated
 packed arm is that core at PD_GQA heads."""
 
 from __future__ import annotations

@@ -66,3 +66,32 @@ def test_every_module_imports_only_from_layers_below_it():
 def test_every_module_has_a_layer():
     names = {_top(p) for p in PACKAGE.rglob("*.py")}
     assert names <= set(RANK), names - set(RANK)
+
+
+SHIM_LAYERS = ["errors", "environment", "declarations", "abi", "asan", "isolation", "module", "build",
+               "__init__", "_child"]
+"""The CUDA-on-CPU subpackage's own modules, lowest first (its ``__init__`` lists what each owns)."""
+
+
+def _shim_imports(path: pathlib.Path) -> set[str]:
+    """Modules of metrale_attn.cuda_on_cpu that ``path`` (one of them) imports."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            if node.level == 1:
+                found.update([module.split(".")[0]] if module else [a.name for a in node.names])
+            elif module.startswith("metrale_attn.cuda_on_cpu."):
+                found.add(module.split(".")[2])
+            elif module == "metrale_attn.cuda_on_cpu":
+                found.add("__init__")
+    return found
+
+
+def test_every_module_of_the_cpu_shim_imports_only_modules_below_it():
+    shim = PACKAGE / "cuda_on_cpu"
+    assert sorted(p.stem for p in shim.glob("*.py")) == sorted(SHIM_LAYERS)
+    rank = {name: i for i, name in enumerate(SHIM_LAYERS)}
+    offences = [f"{path.name} imports {other}" for path in sorted(shim.glob("*.py"))
+                for other in _shim_imports(path) if rank[other] >= rank[path.stem]]
+    assert not offences

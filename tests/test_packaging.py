@@ -1,5 +1,6 @@
 """The wheel carries the kernel sources and the CPU shim, so a non-editable install finds them."""
 
+import importlib
 import pathlib
 import shutil
 import subprocess
@@ -7,6 +8,11 @@ import sys
 import zipfile
 
 import pytest
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the test extra installs tomli
+    import tomli as tomllib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -51,9 +57,12 @@ def test_the_cpu_backend_ships_its_shim(wheel_names):
     assert not missing
 
 
-def test_the_console_script_is_declared():
-    text = (ROOT / "pyproject.toml").read_text()
-    assert 'metrale-attn = "metrale_attn.cli:main"' in text
+def test_the_console_script_is_declared_and_names_a_function_that_exists():
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        scripts = tomllib.load(f)["project"]["scripts"]
+    assert scripts == {"metrale-attn": "metrale_attn.cli:main"}
+    module, function = scripts["metrale-attn"].split(":")
+    assert callable(getattr(importlib.import_module(module), function))
 
 
 def test_every_subpackage_is_in_the_wheel(wheel_names):

@@ -1,4 +1,4 @@
-"""The seed's rules, spellings, clamps and edges, one behaviour per test."""
+"""The launch policy's rules, spellings, clamps and edges (docs/launch-policy.md), one behaviour per test."""
 
 import pytest
 from hypothesis import given

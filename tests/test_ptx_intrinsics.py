@@ -15,7 +15,8 @@ import pytest
 
 from conftest import toy_source
 from metrale_attn import kernels
-from metrale_attn.cuda_on_cpu import CudaOnCpuError, loader
+from metrale_attn.cuda_on_cpu import CudaOnCpuError
+from metrale_attn.cuda_on_cpu.asan import libasan_path
 from ptx_toys import (
     ALL_16_BIT,
     BF16_NAN,
@@ -56,7 +57,7 @@ CPU = CpuRunner()
 ORDERS = ["default", "reverse", "shuffle:1", "shuffle:2", "warp-ahead:1", "warp-ahead:2"]
 SEEDED = [f"{policy}:{seed}" for policy in ("shuffle", "warp-ahead") for seed in range(1, 6)]
 
-needs_asan = pytest.mark.skipif(loader.libasan_path() is None, reason="the host compiler has no libasan.so")
+needs_asan = pytest.mark.skipif(libasan_path() is None, reason="the host compiler has no libasan.so")
 
 
 # ---------------------------------------------------------------------------------------

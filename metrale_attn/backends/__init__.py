@@ -62,6 +62,16 @@ class ArrayInfo:
         return self.ptr + low * self.itemsize, self.ptr + (high + 1) * self.itemsize
 
 
+@dataclass(frozen=True)
+class DeviceInfo:
+    """The GPU a backend launches on: what the target and the compiled architecture are read from."""
+
+    ordinal: int
+    compute_capability: tuple[int, int]  # (major, minor): (9, 0) is sm_90
+    sm_count: int
+    name: str  # the driver's, e.g. "NVIDIA H200"
+
+
 class Module(Protocol):
     def launch(self, launch: Launch) -> None: ...
 
@@ -69,9 +79,12 @@ class Module(Protocol):
 class Backend(Protocol):
     name: str
     always_check_indices: bool
+    emulated: bool
+    """True where launches run on an emulation of the GPU (the CPU backend): its times
+    measure the emulator, not a kernel."""
 
-    def device(self) -> Optional[tuple[int, tuple[int, int], int, str]]:
-        """``(ordinal, compute capability, SM count, name)`` of the current GPU, or None."""
+    def device(self) -> Optional[DeviceInfo]:
+        """The current GPU, or None (no GPU: the target's table stands in)."""
 
     def load(self, variant) -> Module:
         """Compile (or fetch from cache) one kernel variant."""

@@ -16,9 +16,6 @@ import numpy as np
 from ..kernels import Variant
 from . import ArrayInfo, Launch
 
-CPU_SM_COUNT_NOTE = "the CPU backend has no SMs; the target's table value stands in"
-
-
 class _CpuModule:
     def __init__(self, module, order: Optional[str]):
         self._module = module
@@ -32,6 +29,7 @@ class _CpuModule:
 class CpuBackend:
     name = "cpu"
     always_check_indices = True  # host memory: proving indices in range costs no copy
+    emulated = True  # the CUDA-on-CPU shim: times are the emulator's
 
     def __init__(self, *, order: Optional[str] = None, asan: bool = False) -> None:
         self.order = order

@@ -24,12 +24,13 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import threading
 
 import numpy as np
 
 from ..cache import cache_root
 from ..kernels import Variant
-from . import ArrayInfo, Launch, cubin
+from . import ArrayInfo, DeviceInfo, Launch, cubin
 
 DIALECT_PRELUDE = "#define DYNAMIC_SHARED(T, name) extern __shared__ __align__(16) T name[]\n"
 """How the shared dialect's dynamic shared memory reads on the GPU."""
@@ -108,6 +109,13 @@ class _StreamHandle:
 
 _DLPACK_CUDA = (2, 13)  # kDLCUDA, kDLCUDAManaged
 _VERIFIED: dict[int, list[str]] = {}  # device ordinal -> what the known-answer test found
+_MODULES: dict[tuple[int, str], _CupyModule] = {}
+"""``(device ordinal, variant name)`` -> the loaded module. Per process, not per backend:
+``get_backend`` makes a backend per ``DecodeAttention``, and every layer of a model would
+otherwise load its own copy of the same cubin into the device's context. Bounded by
+construction: devices x variants."""
+MAX_EXTERNAL_STREAMS = 64
+"""Raw stream handles one backend keeps a CuPy wrapper for (see ``launch_stream``)."""
 _TORCH_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
 
@@ -126,33 +134,39 @@ class _CupyModule:
 class CupyBackend:
     name = "cupy"
     always_check_indices = False  # checking needs a synchronizing host copy; opt in
-    _modules: dict = {}
-    _external_streams: dict = {}
+    emulated = False
 
     def __init__(self) -> None:
         import cupy
 
         self._cupy = cupy
+        # Raw stream handle -> its CuPy wrapper. The same handle must give the same wrapper
+        # object, because DecodeAttention notices a stream change by identity (one
+        # comparison per call). Bounded, oldest first out, because handles are the
+        # caller's: a loop that makes a stream per step would otherwise grow this forever.
+        # A handle evicted and seen again costs one ptr comparison in stream_busy.
+        self._external_streams: dict[int, object] = {}
+        self._external_lock = threading.Lock()  # misses only: eviction from several threads
 
-    def device(self) -> tuple[int, tuple[int, int], int, str]:
-        """``(ordinal, compute capability, SM count, name)`` of the current device."""
+    def device(self) -> DeviceInfo:
+        """The current device."""
         cupy = self._cupy
         dev = cupy.cuda.Device()
         props = cupy.cuda.runtime.getDeviceProperties(dev.id)
         name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
-        return dev.id, (props["major"], props["minor"]), props["multiProcessorCount"], name
+        return DeviceInfo(dev.id, (props["major"], props["minor"]), props["multiProcessorCount"], name)
 
     def load(self, variant: Variant) -> _CupyModule:
-        device, capability, _, _ = self.device()
-        key = (device, variant.name)
-        module = self._modules.get(key)
+        device = self.device()
+        key = (device.ordinal, variant.name)
+        module = _MODULES.get(key)
         if module is None:
-            raw = self._cupy.RawModule(path=cubin_path(variant, "sm_{}{}".format(*capability)))
+            raw = self._cupy.RawModule(path=cubin_path(variant, "sm_{}{}".format(*device.compute_capability)))
             functions = {k: raw.get_function(k) for k in variant.kernels}
             if variant.shared_bytes:  # past 48 KiB a kernel must opt in to its dynamic shared memory
                 functions[variant.kernels[0]].max_dynamic_shared_size_bytes = variant.shared_bytes
             module = _CupyModule(functions)
-            self._modules[key] = module
+            _MODULES[key] = module
         return module
 
     def describe(self, array, argument: str) -> ArrayInfo:
@@ -220,8 +234,13 @@ class CupyBackend:
             raise TypeError(f"stream must be a CuPy stream, a torch CUDA stream or a cudaStream_t int, got {stream!r}")
         external = self._external_streams.get(handle)
         if external is None:
-            external = self._cupy.cuda.Stream.from_external(_StreamHandle(handle))
-            self._external_streams[handle] = external
+            with self._external_lock:
+                external = self._external_streams.get(handle)
+                if external is None:
+                    external = self._cupy.cuda.Stream.from_external(_StreamHandle(handle))
+                    if len(self._external_streams) >= MAX_EXTERNAL_STREAMS:
+                        del self._external_streams[next(iter(self._external_streams))]
+                    self._external_streams[handle] = external
         return external
 
     def current_stream(self):

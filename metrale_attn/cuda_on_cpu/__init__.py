@@ -10,18 +10,29 @@ synchronisation points, and their misuse is reported instead of hanging. This is
     mod = compile_module(source, name="variant", defines={"HEAD_DIM": 128})
     mod.launch("kernel", (blocks, 1, 1), (128, 1, 1), 0, (out, inp, np.int32(n)))
 
-See loader.py for the API details (caching, thread-order policies, ASan, crash policy)
-and cuda_on_cpu.h for the kernel dialect and the semantics.
+The modules, lowest first (each imports only those above it in this list):
+
+    errors        CudaOnCpuError, CudaOnCpuCompileError
+    environment   every environment variable the backend reads; thread-order policies
+    declarations  the C-declaration parser: the kernels a source defines, their
+                  registration table
+    abi           the runtime's C ABI: the kernel table read back, argument marshalling,
+                  the cocpu_launch call
+    asan          AddressSanitizer builds: flags, libasan, options, reports
+    isolation     child processes: isolated and ASan launches
+    module        Module: a compiled variant and its launches (crash policy)
+    build         compile_module: build, on-disk cache (records checked before loading),
+                  in-process memo
+    _child        the child process's entry point
+
+cuda_on_cpu.h documents the kernel dialect and the semantics.
 """
 
-from .loader import (
-    CudaOnCpuCompileError,
-    CudaOnCpuError,
-    Module,
-    Param,
-    compile_module,
-    parse_order,
-)
+from .abi import Param
+from .build import compile_module
+from .environment import parse_order
+from .errors import CudaOnCpuCompileError, CudaOnCpuError
+from .module import Module
 
 __all__ = [
     "CudaOnCpuCompileError",

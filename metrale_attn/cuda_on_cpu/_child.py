@@ -1,4 +1,4 @@
-"""Child process for isolated and AddressSanitizer launches (see loader._launch_in_child).
+"""Child process for isolated and AddressSanitizer launches (see isolation.launch_in_child).
 
 Usage: python -m metrale_attn.cuda_on_cpu._child REQUEST.pkl RESULT.pkl
 
@@ -15,7 +15,9 @@ import ctypes
 import pickle
 import sys
 
-from metrale_attn.cuda_on_cpu import loader
+from metrale_attn.cuda_on_cpu.abi import launch_raw, read_descs
+from metrale_attn.cuda_on_cpu.errors import CudaOnCpuError
+from metrale_attn.cuda_on_cpu.isolation import CHILD_LAUNCH_ERROR
 
 
 def _aligned_copy(libc, data: bytes) -> int:
@@ -32,7 +34,7 @@ def main(req_path: str, out_path: str) -> int:
         req = pickle.load(f)
     lib = ctypes.CDLL(req["so"])
     if req["op"] == "describe":
-        result = {"meta": loader._read_descs(lib)}
+        result = {"meta": read_descs(lib)}
         status = 0
     else:
         libc = ctypes.CDLL(None)
@@ -48,10 +50,10 @@ def main(req_path: str, out_path: str) -> int:
             else:
                 values.append(None)
         try:
-            loader._launch_raw(lib, req["kernel_index"], req["grid"], req["block"], req["shared_bytes"],
-                               values, req["policy"], req["seed"], req["stack_bytes"])
-        except loader.CudaOnCpuError as e:
-            result, status = {"error": str(e)}, loader._CHILD_LAUNCH_ERROR
+            launch_raw(lib, req["kernel_index"], req["grid"], req["block"], req["shared_bytes"],
+                       values, req["policy"], req["seed"], req["stack_bytes"])
+        except CudaOnCpuError as e:
+            result, status = {"error": str(e)}, CHILD_LAUNCH_ERROR
         else:
             result = {"arrays": [ctypes.string_at(p, len(d)) if d else b""
                                  for p, d in zip(ptrs, req["arrays"])]}
