@@ -294,3 +294,39 @@ def test_a_group_of_sixteen_compiles_both_row_tiles_unless_heads_per_cta_is_pinn
 def test_asking_for_the_cupy_backend_without_a_gpu_is_a_clear_error():
     with pytest.raises(ValueError, match="backend 'cupy' needs"):
         decoder(problem(seq_lens=(3,)), backend="cupy")
+
+
+class _DisagreeingDevice(CpuBackend):
+    """A backend whose known-answer test of the mma instructions fails."""
+
+    def verify_mma(self):
+        return ["mma.m16n8k16 bf16"]
+
+
+def test_a_device_whose_instructions_disagree_with_their_emulation_falls_back_to_simt_with_one_warning():
+    p = problem(seq_lens=(40,))
+    with pytest.warns(RuntimeWarning, match="mma.m16n8k16 bf16 disagree .* using impl='simt'"):
+        attn = decoder(p, backend=_DisagreeingDevice())
+    assert attn.impl == "simt" and attn.plan(1).impl == "simt"
+    check_against_reference(p, *run_poisoned(attn, p))
+    with pytest.raises(RuntimeError, match="only they serve the features"):
+        decoder(p, backend=_DisagreeingDevice(), sinks=True)
+
+
+def test_the_known_answer_test_agrees_with_the_cpu_emulation():
+    """On a GPU the same test decides whether the mma kernels are trusted (backends/selftest.py)."""
+    from metrale_attn.backends import selftest
+
+    assert selftest.run(CpuBackend()) == []
+
+
+def test_the_known_answer_test_names_the_instruction_whose_bits_differ():
+    from metrale_attn.backends import selftest
+
+    words, floats = selftest.expected(selftest.inputs())
+    assert selftest.disagreements(words, floats) == []
+    bad = words.copy()
+    bad[3, 1] ^= 1  # one bit of one lane's second ldmatrix register
+    worse = floats.copy()
+    worse[0, 5] += 1.0  # an fp16 MMA result one off
+    assert selftest.disagreements(bad, worse) == ["ldmatrix.x4", "mma.m16n8k16 f16"]
