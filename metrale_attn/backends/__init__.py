@@ -79,6 +79,13 @@ class Backend(Protocol):
     def describe(self, array, argument: str) -> ArrayInfo:
         """Pointer, shape, strides and dtype of an array this backend can launch on."""
 
+    def fingerprint(self, array) -> Optional[tuple]:
+        """A cheap hashable value that is equal for two arrays only if ``describe`` would
+        describe them alike (pointer, shape, strides, dtype, device, writability), or
+        None when this backend cannot tell cheaply (then ``run`` describes every call).
+        It may stand for the pointer by the object's ``id`` when the pointer of that
+        object cannot change: the caller then keeps the object alive beside it."""
+
     def empty(self, shape: tuple[int, ...], dtype, like=None):
         """An uninitialized array on this backend (in ``like``'s library when given)."""
 
