@@ -12,7 +12,7 @@ calls) is printed per case:
 - ``numpy, same buffers``: the same arrays every call (a decode step's steady state);
 - ``numpy, new q/out``: fresh q and out objects every call (other buffers the same),
   as an eager loop whose allocator hands out new tensors each step;
-- ``torch, same buffers``: torch CPU tensors (with torch installed);
+- ``torch, same buffers`` and ``torch, new q/out``: the same with torch CPU tensors;
 - ``torch op, same buffers``: through ``torch.ops.metrale_attn.paged_decode``
   (the dispatcher's cost included).
 
@@ -95,6 +95,14 @@ def cases(attn, p):
          torch.from_numpy(a) for a in args]  # views: no copies
     tout, tlse = torch.empty_like(t[0]), torch.empty(tuple(p.q.shape[:2]), dtype=torch.float32)
     yield "torch, same buffers", lambda: attn.run(*t, out=tout, lse=tlse, **kw)
+    tqs = [t[0].clone() for _ in range(2)]
+    touts = [torch.empty_like(t[0]) for _ in range(2)]
+
+    def torch_fresh():
+        i = next(step) & 1
+        attn.run(tqs[i], *t[1:], out=touts[i], lse=tlse, **kw)
+
+    yield "torch, new q/out", torch_fresh
     try:
         from metrale_attn import torch_op
     except ImportError:

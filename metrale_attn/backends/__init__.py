@@ -11,15 +11,16 @@ description (``ArrayInfo``), so the dispatch above them is written and tested on
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Optional, Protocol
+from typing import Any, NamedTuple, Optional, Protocol
 
 BACKENDS = ("cupy", "cpu")
 
 
-@dataclass(frozen=True)
-class Launch:
-    """One kernel launch. ``args`` are typed NumPy scalars and ``Pointer``s."""
+class Launch(NamedTuple):
+    """One kernel launch. ``args`` are typed NumPy scalars and pointers (``Backend.pointer``).
+
+    A named tuple rather than a dataclass: ``run`` builds these on the host's hot path,
+    and a frozen dataclass costs several times more to construct."""
 
     kernel: str
     grid: tuple[int, int, int]
@@ -28,9 +29,9 @@ class Launch:
     args: tuple
 
 
-@dataclass(frozen=True)
-class ArrayInfo:
-    """What the launcher needs of an array, whatever library holds it.
+class ArrayInfo(NamedTuple):
+    """What the launcher needs of an array, whatever library holds it (a named tuple, cheap
+    to build: ``run`` describes every new buffer).
 
     ``strides`` are in elements; ``dtype`` is the library's own dtype object or
     name; ``device`` is a device ordinal, or ``None`` for host memory;

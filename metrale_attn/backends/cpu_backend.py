@@ -51,8 +51,8 @@ class CpuBackend:
         if isinstance(array, np.ndarray):
             item = array.dtype.itemsize
             return ArrayInfo(array.__array_interface__["data"][0], array.shape,
-                             tuple(s // item for s in array.strides), array.dtype, item, None,
-                             bool(array.flags.writeable))
+                             tuple([s // item for s in array.strides]), array.dtype, item, None,
+                             array.flags.writeable)
         if _is_torch(array):
             if array.device.type != "cpu":
                 raise ValueError(f"{argument} must be a CPU tensor on the cpu backend, got a tensor on {array.device}")
@@ -126,8 +126,17 @@ class CpuBackend:
         pass
 
 
+_TORCH_TYPES: set = set()  # tensor classes seen (torch.Tensor, Parameter, ...): one set lookup on the hot path
+
+
 def _is_torch(x) -> bool:
-    return type(x).__module__.startswith("torch")
+    kind = type(x)
+    if kind in _TORCH_TYPES:
+        return True
+    if kind.__module__.startswith("torch") and hasattr(x, "data_ptr"):
+        _TORCH_TYPES.add(kind)
+        return True
+    return False
 
 
 _TORCH_DTYPES = {"float32": "float32", "int32": "int32", "bfloat16": "bfloat16", "float16": "float16",
@@ -148,7 +157,18 @@ def _bytes_at(info: ArrayInfo) -> np.ndarray:
         return np.empty(0, np.uint8)
     if span[0] != info.ptr:
         raise ValueError("arrays with negative strides are not supported")
-    return np.frombuffer((ctypes.c_char * (span[1] - span[0])).from_address(span[0]), np.uint8)
+    view = _VIEWS.get(span)
+    if view is None:
+        if len(_VIEWS) >= 1024:
+            _VIEWS.clear()
+        view = _VIEWS[span] = np.frombuffer((ctypes.c_char * (span[1] - span[0])).from_address(span[0]), np.uint8)
+    return view
+
+
+_VIEWS: dict = {}
+"""Byte views by ``(first, end)`` address: an eager loop's allocator hands the same few
+buffers out again and again. A view outlives the memory it names harmlessly: it is only
+handed out again for a live tensor spanning exactly those bytes."""
 
 
 def _contiguous_alias(array: np.ndarray) -> np.ndarray:
