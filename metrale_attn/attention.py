@@ -2,13 +2,14 @@
 
 Construction resolves the target and policy, compiles (or loads cached) every
 kernel the policy can reach, and allocates the split-K workspace once for
-``max_batch`` rows. ``run`` validates cheaply on the host, looks up the memoized
+``max_batch`` rows (or takes the caller's, which many objects may share:
+``workspace_bytes`` sizes one for several layer shapes). ``run`` validates cheaply on the host, looks up the memoized
 plan for the batch size and launches; with ``out`` (and ``lse``) given it
 allocates nothing and never synchronizes, so a CUDA graph can capture it.
 
-One object owns one split-K workspace, so the launches of one call are serialized
-per object (a lock), and on a GPU one object serves one stream at a time (see
-``DecodeAttention``).
+The objects that use one split-K workspace (one object's own, or a caller's shared
+by many) serialize the launches of one call per workspace (a lock), and on a GPU
+serve one stream at a time between them (see ``DecodeAttention``).
 """
 
 from __future__ import annotations
@@ -90,16 +91,27 @@ class DecodeAttention:
     split kernel), but that is a property of the kernels' internals that no check
     keeps; a separate ``out`` costs ``num_seqs x num_q_heads x head_dim`` elements.
 
-    Concurrency: one object owns one split-K workspace. Calls from several threads
-    are safe: the launches of one call (split kernel and merge) run under one lock
-    per object, so no call sees another's partials; validation runs outside it. On
-    a GPU the lock orders the enqueueing only, so one object serves **one stream
-    at a time**: a second stream may use it once the first has finished (or waits
-    on it), else the two calls race on the workspace. Build one object per stream
-    for concurrent streams. When a call launches on a different stream than the
+    Workspace: by default each object allocates its own split-K workspace
+    (``workspace_nbytes`` bytes). ``workspace=`` takes the caller's instead: an
+    array on this object's device (any dtype, dense, writable, 16-byte aligned) of
+    at least ``workspace_nbytes`` bytes, refused with both sizes when smaller.
+    ``metrale_attn.workspace_bytes(shapes, max_batch=...)`` sizes one buffer for
+    every layer shape of a model, so 80 layers of one shape, or several shapes,
+    allocate once. Objects sharing a workspace write their partials into the same
+    bytes, so **they must not run concurrently**: a decode step runs its layers one
+    after another on one stream, which is exactly that.
+
+    Concurrency: calls from several threads are safe: the launches of one call
+    (split kernel and merge) run under one lock per workspace (shared by every
+    object that uses it), so no call sees another's partials; validation runs
+    outside it. On a GPU the lock orders the enqueueing only, so the objects of one
+    workspace serve **one stream at a time**: a second stream may use it once the
+    first has finished (or waits on it), else the two calls race on the
+    workspace. Give each concurrent stream its own workspace (own objects). When a call launches on a different stream than the
     previous call, ``run`` asks the driver (``cudaStreamQuery``, only on that
     change, never while either stream is capturing a graph) whether the previous
-    stream is still busy, and if so warns with ``StreamReuseWarning``. A warning,
+    stream is still busy, and if so warns with ``StreamReuseWarning`` (the previous
+    stream is the workspace's: any object sharing it counts). A warning,
     not an error: a caller may have ordered the streams with an event, which the
     driver cannot show us, and the previous stream may be busy with unrelated
     work; a graph replayed later is the caller's to order. The hot path (the same
@@ -234,7 +246,8 @@ class DecodeAttention:
     def workspace_nbytes(self) -> int:
         """Bytes of split-K workspace this object needs (``workspace_spec``: slots x
         ``head_dim + 2`` fp32); a workspace passed to the constructor must hold at least
-        this many. 0 when the policy never splits."""
+        this many (the seed's ``workspace_slots``, which reserves slots even for a
+        pinned single split)."""
         return self.workspace_spec.nbytes
 
     @property
