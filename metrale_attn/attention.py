@@ -107,8 +107,9 @@ class DecodeAttention:
     outside it. On a GPU the lock orders the enqueueing only, so the objects of one
     workspace serve **one stream at a time**: a second stream may use it once the
     first has finished (or waits on it), else the two calls race on the
-    workspace. Give each concurrent stream its own workspace (own objects). When a call launches on a different stream than the
-    previous call, ``run`` asks the driver (``cudaStreamQuery``, only on that
+    workspace. Give each concurrent stream its own workspace (own objects).
+    When a call launches on a different stream than the previous call into the
+    workspace, ``run`` asks the driver (``cudaStreamQuery``, only on that
     change, never while either stream is capturing a graph) whether the previous
     stream is still busy, and if so warns with ``StreamReuseWarning`` (the previous
     stream is the workspace's: any object sharing it counts). A warning,
@@ -169,7 +170,9 @@ class DecodeAttention:
         self._shared = _WorkspaceUsers.join(self._device, self._workspace_range)
         self._seen: list = [None] * len(ARRAY_ARGUMENTS)  # per argument: the last buffer checked (_Seen)
         self._last: Optional[_Call] = None  # the last validated call, reused for the same buffers and scales
-        self._handle: Optional[int] = None
+        with _HANDLES_LOCK:
+            self._handle = next(_NEXT_HANDLE)
+            _BY_HANDLE[self._handle] = self
         self._templates: dict = {}  # (plan, scalars, strides) -> per kernel typed values and pointer slots
         self._checkers = [getattr(type(self), f"_check_{name}") for name in ARRAY_ARGUMENTS]  # unbound: no cycle
         self.impl = resolve_impl(impl, os.environ.get(ENV_IMPL))
@@ -254,14 +257,10 @@ class DecodeAttention:
     def handle(self) -> int:
         """An int naming this object for ``torch.ops.metrale_attn.paged_decode`` (see
         ``metrale_attn.torch_op``): ``DecodeAttention.from_handle(attn.handle) is attn``
-        while the object lives. The registry holds objects weakly: keep the object (as a
-        layer keeps its attention state) for as long as a compiled graph may call it."""
-        if self._handle is None:
-            with _HANDLES_LOCK:
-                if self._handle is None:
-                    handle = next(_NEXT_HANDLE)
-                    _BY_HANDLE[handle] = self
-                    self._handle = handle
+        while the object lives. Assigned at construction, so reading it is one attribute
+        read (``torch.compile`` traces it as a constant). The registry holds objects
+        weakly: keep the object (as a layer keeps its attention state) for as long as a
+        compiled graph may call it."""
         return self._handle
 
     @staticmethod

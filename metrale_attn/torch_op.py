@@ -2,14 +2,30 @@
 NumPy <-> torch views for bf16 and fp8 (which ``torch.from_numpy`` refuses).
 
 Importing this module imports torch and registers the op; ``import metrale_attn`` alone
-never imports torch.
+never imports torch. Usage (a layer keeps its object and the object's int handle)::
+
+    attn = DecodeAttention(32, 8, 128, 16, q_dtype="bfloat16", kv_dtype="bfloat16", max_batch=256,
+                           workspace=shared_workspace)
+    handle = attn.handle                      # once, outside any compiled code
+    out = torch.empty_like(q)                 # [num_seqs, num_q_heads, head_dim]
+    torch.ops.metrale_attn.paged_decode(handle, q, k_cache, v_cache, block_tables, seq_lens, out, None,
+                                        k_scale, v_scale)
+
+The op's schema is ``paged_decode(int handle, Tensor q, Tensor k_cache, Tensor
+v_cache, Tensor block_tables, Tensor seq_lens, Tensor(a!) out, Tensor(b!)? lse,
+float k_scale=1., float v_scale=1.) -> ()``. A new keyword argument of
+``DecodeAttention.run`` that a compiled model needs is one more parameter here.
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
 import ml_dtypes
 import numpy as np
 import torch
+
+from .attention import DecodeAttention
 
 _SAME_SIZE_INT = {1: np.uint8, 2: np.int16}
 _TO_TORCH = {np.dtype(ml_dtypes.bfloat16): torch.bfloat16, np.dtype(ml_dtypes.float8_e4m3fn): torch.float8_e4m3fn}
@@ -33,3 +49,51 @@ def to_numpy(tensor: torch.Tensor) -> np.ndarray:
         return tensor.numpy()
     bits = {1: torch.uint8, 2: torch.int16}[tensor.element_size()]
     return tensor.view(bits).numpy().view(wanted)
+
+
+# -- the custom op -------------------------------------------------------------------------
+
+
+@torch.library.custom_op("metrale_attn::paged_decode", mutates_args=("out", "lse"))
+def paged_decode(handle: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 block_tables: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor, lse: Optional[torch.Tensor],
+                 k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """``DecodeAttention.from_handle(handle).run(q, k_cache, v_cache, block_tables, seq_lens,
+    k_scale=, v_scale=, out=out, lse=lse)``: writes ``out`` (and ``lse`` when given) in place.
+
+    ``torch.compile`` sees an opaque op that mutates ``out`` and ``lse`` (its fake
+    implementation does nothing), so a decode step that calls it compiles without a
+    graph break, and a CUDA graph capturing the step records the kernels (they launch
+    on torch's current stream). ``handle`` is ``attn.handle``, an int a layer keeps
+    beside its other state, as vLLM keeps a layer's name: a compiled graph holds it as
+    a constant."""
+    DecodeAttention.from_handle(handle).run(q, k_cache, v_cache, block_tables, seq_lens, k_scale=k_scale,
+                                            v_scale=v_scale, out=out, lse=lse)
+
+
+@paged_decode.register_fake
+def _paged_decode_fake(handle, q, k_cache, v_cache, block_tables, seq_lens, out, lse, k_scale=1.0, v_scale=1.0):
+    """Nothing to compute (the op returns nothing); ranks and dtypes are checked here so a
+    mistake shows at trace time. Sizes are left to the real call: comparing symbolic
+    sizes here would add guards to the caller's graph."""
+    if q.dim() != 3 or out.dim() != 3 or out.dtype != q.dtype:
+        raise ValueError(f"paged_decode: q and out must be [num_seqs, num_q_heads, head_dim] of one dtype, got "
+                         f"{q.dtype} {q.dim()}-D and {out.dtype} {out.dim()}-D")
+    if lse is not None and (lse.dim() != 2 or lse.dtype != torch.float32):
+        raise ValueError(f"paged_decode: lse must be float32 [num_seqs, num_q_heads], got {lse.dtype} {lse.dim()}-D")
+    if block_tables.dtype != torch.int32 or seq_lens.dtype != torch.int32:
+        raise ValueError("paged_decode: block_tables and seq_lens must be int32")
+
+
+def decode(attn, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+           seq_lens: torch.Tensor, out: Optional[torch.Tensor] = None, lse: Optional[torch.Tensor] = None, *,
+           k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+    """``out`` after ``torch.ops.metrale_attn.paged_decode`` (a new tensor like ``q`` when
+    not given). ``attn``: a ``DecodeAttention`` or its ``handle``; under
+    ``torch.compile`` pass the int (read ``attn.handle`` once, outside the compiled code)."""
+    handle = attn if isinstance(attn, int) else attn.handle
+    if out is None:
+        out = torch.empty_like(q)
+    torch.ops.metrale_attn.paged_decode(handle, q, k_cache, v_cache, block_tables, seq_lens, out, lse, k_scale,
+                                        v_scale)
+    return out
