@@ -11,10 +11,8 @@ never imports torch. Usage (a layer keeps its object and the object's int handle
     torch.ops.metrale_attn.paged_decode(handle, q, k_cache, v_cache, block_tables, seq_lens, out, None,
                                         k_scale, v_scale)
 
-The op's schema is ``paged_decode(int handle, Tensor q, Tensor k_cache, Tensor
-v_cache, Tensor block_tables, Tensor seq_lens, Tensor(a!) out, Tensor(b!)? lse,
-float k_scale=1., float v_scale=1.) -> ()``. A new keyword argument of
-``DecodeAttention.run`` that a compiled model needs is one more parameter here.
+The op's schema is ``SCHEMA``. A new keyword argument of ``DecodeAttention.run`` that a
+compiled model needs is one more parameter there and in ``paged_decode`` (and its fake).
 """
 
 from __future__ import annotations
@@ -54,24 +52,28 @@ def to_numpy(tensor: torch.Tensor) -> np.ndarray:
 # -- the custom op -------------------------------------------------------------------------
 
 
-@torch.library.custom_op("metrale_attn::paged_decode", mutates_args=("out", "lse"))
+SCHEMA = ("paged_decode(int handle, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
+          "Tensor(a!) out, Tensor(b!)? lse, float k_scale=1.0, float v_scale=1.0) -> ()")
+"""The op's schema: it returns nothing and writes ``out`` (and ``lse``) in place."""
+
+
 def paged_decode(handle: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_tables: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor, lse: Optional[torch.Tensor],
                  k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """``DecodeAttention.from_handle(handle).run(q, k_cache, v_cache, block_tables, seq_lens,
     k_scale=, v_scale=, out=out, lse=lse)``: writes ``out`` (and ``lse`` when given) in place.
 
-    ``torch.compile`` sees an opaque op that mutates ``out`` and ``lse`` (its fake
-    implementation does nothing), so a decode step that calls it compiles without a
-    graph break, and a CUDA graph capturing the step records the kernels (they launch
-    on torch's current stream). ``handle`` is ``attn.handle``, an int a layer keeps
-    beside its other state, as vLLM keeps a layer's name: a compiled graph holds it as
-    a constant."""
+    The implementation of ``torch.ops.metrale_attn.paged_decode`` for CPU and CUDA
+    tensors. ``torch.compile`` sees an opaque op that mutates ``out`` and ``lse`` (its
+    fake implementation computes nothing), so a decode step that calls it compiles
+    without a graph break, and a CUDA graph capturing the step records the kernels (they
+    launch on torch's current stream). ``handle`` is ``attn.handle``, an int a layer
+    keeps beside its other state, as vLLM keeps a layer's name: a compiled graph holds
+    it as a constant."""
     DecodeAttention.from_handle(handle).run(q, k_cache, v_cache, block_tables, seq_lens, k_scale=k_scale,
                                             v_scale=v_scale, out=out, lse=lse)
 
 
-@paged_decode.register_fake
 def _paged_decode_fake(handle, q, k_cache, v_cache, block_tables, seq_lens, out, lse, k_scale=1.0, v_scale=1.0):
     """Nothing to compute (the op returns nothing); ranks and dtypes are checked here so a
     mistake shows at trace time. Sizes are left to the real call: comparing symbolic
@@ -83,6 +85,19 @@ def _paged_decode_fake(handle, q, k_cache, v_cache, block_tables, seq_lens, out,
         raise ValueError(f"paged_decode: lse must be float32 [num_seqs, num_q_heads], got {lse.dtype} {lse.dim()}-D")
     if block_tables.dtype != torch.int32 or seq_lens.dtype != torch.int32:
         raise ValueError("paged_decode: block_tables and seq_lens must be int32")
+
+
+# Registered through torch.library.Library, not the torch.library.custom_op decorator: the
+# decorator's Python dispatch (its autograd and mutation-checking wrappers) costs 25-40 us
+# per call on the CI machine against ~5 us for a kernel registered per dispatch key
+# (benchmarks/NOTES.md), paid once per layer per step in eager mode. vLLM registers its
+# ops the same way (direct_register_custom_op) for the same reason. torch.compile treats
+# both alike: a mutating op with a fake implementation, functionalized and re-inplaced.
+_LIBRARY = torch.library.Library("metrale_attn", "DEF")
+_LIBRARY.define(SCHEMA)
+for _key in ("CPU", "CUDA"):
+    _LIBRARY.impl("paged_decode", paged_decode, _key)
+torch.library.register_fake("metrale_attn::paged_decode", _paged_decode_fake, lib=_LIBRARY)
 
 
 def decode(attn, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
