@@ -13,6 +13,8 @@ calls) is printed per case:
 - ``numpy, new q/out``: fresh q and out objects every call (other buffers the same),
   as an eager loop whose allocator hands out new tensors each step;
 - ``torch, same buffers`` and ``torch, new q/out``: the same with torch CPU tensors;
+- ``torch, new q/out views``: new tensor objects for q and out every call, at the
+  previous call's addresses, as an eager loop's caching allocator hands them out;
 - ``torch op, same buffers``: through ``torch.ops.metrale_attn.paged_decode``
   (the dispatcher's cost included).
 
@@ -103,6 +105,9 @@ def cases(attn, p):
         attn.run(tqs[i], *t[1:], out=touts[i], lse=tlse, **kw)
 
     yield "torch, new q/out", torch_fresh
+    # What an eager loop's caching allocator does: new tensor objects every step, at the
+    # addresses the last step's had (torch fingerprints by data pointer, not object).
+    yield "torch, new q/out views", lambda: attn.run(t[0][:], *t[1:], out=tout[:], lse=tlse, **kw)
     try:
         from metrale_attn import torch_op
     except ImportError:

@@ -419,6 +419,9 @@ class DecodeAttention:
         if fingerprint is not None and seen is not None and seen.fingerprint == fingerprint and seen.rows == rows:
             return seen
         info = self.backend.describe(array, ARRAY_ARGUMENTS[index])
+        if info.device != self._device:
+            raise ValueError(f"{ARRAY_ARGUMENTS[index]} must be on the device this DecodeAttention was built on "
+                             f"({_where(self._device)}), got {_where(info.device)}")
         derived = self._checkers[index](self, info, rows)
         seen = _Seen(fingerprint, rows, array, info, info.byte_range(), derived, self.backend.pointer(array, info))
         self._seen[index] = seen if fingerprint is not None else None
@@ -493,16 +496,12 @@ class DecodeAttention:
         _writable(li, "lse")
 
     def _check_together(self, seen: list) -> None:
-        """The checks across arrays: the caches agree, every array is on this object's
-        device, and the outputs overlap nothing (``_refuse_overlaps``)."""
+        """The checks across arrays (each is on this object's device already: ``_checked``):
+        the caches agree and the outputs overlap nothing (``_refuse_overlaps``)."""
         q, k, v, bt, sl, out, lse = seen
         if k.info.shape != v.info.shape:
             raise ValueError(f"k_cache and v_cache must have the same shape, got {list(k.info.shape)} and "
                              f"{list(v.info.shape)}")
-        devices = {s.info.device for s in seen if s is not None}
-        if devices != {self._device}:
-            raise ValueError(f"q, k_cache, v_cache, block_tables, seq_lens, out and lse must all be on the device this "
-                             f"DecodeAttention was built on ({_where(self._device)}), got {sorted(map(_where, devices))}")
         _refuse_overlaps((out.span, None if lse is None else lse.span), (q.span, k.span, v.span, bt.span, sl.span),
                          self._workspace_range)
 
