@@ -414,10 +414,25 @@ class DecodeAttention:
 
     def _checked(self, index: int, array, fingerprint, rows) -> "_Seen":
         """``array`` (argument ``ARRAY_ARGUMENTS[index]``) described and checked, or what
-        was found of it last time when it is the same buffer checked for the same rows."""
+        was found of it last time when it is the same buffer checked for the same rows.
+
+        A new buffer of the argument's last layout (the fingerprint past its first item:
+        shape, strides, dtype, device, writability) at an address that moved by a multiple
+        of ``VECTOR_BYTES`` gets the last verdict of its checker without running it: the
+        checkers read an array's address only modulo ``VECTOR_BYTES`` (alignment), which
+        a new checker must keep to. Everything else about it is read anew."""
         seen = self._seen[index]
-        if fingerprint is not None and seen is not None and seen.fingerprint == fingerprint and seen.rows == rows:
-            return seen
+        if fingerprint is not None and seen is not None and seen.rows == rows:
+            if seen.fingerprint == fingerprint:
+                return seen
+            if seen.fingerprint[1:] == fingerprint[1:]:
+                info = self.backend.moved(seen.info, array)
+                shift = info.ptr - seen.info.ptr
+                if shift % VECTOR_BYTES == 0:
+                    span = None if seen.span is None else (seen.span[0] + shift, seen.span[1] + shift)
+                    seen = _Seen(fingerprint, rows, array, info, span, seen.derived, self.backend.pointer(array, info))
+                    self._seen[index] = seen
+                    return seen
         info = self.backend.describe(array, ARRAY_ARGUMENTS[index])
         if info.device != self._device:
             raise ValueError(f"{ARRAY_ARGUMENTS[index]} must be on the device this DecodeAttention was built on "
@@ -699,7 +714,6 @@ def _writable(info: ArrayInfo, argument: str) -> None:
         raise ValueError(f"{argument} must be writable, got a read-only array")
 
 
-_OUTPUTS = ("out", "lse")
 _INPUTS = ("q", "k_cache", "v_cache", "block_tables", "seq_lens", "the split-K workspace")
 
 
@@ -713,19 +727,18 @@ def _refuse_overlaps(outputs: tuple, inputs: tuple, workspace: Optional[tuple[in
     refuses only layouts nobody uses (an output inside the gaps of a strided input).
     Exact aliasing (``out`` is ``q``) is refused too.
     """
-    others = list(inputs)
-    others.append(workspace)
-    names = _INPUTS
-    for name, mine in zip(_OUTPUTS, outputs):
-        if mine is not None:
-            for other, theirs in zip(names, others):
-                if theirs is not None and mine[0] < theirs[1] and theirs[0] < mine[1]:
-                    raise ValueError(
-                        f"{name} overlaps {other} in memory (bytes {mine[0]:#x}..{mine[1]:#x} and {theirs[0]:#x}.."
-                        f"{theirs[1]:#x}): outputs may share memory with nothing else, not even out with q; pass a "
-                        f"separate {name}")
-        others.insert(0, mine)  # later outputs are checked against this one too
-        names = (name,) + names
+    out, lse = outputs
+    spans = tuple(inputs) + (workspace,)
+    for name, mine, names, theirs_all in (("out", out, _INPUTS, spans), ("lse", lse, ("out",) + _INPUTS, (out,) + spans)):
+        if mine is None:
+            continue
+        first, end = mine
+        for other, theirs in zip(names, theirs_all):
+            if theirs is not None and first < theirs[1] and theirs[0] < end:
+                raise ValueError(
+                    f"{name} overlaps {other} in memory (bytes {first:#x}..{end:#x} and {theirs[0]:#x}.."
+                    f"{theirs[1]:#x}): outputs may share memory with nothing else, not even out with q; pass a "
+                    f"separate {name}")
 
 
 def _dtype(info: ArrayInfo, argument: str, expected: str) -> None:

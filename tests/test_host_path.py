@@ -109,3 +109,23 @@ def test_a_torch_tensor_whose_storage_was_swapped_in_place_is_checked_again():
     lse = from_numpy(np.full(P.q.shape[:2], np.nan, np.float32))
     attn.run(*_args(), out=out, lse=lse)
     check_against_reference(P, to_numpy(out), to_numpy(lse))
+
+
+def test_a_new_buffer_of_the_same_layout_at_a_misaligned_address_is_refused():
+    """Same shape, strides and dtype as the last call's q, two bytes further on: the checks
+    that read the address (16-byte alignment) run again."""
+    attn = decoder(P)
+    out, lse = _outputs()
+    buf = np.zeros(P.q.size + 64, P.q.dtype)
+    aligned = next(i for i in range(64) if buf[i:].__array_interface__["data"][0] % 16 == 0)
+    q1 = buf[aligned:aligned + P.q.size].reshape(P.q.shape)
+    q1[:] = P.q
+    attn.run(q1, *_args()[1:], out=out, lse=lse)
+    check_against_reference(P, out, lse)
+    q2 = buf[aligned + 8:aligned + 8 + P.q.size].reshape(P.q.shape)  # 16 bytes on: fine
+    q2[:] = P.q
+    attn.run(q2, *_args()[1:], out=out, lse=lse)
+    check_against_reference(P, out, lse)
+    q3 = buf[aligned + 1:aligned + 1 + P.q.size].reshape(P.q.shape)  # 2 bytes on
+    with pytest.raises(ValueError, match="q must start on a 16-byte boundary"):
+        attn.run(q3, *_args()[1:], out=out, lse=lse)

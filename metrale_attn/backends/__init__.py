@@ -81,11 +81,17 @@ class Backend(Protocol):
         """Pointer, shape, strides and dtype of an array this backend can launch on."""
 
     def fingerprint(self, array) -> Optional[tuple]:
-        """A cheap hashable value that is equal for two arrays only if ``describe`` would
-        describe them alike (pointer, shape, strides, dtype, device, writability), or
-        None when this backend cannot tell cheaply (then ``run`` describes every call).
-        It may stand for the pointer by the object's ``id`` when the pointer of that
-        object cannot change: the caller then keeps the object alive beside it."""
+        """A cheap hashable tuple that is equal for two arrays only if ``describe`` would
+        describe them alike, or None when this backend cannot tell cheaply (then ``run``
+        describes every call). Its first item stands for the address (the pointer, or
+        the object's ``id`` when that object's pointer cannot change: the caller then
+        keeps the object alive beside it); the rest is the layout (shape, strides,
+        dtype, device, writability), so equal tails mean ``moved`` may describe it."""
+
+    def moved(self, info: ArrayInfo, array) -> ArrayInfo:
+        """``describe(array)``, for an array whose fingerprint past its first item equals
+        that of the array ``info`` describes (same layout, maybe another address): only
+        the pointer is read."""
 
     def empty(self, shape: tuple[int, ...], dtype, like=None):
         """An uninitialized array on this backend (in ``like``'s library when given)."""

@@ -75,6 +75,10 @@ class CpuBackend:
             return array.data_ptr(), array.shape, array.stride(), array.dtype, array.device
         return None
 
+    def moved(self, info: ArrayInfo, array) -> ArrayInfo:
+        ptr = array.__array_interface__["data"][0] if type(array) is np.ndarray else array.data_ptr()
+        return ArrayInfo(ptr, info.shape, info.strides, info.dtype, info.itemsize, info.device, info.writable)
+
     def empty(self, shape, dtype, like=None):
         if like is not None and _is_torch(like):
             import torch
