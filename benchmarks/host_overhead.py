@@ -10,8 +10,8 @@ own (``time.perf_counter_ns``) and the median of ``--calls`` calls (after 200 wa
 calls) is printed per case:
 
 - ``numpy, same buffers``: the same arrays every call (a decode step's steady state);
-- ``numpy, new q/out``: fresh q and out objects every call (other buffers the same),
-  as an eager loop whose allocator hands out new tensors each step;
+- ``numpy, new q/out``: q and out alternate between two buffers each (other arrays the
+  same), so every call sees a q and an out at addresses the last call did not use;
 - ``torch, same buffers`` and ``torch, new q/out``: the same with torch CPU tensors;
 - ``torch, new q/out views``: new tensor objects for q and out every call, at the
   previous call's addresses, as an eager loop's caching allocator hands them out;
@@ -109,7 +109,7 @@ def cases(attn, p):
     # addresses the last step's had (torch fingerprints by data pointer, not object).
     yield "torch, new q/out views", lambda: attn.run(t[0][:], *t[1:], out=tout[:], lse=tlse, **kw)
     try:
-        from metrale_attn import torch_op
+        from metrale_attn import torch_op  # noqa: F401  (registers the op)
     except ImportError:
         return
     op, handle = torch.ops.metrale_attn.paged_decode, attn.handle

@@ -22,7 +22,7 @@ import threading
 import warnings
 import weakref
 from dataclasses import replace
-from typing import Any, Optional
+from typing import Optional
 
 import numpy as np
 
