@@ -304,7 +304,7 @@ class DecodeAttention:
         same buffers as the previous call's (same pointer, shape, strides, dtype; the
         backend's ``fingerprint``) and whose scales are the same floats reuses that
         call's validated launches; an array that changed is described and checked
-        again on its own, then the checks across arrays (overlaps, devices) run again.
+        again on its own, then the checks across arrays (overlaps) run again.
         The object keeps the last call's arrays alive until the next call.
         """
         want_lse = return_lse or lse is not None
@@ -405,6 +405,8 @@ class DecodeAttention:
             abi = self._abi[grid.kernel]
             values = [args[name] if typ is None else typ(args[name]) for name, typ in abi]
             slots = tuple((j, index[name]) for j, (name, typ) in enumerate(abi) if typ is None and name in index)
+            for j, _ in slots:  # filled per call; the template keeps no array alive
+                values[j] = None
             if i == 0:  # the attention kernel
                 block, shared = (self._threads, 1, 1), variant.shared_bytes
             else:  # the merge
