@@ -2,22 +2,25 @@
 
 Construction resolves the target and policy, compiles (or loads cached) every
 kernel the policy can reach, and allocates the split-K workspace once for
-``max_batch`` rows. ``run`` validates cheaply on the host, looks up the memoized
+``max_batch`` rows (or takes the caller's, which many objects may share:
+``workspace_bytes`` sizes one for several layer shapes). ``run`` validates cheaply on the host, looks up the memoized
 plan for the batch size and launches; with ``out`` (and ``lse``) given it
 allocates nothing and never synchronizes, so a CUDA graph can capture it.
 
-One object owns one split-K workspace, so the launches of one call are serialized
-per object (a lock), and on a GPU one object serves one stream at a time (see
-``DecodeAttention``).
+The objects that use one split-K workspace (one object's own, or a caller's shared
+by many) serialize the launches of one call per workspace (a lock), and on a GPU
+serve one stream at a time between them (see ``DecodeAttention``).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import numbers
 import os
 import threading
 import warnings
+import weakref
 from dataclasses import replace
 from typing import Optional
 
@@ -29,7 +32,7 @@ from .kernels import Variant, kernel_params, source_constants
 from .plan import (ENV_HEADS_PER_CTA, ENV_IMPL, LEGACY_MAX_DECODE_SEQS, MAX_Q_LEN, DecodePlan, ModelShape,
                    heads_per_cta_choices, make_plan, max_rows_per_cta, resolve_heads_per_cta, resolve_impl,
                    workspace_for)
-from .targets import DEFAULT_TARGET, Defaults, detect_target, get_target, resolve_defaults
+from .targets import DEFAULT_TARGET, Defaults, Target, detect_target, get_target, resolve_defaults
 
 LAYOUTS = ("NHD", "HND")
 LAUNCH_ARGUMENTS = {
@@ -44,6 +47,8 @@ LAUNCH_ARGUMENTS = {
 }
 """Every argument ``run`` can hand a kernel, by the parameter name the sources use (the
 launch ABI is read from the sources; a test checks each kernel's names against this)."""
+ARRAY_ARGUMENTS = ("q", "k_cache", "v_cache", "block_tables", "seq_lens", "sinks", "out", "lse")
+"""The array arguments of ``run``, in order; each is checked by ``DecodeAttention._check_<name>``."""
 MAX_PAGE_SIZE = 256
 LOG2E = 1.4426950408889634
 VECTOR_BYTES = 16  # kernels load K/V and q rows with 16-byte vector loads
@@ -112,16 +117,28 @@ class DecodeAttention:
     split kernel), but that is a property of the kernels' internals that no check
     keeps; a separate ``out`` costs ``num_seqs x num_q_heads x head_dim`` elements.
 
-    Concurrency: one object owns one split-K workspace. Calls from several threads
-    are safe: the launches of one call (split kernel and merge) run under one lock
-    per object, so no call sees another's partials; validation runs outside it. On
-    a GPU the lock orders the enqueueing only, so one object serves **one stream
-    at a time**: a second stream may use it once the first has finished (or waits
-    on it), else the two calls race on the workspace. Build one object per stream
-    for concurrent streams. When a call launches on a different stream than the
-    previous call, ``run`` asks the driver (``cudaStreamQuery``, only on that
+    Workspace: by default each object allocates its own split-K workspace
+    (``workspace_nbytes`` bytes). ``workspace=`` takes the caller's instead: an
+    array on this object's device (any dtype, dense, writable, 16-byte aligned) of
+    at least ``workspace_nbytes`` bytes, refused with both sizes when smaller.
+    ``metrale_attn.workspace_bytes(shapes, max_batch=...)`` sizes one buffer for
+    every layer shape of a model, so 80 layers of one shape, or several shapes,
+    allocate once. Objects sharing a workspace write their partials into the same
+    bytes, so **they must not run concurrently**: a decode step runs its layers one
+    after another on one stream, which is exactly that.
+
+    Concurrency: calls from several threads are safe: the launches of one call
+    (split kernel and merge) run under one lock per workspace (shared by every
+    object that uses it), so no call sees another's partials; validation runs
+    outside it. On a GPU the lock orders the enqueueing only, so the objects of one
+    workspace serve **one stream at a time**: a second stream may use it once the
+    first has finished (or waits on it), else the two calls race on the
+    workspace. Give each concurrent stream its own workspace (own objects).
+    When a call launches on a different stream than the previous call into the
+    workspace, ``run`` asks the driver (``cudaStreamQuery``, only on that
     change, never while either stream is capturing a graph) whether the previous
-    stream is still busy, and if so warns with ``StreamReuseWarning``. A warning,
+    stream is still busy, and if so warns with ``StreamReuseWarning`` (the previous
+    stream is the workspace's: any object sharing it counts). A warning,
     not an error: a caller may have ordered the streams with an event, which the
     driver cannot show us, and the previous stream may be busy with unrelated
     work; a graph replayed later is the caller's to order. The hot path (the same
@@ -154,6 +171,7 @@ class DecodeAttention:
         logits_soft_cap: Optional[float] = None,
         sinks: bool = False,
         out_dtype=None,
+        workspace=None,
     ) -> None:
         self.shape = ModelShape(num_q_heads, num_kv_heads, head_dim)
         head_dim = self.shape.head_dim
@@ -179,9 +197,6 @@ class DecodeAttention:
         self._features = frozenset(name for name, on in (
             ("win", self.window_left >= 0), ("cap", self.logits_soft_cap is not None), ("sink", sinks),
             ("of32", self.out_dtype == dtypes.FLOAT32)) if on)
-        self._lock = threading.Lock()  # one call's launches at a time: they share the workspace
-        self._last_stream = None  # the stream of the previous launch (GPU), for StreamReuseWarning
-
         self.backend = get_backend(backend) if backend is None or isinstance(backend, str) else backend
         self.defaults: Defaults = resolve_defaults(self._target(target), splitk=splitk, gqa_pack=gqa_pack)
         self.check_indices = check_indices or self.backend.always_check_indices
@@ -189,9 +204,20 @@ class DecodeAttention:
         self.workspace_spec = workspace_for(
             self.defaults, self.shape, max_batch=max_batch, max_decode_seqs=max_decode_seqs,
             max_q_len=self.max_q_len)
-        self.workspace = self._allocate_workspace()
-        self._workspace_range = self.backend.describe(self.workspace, "workspace").byte_range()
-        self._workspace_ptr = self.backend.pointer(self.workspace)
+        self.workspace = self._allocate_workspace() if workspace is None else self._adopt_workspace(workspace)
+        info = self.backend.describe(self.workspace, "workspace")
+        self._workspace_range = info.byte_range()
+        self._workspace_ptr = self.backend.pointer(self.workspace, info)
+        # One call's launches at a time per workspace (they share its partials), whichever
+        # objects share it; and the stream of its previous launch, for StreamReuseWarning.
+        self._shared = _WorkspaceUsers.join(self._device, self._workspace_range)
+        self._seen: list = [None] * len(ARRAY_ARGUMENTS)  # per argument: the last buffer checked (_Seen)
+        self._last: Optional[_Call] = None  # the last validated call, reused for the same buffers and scales
+        with _HANDLES_LOCK:
+            self._handle = next(_NEXT_HANDLE)
+            _BY_HANDLE[self._handle] = self
+        self._templates: dict = {}  # (plan, scalars, strides) -> per kernel typed values and pointer slots
+        self._checkers = [getattr(type(self), f"_check_{name}") for name in ARRAY_ARGUMENTS]  # unbound: no cycle
         self.impl = resolve_impl(impl, os.environ.get(ENV_IMPL))
         wanted = sorted(self._features | ({"mt"} if self.max_q_len > 1 else set()))
         if self.impl == "simt" and (wanted or self.kv_dtype == dtypes.FP8_E5M2):
@@ -217,8 +243,7 @@ class DecodeAttention:
         # legacy's split count only falls as the batch grows, so batch 1 and max_batch
         # bound the arms; the row tiles follow heads_per_cta x q_len, which may be any
         # choice; q_len > 1 takes the multi-token specialization.
-        self._modules: dict[tuple[str, int, bool], tuple] = {}
-        self._abi: dict[str, tuple] = {}  # kernel -> ((argument name, scalar type or None), ...)
+        variants: dict[tuple[str, int, bool], Variant] = {}
         for q_len in range(1, self.max_q_len + 1):
             for plan in (self.plan(1, q_len), self.plan(max_batch, q_len)):
                 if plan.impl == "simt" or plan.arm == "gqa_packed":
@@ -228,22 +253,18 @@ class DecodeAttention:
                 else:
                     options = set(heads_per_cta_choices(self.shape.group_size, q_len, max_rows))
                 for rt in sorted({replace(plan, heads_per_cta=h).row_tiles for h in options}):
-                    key = (plan.arm, rt, q_len > 1)
-                    if key not in self._modules:
-                        variant = Variant(plan.arm, head_dim, self.q_dtype, self.kv_dtype, plan.impl, rt,
-                                          self._features | ({"mt"} if q_len > 1 else set()))
-                        self._modules[key] = (variant, self.backend.load(variant))
-                        for kernel, params in kernel_params(variant).items():
-                            self._abi[kernel] = tuple((p.name, None if p.is_pointer else p.numpy_type)
-                                                      for p in params)
+                    variants.setdefault((plan.arm, rt, q_len > 1), Variant(
+                        plan.arm, head_dim, self.q_dtype, self.kv_dtype, plan.impl, rt,
+                        self._features | ({"mt"} if q_len > 1 else set())))
+        modules = self.backend.load_many(variants.values())
+        self._modules = {key: (v, m) for (key, v), m in zip(variants.items(), modules)}  # (arm, rows, multi-token)
+        self._abi: dict[str, tuple] = {}  # kernel -> ((argument name, scalar type or None), ...)
+        for variant in variants.values():
+            for kernel, params in kernel_params(variant).items():
+                self._abi[kernel] = tuple((p.name, None if p.is_pointer else p.numpy_type) for p in params)
 
-    def _target(self, name: Optional[str]):
-        device = self.backend.device()
-        if device is None:  # no GPU: the target's table stands in
-            return get_target(name or DEFAULT_TARGET)
-        if name is None:
-            return detect_target(device.compute_capability, device.sm_count)
-        return replace(get_target(name), sm_count=device.sm_count)
+    def _target(self, name: Optional[str]) -> Target:
+        return _resolve_target(self.backend, name)
 
     def _allocate_workspace(self):
         spec = self.workspace_spec
@@ -257,6 +278,57 @@ class DecodeAttention:
                 f"linearly with it) or pin fewer splits (splitk=)"
             ) from err
 
+    def _adopt_workspace(self, workspace):
+        """A caller's workspace, after checking that it can hold this object's partials:
+        on this object's device, dense, writable, 16-byte aligned, and at least
+        ``workspace_nbytes`` bytes (any dtype: it is used as bytes)."""
+        info = self.backend.describe(workspace, "workspace")
+        span = info.byte_range()
+        nbytes = 0 if span is None else span[1] - span[0]
+        if info.device != self._device:
+            raise ValueError(f"workspace must be on the device this DecodeAttention is built on "
+                             f"({_where(self._device)}), got {_where(info.device)}")
+        if span is not None and (nbytes != math.prod(info.shape) * info.itemsize or span[0] != info.ptr):
+            raise ValueError(f"workspace must be a dense array (no gaps, no negative strides), got shape "
+                             f"{list(info.shape)} strides {list(info.strides)}")
+        _writable(info, "workspace")
+        _aligned(info, "workspace")
+        need = self.workspace_spec
+        if nbytes < need.nbytes:
+            raise ValueError(
+                f"workspace too small: it has {nbytes} bytes, but this DecodeAttention needs {need.nbytes} bytes "
+                f"({need.slots} slots x {need.slot_floats} fp32 for max_batch={self.max_batch}, "
+                f"{self.shape.num_q_heads} q heads, attn_decode_splitk={self.defaults.splitk.label()}); size one "
+                "for every layer shape with metrale_attn.workspace_bytes(...)")
+        return workspace
+
+    @property
+    def workspace_nbytes(self) -> int:
+        """Bytes of split-K workspace this object needs (``workspace_spec``: slots x
+        ``head_dim + 2`` fp32); a workspace passed to the constructor must hold at least
+        this many (``policy.workspace_slots``, which reserves slots even for a pinned
+        single split)."""
+        return self.workspace_spec.nbytes
+
+    @property
+    def handle(self) -> int:
+        """An int naming this object for ``torch.ops.metrale_attn.paged_decode`` (see
+        ``metrale_attn.torch_op``): ``DecodeAttention.from_handle(attn.handle) is attn``
+        while the object lives. Assigned at construction, so reading it is one attribute
+        read (``torch.compile`` traces it as a constant). The registry holds objects
+        weakly: keep the object (as a layer keeps its attention state) for as long as a
+        compiled graph may call it."""
+        return self._handle
+
+    @staticmethod
+    def from_handle(handle: int) -> "DecodeAttention":
+        """The live object whose ``handle`` is ``handle``; a ValueError if there is none."""
+        attn = _BY_HANDLE.get(handle)
+        if attn is None:
+            raise ValueError(f"no live DecodeAttention has handle {handle!r} (handles come from attn.handle; the "
+                             "registry holds objects weakly, so the object must be kept alive by its owner)")
+        return attn
+
     def plan(self, num_seqs: int, q_len: int = 1) -> DecodePlan:
         """The memoized geometry of a call with ``num_seqs`` sequences of ``q_len`` query tokens."""
         plan = self._plans.get((num_seqs, q_len))
@@ -268,6 +340,7 @@ class DecodeAttention:
                              impl=self.impl, heads_per_cta=self.heads_per_cta, q_len=q_len)
             self._plans[num_seqs, q_len] = plan
         return plan
+
 
     def target_line(self) -> str:
         """``target defaults (...): ...``, for logs and the CLI."""
@@ -290,16 +363,182 @@ class DecodeAttention:
         log2(e)``, ``v_scale``; with the soft-cap ``sm_scale * k_scale / cap`` and ``cap *
         log2(e)``) are finite and normal. Thread-safe; one stream at a time on a GPU
         (see the class docstring).
+
+        Host cost: every check holds for every call, but a call whose arrays are the
+        same buffers as the previous call's (same pointer, shape, strides, dtype; the
+        backend's ``fingerprint``) and whose scales are the same floats reuses that
+        call's validated launches; an array that changed is described and checked
+        again on its own, then the checks across arrays (overlaps) run again.
+        The object keeps the last call's arrays alive until the next call.
         """
+        want_lse = return_lse or lse is not None
+        if out is None or (want_lse and lse is None):
+            out, lse = self._allocate_outputs(q, out, lse, want_lse)
+        arrays = (q, k_cache, v_cache, block_tables, seq_lens, sinks, out, lse)
+        fingerprint = self.backend.fingerprint
+        prints = (fingerprint(q), fingerprint(k_cache), fingerprint(v_cache), fingerprint(block_tables),
+                  fingerprint(seq_lens), _ABSENT if sinks is None else fingerprint(sinks), fingerprint(out),
+                  _ABSENT if lse is None else fingerprint(lse))
+        last = self._last
+        if (last is not None and last.prints == prints and last.k_scale == k_scale and last.v_scale == v_scale
+                and type(k_scale) is float and type(v_scale) is float):  # noqa: E721  (True == 1.0: types too)
+            call = last
+        else:
+            call = self._validate(arrays, prints, k_scale, v_scale)
+            self._last = call if None not in prints else None
+        if self.check_indices:
+            self._check_indices(block_tables, seq_lens, call.num_pages, call.max_pages, call.q_len)
+        if sinks is not None and self._device is None:  # host values: read on every call, like the indices
+            _check_sink_values(sinks)
+        launch_stream = self.backend.launch_stream(stream, like=q)
+        if call.launches:
+            shared = self._shared
+            with launch_stream, shared.lock:
+                self._note_stream(self.backend.current_stream())
+                for module, launch in call.launches:
+                    module.launch(launch)
+        return (out, lse) if want_lse else out
+
+    # -- one call: validate, then build the launches --------------------------
+
+    def _validate(self, arrays: tuple, prints: tuple, k_scale, v_scale) -> "_Call":
+        """Check a call's arguments and build its launches: every check of every argument.
+
+        ``arrays`` are ``ARRAY_ARGUMENTS`` in order (``sinks`` and ``lse`` may be None). Each array is
+        described and checked by its own checker (``_check_<name>``) unless it is the
+        buffer the same argument was checked as last time (``prints``: the backend's
+        fingerprints; None: unknown, check); then the checks across arrays run, and the
+        scalars'. A new array argument is one entry in ``ARRAY_ARGUMENTS``, a
+        ``_check_<name>`` method and its entry in ``_launch_args``; a new scalar, one
+        check below and its entry in ``_launch_args``.
+        """
+        q_seen = self._checked(0, arrays[0], prints[0], None)
+        rows = q_seen.derived  # out's leading dims: (num_seqs, num_q_heads) or (num_seqs, q_len, num_q_heads)
+        if (arrays[5] is None) == self.sinks:
+            self._refuse_sinks()
+        seen = [q_seen] + [None if a is None else self._checked(i, a, prints[i], rows)
+                           for i, a in enumerate(arrays[1:], 1)]
+        self._check_together(seen)
+        k_scale, v_scale = _scales(self.sm_scale, k_scale, v_scale)
+        qk_scale, cap_log2 = self._logit_scales(k_scale)
+        # simt kernels take qk_scale_log2, mma ones qk_scale (the same value without a cap)
+        scalars = dict(qk_scale_log2=qk_scale, qk_scale=qk_scale, cap_log2=cap_log2, v_scale=v_scale)
+        num_seqs, q_len = rows[0], (rows[1] if len(rows) == 3 else 1)
+        plan = self.plan(num_seqs, q_len)
+        launches = self._launches(plan, seen, scalars) if num_seqs else ()
+        return _Call(prints, k_scale, v_scale, launches, seen[1].info.shape[0], seen[3].info.shape[1], q_len, seen)
+
+    def _launch_args(self, plan: DecodePlan, seen: list, scalars: dict) -> dict:
+        """Every kernel parameter of this call (``LAUNCH_ARGUMENTS``) by name: pointers
+        from the checked arrays, strides and scalars; each kernel takes the ones its
+        source declares (``_launches``). Values other than the arrays' pointers may
+        depend only on the plan, the scalars, the arrays' strides and the object's own
+        configuration: ``_launches`` keeps one template per such set."""
+        q, k, v, bt, sl, sk, out, lse = seen
+        qs = q.info.strides
+        q_strides = qs[:3] if len(qs) == 4 else (qs[0], 0, qs[1])  # (seq, token, head)
+        return dict(
+            q=q.pointer, q_stride_seq=q_strides[0], q_stride_token=q_strides[1], q_stride_head=q_strides[2],
+            k_cache=k.pointer, k_stride_page=k.derived[0], k_stride_token=k.derived[1], k_stride_head=k.derived[2],
+            v_cache=v.pointer, v_stride_page=v.derived[0], v_stride_token=v.derived[1], v_stride_head=v.derived[2],
+            block_tables=bt.pointer, block_tables_stride=bt.info.strides[0], seq_lens=sl.pointer,
+            num_kv_heads=self.shape.num_kv_heads, page_size=self.page_size, heads_per_cta=plan.heads_per_cta,
+            q_len=plan.q_len, window_left=self.window_left,
+            sinks=self.backend.pointer(None) if sk is None else sk.pointer,
+            out=out.pointer, lse=self.backend.pointer(None) if lse is None else lse.pointer,
+            workspace=self._workspace_ptr, num_splits=plan.num_splits, **scalars,
+        )
+
+    def _launches(self, plan: DecodePlan, seen: list, scalars: dict) -> tuple:
+        """``plan``'s launches ``((module, Launch), ...)``, each with the parameters its
+        source declares, by name (``_launch_args``).
+
+        Built once per plan, scalars and strides as a template: each kernel's typed
+        values (NumPy scalars of the ABI's types) with a slot per array pointer; a call
+        with new buffers of the same strides only fills the slots."""
+        key = (id(plan), *scalars.values(), *[None if x is None else x.info.strides for x in seen])
+        template = self._templates.get(key)
+        if template is None:
+            if len(self._templates) >= _MAX_TEMPLATES:  # strides of many cache views: start over
+                self._templates.clear()
+            template = self._templates[key] = self._launch_template(plan, seen, self._launch_args(plan, seen, scalars))
+        launches = []
+        for module, kernel, grid, block, shared, values, slots in template:
+            values = values.copy()
+            for j, index in slots:
+                values[j] = seen[index].pointer
+            launches.append((module, Launch(kernel, grid, block, shared, tuple(values))))
+        return tuple(launches)
+
+    def _launch_template(self, plan: DecodePlan, seen: list, args: dict) -> tuple:
+        """Per kernel of ``plan``: ``(module, kernel, grid, block, shared bytes, values,
+        slots)``; ``slots`` are ``(position, argument index)`` of the array pointers."""
+        variant, module = self._modules[plan.arm, plan.row_tiles, plan.q_len > 1]
+        index = {name: i for i, name in enumerate(ARRAY_ARGUMENTS) if seen[i] is not None}
+        template = []
+        for i, grid in enumerate(plan.launches):
+            abi = self._abi[grid.kernel]
+            values = [args[name] if typ is None else typ(args[name]) for name, typ in abi]
+            slots = tuple((j, index[name]) for j, (name, typ) in enumerate(abi) if typ is None and name in index)
+            for j, _ in slots:  # filled per call; the template keeps no array alive
+                values[j] = None
+            if i == 0:  # the attention kernel
+                block, shared = (self._threads, 1, 1), variant.shared_bytes
+            else:  # the merge
+                block, shared = (self._merge_threads, 1, 1), 0
+            template.append((module, grid.kernel, grid.grid, block, shared, values, slots))
+        return tuple(template)
+
+    def _checked(self, index: int, array, fingerprint, rows) -> "_Seen":
+        """``array`` (argument ``ARRAY_ARGUMENTS[index]``) described and checked, or what
+        was found of it last time when it is the same buffer checked for the same rows.
+
+        A new buffer of the argument's last layout (the fingerprint past its first item:
+        shape, strides, dtype, device, writability) at an address that moved by a multiple
+        of ``VECTOR_BYTES`` gets the last verdict of its checker without running it: the
+        checkers read an array's address only modulo ``VECTOR_BYTES`` (alignment), which
+        a new checker must keep to. Everything else about it is read anew."""
+        seen = self._seen[index]
+        if fingerprint is not None and seen is not None and seen.rows == rows:
+            if seen.fingerprint == fingerprint:
+                return seen
+            if seen.fingerprint[1:] == fingerprint[1:]:
+                info = self.backend.moved(seen.info, array)
+                shift = info.ptr - seen.info.ptr
+                if shift % VECTOR_BYTES == 0:
+                    span = None if seen.span is None else (seen.span[0] + shift, seen.span[1] + shift)
+                    seen = _Seen(fingerprint, rows, array, info, span, seen.derived, self.backend.pointer(array, info))
+                    self._seen[index] = seen
+                    return seen
+        info = self.backend.describe(array, ARRAY_ARGUMENTS[index])
+        if info.device != self._device:
+            raise ValueError(f"{ARRAY_ARGUMENTS[index]} must be on the device this DecodeAttention was built on "
+                             f"({_where(self._device)}), got {_where(info.device)}")
+        derived = self._checkers[index](self, info, rows)
+        seen = _Seen(fingerprint, rows, array, info, info.byte_range(), derived, self.backend.pointer(array, info))
+        self._seen[index] = seen if fingerprint is not None else None
+        return seen
+
+    def _allocate_outputs(self, q, out, lse, want_lse):
+        """New ``out`` (q's library, ``out_dtype``) and, when asked, ``lse``, shaped by q (checked first)."""
+        rows = self._checked(0, q, self.backend.fingerprint(q), None).derived
         be = self.backend
+        if out is None:
+            out = be.empty(rows + (self.shape.head_dim,), _OUT_NUMPY[self.out_dtype], like=q)
+        if want_lse and lse is None:
+            lse = be.empty(rows, np.float32, like=q)
+        return out, lse
+
+    # -- the checks of one argument: (description, out's leading dims) -> what the launch needs of it
+
+    def _check_q(self, qi: ArrayInfo, rows) -> tuple[int, ...]:
+        """q ``[num_seqs, num_q_heads, head_dim]`` or ``[num_seqs, q_len, num_q_heads, head_dim]``;
+        returns out's leading dims ``(num_seqs, num_q_heads)`` or ``(num_seqs, q_len, num_q_heads)``."""
         H, D = self.shape.num_q_heads, self.shape.head_dim
-        qi = be.describe(q, "q")
         if len(qi.shape) == 4 and qi.shape[2:] == (H, D) and 1 <= qi.shape[1] <= self.max_q_len:
-            q_len = qi.shape[1]
-            q_strides = qi.strides[:3]
+            leading = qi.shape[:3]
         elif len(qi.shape) == 3 and qi.shape[1:] == (H, D):
-            q_len = 1
-            q_strides = (qi.strides[0], 0, qi.strides[1])
+            leading = qi.shape[:2]
         else:
             tokens = f" or [num_seqs, q_len (1..{self.max_q_len}), {H}, {D}]" if self.max_q_len > 1 else ""
             raise ValueError(f"q must have shape [num_seqs, {H}, {D}]{tokens}, got {list(qi.shape)}")
@@ -309,71 +548,77 @@ class DecodeAttention:
                              f"{self.max_batch} (its workspace is sized for that)")
         _dtype(qi, "q", self.q_dtype)
         _vector_rows(qi, "q")
-        ki, vi = be.describe(k_cache, "k_cache"), be.describe(v_cache, "v_cache")
-        k_strides = self._cache_strides(ki, "k_cache")
-        v_strides = self._cache_strides(vi, "v_cache")
-        if ki.shape != vi.shape:
-            raise ValueError(f"k_cache and v_cache must have the same shape, got {list(ki.shape)} and {list(vi.shape)}")
-        bi, si = be.describe(block_tables, "block_tables"), be.describe(seq_lens, "seq_lens")
-        _check_index_arrays(bi, si, num_seqs)
-        k_scale, v_scale = _scales(self.sm_scale, k_scale, v_scale)
-        qk_scale, cap_log2 = self._logit_scales(k_scale)
-        sink_info = self._check_sinks(sinks)
+        return tuple(leading)
 
-        rows = (num_seqs, H) if len(qi.shape) == 3 else (num_seqs, q_len, H)
-        if out is None:
-            out = be.empty(rows + (D,), _OUT_NUMPY[self.out_dtype], like=q)
-        oi = be.describe(out, "out")
-        if oi.shape != rows + (D,) or (num_seqs and oi.strides != _contiguous(rows + (D,))):
-            raise ValueError(f"out must be a contiguous {list(rows + (D,))} array, got shape {list(oi.shape)} "
+    def _check_k_cache(self, info: ArrayInfo, rows) -> tuple[int, int, int]:
+        return self._cache_strides(info, "k_cache")
+
+    def _check_v_cache(self, info: ArrayInfo, rows) -> tuple[int, int, int]:
+        return self._cache_strides(info, "v_cache")
+
+    def _check_block_tables(self, bi: ArrayInfo, rows) -> None:
+        """int32 ``[num_seqs, max_pages]`` with rows of adjacent page ids (any strides
+        when it has no columns)."""
+        num_seqs = rows[0]
+        _forward_strides(bi, "block_tables")
+        if len(bi.shape) != 2 or bi.shape[0] != num_seqs or dtypes.name_of(bi.dtype) != dtypes.INT32:
+            raise ValueError(f"block_tables must be int32 [{num_seqs}, max_pages] with contiguous rows, got "
+                             f"{bi.dtype} {list(bi.shape)}")
+        if bi.shape[1] and bi.strides[1] != 1:
+            raise ValueError(f"block_tables must be int32 [{num_seqs}, max_pages] with contiguous rows, got strides "
+                             f"{list(bi.strides)} (a row's page ids must be adjacent: stride 1)")
+
+    def _check_seq_lens(self, si: ArrayInfo, rows) -> None:
+        """Contiguous int32 ``[num_seqs]``."""
+        num_seqs = rows[0]
+        _forward_strides(si, "seq_lens")
+        if len(si.shape) != 1 or si.shape[0] != num_seqs or dtypes.name_of(si.dtype) != dtypes.INT32:
+            raise ValueError(f"seq_lens must be contiguous int32 [{num_seqs}], got {si.dtype} {list(si.shape)}")
+        if num_seqs > 1 and si.strides[0] != 1:
+            raise ValueError(f"seq_lens must be contiguous int32 [{num_seqs}], got a strided view (element stride "
+                             f"{si.strides[0]}, not 1)")
+
+    def _check_sinks(self, info: ArrayInfo, rows) -> None:
+        """Contiguous float32 ``[num_q_heads]`` (given only to an object built with sinks:
+        ``_refuse_sinks``); host values are checked on every call (``_check_sink_values``)."""
+        H = self.shape.num_q_heads
+        if info.shape != (H,) or (H > 1 and info.strides != (1,)) or dtypes.name_of(info.dtype) != dtypes.FLOAT32:
+            raise ValueError(f"sinks must be a contiguous float32 [{H}] array, got {info.dtype} {list(info.shape)} "
+                             f"strides {list(info.strides)}")
+
+    def _refuse_sinks(self) -> None:
+        """Sinks given to an object built without them, or missing from one built with them."""
+        if not self.sinks:
+            raise ValueError("sinks given, but this DecodeAttention was built without sinks: build it with "
+                             "sinks=True (a kernel without sinks would ignore them)")
+        raise ValueError(f"sinks must be given: this DecodeAttention was built with sinks=True (a float32 "
+                         f"[{self.shape.num_q_heads}] array of sink logits; -inf for no sink)")
+
+    def _check_out(self, oi: ArrayInfo, rows) -> None:
+        shape = rows + (self.shape.head_dim,)
+        if oi.shape != shape or (rows[0] and oi.strides != _contiguous(shape)):
+            raise ValueError(f"out must be a contiguous {list(shape)} array, got shape {list(oi.shape)} "
                              f"strides {list(oi.strides)}")
         _dtype(oi, "out", self.out_dtype)
         _aligned(oi, "out")
         _writable(oi, "out")
-        want_lse = return_lse or lse is not None
-        if lse is None and want_lse:
-            lse = be.empty(rows, np.float32, like=q)
-        described, li = [qi, ki, vi, bi, si, oi], None
-        if lse is not None:
-            li = be.describe(lse, "lse")
-            described.append(li)
-            if li.shape != rows or (num_seqs and li.strides != _contiguous(rows)) or \
-                    dtypes.name_of(li.dtype) != dtypes.FLOAT32:
-                raise ValueError(f"lse must be a contiguous float32 {list(rows)} array, got {li.dtype} "
-                                 f"{list(li.shape)} strides {list(li.strides)}")
-            _writable(li, "lse")
-        if sink_info is not None:
-            described.append(sink_info)
-        devices = {x.device for x in described}
-        if devices != {self._device}:
-            raise ValueError(f"q, k_cache, v_cache, block_tables, seq_lens, out, lse and sinks must all be on the "
-                             f"device this DecodeAttention was built on ({_where(self._device)}), got "
-                             f"{sorted(map(_where, devices))}")
-        _refuse_overlaps((oi, li), (qi, ki, vi, bi, si), self._workspace_range)
-        if self.check_indices:
-            self._check_indices(block_tables, seq_lens, ki.shape[0], bi.shape[1], q_len)
 
-        launch_stream = be.launch_stream(stream, like=q)
-        plan = self.plan(num_seqs, q_len)
-        if num_seqs:
-            ptr = be.pointer
-            args = dict(
-                q=ptr(q, qi), q_stride_seq=q_strides[0], q_stride_token=q_strides[1], q_stride_head=q_strides[2],
-                k_cache=ptr(k_cache, ki), k_stride_page=k_strides[0], k_stride_token=k_strides[1],
-                k_stride_head=k_strides[2],
-                v_cache=ptr(v_cache, vi), v_stride_page=v_strides[0], v_stride_token=v_strides[1],
-                v_stride_head=v_strides[2],
-                block_tables=ptr(block_tables, bi), block_tables_stride=bi.strides[0], seq_lens=ptr(seq_lens, si),
-                num_kv_heads=self.shape.num_kv_heads, page_size=self.page_size, heads_per_cta=plan.heads_per_cta,
-                q_len=q_len, window_left=self.window_left,
-                qk_scale_log2=qk_scale, qk_scale=qk_scale, cap_log2=cap_log2, v_scale=v_scale,
-                sinks=ptr(sinks, sink_info), out=ptr(out, oi), lse=ptr(lse, li), workspace=self._workspace_ptr,
-                num_splits=plan.num_splits,
-            )
-            with launch_stream, self._lock:
-                self._note_stream(be.current_stream())
-                self._launch(plan, args)
-        return (out, lse) if want_lse else out
+    def _check_lse(self, li: ArrayInfo, rows) -> None:
+        if li.shape != rows or (rows[0] and li.strides != _contiguous(rows)) or dtypes.name_of(li.dtype) != dtypes.FLOAT32:
+            raise ValueError(f"lse must be a contiguous float32 {list(rows)} array, got {li.dtype} "
+                             f"{list(li.shape)} strides {list(li.strides)}")
+        _writable(li, "lse")
+
+    def _check_together(self, seen: list) -> None:
+        """The checks across arrays (each is on this object's device already: ``_checked``):
+        the caches agree and the outputs overlap nothing (``_refuse_overlaps``)."""
+        q, k, v, bt, sl, sk, out, lse = seen
+        if k.info.shape != v.info.shape:
+            raise ValueError(f"k_cache and v_cache must have the same shape, got {list(k.info.shape)} and "
+                             f"{list(v.info.shape)}")
+        _refuse_overlaps((out.span, None if lse is None else lse.span),
+                         (q.span, k.span, v.span, bt.span, sl.span, None if sk is None else sk.span),
+                         self._workspace_range)
 
     def _logit_scales(self, k_scale: float) -> tuple[float, float]:
         """``(qk_scale, cap_log2)`` the kernels take: ``sm_scale * k_scale * log2(e)`` and 0,
@@ -387,28 +632,6 @@ class DecodeAttention:
                              f"k_scale / cap = {pre:.6g} and tanh by cap * log2(e) = {post:.6g}: both must be finite "
                              f"normal fp32 values {_FP32_RANGE}")
         return pre, post
-
-    def _check_sinks(self, sinks) -> Optional[ArrayInfo]:
-        """The sinks array's description, after checking it is what this object takes."""
-        if not self.sinks:
-            if sinks is not None:
-                raise ValueError("sinks given, but this DecodeAttention was built without sinks: build it with "
-                                 "sinks=True (a kernel without sinks would ignore them)")
-            return None
-        if sinks is None:
-            raise ValueError(f"sinks must be given: this DecodeAttention was built with sinks=True (a float32 "
-                             f"[{self.shape.num_q_heads}] array of sink logits; -inf for no sink)")
-        info = self.backend.describe(sinks, "sinks")
-        H = self.shape.num_q_heads
-        if info.shape != (H,) or (H > 1 and info.strides != (1,)) or dtypes.name_of(info.dtype) != dtypes.FLOAT32:
-            raise ValueError(f"sinks must be a contiguous float32 [{H}] array, got {info.dtype} {list(info.shape)} "
-                             f"strides {list(info.strides)}")
-        if info.device is None:  # host memory: the values are checked too (a device array would need a copy)
-            values = np.asarray(sinks)
-            bad = np.flatnonzero(np.isnan(values) | (values == np.inf))
-            if bad.size:
-                raise ValueError(f"sinks[{int(bad[0])}] = {values[bad[0]]}: sink logits must be finite or -inf")
-        return info
 
     # -- helpers ------------------------------------------------------------
 
@@ -430,15 +653,17 @@ class DecodeAttention:
         Called under the lock. The same stream again (the hot path, and every launch
         of a graph captured on one stream) costs one identity comparison.
         """
-        previous, self._last_stream = self._last_stream, stream
+        shared = self._shared
+        previous, shared.last_stream = shared.last_stream, stream
         if stream is previous or previous is None or stream is None:
             return
         if self.backend.stream_busy(previous, stream):
             warnings.warn(
                 f"DecodeAttention.run launches on stream {_stream_name(stream)} while stream "
                 f"{_stream_name(previous)}, which launched into the same split-K workspace before, still has work "
-                "queued: one DecodeAttention serves one stream at a time. Make this stream wait for the other "
-                "(an event or a synchronize), or build one DecodeAttention per stream.",
+                "queued: one DecodeAttention (and every object sharing its workspace) serves one stream at a time. "
+                "Make this stream wait for the other (an event or a synchronize), or give each stream its own "
+                "workspace.",
                 StreamReuseWarning, stacklevel=3)
 
     def _check_indices(self, block_tables, seq_lens, num_pages: int, max_pages: int, q_len: int = 1) -> None:
@@ -466,15 +691,119 @@ class DecodeAttention:
             s, j = map(int, np.argwhere(wild)[0])
             raise ValueError(f"block_tables[{s}, {j}] = {int(table[s, j])} is not a page id in 0..{num_pages - 1}")
 
-    def _launch(self, plan: DecodePlan, args: dict) -> None:
-        """Launch ``plan``'s kernels, each with the parameters its source declares, by name."""
-        variant, module = self._modules[plan.arm, plan.row_tiles, plan.q_len > 1]
-        for i, grid in enumerate(plan.launches):
-            values = tuple(args[name] if typ is None else typ(args[name]) for name, typ in self._abi[grid.kernel])
-            if i == 0:  # the attention kernel
-                module.launch(Launch(grid.kernel, grid.grid, (self._threads, 1, 1), variant.shared_bytes, values))
-            else:  # the merge
-                module.launch(Launch(grid.kernel, grid.grid, (self._merge_threads, 1, 1), 0, values))
+
+_MAX_TEMPLATES = 64
+_ABSENT = ()
+"""The fingerprint of an absent optional array (``lse=None``)."""
+
+_BY_HANDLE: "weakref.WeakValueDictionary[int, DecodeAttention]" = weakref.WeakValueDictionary()
+_NEXT_HANDLE = itertools.count(1)
+_HANDLES_LOCK = threading.Lock()
+
+
+class _Seen:
+    """One array argument as last checked: its fingerprint and the rows it was checked
+    for, the array (kept alive: a fingerprint may stand for its pointer by ``id``), its
+    description, byte range, what its checker derived, and its launch pointer."""
+
+    __slots__ = ("fingerprint", "rows", "array", "info", "span", "derived", "pointer")
+
+    def __init__(self, fingerprint, rows, array, info: ArrayInfo, span, derived, pointer):
+        self.fingerprint, self.rows, self.array, self.info = fingerprint, rows, array, info
+        self.span, self.derived, self.pointer = span, derived, pointer
+
+
+class _Call:
+    """A validated call: the fingerprints and scales it was validated for, its launches
+    ``((module, Launch), ...)``, what the index check reads, and its arguments (kept
+    alive with the launches' pointers)."""
+
+    __slots__ = ("prints", "k_scale", "v_scale", "launches", "num_pages", "max_pages", "q_len", "seen")
+
+    def __init__(self, prints, k_scale, v_scale, launches, num_pages, max_pages, q_len, seen):
+        self.prints, self.k_scale, self.v_scale, self.launches = prints, k_scale, v_scale, launches
+        self.num_pages, self.max_pages, self.q_len, self.seen = num_pages, max_pages, q_len, seen
+
+
+class _WorkspaceUsers:
+    """What the objects sharing one workspace share: the lock under which one call's
+    launches run (a split kernel and its merge, which must not interleave with another
+    call's), and the stream of the last launch into it (``StreamReuseWarning``).
+
+    Objects join by the workspace's byte range: one whose workspace overlaps a live
+    group's joins it (the group's range grows to cover both); one that would bridge two
+    groups is refused (their objects already hold different locks)."""
+
+    __slots__ = ("lock", "last_stream", "device", "span", "__weakref__")
+    _live: "weakref.WeakSet[_WorkspaceUsers]" = weakref.WeakSet()
+    _registry = threading.Lock()
+
+    def __init__(self, device, span):
+        self.lock, self.last_stream, self.device, self.span = threading.Lock(), None, device, span
+
+    @classmethod
+    def join(cls, device, span) -> "_WorkspaceUsers":
+        if span is None:  # an empty workspace: nothing to share
+            return cls(device, None)
+        with cls._registry:
+            found = [u for u in list(cls._live) if u.device == device and u.span[0] < span[1] and span[0] < u.span[1]]
+            if len(found) > 1:
+                raise ValueError(f"workspace (bytes {span[0]:#x}..{span[1]:#x}) overlaps the workspaces of "
+                                 f"{len(found)} groups of DecodeAttention objects that do not share one: pass every "
+                                 "object the same buffer (or disjoint ones)")
+            if found:
+                users = found[0]
+                users.span = (min(users.span[0], span[0]), max(users.span[1], span[1]))
+            else:
+                users = cls(device, span)
+                cls._live.add(users)
+            return users
+
+
+def _resolve_target(backend, name: Optional[str]) -> Target:
+    """The target: the device's on a GPU (``name`` then keeps its table but the device's
+    SM count), else the named one or the default."""
+    device = backend.device()
+    if device is None:  # no GPU: the target's table stands in
+        return get_target(name or DEFAULT_TARGET)
+    if name is None:
+        return detect_target(device.compute_capability, device.sm_count)
+    return replace(get_target(name), sm_count=device.sm_count)
+
+
+def workspace_bytes(shapes, *, max_batch: int, backend=None, target: Optional[str] = None,
+                    splitk: Optional[str] = None, max_decode_seqs: int = LEGACY_MAX_DECODE_SEQS,
+                    max_q_len: int = 1) -> int:
+    """Bytes of one split-K workspace that serves every layer shape in ``shapes`` at up to
+    ``max_batch`` sequences: the largest ``DecodeAttention.workspace_nbytes`` among them.
+
+    ``shapes``: ``(num_q_heads, num_kv_heads, head_dim)`` tuples (or ``ModelShape``); the
+    other arguments as ``DecodeAttention`` takes them (the target and split-K policy
+    decide the split count, and so the size). Allocate it once (any dtype, e.g.
+    ``torch.empty(n, dtype=torch.uint8, device="cuda")``) and pass it as ``workspace=``
+    to every layer's object: a model of 80 layers of one shape, or of several shapes,
+    allocates one workspace. Objects sharing a workspace must not run concurrently (see
+    ``DecodeAttention``).
+    """
+    be = get_backend(backend) if backend is None or isinstance(backend, str) else backend
+    max_batch = _int_in("max_batch", max_batch, 1)
+    max_decode_seqs = _int_in("max_decode_seqs", max_decode_seqs, 0)
+    max_q_len = _int_in("max_q_len", max_q_len, 1, MAX_Q_LEN)
+    defaults = resolve_defaults(_resolve_target(be, target), splitk=splitk, gqa_pack=None)
+    sizes = [workspace_for(defaults, s if isinstance(s, ModelShape) else ModelShape(*s), max_batch=max_batch,
+                           max_decode_seqs=max_decode_seqs, max_q_len=max_q_len).nbytes for s in shapes]
+    if not sizes:
+        raise ValueError("shapes must name at least one (num_q_heads, num_kv_heads, head_dim)")
+    return max(sizes)
+
+
+def _contiguous(shape: tuple) -> tuple:
+    """C-contiguous strides (elements) of ``shape``."""
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= n
+    return tuple(reversed(strides))
 
 
 def _where(device) -> str:
@@ -495,24 +824,6 @@ def _int_in(argument: str, value, low: int, high: Optional[int] = None) -> int:
     return checked
 
 
-def _check_index_arrays(bi: ArrayInfo, si: ArrayInfo, num_seqs: int) -> None:
-    """block_tables int32 ``[num_seqs, max_pages]`` with rows of adjacent page ids (any
-    strides when it has no columns); seq_lens contiguous int32 ``[num_seqs]``."""
-    _forward_strides(bi, "block_tables")
-    _forward_strides(si, "seq_lens")
-    if len(bi.shape) != 2 or bi.shape[0] != num_seqs or dtypes.name_of(bi.dtype) != dtypes.INT32:
-        raise ValueError(f"block_tables must be int32 [{num_seqs}, max_pages] with contiguous rows, got "
-                         f"{bi.dtype} {list(bi.shape)}")
-    if bi.shape[1] and bi.strides[1] != 1:
-        raise ValueError(f"block_tables must be int32 [{num_seqs}, max_pages] with contiguous rows, got strides "
-                         f"{list(bi.strides)} (a row's page ids must be adjacent: stride 1)")
-    if len(si.shape) != 1 or si.shape[0] != num_seqs or dtypes.name_of(si.dtype) != dtypes.INT32:
-        raise ValueError(f"seq_lens must be contiguous int32 [{num_seqs}], got {si.dtype} {list(si.shape)}")
-    if num_seqs > 1 and si.strides[0] != 1:
-        raise ValueError(f"seq_lens must be contiguous int32 [{num_seqs}], got a strided view (element stride "
-                         f"{si.strides[0]}, not 1)")
-
-
 def _forward_strides(info: ArrayInfo, argument: str) -> None:
     if info.strides and min(info.strides) < 0:
         raise ValueError(f"{argument} has negative strides {list(info.strides)}, which are not supported: pass a "
@@ -524,33 +835,31 @@ def _writable(info: ArrayInfo, argument: str) -> None:
         raise ValueError(f"{argument} must be writable, got a read-only array")
 
 
-_OUTPUTS = ("out", "lse")
-_INPUTS = ("q", "k_cache", "v_cache", "block_tables", "seq_lens", "the split-K workspace")
+_INPUTS = ("q", "k_cache", "v_cache", "block_tables", "seq_lens", "sinks", "the split-K workspace")
 
 
 def _refuse_overlaps(outputs: tuple, inputs: tuple, workspace: Optional[tuple[int, int]]) -> None:
     """``(out, lse)`` may share no byte with each other, an input ``(q, k_cache, v_cache,
-    block_tables, seq_lens)`` or the workspace (``lse`` may be None).
+    block_tables, seq_lens, sinks)`` or the workspace (``sinks`` and ``lse`` may be None). Each is given by
+    its byte range (``ArrayInfo.byte_range``; None: empty or absent).
 
-    Ranges are hulls (``ArrayInfo.byte_range``): from an array's lowest element byte to
-    its highest. Outputs are contiguous, so theirs are exact; a strided input's gaps
-    count as its own, which refuses only layouts nobody uses (an output inside the
-    gaps of a strided input). Exact aliasing (``out`` is ``q``) is refused too.
+    Ranges are hulls: from an array's lowest element byte to its highest. Outputs are
+    contiguous, so theirs are exact; a strided input's gaps count as its own, which
+    refuses only layouts nobody uses (an output inside the gaps of a strided input).
+    Exact aliasing (``out`` is ``q``) is refused too.
     """
-    others = [info.byte_range() for info in inputs]
-    others.append(workspace)
-    names = _INPUTS
-    for name, info in zip(_OUTPUTS, outputs):
-        mine = None if info is None else info.byte_range()
-        if mine is not None:
-            for other, theirs in zip(names, others):
-                if theirs is not None and mine[0] < theirs[1] and theirs[0] < mine[1]:
-                    raise ValueError(
-                        f"{name} overlaps {other} in memory (bytes {mine[0]:#x}..{mine[1]:#x} and {theirs[0]:#x}.."
-                        f"{theirs[1]:#x}): outputs may share memory with nothing else, not even out with q; pass a "
-                        f"separate {name}")
-        others.insert(0, mine)  # later outputs are checked against this one too
-        names = (name,) + names
+    out, lse = outputs
+    spans = tuple(inputs) + (workspace,)
+    for name, mine, names, theirs_all in (("out", out, _INPUTS, spans), ("lse", lse, ("out",) + _INPUTS, (out,) + spans)):
+        if mine is None:
+            continue
+        first, end = mine
+        for other, theirs in zip(names, theirs_all):
+            if theirs is not None and first < theirs[1] and theirs[0] < end:
+                raise ValueError(
+                    f"{name} overlaps {other} in memory (bytes {first:#x}..{end:#x} and {theirs[0]:#x}.."
+                    f"{theirs[1]:#x}): outputs may share memory with nothing else, not even out with q; pass a "
+                    f"separate {name}")
 
 
 def _dtype(info: ArrayInfo, argument: str, expected: str) -> None:
@@ -628,15 +937,6 @@ def _is_uint8(dtype) -> bool:
     return str(dtype) in ("uint8", "torch.uint8")
 
 
-def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
-    """Row-major strides (elements) of ``shape``."""
-    strides, acc = [], 1
-    for n in reversed(shape):
-        strides.append(acc)
-        acc *= n
-    return tuple(reversed(strides))
-
-
 _OUT_NUMPY = {**dtypes.NUMPY_DTYPES, dtypes.FLOAT32: np.dtype(np.float32)}
 
 
@@ -645,6 +945,14 @@ def _soft_cap(value) -> float:
     if not (cap > 0 and math.isfinite(cap)):
         raise ValueError(f"logits_soft_cap must be a finite float > 0 (or None: no cap), got {value!r}")
     return cap
+
+
+def _check_sink_values(sinks) -> None:
+    """Host sink logits are finite or -inf (+inf or NaN would make every output NaN)."""
+    values = np.asarray(sinks)
+    bad = np.flatnonzero(np.isnan(values) | (values == np.inf))
+    if bad.size:
+        raise ValueError(f"sinks[{int(bad[0])}] = {values[bad[0]]}: sink logits must be finite or -inf")
 
 
 def _fp32_normal(value: float) -> bool:

@@ -16,8 +16,6 @@ of attending the union at once; bf16/fp16 partials each carry their own rounding
 
 from __future__ import annotations
 
-from typing import Optional
-
 import numpy as np
 
 from . import dtypes

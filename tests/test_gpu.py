@@ -390,3 +390,87 @@ def test_merge_states_on_the_gpu_gives_the_cpu_backends_state_within_fp32_roundi
     cpu = merge_states(v_a, s_a, v_b, s_b)
     np.testing.assert_allclose(cupy.asnumpy(gpu[0]), cpu[0], rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(cupy.asnumpy(gpu[1]), cpu[1], rtol=1e-6, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------
+# The torch custom op on CUDA tensors: compiled without a graph break, captured in a CUDA
+# graph that replays after seq_lens and block_tables change in place; a workspace tensor
+# shared by two layer shapes.
+# ---------------------------------------------------------------------------------------
+
+
+def test_the_custom_op_captured_in_a_cuda_graph_replays_after_seq_lens_and_block_tables_change_in_place():
+    torch = pytest.importorskip("torch")
+    import metrale_attn.torch_op  # noqa: F401  (registers the op)
+
+    p = problem(seed=9, page_size=16, seq_lens=(600, 40, 1), head_dim=128, num_q_heads=8, num_kv_heads=2)
+    attn = decoder(p, backend="cupy", splitk="auto")
+    q, k, v, bt, sl = _torch_inputs(torch, p)
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+    handle = attn.handle
+
+    def step():
+        torch.ops.metrale_attn.paged_decode(handle, q, k, v, bt, sl, out, lse, p.k_scale, p.v_scale)
+
+    side = torch.cuda.Stream()  # warm up on a side stream, as torch.cuda.graph's documentation asks
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    # The next step's batch: sequence 0 takes sequence 1's pages and vice versa, shorter.
+    rows = [1, 0, 2]
+    new_bt = np.ascontiguousarray(p.block_tables[rows])
+    new_sl = np.array([39, 500, 0], np.int32)
+    bt.copy_(torch.from_numpy(new_bt))
+    sl.copy_(torch.from_numpy(new_sl))
+    out.fill_(float("nan"))
+    lse.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    changed = Problem(p.q, p.k_cache, p.v_cache, new_bt, new_sl, p.k_scale, p.v_scale, p.kv_layout)
+    check_against_reference(changed, _to_numpy_bf16(torch, out, p.q), lse.cpu().numpy())
+
+
+def test_a_compiled_decode_step_on_cuda_tensors_has_no_graph_break_and_gives_the_eager_bytes():
+    torch = pytest.importorskip("torch")
+    import metrale_attn.torch_op  # noqa: F401
+
+    torch._dynamo.reset()
+    p = problem(seed=10, page_size=16, seq_lens=(700, 5, 0), head_dim=128, num_q_heads=8, num_kv_heads=2)
+    attn = decoder(p, backend="cupy", splitk="4")
+    q, k, v, bt, sl = _torch_inputs(torch, p)
+    handle = attn.handle
+
+    def step(q, k, v, bt, sl):
+        out = torch.empty_like(q)
+        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+        torch.ops.metrale_attn.paged_decode(handle, q, k, v, bt, sl, out, lse, p.k_scale, p.v_scale)
+        return out, lse
+
+    eager = step(q, k, v, bt, sl)
+    compiled = torch.compile(step, fullgraph=True)(q, k, v, bt, sl)
+    torch.cuda.synchronize()
+    assert torch.equal(compiled[0].view(torch.int16), eager[0].view(torch.int16))
+    assert torch.equal(compiled[1], eager[1])
+    check_against_reference(p, _to_numpy_bf16(torch, compiled[0], p.q), compiled[1].cpu().numpy())
+
+
+def test_one_cuda_workspace_tensor_serves_two_layer_shapes():
+    torch = pytest.importorskip("torch")
+    from metrale_attn import workspace_bytes
+
+    shapes = [(8, 2, 128), (16, 2, 64)]
+    ws = torch.empty(workspace_bytes(shapes, max_batch=3, backend="cupy", splitk="auto"), dtype=torch.uint8,
+                     device="cuda")
+    for seed, (h, kv, d) in enumerate(shapes):
+        p = problem(seed=20 + seed, page_size=16, seq_lens=(900, 3, 0), head_dim=d, num_q_heads=h, num_kv_heads=kv)
+        attn = decoder(p, backend="cupy", splitk="auto", max_batch=3, workspace=ws)
+        q, k, v, bt, sl = _torch_inputs(torch, p)
+        out, lse = attn.run(q, k, v, bt, sl, return_lse=True)
+        torch.cuda.synchronize()
+        check_against_reference(p, _to_numpy_bf16(torch, out, p.q), lse.cpu().numpy())

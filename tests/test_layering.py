@@ -13,7 +13,7 @@ LAYERS = [
     {"kernels"},
     {"backends"},
     {"attention", "merge"},
-    {"demo"},
+    {"demo", "torch_op"},
     {"cli"},
     {"__init__", "__main__"},
 ]

@@ -12,14 +12,16 @@ description (``ArrayInfo``), so the dispatch above them is written and tested on
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Protocol
+from typing import Any, NamedTuple, Optional, Protocol
 
 BACKENDS = ("cupy", "cpu")
 
 
-@dataclass(frozen=True)
-class Launch:
-    """One kernel launch. ``args`` are typed NumPy scalars and ``Pointer``s."""
+class Launch(NamedTuple):
+    """One kernel launch. ``args`` are typed NumPy scalars and pointers (``Backend.pointer``).
+
+    A named tuple rather than a dataclass: ``run`` builds these on the host's hot path,
+    and a frozen dataclass costs several times more to construct."""
 
     kernel: str
     grid: tuple[int, int, int]
@@ -28,9 +30,9 @@ class Launch:
     args: tuple
 
 
-@dataclass(frozen=True)
-class ArrayInfo:
-    """What the launcher needs of an array, whatever library holds it.
+class ArrayInfo(NamedTuple):
+    """What the launcher needs of an array, whatever library holds it (a named tuple, cheap
+    to build: ``run`` describes every new buffer).
 
     ``strides`` are in elements; ``dtype`` is the library's own dtype object or
     name; ``device`` is a device ordinal, or ``None`` for host memory;
@@ -86,11 +88,27 @@ class Backend(Protocol):
     def device(self) -> Optional[DeviceInfo]:
         """The current GPU, or None (no GPU: the target's table stands in)."""
 
+    def load_many(self, variants) -> list:
+        """``[load(v) for v in variants]``, in order; a backend may build them concurrently."""
+
     def load(self, variant) -> Module:
         """Compile (or fetch from cache) one kernel variant."""
 
     def describe(self, array, argument: str) -> ArrayInfo:
         """Pointer, shape, strides and dtype of an array this backend can launch on."""
+
+    def fingerprint(self, array) -> Optional[tuple]:
+        """A cheap hashable tuple that is equal for two arrays only if ``describe`` would
+        describe them alike, or None when this backend cannot tell cheaply (then ``run``
+        describes every call). Its first item stands for the address (the pointer, or
+        the object's ``id`` when that object's pointer cannot change: the caller then
+        keeps the object alive beside it); the rest is the layout (shape, strides,
+        dtype, device, writability), so equal tails mean ``moved`` may describe it."""
+
+    def moved(self, info: ArrayInfo, array) -> ArrayInfo:
+        """``describe(array)``, for an array whose fingerprint past its first item equals
+        that of the array ``info`` describes (same layout, maybe another address): only
+        the pointer is read."""
 
     def empty(self, shape: tuple[int, ...], dtype, like=None):
         """An uninitialized array on this backend (in ``like``'s library when given)."""

@@ -1,6 +1,9 @@
-"""The CPU backend: the same kernel sources run by the CUDA-on-CPU shim, on NumPy arrays.
+"""The CPU backend: the same kernel sources run by the CUDA-on-CPU shim, on NumPy arrays
+and PyTorch CPU tensors.
 
-A testing and demo backend, not a fast one. ``order`` picks the shim's thread
+A testing and demo backend, not a fast one. Torch CPU tensors are taken by their data
+pointer (never copied): the shim is handed a NumPy byte view of the memory a tensor
+spans, so bf16 and fp8 tensors (which NumPy cannot hold) work as they would on a GPU. ``order`` picks the shim's thread
 order (``"default"``, ``"shuffle:SEED"``, ``"warp-ahead:SEED"``, ...; ``None``
 reads ``METRALE_ATTN_CPU_ORDER``) and ``asan`` builds and runs under
 AddressSanitizer.
@@ -9,6 +12,9 @@ AddressSanitizer.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
 import numpy as np
@@ -35,6 +41,16 @@ class CpuBackend:
         self.order = order
         self.asan = asan
 
+    def load_many(self, variants) -> list:
+        """The modules of ``variants``, in order, built concurrently (one host compiler per
+        core): a first construction builds several variants, each a compiler run."""
+        variants = list(variants)
+        workers = min(len(variants), os.cpu_count() or 1)
+        if workers < 2:
+            return [self.load(v) for v in variants]
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="metrale-attn-build") as pool:
+            return list(pool.map(self.load, variants))
+
     def load(self, variant: Variant) -> _CpuModule:
         from ..cuda_on_cpu import compile_module
 
@@ -42,18 +58,50 @@ class CpuBackend:
         return _CpuModule(module, self.order)
 
     def describe(self, array, argument: str) -> ArrayInfo:
-        if not isinstance(array, np.ndarray):
-            raise TypeError(f"{argument} must be a NumPy array on the cpu backend, got {type(array).__name__}")
-        item = array.dtype.itemsize
-        return ArrayInfo(array.__array_interface__["data"][0], array.shape,
-                         tuple(s // item for s in array.strides), array.dtype, item, None,
-                         bool(array.flags.writeable))
+        if isinstance(array, np.ndarray):
+            item = array.dtype.itemsize
+            return ArrayInfo(array.__array_interface__["data"][0], array.shape,
+                             tuple([s // item for s in array.strides]), array.dtype, item, None,
+                             array.flags.writeable)
+        if _is_torch(array):
+            if array.device.type != "cpu":
+                raise ValueError(f"{argument} must be a CPU tensor on the cpu backend, got a tensor on {array.device}")
+            return ArrayInfo(array.data_ptr(), tuple(array.shape), tuple(array.stride()), array.dtype,
+                             array.element_size(), None)
+        raise TypeError(f"{argument} must be a NumPy array or a torch CPU tensor on the cpu backend, got "
+                        f"{type(array).__name__}")
+
+    def fingerprint(self, array):
+        """What identifies ``describe(array)`` without describing it (see ``Backend.fingerprint``).
+
+        A NumPy array's data pointer never changes while the object lives (its shape,
+        strides, dtype and writeable flag can), so the object's ``id`` stands for the
+        pointer; the caller keeps the array alive while it keeps the fingerprint. A torch
+        tensor's storage can be swapped in place (``set_``, ``.data =``): its data
+        pointer is read."""
+        if type(array) is np.ndarray:
+            return id(array), array.shape, array.strides, array.dtype, array.flags.writeable
+        if _is_torch(array):
+            return array.data_ptr(), array.shape, array.stride(), array.dtype, array.device
+        return None
+
+    def moved(self, info: ArrayInfo, array) -> ArrayInfo:
+        ptr = array.__array_interface__["data"][0] if type(array) is np.ndarray else array.data_ptr()
+        return ArrayInfo(ptr, info.shape, info.strides, info.dtype, info.itemsize, info.device, info.writable)
 
     def empty(self, shape, dtype, like=None):
+        if like is not None and _is_torch(like):
+            import torch
+
+            return torch.empty(shape, dtype=_torch_dtype(torch, np.dtype(dtype)))
         return np.empty(shape, dtype=dtype)
 
     def pointer(self, array, info: Optional[ArrayInfo] = None):
-        return None if array is None else _contiguous_alias(array)
+        if array is None:
+            return None
+        if isinstance(array, np.ndarray):
+            return _contiguous_alias(array)
+        return _bytes_at(info or self.describe(array, "array"))
 
     def launch_stream(self, stream, like=None):
         if stream is not None:
@@ -83,10 +131,58 @@ class CpuBackend:
         return []
 
     def host_copy(self, array):
+        """The array itself (a NumPy view of a torch tensor's memory): host memory needs no copy."""
+        if _is_torch(array):
+            return array.detach().numpy()
         return np.asarray(array)
 
     def synchronize(self) -> None:
         pass
+
+
+_TORCH_TYPES: set = set()  # tensor classes seen (torch.Tensor, Parameter, ...): one set lookup on the hot path
+
+
+def _is_torch(x) -> bool:
+    kind = type(x)
+    if kind in _TORCH_TYPES:
+        return True
+    if kind.__module__.startswith("torch") and hasattr(x, "data_ptr"):
+        _TORCH_TYPES.add(kind)
+        return True
+    return False
+
+
+_TORCH_DTYPES = {"float32": "float32", "int32": "int32", "bfloat16": "bfloat16", "float16": "float16",
+                 "float8_e4m3fn": "float8_e4m3fn", "uint8": "uint8"}
+
+
+def _torch_dtype(torch, dtype: np.dtype):
+    return getattr(torch, _TORCH_DTYPES[dtype.name])
+
+
+def _bytes_at(info: ArrayInfo) -> np.ndarray:
+    """A NumPy byte view of the memory an array spans, from its lowest element byte to
+    one past its highest, by address: how the shim is handed a torch tensor, without a
+    copy (and, like ``_contiguous_alias``, with the kernel's own address and strides).
+    The view does not keep the tensor alive: the caller does, for the launch."""
+    span = info.byte_range()
+    if span is None:
+        return np.empty(0, np.uint8)
+    if span[0] != info.ptr:
+        raise ValueError("arrays with negative strides are not supported")
+    view = _VIEWS.get(span)
+    if view is None:
+        if len(_VIEWS) >= 1024:
+            _VIEWS.clear()
+        view = _VIEWS[span] = np.frombuffer((ctypes.c_char * (span[1] - span[0])).from_address(span[0]), np.uint8)
+    return view
+
+
+_VIEWS: dict = {}
+"""Byte views by ``(first, end)`` address: an eager loop's allocator hands the same few
+buffers out again and again. A view outlives the memory it names harmlessly: it is only
+handed out again for a live tensor spanning exactly those bytes."""
 
 
 def _contiguous_alias(array: np.ndarray) -> np.ndarray:

@@ -156,6 +156,11 @@ class CupyBackend:
         name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
         return DeviceInfo(dev.id, (props["major"], props["minor"]), props["multiProcessorCount"], name)
 
+    def load_many(self, variants) -> list:
+        """One after another, on the caller's thread: a module loads into the current
+        device's context, which another thread would not share."""
+        return [self.load(v) for v in variants]
+
     def load(self, variant: Variant) -> _CupyModule:
         device = self.device()
         key = (device.ordinal, variant.name)
@@ -201,6 +206,19 @@ class CupyBackend:
         ptr, read_only = cai["data"]
         return ArrayInfo(ptr, shape, strides, dtype, dtype.itemsize, cupy.cuda.runtime.pointerGetAttributes(ptr).device,
                          not read_only)
+
+    def fingerprint(self, array):
+        """``describe``'s identity of a CuPy array or torch tensor, read without describing
+        it (a CuPy array's memory pointer is fixed for its life, a tensor's is read)."""
+        if type(array) is self._cupy.ndarray:
+            return id(array), array.shape, array.strides, array.dtype
+        if _is_torch(array):
+            return array.data_ptr(), array.shape, array.stride(), array.dtype, array.device
+        return None
+
+    def moved(self, info: ArrayInfo, array) -> ArrayInfo:
+        ptr = array.data.ptr if type(array) is self._cupy.ndarray else array.data_ptr()
+        return ArrayInfo(ptr, info.shape, info.strides, info.dtype, info.itemsize, info.device, info.writable)
 
     def empty(self, shape, dtype, like=None):
         if like is not None and _is_torch(like):

@@ -5,7 +5,8 @@ shim header (``cuda_on_cpu.h``) and followed by a registration table of its
 ``extern "C" __global__`` kernels (``declarations``), linked with the runtime
 (``cuda_on_cpu_runtime.cpp`` and, on x86-64, the hand-written fiber switch). Libraries
 are cached on disk, keyed by a hash of everything that goes into them, and memoized
-in-process.
+in-process. Threads may build different libraries at once (``CpuBackend.load_many``);
+one library builds once.
 
 A cached library is trusted only as far as its record proves: the ``.json`` beside each
 ``.so`` names the variant (module name and key) and the ``.so``'s size and SHA-256, and
@@ -54,7 +55,9 @@ _SWITCH = "cuda_on_cpu_switch_x86_64.S"
 compiler_calls: list[list[str]] = []
 
 _MEMO: dict[str, Module] = {}  # source hash -> module, this process's
-_MEMO_LOCK = threading.Lock()
+_MEMO_LOCK = threading.Lock()  # guards _MEMO, _BUILDING and the cache-directory choice
+_BUILDING: dict[str, threading.Lock] = {}  # source hash -> held while that library builds
+_RUNTIME_LOCK = threading.Lock()  # the runtime objects every library links
 _CXX_VERSION: dict[tuple[str, ...], str] = {}
 
 _FALLBACK_DIRS: dict[Path, Path] = {}  # unwritable cache dir -> this process's private one
@@ -161,6 +164,11 @@ def _atomic_write(path: Path, data: bytes) -> None:
 
 def _runtime_objects(cxx: list[str], flags: list[str], fiber: str, src_dir: Path, out_dir: Path) -> list[Path]:
     """The runtime (and switch) objects for these flags, compiled once and cached."""
+    with _RUNTIME_LOCK:  # concurrent builds share the objects and their temporary names
+        return _runtime_objects_locked(cxx, flags, fiber, src_dir, out_dir)
+
+
+def _runtime_objects_locked(cxx: list[str], flags: list[str], fiber: str, src_dir: Path, out_dir: Path) -> list[Path]:
     objs = []
     sources = [_RUNTIME] + ([_SWITCH] if fiber == "asm" else [])
     for fname in sources:
@@ -204,18 +212,26 @@ def compile_module(source: str, *, name: str, defines: dict[str, int | str] | No
     with _MEMO_LOCK:
         if digest in _MEMO:
             return _MEMO[digest]
-        stem = f"{name}-{digest[:20]}{'-asan' if asan else ''}"
-        identity = {"name": name, "key": digest}
-        home = environment.cache_dir()
-        meta, where = _cached_meta(home, stem, identity), home
-        if meta is None:
-            where = _writable_cache_dir(home)
-            meta = _cached_meta(where, stem, identity) if where != home else None
+        building = _BUILDING.setdefault(digest, threading.Lock())
+    # One build per library; different libraries build concurrently (one compiler each).
+    with building:
+        with _MEMO_LOCK:
+            if digest in _MEMO:
+                return _MEMO[digest]
+            stem = f"{name}-{digest[:20]}{'-asan' if asan else ''}"
+            identity = {"name": name, "key": digest}
+            home = environment.cache_dir()
+            meta, where = _cached_meta(home, stem, identity), home
+            if meta is None:
+                where = _writable_cache_dir(home)
+                meta = _cached_meta(where, stem, identity) if where != home else None
         if meta is None:
             meta = _build(source, name, cxx, flags, dflags, fiber, asan, where / f"{stem}.so",
                           where / f"{stem}.json", identity)
         module = Module(name, where / f"{stem}.so", meta, asan=asan)
-        _MEMO[digest] = module
+        with _MEMO_LOCK:
+            _MEMO[digest] = module
+            del _BUILDING[digest]
         return module
 
 
