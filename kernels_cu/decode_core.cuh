@@ -175,6 +175,17 @@ struct Rows {
   int split, num_splits;
 };
 
+// Where row r = t * heads + h of a CTA reads q: query token t of head head0 + h (the
+// kernels' q layout; run_cta takes any functor of this shape).
+struct QRows {
+  const pd_q_t* q;  // q[seq, 0, head0]
+  long long stride_token, stride_head;
+  int heads;
+  __device__ __forceinline__ const pd_q_t* operator()(int r) const {
+    return q + (r / heads) * stride_token + (r % heads) * stride_head;
+  }
+};
+
 // Keys [lo, hi) query token t sees: its causal prefix (L - q_len + 1 + t keys), from
 // window_left keys before its own position (when PD_WINDOW), cut to split `split` of
 // `num_splits` by the split rule of pd_splitk.cuh applied to that range alone (so the

@@ -22,16 +22,6 @@
 
 #include "decode_core.cuh"
 
-// Row r = t * heads + h of the CTA: query token t of head head0 + h.
-struct QRows {
-  const pd_q_t* q;  // q[seq, 0, head0]
-  long long stride_token, stride_head;
-  int heads;
-  __device__ __forceinline__ const pd_q_t* operator()(int r) const {
-    return q + (r / heads) * stride_token + (r % heads) * stride_head;
-  }
-};
-
 extern "C" __global__ void PD_LAUNCH_BOUNDS(PD_THREADS, 1) decode_splitk(
     const pd_q_t* __restrict__ q, long long q_stride_seq, long long q_stride_token, long long q_stride_head,
     const pd_kv_t* __restrict__ k_cache, long long k_stride_page, long long k_stride_token,
@@ -54,8 +44,9 @@ extern "C" __global__ void PD_LAUNCH_BOUNDS(PD_THREADS, 1) decode_splitk(
   const pd_mma::Rows rw{heads_per_cta, q_len, heads_per_cta * q_len, seq_len > 0 ? seq_len : 0, window_left, split,
                         num_splits};
 
-  pd_mma::run_cta(smem, rw, QRows{q + seq * q_stride_seq + head0 * q_stride_head, q_stride_token, q_stride_head,
-                                  heads_per_cta},
+  const pd_mma::QRows q_rows{q + seq * q_stride_seq + head0 * q_stride_head, q_stride_token, q_stride_head,
+                            heads_per_cta};
+  pd_mma::run_cta(smem, rw, q_rows,
                   qk_scale, cap_log2, k_cache + kv_head * k_stride_head, k_stride_page, k_stride_token,
                   v_cache + kv_head * v_stride_head, v_stride_page, v_stride_token,
                   block_tables + seq * block_tables_stride, page_size);
