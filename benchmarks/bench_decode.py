@@ -22,7 +22,10 @@ What one row means (GPU):
   implementation (``impl="simt"``, ``impl="mma"``), and the policy's default (flagged
   ``default`` on the forced variant with the same geometry: arm, splits, implementation,
   heads per CTA; or timed on its own). The ``heads_per_cta`` tier forces ``heads_per_cta=``
-  on the mma kernels instead and marks the plan's choice. A row's ``kernel_impl`` and
+  on the mma kernels instead and marks the plan's choice; the ``features`` tier builds the
+  mma kernels with one feature each (``sweep_plan.FEATURES``), checks each against the
+  float64 reference with that feature (``reference.paged_decode`` on the host) and gives
+  its time over the plain row's (``vs_plain``). A row's ``kernel_impl`` and
   ``heads_per_cta`` are what the plan of the built object runs: where the mma self-test
   failed on the device (``DecodeAttention`` warned and built simt), a forced mma variant
   is not timed but listed with status ``fallback`` and the warning.
@@ -94,10 +97,10 @@ from predictions import Predictions, arch_digits  # noqa: E402
 from steps import load_json  # noqa: E402
 from predictions import ratio as prediction_ratio  # noqa: E402
 from sweep_plan import (ARM_OPTIONS, BASELINE_NAMES, DEFAULT_ARMS, LATE_BASELINES, MODELS, PROFILES,  # noqa: E402,F401
-                        Config, Job, Slot, apply_profile, arm_options, arms_for, baseline_list, parse_models,
-                        plan_jobs, slots_for)
+                        SOFT_CAP, Config, Job, Slot, apply_profile, arm_options, arms_for, baseline_list,
+                        feature_kv_fraction, feature_options, feature_q_len, parse_models, plan_jobs, slots_for)
 
-from metrale_attn import DecodeAttention, policy, problems, tolerance  # noqa: E402
+from metrale_attn import DecodeAttention, policy, problems, reference, tolerance  # noqa: E402
 from metrale_attn.plan import ModelShape  # noqa: E402
 
 GB = 1e9  # decimal
@@ -313,6 +316,8 @@ class Sweep:
             try:
                 if job.kind == "hpc":
                     self._run_hpc(job, case)
+                elif job.kind == "features":
+                    self._run_features(job, case)
                 else:
                     self._run_arms(job, case)
             finally:
@@ -339,18 +344,19 @@ class Sweep:
     def attn(self, config: Config, slot: Slot):
         """The memoized ``DecodeAttention`` of a slot; a construction error is cached and raised again,
         and so is ``impls.FellBack`` for a forced mma slot that built simt (the self-test failed)."""
-        key = (config.model, config.kv_dtype, slot.arm, slot.impl, slot.heads_per_cta)
+        key = (config.model, config.kv_dtype, slot.arm, slot.impl, slot.heads_per_cta, slot.feature)
         if key not in self.attns:
             s, t0 = config.shape, time.monotonic()
             try:
                 built = impls.build(
                     DecodeAttention, s.num_q_heads, s.num_kv_heads, s.head_dim, config.page_size, q_dtype="bf16",
                     kv_dtype=config.kv_dtype, max_batch=self.max_batch, backend=self.backend,
-                    impl=slot.impl, heads_per_cta=slot.heads_per_cta, **arm_options(slot.arm))
+                    impl=slot.impl, heads_per_cta=slot.heads_per_cta, **arm_options(slot.arm),
+                    **feature_options(slot.feature, self.args.feature_window))
                 self._note_selftest(built)
                 self.attns[key] = impls.FellBack(built.fallback_reason()) if (
                     built.fell_back and slot.impl) else built.attn
-            except ValueError as err:  # the build refuses this combination: say why, per slot
+            except (ValueError, RuntimeError) as err:  # the build refuses this combination: say why, per slot
                 self.attns[key] = err
             self.result["compile_s"][f"{config.model}/{config.kv_dtype}/{slot.label}"] = round(
                 time.monotonic() - t0, 2)
@@ -419,6 +425,32 @@ class Sweep:
                 continue
             rows.append(self.measure_ours(job, case, attn, slot, attn.plan(config.batch), False, extra))
 
+    def _run_features(self, job: Job, case) -> None:
+        """Plain decode and each feature on the mma kernels, the policy's arm; each row carries
+        its time against the plain row's (``vs_plain``) and the share of the K/V it reads."""
+        config, rows = job.config, self.result["rows"]
+        plain_us = None
+        for slot in slots_for(job, self.arms):
+            extra = dict(sweep="features", feature=slot.feature, q_len=feature_q_len(slot.feature),
+                         kv_fraction=feature_kv_fraction(slot.feature, self.args.feature_window, config.context))
+            try:
+                attn = self.attn(config, slot)
+            except impls.FellBack as err:
+                rows.append(self._unavailable(job, slot, str(err), status="fallback", extra=extra))
+                continue
+            except RuntimeError as err:  # the device's mma disagrees, and only mma serves the features
+                rows.append(self._unavailable(job, slot, _short(err), status="fallback", extra=extra))
+                continue
+            except ValueError as err:
+                rows.append(self._unavailable(job, slot, _short(err), extra=extra))
+                continue
+            row = self.measure_ours(job, case, attn, slot, attn.plan(config.batch, extra["q_len"]), False, extra)
+            if row.get("median_us") is not None:
+                if slot.feature == "plain":
+                    plain_us = row["median_us"]
+                row["vs_plain"] = None if plain_us is None else row["median_us"] / plain_us
+            rows.append(row)
+
     def _unavailable(self, job: Job, slot: Slot, reason: str, status: str = "unavailable",
                      extra: Optional[dict] = None) -> dict:
         return make_row(job.config, "metrale", arm=slot.arm, timing=None, copy_tb_per_s=self.copy_tb, status=status,
@@ -430,7 +462,7 @@ class Sweep:
         common = dict(arm=slot.arm, copy_tb_per_s=self.copy_tb, plan=plan, default=is_default, slot=slot,
                       tier=job.tier, extra=extra)
         try:
-            check, timing = self.time_ours(config, case, attn)
+            check, timing = self.time_ours(config, case, attn, slot.feature)
             row = make_row(config, "metrale", timing=timing, status="ok" if check["status"] == "ok" else "wrong",
                            check=check, **common)
         except Exception as err:
@@ -550,14 +582,39 @@ class CpuSweep(Sweep):
                                   q_dtype="bf16", layout="NHD")
         return p, p.reference(), p.v_absmax()
 
-    def time_ours(self, config: Config, case, attn):
+    def time_ours(self, config: Config, case, attn, feature: Optional[str] = None):
         p, ref, v_absmax = case
-        out = np.full((config.batch, config.shape.num_q_heads, config.shape.head_dim), np.nan, dtype=p.q.dtype)
-        call = lambda: attn.run(p.q, p.k_cache, p.v_cache, p.block_tables, p.seq_lens, k_scale=p.k_scale,  # noqa: E731
-                                v_scale=p.v_scale, out=out)
+        q, sinks = p.q, None
+        if feature not in (None, "plain"):
+            rng = np.random.default_rng(self._seed)
+            if feature == "multi_token":
+                q = rng.standard_normal((config.batch, feature_q_len(feature)) + p.q.shape[1:]).astype(p.q.dtype)
+            if feature == "sinks":
+                sinks = feature_sinks(config.shape.num_q_heads, config.context)
+            ref = p.reference(q=q, **reference_features(feature, self.args.feature_window, sinks))
+        out = np.full(q.shape, np.nan, dtype=p.q.dtype)
+        call = lambda: attn.run(q, p.k_cache, p.v_cache, p.block_tables, p.seq_lens, k_scale=p.k_scale,  # noqa: E731
+                                v_scale=p.v_scale, out=out, sinks=sinks)
         call()
         check = _check_numpy(out, ref, v_absmax, seqs=list(range(config.batch)))
         return check, time_host(call, min_iters=2, target_s=self.args.cpu_target_s)
+
+
+def feature_sinks(num_q_heads: int, context: int) -> np.ndarray:
+    """Sink logits of the sinks row: about the keys' own mass (ln context, scores ~ N(0, 1)),
+    spread over the heads, so that the sink moves every output."""
+    return (math.log(max(context, 1)) + np.linspace(-2.0, 2.0, num_q_heads)).astype(np.float32)
+
+
+def reference_features(feature: Optional[str], window_left: int, sinks) -> dict:
+    """``reference.paged_decode``'s keyword arguments for a feature row."""
+    if feature == "window":
+        return dict(window_left=window_left)
+    if feature == "soft_cap":
+        return dict(logits_soft_cap=SOFT_CAP)
+    if feature == "sinks":
+        return dict(sinks=sinks)
+    return {}
 
 
 def _check_numpy(out, ref, v_absmax: float, seqs: list[int]) -> dict:
@@ -665,6 +722,28 @@ def reference_on_gpu(case, seqs: list[int]):
     return torch.stack(outs).cpu().numpy(), v_absmax
 
 
+def check_gpu_features(case, q, out, seqs: list[int], features: dict) -> dict:
+    """``seqs`` of a feature row against ``reference.paged_decode`` with the features, in
+    float64 on the host (each sequence's K/V gathered on the GPU), to the package's bar."""
+    import torch
+
+    nan_free = not bool(torch.isnan(out).any())
+    refs, v_absmax = [], 0.0
+    for s in seqs:
+        k = _gather_seq(case, case.k_pool, s, case.k_scale).cpu().numpy()[None]  # one page of every token
+        v = _gather_seq(case, case.v_pool, s, case.v_scale).cpu().numpy()[None]
+        q_s = _to_numpy_bf16(q[s:s + 1])
+        refs.append(reference.paged_decode(q_s, k, v, np.zeros((1, 1), np.int32), np.array([k.shape[1]], np.int32),
+                                           sm_scale=case.sm_scale, **features)[0])
+        v_absmax = max(v_absmax, float(np.abs(v).max()) if v.size else 0.0)
+    got = _to_numpy_bf16(out[seqs])
+    check = _check_numpy(got, np.stack(refs), v_absmax, seqs=list(range(len(seqs))))
+    check["seqs"] = seqs
+    if not nan_free:
+        check.update(status="FAIL", message=(check.get("message", "") + " NaN left in the output").strip())
+    return check
+
+
 def _to_numpy_bf16(t):
     import ml_dtypes
     import torch
@@ -768,11 +847,26 @@ class GpuSweep(Sweep):
         return lambda: attn.run(case.q, case.k_pool, case.v_pool, case.block_tables, case.seq_lens,
                                 k_scale=case.k_scale, v_scale=case.v_scale, out=out)
 
-    def time_ours(self, config: Config, case, attn):
-        out = self.torch.empty_like(case.q)
-        launch = self.timer.capture_poisoned(self._ours_call(case, attn, out), out)
+    def time_ours(self, config: Config, case, attn, feature: Optional[str] = None):
         seqs = check_seq_indices(config.batch, self.args.check_seqs)
-        check = check_gpu_output(case, out, seqs, self._ref_cache, strict=True)
+        if feature in (None, "plain"):
+            out = self.torch.empty_like(case.q)
+            launch = self.timer.capture_poisoned(self._ours_call(case, attn, out), out)
+            check = check_gpu_output(case, out, seqs, self._ref_cache, strict=True)
+            return check, self.timer.measure(launch)
+        torch, q, sinks = self.torch, case.q, None
+        if feature == "multi_token":
+            q = torch.randn((config.batch, feature_q_len(feature)) + tuple(case.q.shape[1:]), device=case.q.device,
+                            generator=self.pool.gen).to(case.q.dtype)
+        if feature == "sinks":
+            sinks = torch.from_numpy(feature_sinks(config.shape.num_q_heads, config.context)).to(case.q.device)
+        out = torch.empty_like(q)
+        call = lambda: attn.run(q, case.k_pool, case.v_pool, case.block_tables, case.seq_lens,  # noqa: E731
+                                k_scale=case.k_scale, v_scale=case.v_scale, out=out, sinks=sinks)
+        launch = self.timer.capture_poisoned(call, out)
+        features = reference_features(feature, self.args.feature_window,
+                                      None if sinks is None else sinks.cpu().numpy())
+        check = check_gpu_features(case, q, out, seqs, features)
         return check, self.timer.measure(launch)
 
     def host_overhead(self, job: Job) -> None:
@@ -788,8 +882,8 @@ class GpuSweep(Sweep):
         context = min(HOST_OVERHEAD_CONTEXT, config.context)  # short: the host's time, not the GPU's, is measured
         case = self.pool.case(1, context, config.shape.num_q_heads)
         timer.synchronize_device()
-        for (model, kv, arm, impl, hpc), attn in list(self.attns.items()):
-            if (model, kv) != pair or hpc is not None or isinstance(attn, Exception):
+        for (model, kv, arm, impl, hpc, feature), attn in list(self.attns.items()):
+            if (model, kv) != pair or hpc is not None or feature is not None or isinstance(attn, Exception):
                 continue
             label = Slot(arm, impl).label
             try:
@@ -976,6 +1070,9 @@ def build_parser() -> argparse.ArgumentParser:
                                         "heads_per_cta its group allows)")
     p.add_argument("--hpc-batches", help="heads_per_cta tier: batches, or none")
     p.add_argument("--hpc-context", type=int, help="heads_per_cta tier: context")
+    p.add_argument("--features", help="features tier: MODEL:BATCH:CONTEXT configurations, or none (each times "
+                                      "plain decode and every feature of sweep_plan.FEATURES on the mma kernels)")
+    p.add_argument("--feature-window", type=int, help="features tier: the window row's window_left")
     p.add_argument("--rest", choices=("on", "off"), help="run the rest tier (the grid)")
     p.add_argument("--arms", default=",".join(DEFAULT_ARMS), help="forced arms: unpacked, splitk, gqa_packed, splitk:N")
     p.add_argument("--baselines", help="comma-separated, or none (default: the profile's)")

@@ -51,10 +51,15 @@ ARM_SHORT = {"unpacked": "unp", "splitk": "spk", "gqa_packed": "pack", "default"
 """Names on the short progress and summary lines."""
 
 
+FEATURE_SHORT = {"window": "win", "multi_token": "mt", "soft_cap": "cap", "sinks": "sink"}
+
+
 def short_label(r: dict) -> str:
-    """A row on a short line: ``spk/mma``, ``dflt/mma/h4``, ``sdpa+g``."""
+    """A row on a short line: ``spk/mma``, ``dflt/mma/h4``, ``sdpa+g``, ``+win`` (a feature row)."""
     if r["impl"] != "metrale":
         return BASELINE_SHORT.get(r["impl"], r["impl"])
+    if r.get("feature"):
+        return "+" + FEATURE_SHORT.get(r["feature"], r["feature"])
     arm, _, rest = (r.get("arm_label") or r.get("arm") or "ours").partition("/")
     return ARM_SHORT.get(arm, arm) + (f"/{rest}" if rest else "")
 
@@ -75,9 +80,13 @@ def default_rows(result: dict) -> list[dict]:
     return [r for r in result["rows"] if r["impl"] == "metrale" and r.get("default")]
 
 
+SWEEPS = ("heads_per_cta", "features")
+"""Tiers whose rows force something other than the arm: reported in their own tables."""
+
+
 def arm_rows(result: dict) -> list[dict]:
-    """Ours with an arm (and implementation) forced, or the default: every row but the heads_per_cta sweep's."""
-    return [r for r in result["rows"] if r["impl"] == "metrale" and r.get("sweep") != "heads_per_cta"]
+    """Ours with an arm (and implementation) forced, or the default: every row but the sweeps' (``SWEEPS``)."""
+    return [r for r in result["rows"] if r["impl"] == "metrale" and r.get("sweep") not in SWEEPS]
 
 
 def arm_label(r: dict) -> str:
@@ -258,7 +267,7 @@ def render_markdown(result: dict, plot_files: Optional[list[str]] = None, plot_n
             "implementation), each as us (% of copy); baselines are charged the same bytes. `x best base` = fastest "
             "baseline time / ours (> 1: ours faster).", ""]
     out += _result_tables(result)
-    out += _impl_comparison(result) + _hpc_sweep(result) + _predictions(result)
+    out += _impl_comparison(result) + _hpc_sweep(result) + _feature_sweep(result) + _predictions(result)
     out += probe_markdown(result.get("l2_probe"))
     if plot_files:
         out += ["", "## Plots", ""] + [f"![{os.path.basename(p)}]({os.path.basename(p)})" for p in plot_files]
@@ -466,10 +475,31 @@ def _hpc_sweep(result: dict) -> list[str]:
     return out
 
 
+def _feature_sweep(result: dict) -> list[str]:
+    """The features tier: each feature's time against plain decode on the same configuration."""
+    rows = [r for r in result["rows"] if r.get("sweep") == "features"]
+    out = ["## Features against plain decode", ""]
+    if not rows:
+        return out + ["Not run.", ""]
+    r0 = rows[0]
+    out += [f"{r0['model']} ({r0['shape']}) KV {r0['kv_dtype']}, batch {r0['batch']} x {_ctx(r0['context'])}, mma "
+            "kernels, the policy's arm. % of copy counts the K/V each row must read (a window reads its keys "
+            "only); multi-token decodes 4 query tokens per sequence.", "",
+            "| feature | us | % of copy (K/V read) | vs plain | check |", "| --- | --- | --- | --- | --- |"]
+    for r in rows:
+        pct = r.get("pct_of_copy")
+        read = None if pct is None else pct * (r.get("kv_fraction") or 1.0)
+        vs = r.get("vs_plain")
+        check = (r.get("check") or {}).get("status", r["status"])
+        out.append(f"| {r.get('feature')} | {_us(r)} | {_fmt_pct(read)} | {'-' if vs is None else f'{vs:.2f}x'} | "
+                   f"{check} |")
+    return out + [""]
+
+
 def _predictions(result: dict) -> list[str]:
     """Every timed row of ours beside the static SASS model's prediction for the same variant."""
     model = result.get("sass_model") or {}
-    rows = [r for r in result["rows"] if r["impl"] == "metrale" and _timed(r)]
+    rows = [r for r in result["rows"] if r["impl"] == "metrale" and _timed(r) and r.get("sweep") != "features"]
     with_pred = [r for r in rows if r.get("sass")]
     out = ["## Measured vs the static SASS model", "",
            f"Report: {model.get('source') or '-'}; {model.get('note', 'no prediction')}."]
@@ -593,7 +623,7 @@ def plot(result: dict, bench_path: str, arms_path: str) -> tuple[list[str], str]
     device = result.get("device_label")
     figure(ours + base_series, bench_path, f"paged decode on {device}: ours vs baselines "
                                            f"({result.get('created_utc', '')[:10]})")
-    forced = [r for r in rows if r["impl"] == "metrale" and r.get("arm") and r.get("sweep") != "heads_per_cta"]
+    forced = [r for r in rows if r["impl"] == "metrale" and r.get("arm") and r.get("sweep") not in SWEEPS]
     forced_ids = {id(r) for r in forced}
     arm_names = list(dict.fromkeys(arm_label(r) for r in forced))  # one series per arm x implementation
     arm_series = [(_column_label(a), (lambda name: lambda r: id(r) in forced_ids and arm_label(r) == name)(a),

@@ -13,7 +13,11 @@ behind them (``plan_jobs``):
 3. ``heads_per_cta``: 32/8/128 and 64/8/128 bf16 at batch 1, 16 and 64 x 16k, the mma
    kernels with ``heads_per_cta`` forced to every choice of the group
    (``plan.heads_per_cta_choices``: 1, 2, 4 and 1, 2, 4, 8), the plan's choice marked.
-4. ``rest``: the grid (models x KV dtypes x batch 1, 16, 64, 256 x context 4k, 16k, 64k),
+4. ``features``: Llama-3-8B bf16 batch 64 x 16k on the mma kernels, plain and with each
+   feature of the kernels' specializations (``FEATURES``: a 4k sliding window, multi-token
+   decode of 4 query tokens, a logits soft-cap, sinks), each row's time against the plain
+   row's (``vs_plain``).
+5. ``rest``: the grid (models x KV dtypes x batch 1, 16, 64, 256 x context 4k, 16k, 64k),
    less what the tiers above measured; ours only.
 
 FlexAttention (one configuration per shape) and FlashInfer (whatever its JIT built in
@@ -22,7 +26,7 @@ time) are timed last, on the configurations already measured, in the same order
 
 Profiles: ``full`` (the above), ``quick`` (tiers 1-3 only, no baselines: the short
 rerun) and ``cpu`` (the CPU dry run: one 6/1/256 configuration per dtype, a tiny
-``heads_per_cta`` sweep on groups of 4 and 8, then a tiny grid).
+``heads_per_cta`` sweep on groups of 4 and 8, the features on 4/1/64, then a tiny grid).
 """
 
 from __future__ import annotations
@@ -52,18 +56,24 @@ FlashInfer's JIT (nvcc, in the background) gets the whole run to finish."""
 
 HPC_MODELS = "llama-3-8b,llama-3-70b"
 """The heads_per_cta tier's shapes: groups of 4 (choices 1, 2, 4) and 8 (1, 2, 4, 8)."""
+FEATURES = ("plain", "window", "multi_token", "soft_cap", "sinks")
+"""The features tier's rows, in order: ``plain`` is the baseline the others are timed against."""
+MULTI_TOKEN_Q_LEN = 4  # query tokens per sequence of the multi_token row (speculative decode's 3 + 1)
+SOFT_CAP = 30.0  # Gemma 2's attention logit soft-cap
+FEATURES_AT = "llama-3-8b:64:16384"
 DECISIVE = "llama-3-8b:64:4096,llama-3-8b:64:16384,llama-3-8b:1:32768,llama-3-70b:64:4096,qwen3.8-27b:64:4096"
 PROFILES = {
     "full": dict(models="llama-3-8b,llama-3-70b,qwen3.8-27b", kv_dtypes="bf16,fp8", batches="1,16,64,256",
                  contexts="4096,16384,65536", page_size=16, decisive=DECISIVE, decisive_dtypes="bf16,fp8",
-                 hpc_models=HPC_MODELS, hpc_batches="1,16,64", hpc_context=16384, rest=True,
-                 baselines=",".join(BASELINE_NAMES)),
+                 hpc_models=HPC_MODELS, hpc_batches="1,16,64", hpc_context=16384, features=FEATURES_AT,
+                 feature_window=4095, rest=True, baselines=",".join(BASELINE_NAMES)),
     "quick": dict(models="llama-3-8b,llama-3-70b,qwen3.8-27b", kv_dtypes="bf16,fp8", batches="1,16,64,256",
                   contexts="4096,16384,65536", page_size=16, decisive=DECISIVE, decisive_dtypes="bf16,fp8",
-                  hpc_models=HPC_MODELS, hpc_batches="1,16,64", hpc_context=16384, rest=False, baselines="none"),
+                  hpc_models=HPC_MODELS, hpc_batches="1,16,64", hpc_context=16384, features="none",
+                  feature_window=4095, rest=False, baselines="none"),
     "cpu": dict(models="6/1/256", kv_dtypes="bf16", batches="1,2", contexts="64,300", page_size=16,
                 decisive="6/1/256:2:300", decisive_dtypes="bf16,fp8", hpc_models="4/1/64,8/1/64", hpc_batches="1,2",
-                hpc_context=64, rest=True, baselines="none"),
+                hpc_context=64, features="4/1/64:2:300", feature_window=63, rest=True, baselines="none"),
 }
 """The CPU profile uses the smallest shape that reaches all three arms (the GQA pack needs
 q_heads = 6 x kv_heads at head_dim 256), and for the heads_per_cta sweep the smallest shapes
@@ -121,8 +131,8 @@ class Config:
 @dataclass(frozen=True)
 class Job:
     """One configuration in one tier. ``kind``: ``arms`` (every forced arm x implementation, the
-    policy's default, ``baselines``) or ``hpc`` (``heads_per_cta`` forced to each of ``hpc_values``,
-    every choice of the shape's group)."""
+    policy's default, ``baselines``), ``hpc`` (``heads_per_cta`` forced to each of ``hpc_values``,
+    every choice of the shape's group) or ``features`` (each of ``FEATURES`` on the mma kernels)."""
 
     tier: str
     config: Config
@@ -134,21 +144,45 @@ class Job:
 @dataclass(frozen=True)
 class Slot:
     """One timed variant of ours on a configuration: an arm (``default``: the policy's choice), an
-    implementation forced (None: the default) and a forced ``heads_per_cta`` (None: the plan's rule)."""
+    implementation forced (None: the default), a forced ``heads_per_cta`` (None: the plan's rule)
+    and a feature of ``FEATURES`` (None: plain decode outside the features tier)."""
 
     arm: str
     impl: Optional[str] = None
     heads_per_cta: Optional[int] = None
+    feature: Optional[str] = None
 
     @property
     def label(self) -> str:
-        """``splitk``, ``splitk/mma``, ``default/mma/h4``: the row's arm label."""
+        """``splitk``, ``splitk/mma``, ``default/mma/h4``, ``default/mma/+window``: the row's arm label."""
         out = self.arm
         if self.impl:
             out += f"/{self.impl}"
         if self.heads_per_cta is not None:
             out += f"/h{self.heads_per_cta}"
+        if self.feature is not None:
+            out += f"/+{self.feature}"
         return out
+
+
+def feature_options(feature: Optional[str], window_left: int) -> dict:
+    """The ``DecodeAttention`` options of a feature row (``window_left``: the window's keys
+    before a token's own, the profile's ``feature_window``)."""
+    return {None: {}, "plain": {}, "window": dict(window_left=window_left),
+            "multi_token": dict(max_q_len=MULTI_TOKEN_Q_LEN), "soft_cap": dict(logits_soft_cap=SOFT_CAP),
+            "sinks": dict(sinks=True)}[feature]
+
+
+def feature_q_len(feature: Optional[str]) -> int:
+    """Query tokens per sequence a feature row decodes."""
+    return MULTI_TOKEN_Q_LEN if feature == "multi_token" else 1
+
+
+def feature_kv_fraction(feature: Optional[str], window_left: int, context: int) -> float:
+    """The share of a sequence's K/V a feature row must read (the window's keys only)."""
+    if feature != "window" or window_left < 0:
+        return 1.0
+    return min(1.0, (window_left + 1) / context)
 
 
 def ctx_label(n: int) -> str:
@@ -179,7 +213,7 @@ def model_shape(item: str) -> ModelShape:
     return ModelShape(h, kv, d)
 
 
-def parse_decisive(text: str) -> list[tuple[str, int, int]]:
+def parse_decisive(text: str, option: str = "--decisive") -> list[tuple[str, int, int]]:
     """``llama-3-8b:64:4096,...`` -> [(model, batch, context)]; ``none`` -> []."""
     if text in (None, "", "none"):
         return []
@@ -189,7 +223,7 @@ def parse_decisive(text: str) -> list[tuple[str, int, int]]:
             model, batch, context = item.rsplit(":", 2)
             out.append((model, int(batch), int(context)))
         except ValueError:
-            raise SystemExit(f"--decisive: {item!r} is not MODEL:BATCH:CONTEXT") from None
+            raise SystemExit(f"{option}: {item!r} is not MODEL:BATCH:CONTEXT") from None
     return out
 
 
@@ -252,6 +286,8 @@ def plan_jobs(args) -> list[Job]:
         for batch in ints(args.hpc_batches):
             add("heads_per_cta", model, "bf16", batch, int(args.hpc_context), kind="hpc",
                 hpc_values=heads_per_cta_choices(shape.group_size))
+    for model, batch, context in parse_decisive(args.features, "--features"):
+        add("features", model, "bf16", batch, context, kind="features")
     if args.rest:
         for dtype in args.kv_dtypes.split(","):
             for model, _ in parse_models(args.models):
@@ -262,8 +298,10 @@ def plan_jobs(args) -> list[Job]:
 
 
 def slots_for(job: Job, arms: list[str]) -> list[Slot]:
-    """The variants of ours a job times: each forced arm on each implementation, or (``hpc``) each
-    ``heads_per_cta`` on the mma kernels."""
+    """The variants of ours a job times: each forced arm on each implementation, (``hpc``) each
+    ``heads_per_cta`` on the mma kernels, or (``features``) each feature on them."""
     if job.kind == "hpc":
         return [Slot("default", SWEEP_IMPL, h) for h in job.hpc_values]
+    if job.kind == "features":
+        return [Slot("default", SWEEP_IMPL, feature=f) for f in FEATURES]
     return [Slot(arm, impl) for arm in arms_for(job.config.shape, arms) for impl in IMPLS]

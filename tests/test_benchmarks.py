@@ -40,6 +40,7 @@ import l2_probe  # noqa: E402
 import predictions  # noqa: E402
 import steps  # noqa: E402
 import summarize  # noqa: E402
+import sweep_plan  # noqa: E402
 import impls  # noqa: E402
 import sweep_plan  # noqa: E402
 
@@ -112,8 +113,11 @@ def test_gpu_check_cpu_dry_run_writes_every_output(tmp_path):
     assert result["mode"] == "cpu" and "not kernel performance" in result["timing_note"]
     ours = [r for r in result["rows"] if r["impl"] == "metrale"]
     assert all(r["check"]["status"] == "ok" and r["median_us"] > 0 for r in ours)
-    # Tiers in order: decisive bf16, decisive fp8, the heads_per_cta sweep, then the grid.
-    assert list(dict.fromkeys(r["tier"] for r in ours)) == ["decisive-bf16", "decisive-fp8", "heads_per_cta", "rest"]
+    # Tiers in order: decisive bf16, decisive fp8, the heads_per_cta sweep, the features, then the grid.
+    assert list(dict.fromkeys(r["tier"] for r in ours)) == ["decisive-bf16", "decisive-fp8", "heads_per_cta",
+                                                             "features", "rest"]
+    features = [r for r in ours if r["tier"] == "features"]
+    assert [r["feature"] for r in features] == list(sweep_plan.FEATURES) and features[0]["vs_plain"] == 1.0
     # Every forced arm on both implementations, each row saying what its plan ran; the default flagged once.
     caps = result["kernel_impls"]
     assert caps["impls"] == ["simt", "mma"] and caps["default_impl"] == "mma"
@@ -151,6 +155,7 @@ def test_gpu_check_cpu_dry_run_writes_every_output(tmp_path):
     assert result["sass_model"]["rows"] == 7
     assert result["l2_probe"]["status"] == "absent"
     md = (out / json_name.replace(".json", ".md")).read_text()
+    assert "## Features against plain decode" in md and "| multi_token |" in md
     assert "CPU backend simulator; not kernel performance" in md
     assert "## Measured vs the static SASS model" in md and "| issue |" in md
     assert "## L2 probe" in md and "## heads_per_cta sweep" in md and "## Old vs new kernels" in md
@@ -316,7 +321,10 @@ def test_the_full_profile_runs_the_decisive_configurations_first():
     assert [(j.kind, j.config.model, j.config.batch, j.config.context, j.hpc_values) for j in hpc] == [
         ("hpc", m, b, 16384, values) for m, values in (("llama-3-8b", (1, 2, 4)), ("llama-3-70b", (1, 2, 4, 8)))
         for b in (1, 16, 64)]
-    rest = jobs[16:]
+    features = jobs[16]  # plain and every feature on one configuration
+    assert (features.kind, features.config.model, features.config.batch, features.config.context) == (
+        "features", "llama-3-8b", 64, 16384)
+    rest = jobs[17:]
     assert rest and all(j.tier == "rest" and not j.baselines for j in rest)
     assert {j.config.batch for j in rest} == {1, 16, 64, 256} and {j.config.context for j in rest} == {
         4096, 16384, 65536}  # no batch 4, no 1k contexts
@@ -792,10 +800,11 @@ def to_numpy(t):
 class CpuBackedAttention:  # DecodeAttention on the CPU backend, taking and filling torch CPU tensors
     def __init__(self, *args, backend=None, **kwargs):
         self._real = DecodeAttention(*args, backend="cpu", **kwargs)
-    def plan(self, n): return self._real.plan(n)
+    def plan(self, n, q_len=1): return self._real.plan(n, q_len)
     def target_line(self): return self._real.target_line()
-    def run(self, q, k, v, bt, sl, *, k_scale, v_scale, out):
-        o = self._real.run(*map(to_numpy, (q, k, v, bt, sl)), k_scale=k_scale, v_scale=v_scale)
+    def run(self, q, k, v, bt, sl, *, k_scale, v_scale, out, sinks=None):
+        o = self._real.run(*map(to_numpy, (q, k, v, bt, sl)), k_scale=k_scale, v_scale=v_scale,
+                           sinks=None if sinks is None else to_numpy(sinks))
         out.copy_(torch.from_numpy(o.view(np.int16)).view(torch.bfloat16))
         return out
 
@@ -825,14 +834,16 @@ def test_gpu_sweep_control_flow_with_fakes_on_the_cpu(tmp_path):
     done = subprocess.run(
         [sys.executable, str(driver), BENCH, "--env-json", str(env_json), "--out-dir", str(out),
          "--decisive", "llama-3-8b:1:40,qwen3.8-27b:1:40,llama-3-8b:2:40", "--decisive-dtypes", "bf16,fp8",
-         "--hpc-batches", "none", "--rest", "off", "--flex-batches", "1", "--host-overhead-iters", "2",
+         "--hpc-batches", "none", "--features", "llama-3-8b:1:40", "--feature-window", "15", "--rest", "off",
+         "--flex-batches", "1", "--host-overhead-iters", "2",
          "--flashinfer-status", str(status), "--kv-cap-gb", "0.0003"], cwd=REPO, capture_output=True, text=True,
         timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     (name,) = [f for f in os.listdir(out) if f.endswith("_FAKE_bench.json")]
     result = json.loads((out / name).read_text())
     ours = [r for r in result["rows"] if r["impl"] == "metrale"]
-    assert ours and all(r["check"]["status"] == "ok" for r in ours)
+    assert ours and all(r["check"] and r["check"]["status"] == "ok" for r in ours), [
+        (r.get("arm_label"), r["status"], r["reason"]) for r in ours if not r["check"]]
     assert all(r["arm"] == "splitk" for r in ours if r["default"])  # hopper declares auto split-K
     assert {r["arm"] for r in ours if r["model"] == "qwen3.8-27b"} == {"unpacked", "splitk", "gqa_packed"}
     by_impl = {}
@@ -849,4 +860,9 @@ def test_gpu_sweep_control_flow_with_fakes_on_the_cpu(tmp_path):
     assert [s["batch"] for s in result["skipped"]] == [2] and "--kv-cap-gb" in result["skipped"][0]["reason"]
     assert result["host_overhead"] and not result["budget"]["stopped_early"]
     assert re.search(r"^\[bench \d+s\] late phase: flex_paged, flashinfer", done.stdout, re.M)
+    # The features tier on the GPU path: every feature checked against the float64 reference with it.
+    features = [r for r in result["rows"] if r.get("sweep") == "features"]
+    assert [r["feature"] for r in features] == list(sweep_plan.FEATURES)
+    assert all(r["status"] == "ok" and r["check"]["status"] == "ok" for r in features), features
+    assert features[0]["vs_plain"] == 1.0 and features[1]["kv_fraction"] == 16 / 40
 
