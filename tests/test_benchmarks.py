@@ -40,7 +40,6 @@ import l2_probe  # noqa: E402
 import predictions  # noqa: E402
 import steps  # noqa: E402
 import summarize  # noqa: E402
-import sweep_plan  # noqa: E402
 import impls  # noqa: E402
 import sweep_plan  # noqa: E402
 
