@@ -19,7 +19,11 @@
 #      fp8, heads_per_cta), then the grid; FlexAttention and FlashInfer last (bench_decode.py);
 #      every arm on simt and mma; step mma_selftest: whether the mma rows ran mma (a device
 #      that fails the self-test gets simt: FALLBACK, the mma rows not timed)
-#   6. summary: summary.md, and a short table printed LAST                   (summarize.py)
+#   6. the decode loop: examples/decode_loop.py, the serving path the vLLM backend shares, on
+#      the device eagerly, compiled and under a CUDA graph (every output against float64), and a
+#      step at batch 64 x 4k timed against the same loop on PyTorch SDPA; its time is reserved
+#      out of the sweep's budget, so the grid gives way, not this (decode_loop_check.py)
+#   7. summary: summary.md, and a short table printed LAST                   (summarize.py)
 #
 # After every step (and every CHECKPOINT_S seconds during the sweep) summary.md is rewritten
 # and logs.tar.gz repacked in $OUT, and the sweep rewrites its JSON and markdown, so a run cut
@@ -36,7 +40,8 @@
 #
 # Environment knobs: OUT (./gpu_check_out), PYTHON (python3), GPU_CHECK_DEADLINE_S (465; 220
 # --quick), WHEELS_DIR (.whl; given explicitly, installed in --cpu too), WHEEL_TARGET (/tmp/site),
-# PYTEST_TIMEOUT_S (110), PYTEST_WORKERS (6, with pytest-xdist), SANITIZE_TOOLS ("memcheck
+# PYTEST_TIMEOUT_S (110), PYTEST_WORKERS (6, with pytest-xdist), DECODE_LOOP_CAP_S (120; 60 --cpu;
+# 0: skip the step), SANITIZE_TOOLS ("memcheck
 # racecheck initcheck"), SANITIZE_TIMEOUT_S (45 each), FLASHINFER_JIT_CAP_S (300), L2_PROBE (1),
 # L2_PROBE_CAP_S (70), NCU (ncu to use; "none"), SASS_MODEL_JSON (predictions to use), SASS_REPORT
 # (1: run sass_report.py in --cpu too), SASS_REPORT_CAP_S (150), BENCH_BUDGET_S (300 at most),
@@ -49,7 +54,7 @@ for arg in "$@"; do
   case "$arg" in
     --cpu) MODE=cpu ;;
     --quick) PROFILE=quick ;;
-    -h|--help) sed -n '2,43p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,49p' "$0"; exit 0 ;;
     *) echo "gpu_check.sh: unknown argument $arg (use --cpu, --quick or nothing)" >&2; exit 2 ;;
   esac
 done
@@ -280,7 +285,10 @@ fi
 
 # -- 5. the sweep ---------------------------------------------------------------------------------
 t=$(date +%s)
-BUDGET=$(clamp $(( DEADLINE_S - $(elapsed) - 30 )) 30 "${BENCH_BUDGET_S:-300}")
+# The decode loop's time comes out of the sweep's budget (the grid, its last tier, gives way).
+if [ "$PROFILE" = quick ]; then LOOP_CAP=0; elif [ "$MODE" = cpu ]; then LOOP_CAP=${DECODE_LOOP_CAP_S:-60}; else
+  LOOP_CAP=${DECODE_LOOP_CAP_S:-120}; fi
+BUDGET=$(clamp $(( DEADLINE_S - $(elapsed) - 30 - LOOP_CAP )) 30 "${BENCH_BUDGET_S:-300}")
 BENCH=(benchmarks/bench_decode.py --out-dir "$OUT" --env-json "$WORK/env.json" --time-budget-s "$BUDGET"
        --profile "$PROFILE" --probe-json "$WORK/l2_probe.json" --checkpoint-s "$CHECKPOINT_S")
 [ -n "$SASS_JSON" ] && BENCH+=(--sass-json "$SASS_JSON")
@@ -319,7 +327,21 @@ elif [ "$PROFILE" = full ] && [ "$MODE" = gpu ]; then
   step flashinfer_jit skipped 0 "$NO_FLASHINFER"
 fi
 
-# -- 6. summary (printed last) and logs --------------------------------------------------------
+# -- 6. the decode loop: the serving path the vLLM backend shares, end to end on the device ---------
+if [ "$LOOP_CAP" -gt 0 ]; then
+  t=$(date +%s)
+  say "decode_loop_check.py (cap ${LOOP_CAP}s)"
+  timeout -k 10 $((LOOP_CAP + 15)) "$PY" benchmarks/decode_loop_check.py "${CPUFLAG[@]}" --cap-s "$LOOP_CAP" \
+    --out "$WORK/decode_loop.json" 2>"$WORK/decode_loop.err" | tee "$WORK/decode_loop.log" | grep --line-buffered '^\['
+  out=$(tail -n 1 "$WORK/decode_loop.log")
+  case "$out" in ok$'\t'*|FAIL$'\t'*|PARTIAL$'\t'*) ;; *) out="FAIL"$'\t'"no verdict: $(tail -n 1 "$WORK/decode_loop.err")" ;; esac
+  step decode_loop "${out%%$'\t'*}" "$(since "$t")" "${out#*$'\t'}"
+else
+  step decode_loop skipped 0 "--quick: no decode loop"
+fi
+checkpoint
+
+# -- 7. summary (printed last) and logs --------------------------------------------------------
 "$PY" benchmarks/summarize.py --steps "$STEPS" --env "$WORK/env.json" ${json:+--bench "$json"} \
   --probe "$WORK/l2_probe.json" --mode "$MODE" --out "$OUT/summary.md" --total-s "$(elapsed)" \
   >"$WORK/summary.txt" 2>&1 || echo "summarize.py failed" >>"$WORK/summary.txt"

@@ -4,14 +4,24 @@ Random weights; a paged KV cache shared by every layer's page ids (vLLM's layout
 sequences that join with a prompt, grow one token a step (a new page when the last one is
 full), finish at their own lengths and give their pages back; one batch bucket of
 `--bucket` rows, the empty ones padded (seq_len 0); one split-K workspace for all layers;
-the attention of every layer through `torch.ops.metrale_attn.paged_decode`. Optionally the
-whole step under `torch.compile(fullgraph=True)` (`--compile`) and, on a GPU, captured once
-in a CUDA graph and replayed every step (`--cuda-graph`). Every attention output of every
-layer and step is checked against the float64 reference (within 1 ulp of bf16).
+the attention of every layer through `metrale_attn.serving.ModelAttention` (the custom op
+`torch.ops.metrale_attn.paged_decode`), the very objects, workspace and op the vLLM backend
+(`metrale_attn.integrations.vllm`) decodes with. Optionally the whole step under
+`torch.compile(fullgraph=True)` (`--compile`) and, on a GPU, captured once in a CUDA graph
+and replayed every step (`--cuda-graph`). Every attention output of every layer and step is
+checked against the float64 reference (within 1 ulp of bf16).
 
     python examples/decode_loop.py                      # CPU backend, eager, a few seconds
     python examples/decode_loop.py --compile            # the step compiled (inductor)
     python examples/decode_loop.py --device cuda --compile --cuda-graph
+    python examples/decode_loop.py --device cuda --compile --cuda-graph --no-check --bucket 64 \
+        --min-prompt 4000 --max-len 4096 --join 1 --time 50        # time a step (median of 50)
+    ... --attention sdpa                                # the same loop on PyTorch SDPA over gathered KV
+
+`--attention sdpa` replaces our kernels by PyTorch's scaled_dot_product_attention over the
+KV gathered from the pages (the baseline a user would write), held to PyTorch's own bf16
+tolerance rather than our 1-ulp bar. `--time N` replays the last step N more times
+(CUDA events on a GPU) and reports the median milliseconds per step.
 
 The prompt stands in for prefill: its tokens' K and V are projected and written to the
 cache, but attention over the prompt (a prefill kernel's job) is not computed.
@@ -25,8 +35,12 @@ import time
 import numpy as np
 import torch
 
-from metrale_attn import DecodeAttention, reference, tolerance, workspace_bytes
+from metrale_attn import reference, tolerance
+from metrale_attn.serving import ModelAttention
 from metrale_attn.torch_op import to_numpy
+
+SDPA_TOLERANCE = dict(atol=1.5e-2, rtol=1e-2)
+"""What `--attention sdpa` is held to: PyTorch's own bf16 attention tolerance, not our 1 ulp."""
 
 
 class PagePool:
@@ -69,12 +83,9 @@ class Model:
         cache_shape = (args.pages, args.page_size, KV, D)
         self.k_cache = [torch.zeros(cache_shape, dtype=torch.bfloat16, device=device) for _ in range(args.layers)]
         self.v_cache = [torch.zeros(cache_shape, dtype=torch.bfloat16, device=device) for _ in range(args.layers)]
-        # One workspace for every layer (all of one shape here; workspace_bytes takes several).
-        backend = "cupy" if device.type == "cuda" else "cpu"
-        nbytes = workspace_bytes([(H, KV, D)], max_batch=args.bucket, backend=backend)
-        self.workspace = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        self.attn = [DecodeAttention(H, KV, D, args.page_size, q_dtype="bfloat16", kv_dtype="bfloat16",
-                                     max_batch=args.bucket, backend=backend, workspace=self.workspace)
+        # One ModelAttention for the model: a DecodeAttention per layer over one split-K workspace.
+        self.attention = ModelAttention(device, max_batch=args.bucket)
+        self.attn = [self.attention.layer(H, KV, D, args.page_size, q_dtype="bfloat16", kv_dtype="bfloat16")
                      for _ in range(args.layers)]
         self.handles = [a.handle for a in self.attn]  # ints: what the compiled step holds
 
@@ -99,9 +110,12 @@ class Model:
             self.k_cache[layer][write_pages, write_slots] = k
             self.v_cache[layer][write_pages, write_slots] = v
             q = qkv[:, :H * D].view(n, H, D)  # a strided view of qkv: no copy
-            out = torch.empty((n, H, D), dtype=x.dtype, device=x.device)
-            torch.ops.metrale_attn.paged_decode(self.handles[layer], q, self.k_cache[layer], self.v_cache[layer],
-                                                block_tables, seq_lens, out, None, 1.0, 1.0)
+            if self.args.attention == "sdpa":
+                out = sdpa_decode(q, self.k_cache[layer], self.v_cache[layer], block_tables, seq_lens)
+            else:
+                out = torch.empty((n, H, D), dtype=x.dtype, device=x.device)
+                ModelAttention.decode(self.handles[layer], q, self.k_cache[layer], self.v_cache[layer], block_tables,
+                                      seq_lens, out)
             x = x + out.view(n, H * D) @ self.w_o[layer]
             qs.append(q)
             outs.append(out)
@@ -109,8 +123,42 @@ class Model:
         return x, qs, outs
 
 
+def sdpa_decode(q, k_cache, v_cache, block_tables, seq_lens):
+    """The baseline: each sequence's K and V gathered from its pages (``[bucket, pages x
+    page_size, kv_heads, head_dim]``), then PyTorch's scaled_dot_product_attention with the
+    lengths as a mask; rows of length 0 give zeros."""
+    B, P = block_tables.shape
+    page, KV, D = k_cache.shape[1:]
+    k = k_cache[block_tables].reshape(B, P * page, KV, D).transpose(1, 2)
+    v = v_cache[block_tables].reshape(B, P * page, KV, D).transpose(1, 2)
+    mask = torch.arange(P * page, device=q.device)[None, :] < seq_lens[:, None]
+    out = torch.nn.functional.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=mask[:, None, None],
+                                                           enable_gqa=True)[:, :, 0]
+    return torch.where((seq_lens > 0)[:, None, None], out, torch.zeros((), dtype=out.dtype, device=out.device))
+
+
 def _numpy(t):
     return to_numpy(t.detach().cpu())
+
+
+def _median_step_ms(run_step, device, iters: int) -> float:
+    """The median of ``iters`` timed calls of ``run_step`` (after one untimed), in ms: CUDA
+    events on a GPU, the host clock on the CPU."""
+    run_step()
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            run_step()
+            stop.record()
+            stop.synchronize()
+            times.append(start.elapsed_time(stop))
+        else:
+            t0 = time.perf_counter()
+            run_step()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return float(np.median(times))
 
 
 def run(argv=None) -> dict:
@@ -128,12 +176,21 @@ def run(argv=None) -> dict:
     ap.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
                     help="torch.compile(fullgraph=True) the step (default backend: inductor)")
     ap.add_argument("--cuda-graph", action="store_true", help="capture the step once and replay it (GPU)")
+    ap.add_argument("--attention", choices=["metrale", "sdpa"], default="metrale",
+                    help="metrale-attn's kernels, or PyTorch SDPA over gathered KV (the baseline)")
+    ap.add_argument("--min-prompt", type=int, default=1, help="shortest prompt a joining sequence brings")
+    ap.add_argument("--join", type=float, default=0.7, help="chance an empty row takes a new sequence each step")
+    ap.add_argument("--no-check", action="store_true", help="skip the float64 checks (timing runs)")
+    ap.add_argument("--time", type=int, default=0, metavar="N", help="then time N replays of the last step")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    if not 1 <= args.min_prompt < args.max_len:
+        ap.error("--min-prompt must be in 1..max-len - 1")
     if args.cuda_graph and args.device != "cuda":
         ap.error("--cuda-graph needs --device cuda")
     device = torch.device(args.device)
     rng = np.random.default_rng(args.seed)
+    prompts = torch.Generator(device=device).manual_seed(args.seed)  # drawn where they are used: 4k-token prompts
     model = Model(args, device)
     pool = PagePool(args.pages)
     B, P_S, hidden = args.bucket, args.page_size, model.hidden
@@ -169,17 +226,16 @@ def run(argv=None) -> dict:
 
     slots: list = [None] * B
     next_id, finished, tokens, checked = 0, 0, 0, 0
-    worst_ulp = 0
+    worst_ulp, worst_abs = 0, 0.0
     t0 = time.perf_counter()
-    for _ in range(args.steps):
+    for step_index in range(args.steps):
         # -- host bookkeeping: join, grow, pad ----------------------------------------
         for i in range(B):
-            if slots[i] is None and rng.random() < 0.7:
-                final = int(rng.integers(2, args.max_len + 1))
-                seq = Sequence(next_id, int(rng.integers(1, final)), final)
+            if slots[i] is None and rng.random() < args.join:
+                final = int(rng.integers(args.min_prompt + 1, args.max_len + 1))
+                seq = Sequence(next_id, int(rng.integers(args.min_prompt, final)), final)
                 next_id += 1
-                prompt = torch.from_numpy(rng.standard_normal((seq.prompt_len, hidden), np.float32)).to(
-                    device, torch.bfloat16)
+                prompt = torch.randn((seq.prompt_len, hidden), generator=prompts, device=device).to(torch.bfloat16)
                 seq.pages = [pool.take() for _ in range(-(-seq.prompt_len // P_S))]
                 pos = torch.arange(seq.prompt_len, device=device)
                 pages = torch.tensor(seq.pages, device=device)[pos // P_S]
@@ -210,20 +266,25 @@ def run(argv=None) -> dict:
         new_x, qs, outs = run_step()
 
         # -- check every layer's attention against the float64 reference ---------------
-        for layer in range(args.layers):
+        for layer in range(0 if args.no_check else args.layers):
             q, out = _numpy(qs[layer]), _numpy(outs[layer])
             k, v = _numpy(model.k_cache[layer]), _numpy(model.v_cache[layer])
             ref = reference.paged_decode(q, k, v, bt, lens)
-            tolerance.assert_close_to_reference(out, ref, v_absmax=reference.max_abs_v_read(v, bt, lens),
-                                                what=f"layer {layer} attention")
-            worst_ulp = max(worst_ulp, int(tolerance.ulp_distance(out, tolerance.round_to(ref, out.dtype)).max()))
+            if args.attention == "sdpa":
+                torch.testing.assert_close(torch.from_numpy(out.astype(np.float64)), torch.from_numpy(ref),
+                                           **SDPA_TOLERANCE)
+            else:
+                tolerance.assert_close_to_reference(out, ref, v_absmax=reference.max_abs_v_read(v, bt, lens),
+                                                    what=f"layer {layer} attention")
+                worst_ulp = max(worst_ulp, int(tolerance.ulp_distance(out, tolerance.round_to(ref, out.dtype)).max()))
+            worst_abs = max(worst_abs, float(np.abs(out.astype(np.float64) - ref).max(initial=0.0)))
             assert not out[lens == 0].astype(np.float32).any(), "padded rows must be zeros"
             checked += 1
         x.copy_(new_x)
         tokens += int((lens > 0).sum())
 
-        # -- finish ------------------------------------------------------------------
-        for i, seq in enumerate(slots):
+        # -- finish (not on the last step of a timed run: its inputs are what is timed) --------
+        for i, seq in enumerate(slots if not (args.time and step_index == args.steps - 1) else ()):
             if seq is not None and seq.length >= seq.final_len:
                 pool.give_back(seq.pages)
                 slots[i] = None
@@ -233,12 +294,19 @@ def run(argv=None) -> dict:
     elapsed = time.perf_counter() - t0
     in_use = args.pages - 1 - len(pool.free)
     summary = dict(steps=args.steps, layers=args.layers, tokens=tokens, sequences=next_id, finished=finished,
-                   pages_in_use=in_use, attention_calls_checked=checked, worst_ulp=worst_ulp, seconds=elapsed)
-    mode = " ".join(m for m in (f"compile={args.compile}" if args.compile else "eager",
+                   pages_in_use=in_use, attention_calls_checked=checked, worst_ulp=worst_ulp, worst_abs_err=worst_abs,
+                   seconds=elapsed,
+                   attention=args.attention, bucket=B, context=int(lens.max()) if lens.size else 0)
+    mode = " ".join(m for m in (args.attention, f"compile={args.compile}" if args.compile else "eager",
                                 "cuda-graph" if args.cuda_graph else "") if m)
     print(f"decode loop on {args.device} ({mode}): {args.steps} steps x {args.layers} layers, bucket {B}; "
           f"{tokens} tokens decoded for {next_id} sequences ({finished} finished, {in_use} pages in use); "
-          f"{checked} attention outputs checked, worst {worst_ulp} ulp (bf16); {elapsed:.1f} s")
+          f"{checked} attention outputs checked, worst {worst_ulp} ulp (bf16), {worst_abs:.2e} abs; {elapsed:.1f} s")
+    if args.time:
+        summary["step_ms"] = _median_step_ms(run_step, device, args.time)
+        summary["timed_lens"] = [int(n) for n in lens]
+        print(f"step time ({mode}, bucket {B}, {int((lens > 0).sum())} sequences of up to {summary['context']} "
+              f"tokens): {summary['step_ms']:.3f} ms (median of {args.time})")
     return summary
 
 

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import functools
+import importlib
+import multiprocessing
 import os
 import re
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +32,20 @@ def import_torch():
 
         return torch
     return pytest.importorskip("torch")
+
+
+REQUIRE_VLLM = "METRALE_ATTN_REQUIRE_VLLM"
+"""Set (to 1) by ``.ci/run`` in its vLLM venv: there a missing vLLM fails the vLLM tests."""
+
+
+def import_vllm():
+    """``vllm``, or a skip where it is not installed (the main venv); where
+    ``METRALE_ATTN_REQUIRE_VLLM`` is set (CI's vLLM venv), a missing vLLM is an error."""
+    if os.environ.get(REQUIRE_VLLM, "").strip() not in ("", "0"):
+        import vllm
+
+        return vllm
+    return pytest.importorskip("vllm")
 
 
 def toy_source(name: str) -> str:
@@ -163,9 +180,54 @@ def nvrtc_ptx(variant, arch: str = "sm_90") -> str:
 
 @functools.cache
 def _nvrtc_build(variant, arch: str):
+    future = _PREBUILDS.pop((variant, arch), None)
+    if future is not None and not future.cancel():  # running or done in a worker: wait for it
+        return future.result()
+    return _nvrtc_compile(variant, arch)
+
+
+def _nvrtc_compile(variant, arch: str):
     from metrale_attn.backends.cupy_backend import nvrtc_compile
 
-    return nvrtc_compile(variant, arch, ptxas_verbose=True, with_ptx=True)
+    return nvrtc_compile(variant, arch, ptxas_verbose=True, with_ptx=True)  # as the workers do
+
+
+_PREBUILDS: dict = {}
+"""``(variant, arch)`` -> the future of its NVRTC build in a worker process."""
+
+
+def pytest_collection_finish(session):
+    """Start the NVRTC builds the selected tests will inspect (every ``arch_matrix`` and
+    ``variant_matrix`` parameter) in worker processes, one core short of all, so they
+    overlap the tests before them; ``_nvrtc_build`` takes a build from its worker, or does
+    it itself when no worker has started it yet (the workers take them from the last, so
+    the two meet in the middle). Only where CuPy's NVRTC is installed, and not inside a
+    pytest-xdist worker."""
+    wanted = {}
+    for item in session.items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if isinstance(params.get("variant"), kernels.Variant):
+            wanted.setdefault((params["variant"], params.get("arch", "sm_90")), None)
+    workers = (os.cpu_count() or 1) - 1
+    if not wanted or not workers or _nvrtc_missing() or os.environ.get("PYTEST_XDIST_WORKER"):
+        return  # under pytest-xdist the workers are the parallelism (each would prebuild every variant)
+    from metrale_attn.backends.cupy_backend import nvrtc_compile
+
+    # spawn, not fork: the parent may hold CuPy's and the test threads' state; the task is a
+    # partial of a package function, so the workers never import this file.
+    compile_one = functools.partial(nvrtc_compile, ptxas_verbose=True, with_ptx=True)
+    pool = ProcessPoolExecutor(max_workers=min(workers, len(wanted)), mp_context=multiprocessing.get_context("spawn"))
+    for variant, arch in reversed(wanted):  # the workers from the last, the tests from the first
+        _PREBUILDS[variant, arch] = pool.submit(compile_one, variant, arch)
+    session.config.add_cleanup(lambda: pool.shutdown(wait=True, cancel_futures=True))
+
+
+def _nvrtc_missing() -> bool:
+    try:
+        importlib.import_module("cupy_backends.cuda.libs.nvrtc")
+    except ImportError:
+        return True
+    return False
 
 
 class CountingBackend(CpuBackend):

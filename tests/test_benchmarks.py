@@ -171,6 +171,9 @@ def test_gpu_check_cpu_dry_run_writes_every_output(tmp_path):
     assert table["l2_probe"][0] == "absent" and table["benchmark"][0] == "ok"
     assert table["sass_model"][0] == "ok" and "CPU backend simulator" in summary
     assert table["mma_selftest"][0] == "ok"
+    # The decode loop (the vLLM backend's serving path): eager and compiled checked, then a step timed on ours and SDPA.
+    assert table["decode_loop"][0] == "ok" and table["decode_loop"][1].startswith("eager ok; compiled ok; step: ours")
+    assert "decode_loop.json" in names and "[decode_loop] eager: ok" in done.stdout
     # Progress lines as they come, short; the short table printed last, its verdict the last line.
     progress = [line for line in done.stdout.splitlines() if line.startswith("[bench ")]
     assert len(progress) >= 6 and all(len(line) < 160 for line in progress)
@@ -193,6 +196,7 @@ def test_gpu_check_quick_exits_1_when_the_sweep_times_nothing(tmp_path):
     assert table["benchmark"][0] == "FAIL" and "no benchmark rows" in table["benchmark"][1]
     assert table["gpu_tests"][0] == "skipped" and "--quick" in table["gpu_tests"][1]
     assert table["wheels"][0] == "skipped" and table["l2_probe"][0] == "skipped"
+    assert table["decode_loop"][0] == "skipped" and "--quick" in table["decode_loop"][1]
 
 
 @pytest.mark.skipif(not HAVE_BASH, reason="needs bash")
@@ -865,3 +869,15 @@ def test_gpu_sweep_control_flow_with_fakes_on_the_cpu(tmp_path):
     assert all(r["status"] == "ok" and r["check"]["status"] == "ok" for r in features), features
     assert features[0]["vs_plain"] == 1.0 and features[1]["kv_fraction"] == 16 / 40
 
+
+
+def test_the_decode_loop_step_fails_when_a_correctness_run_fails_and_is_partial_when_a_timing_run_does():
+    import decode_loop_check as dlc
+
+    ok = lambda name, kind, **kw: dict(name=name, kind=kind, status="ok", **kw)  # noqa: E731
+    rows = [ok("eager", "check"), ok("cuda-graph", "check"), ok("metrale b64", "time", step_ms=2.0),
+            ok("sdpa b64", "time", step_ms=5.0)]
+    assert dlc.verdict(rows) == ("ok", "eager ok; cuda-graph ok; step: ours 2.000 ms, SDPA 5.000 ms (2.50x)")
+    assert dlc.verdict([dict(rows[0], status="FAIL")] + rows[1:])[0] == "FAIL"
+    assert dlc.verdict(rows[:2] + [dict(rows[2], status="TIMEOUT")] + rows[3:])[0] == "PARTIAL"
+    assert dlc.verdict(rows[:3])[0] == "PARTIAL" and dlc.verdict([])[0] == "FAIL"

@@ -14,6 +14,8 @@ LAYERS = [
     {"backends"},
     {"attention", "merge"},
     {"demo", "torch_op"},
+    {"serving"},
+    {"integrations"},
     {"cli"},
     {"__init__", "__main__"},
 ]

@@ -71,3 +71,15 @@ def test_every_subpackage_is_in_the_wheel(wheel_names):
     missing = [pkg for pkg in packages if f"{pkg}/__init__.py" not in wheel_names]
     assert not missing
     assert "metrale_attn/backends/cupy_backend.py" in wheel_names
+
+
+def test_the_vllm_plugin_is_declared_and_names_a_function_that_exists():
+    """``pip install metrale-attn[vllm]`` is the whole install: vLLM finds the backend through this
+    entry point (its plugin loader calls it in every process)."""
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        project = tomllib.load(f)["project"]
+    plugins = project["entry-points"]["vllm.general_plugins"]
+    assert plugins == {"metrale_attn": "metrale_attn.integrations.vllm:register"}
+    module, function = plugins["metrale_attn"].split(":")
+    assert callable(getattr(importlib.import_module(module), function))
+    assert any(req.startswith("vllm") for req in project["optional-dependencies"]["vllm"])

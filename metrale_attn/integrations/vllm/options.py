@@ -1,0 +1,116 @@
+"""What a vLLM attention layer asks for, mapped exactly onto ``DecodeAttention``'s options,
+or refused with the reason vLLM prints. Pure functions over plain values: no vLLM import.
+
+The conventions that differ between the two, pinned by tests:
+
+* vLLM's ``sliding_window`` counts the current token (a window of ``W`` attends to the
+  last ``W`` positions); ours, ``window_left``, does not: ``window_left = W - 1``.
+* vLLM (like FlashAttention and FlashInfer) passes ``logits_soft_cap`` 0 or None for
+  "no cap"; we take None.
+* ``kv_cache_dtype="auto"`` stores the cache in the model dtype; ``"fp8"`` means e4m3,
+  stored as uint8 bits with per-tensor ``k_scale``/``v_scale`` (value = stored x scale,
+  both sides).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+from ...attention import MAX_PAGE_SIZE
+from ...plan import HEAD_DIMS, MAX_Q_LEN
+
+MODEL_DTYPES = {"torch.bfloat16": "bfloat16", "torch.float16": "float16"}
+"""vLLM's activation dtypes we take, by ``str(torch dtype)``: our q and out."""
+
+KV_CACHE_DTYPES = {"auto": None, "bfloat16": "bfloat16", "float16": "float16", "fp8": "fp8_e4m3",
+                   "fp8_e4m3": "fp8_e4m3"}
+"""vLLM's ``kv_cache_dtype`` spellings we take -> our ``kv_dtype`` (None: the model dtype)."""
+
+REFUSED_KV_CACHE_DTYPES = {
+    "fp8_e5m2": "kv_cache_dtype fp8_e5m2 has no prefill backend in vLLM 0.33 (FlashAttention takes no e5m2 and "
+                "Triton reads the cache as e4m3), so the prefill tokens of a batch would be wrong; use fp8 (e4m3)",
+}
+
+SUPPORTED_CAPABILITIES = {(9, 0): "hopper", (10, 0): "b200", (10, 3): "b300"}
+"""Compute capabilities whose every kernel variant launches, and their targets. sm_120/121
+(RTX 50xx, RTX PRO 6000, GB10) are not among them: the tensor-core kernels' shared memory
+exceeds those GPUs' 99 KiB per block."""
+
+
+def kv_dtype(kv_cache_dtype: str, model_dtype: str) -> str:
+    """Our ``kv_dtype`` for vLLM's ``kv_cache_dtype`` (``model_dtype``: ours, for ``auto``)."""
+    if kv_cache_dtype in REFUSED_KV_CACHE_DTYPES:
+        raise ValueError(REFUSED_KV_CACHE_DTYPES[kv_cache_dtype])
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+    return KV_CACHE_DTYPES[kv_cache_dtype] or model_dtype
+
+
+def is_fp8(kv_cache_dtype: str) -> bool:
+    """Whether the cache holds fp8 bits (scales apply) rather than model-dtype values."""
+    return kv_cache_dtype.startswith("fp8")
+
+
+def window_left(sliding_window: Optional[int]) -> int:
+    """Our ``window_left`` for vLLM's ``sliding_window`` (None: no window -> -1)."""
+    if sliding_window is None:
+        return -1
+    if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
+        raise ValueError(f"sliding_window must be a positive int (tokens, the current one included) or None, "
+                         f"got {sliding_window!r}")
+    return sliding_window - 1
+
+
+def soft_cap(logits_soft_cap) -> Optional[float]:
+    """Our ``logits_soft_cap`` for vLLM's: 0 and None mean no cap."""
+    if logits_soft_cap is None or logits_soft_cap == 0:
+        return None
+    cap = float(logits_soft_cap)
+    if not (cap > 0 and math.isfinite(cap)):
+        raise ValueError(f"logits_soft_cap must be a finite float > 0 (or 0/None: no cap), got {logits_soft_cap!r}")
+    return cap
+
+
+def decode_q_len(num_speculative_tokens: Optional[int], *, batch_invariant: bool) -> int:
+    """The longest uniform query a decode call takes: 1 + the speculative tokens, when that
+    fits our multi-token decode (<= 8), else 1.
+
+    Under vLLM's batch-invariant mode a verification request stays on the prefill
+    backend: which backend serves a request must not depend on its co-batched requests,
+    and a uniform multi-token batch is a property of the whole batch (a request whose
+    drafts came up short makes the batch non-uniform and moves every request of its
+    length to the prefill backend)."""
+    q_len = 1 + (num_speculative_tokens or 0)
+    if batch_invariant or q_len > MAX_Q_LEN:
+        return 1
+    return q_len
+
+
+def refusals(*, head_size: int, dtype: str, kv_cache_dtype: Optional[str], block_size: Optional[int]) -> list[str]:
+    """Why this layer's configuration is not ours (empty: it is). ``dtype``:
+    ``str(torch dtype)`` of the model."""
+    reasons = []
+    if head_size not in HEAD_DIMS:
+        reasons.append(f"head_size {head_size} not supported (metrale-attn: {', '.join(map(str, HEAD_DIMS))})")
+    if dtype not in MODEL_DTYPES:
+        reasons.append(f"dtype {dtype} not supported (metrale-attn: torch.bfloat16, torch.float16)")
+    if kv_cache_dtype is not None:
+        if kv_cache_dtype in REFUSED_KV_CACHE_DTYPES:
+            reasons.append(REFUSED_KV_CACHE_DTYPES[kv_cache_dtype])
+        elif kv_cache_dtype not in KV_CACHE_DTYPES:
+            reasons.append(f"kv_cache_dtype {kv_cache_dtype} not supported (metrale-attn: "
+                           f"{', '.join(KV_CACHE_DTYPES)})")
+    if block_size is not None and not 1 <= block_size <= MAX_PAGE_SIZE:
+        reasons.append(f"block_size {block_size} not supported (metrale-attn: pages of 1..{MAX_PAGE_SIZE} tokens)")
+    return reasons
+
+
+def capability_refusal(capability: tuple[int, int]) -> Optional[str]:
+    """Why a device of this compute capability is not ours, or None."""
+    if tuple(capability) in SUPPORTED_CAPABILITIES:
+        return None
+    major, minor = capability
+    known = ", ".join(f"sm_{a}{b}" for a, b in SUPPORTED_CAPABILITIES)
+    return (f"compute capability {major}.{minor} not supported (metrale-attn launches on {known}; sm_120/121 lack the "
+            "shared memory per block, sm_8x lack targets)")

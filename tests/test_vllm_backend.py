@@ -1,0 +1,501 @@
+"""metrale-attn inside vLLM 0.33 on the CPU: the plugin, backend selection, the routing of one
+batch between our kernels and vLLM's prefill backend, vLLM's KV cache layouts, CUDA-graph
+buckets, tensor parallelism and torch.compile, all through vLLM's own machinery
+(``tests/vllm_harness.py``). Needs vLLM: skipped where it is not installed, except in CI's
+vLLM venv (``METRALE_ATTN_REQUIRE_VLLM=1``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from conftest import import_vllm
+
+vllm = import_vllm()
+
+import torch  # noqa: E402  (after the skip: vLLM brings its torch)
+from vllm.platforms.interface import DeviceCapability  # noqa: E402
+from vllm.v1.attention.backend import AttentionCGSupport, AttentionType, CommonAttentionMetadata  # noqa: E402
+from vllm.v1.attention.backends.registry import AttentionBackendEnum  # noqa: E402
+from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl  # noqa: E402
+from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
+
+import vllm_harness as h  # noqa: E402
+from metrale_attn import torch_op, workspace_bytes  # noqa: E402
+from metrale_attn.integrations.vllm import backend as ours  # noqa: E402
+from metrale_attn.integrations.vllm import options  # noqa: E402
+from metrale_attn.serving import ModelAttention  # noqa: E402
+
+HOPPER = DeviceCapability(9, 0)
+
+
+@pytest.fixture(autouse=True)
+def _prefill_on_the_cpu(monkeypatch):
+    """vLLM's Triton prefill kernel needs a GPU: its forward runs in torch (``cpu_prefill_forward``)."""
+    monkeypatch.setattr(TritonAttentionImpl, "forward", h.cpu_prefill_forward)
+    h.PREFILL_CALLS.clear()
+    yield
+
+
+def _python(code: str) -> str:
+    """Run ``code`` in a fresh interpreter (this venv's), returning its stdout."""
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+# -- the plugin and selection ---------------------------------------------------------------
+
+
+def test_importing_metrale_attn_and_its_torch_layers_imports_no_vllm():
+    out = _python("""
+        import sys
+        import metrale_attn, metrale_attn.torch_op, metrale_attn.serving, metrale_attn.integrations.vllm.options
+        print(sorted(m for m in sys.modules if m == "vllm" or m.startswith("vllm.")))
+    """)
+    assert out.strip() == "[]"
+
+
+def test_vllms_plugin_loader_registers_METRALE_ATTN_and_changes_nothing_else():
+    """The entry point adds one enum member and its class path; every other backend resolves
+    to what it did before, and nothing of ours beyond the name is imported (so a run that
+    selects another backend runs exactly as without the plugin)."""
+    out = _python("""
+        import json, sys
+        from vllm.v1.attention.backends import registry
+        before = {name: member.value for name, member in registry.AttentionBackendEnum.__members__.items()}
+        overrides_before = dict(registry._ATTN_OVERRIDES)
+        from vllm.plugins import load_general_plugins
+        load_general_plugins()
+        load_general_plugins()  # vLLM may call it again
+        after = {name: member.value for name, member in registry.AttentionBackendEnum.__members__.items()}
+        print(json.dumps(dict(
+            added={k: v for k, v in after.items() if k not in before},
+            changed=[k for k in before if after.get(k) != before[k]],
+            overrides={m.name: p for m, p in registry._ATTN_OVERRIDES.items() if m.name not in overrides_before},
+            flash=registry.AttentionBackendEnum.FLASH_ATTN.get_path(),
+            imported=sorted(m for m in sys.modules if m.startswith("metrale_attn.") and m not in (
+                "metrale_attn.integrations", "metrale_attn.integrations.vllm")))))
+    """)
+    import json
+
+    found = json.loads(out.strip().splitlines()[-1])
+    assert found["added"] == {"METRALE_ATTN": "metrale_attn.integrations.vllm.backend.MetraleAttentionBackend"}
+    assert found["changed"] == []
+    assert found["overrides"] == {"METRALE_ATTN": "metrale_attn.integrations.vllm.backend.MetraleAttentionBackend"}
+    assert found["flash"] == "vllm.v1.attention.backends.flash_attn.FlashAttentionBackend"
+    assert "metrale_attn.integrations.vllm.backend" not in found["imported"]
+    assert "metrale_attn.torch_op" not in found["imported"]
+
+
+def test_the_backend_resolves_through_AttentionBackendEnum_by_its_name():
+    assert AttentionBackendEnum["METRALE_ATTN"].get_class() is ours.MetraleAttentionBackend
+    assert ours.MetraleAttentionBackend.get_name() == "METRALE_ATTN"
+
+
+def test_vllms_argument_parser_accepts_attention_backend_METRALE_ATTN(monkeypatch):
+    """``vllm serve``'s parser (AsyncEngineArgs, which loads the plugins first), as on a GPU
+    machine: this one has no device type, which the parser's defaults would ask for."""
+    from vllm.config import AttentionConfig
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.platforms import current_platform
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    monkeypatch.setattr(type(current_platform), "device_type", "cuda")
+    parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser())
+    args = parser.parse_args(["--model", "some/model", "--attention-backend", "METRALE_ATTN"])
+    engine_args = AsyncEngineArgs.from_cli_args(args)
+    backend = AttentionConfig(backend=engine_args.attention_backend).backend
+    assert backend is AttentionBackendEnum.METRALE_ATTN
+    assert backend.get_class() is ours.MetraleAttentionBackend
+
+
+def _selector(**changes):
+    from vllm.v1.attention.selector import AttentionSelectorConfig
+
+    config = dict(head_size=128, dtype=torch.bfloat16, kv_cache_dtype="auto", block_size=16)
+    config.update(changes)
+    return AttentionSelectorConfig(**config)
+
+
+def _reasons(capability=HOPPER, **changes) -> list[str]:
+    """What vLLM's CUDA platform asks of the backend named by ``--attention-backend
+    METRALE_ATTN`` on a device of ``capability`` (``CudaPlatformBase.get_attn_backend_cls``:
+    the class resolved through the enum, then ``validate_configuration`` with the selector's
+    fields; that module needs libcuda, so the call is made here as it makes it). Empty: we
+    are selected; else vLLM raises "Selected backend ... is not valid" with these."""
+    backend = AttentionBackendEnum.METRALE_ATTN.get_class()
+    return backend.validate_configuration(device_capability=capability, **_selector(**changes)._asdict())
+
+
+@pytest.mark.parametrize("changes", [
+    dict(), dict(dtype=torch.float16), dict(head_size=64), dict(head_size=256), dict(kv_cache_dtype="fp8"),
+    dict(kv_cache_dtype="fp8_e4m3"), dict(kv_cache_dtype="bfloat16"), dict(has_sink=True),
+    dict(has_sliding_window=True), dict(block_size=256), dict(block_size=512), dict(use_batch_invariant=True),
+], ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()) or "default")
+def test_vllms_cuda_selector_accepts_what_we_serve(changes):
+    assert _reasons(**changes) == []
+
+
+@pytest.mark.parametrize("changes, reason", [
+    (dict(head_size=80), "head_size not supported"),
+    (dict(head_size=512), "head_size not supported"),
+    (dict(dtype=torch.float32), "dtype not supported"),
+    (dict(kv_cache_dtype="fp8_e5m2"), "fp8_e5m2 has no prefill backend"),
+    (dict(kv_cache_dtype="int8_per_token_head"), "kv_cache_dtype not supported"),
+    (dict(block_size=8), "block_size not supported"),
+    (dict(use_mla=True), "MLA not supported"),
+    (dict(use_sparse=True), "sparse not supported"),
+    (dict(use_mm_prefix=True), "partial multimodal token full attention not supported"),
+    (dict(use_per_head_quant_scales=True), "per-head quant scales not supported"),
+    (dict(attn_type=AttentionType.ENCODER), "attention type"),
+    (dict(attn_type=AttentionType.ENCODER_ONLY), "attention type"),
+    (dict(attn_type=AttentionType.ENCODER_DECODER), "attention type"),
+    (dict(use_non_causal=True), "non-causal attention not supported"),
+    (dict(use_pcp=True), "PCP not supported"),
+    (dict(use_dcp=True), "DCP not supported"),
+    (dict(use_rswa=True), "R-SWA not supported"),
+    (dict(use_adaptive_verification=True), "device-cpu query lens mismatch not supported"),
+], ids=lambda x: x if isinstance(x, str) else None)
+def test_vllms_cuda_selector_refuses_what_we_do_not_serve_with_our_reason(changes, reason):
+    assert any(reason in found for found in _reasons(**changes)), _reasons(**changes)
+
+
+@pytest.mark.parametrize("capability", [DeviceCapability(8, 0), DeviceCapability(8, 9), DeviceCapability(12, 0),
+                                        DeviceCapability(12, 1)])
+def test_devices_our_kernels_do_not_launch_on_are_refused_at_selection(capability):
+    assert "compute capability not supported" in _reasons(capability)
+
+
+@pytest.mark.parametrize("capability", [DeviceCapability(9, 0), DeviceCapability(10, 0), DeviceCapability(10, 3)])
+def test_hopper_and_blackwell_datacenter_devices_are_accepted(capability):
+    assert _reasons(capability) == []
+
+
+def test_batch_invariance_is_declared_under_auto_and_pinned_and_refused_under_legacy(monkeypatch):
+    for spelling, invariant in (("auto", True), ("4", True), ("off", True), ("legacy", False)):
+        monkeypatch.setenv("METRALE_ATTN_DECODE_SPLITK", spelling)
+        assert ours.MetraleAttentionBackend.supports_batch_invariance() is invariant, spelling
+    assert "batch invariance not supported" in _reasons(use_batch_invariant=True)
+
+
+def test_the_impl_refuses_what_the_selector_cannot_see_when_the_layer_is_built(tmp_path):
+    vc = h.config(tmp_path)
+    from vllm.config import set_current_vllm_config
+
+    with set_current_vllm_config(vc):
+        with pytest.raises(ValueError, match="no ALiBi"):
+            ours.MetraleAttentionImpl(4, 64, 0.125, 2, alibi_slopes=[1.0, 0.5, 0.25, 0.125])
+        with pytest.raises(ValueError, match="decoder self-attention only"):
+            ours.MetraleAttentionImpl(4, 64, 0.125, 2, attn_type=AttentionType.ENCODER_DECODER)
+        with pytest.raises(ValueError, match="logits_soft_cap must be a finite float > 0"):
+            ours.MetraleAttentionImpl(4, 64, 0.125, 2, logits_soft_cap=-1.0)
+        with pytest.raises(ValueError, match="fp8_e5m2 has no prefill backend"):
+            ours.MetraleAttentionImpl(4, 64, 0.125, 2, kv_cache_dtype="fp8_e5m2")
+
+
+def test_vllm_splits_a_block_of_more_than_256_tokens_into_kernel_blocks_we_and_the_prefill_backend_take(tmp_path):
+    from vllm.v1.worker.utils import select_common_block_size
+
+    layer = h.layers(h.config(tmp_path), 1)[0]
+    for manager, kernel in ((16, 16), (64, 64), (256, 256), (512, 256), (1024, 256)):
+        spec = h.spec_of(layer, manager)
+        assert select_common_block_size(manager, [ours.MetraleAttentionBackend], [spec]) == kernel, manager
+
+
+def test_every_field_of_vllms_common_attention_metadata_has_a_routing_rule():
+    """An upgrade of vLLM that adds a field to ``CommonAttentionMetadata`` fails here, until
+    ``prefill_part`` says how the prefill requests' metadata carries it."""
+    fields = {f.name for f in dataclasses.fields(CommonAttentionMetadata)}
+    assert fields == set(ours.COMMON_METADATA_FIELDS)
+
+
+def test_vllms_conventions_map_exactly():
+    assert options.window_left(None) == -1 and options.window_left(1) == 0 and options.window_left(4096) == 4095
+    assert options.soft_cap(None) is None and options.soft_cap(0) is None and options.soft_cap(0.0) is None
+    assert options.soft_cap(30) == 30.0
+    assert options.kv_dtype("auto", "bfloat16") == "bfloat16" and options.kv_dtype("fp8", "float16") == "fp8_e4m3"
+    assert options.decode_q_len(None, batch_invariant=False) == 1
+    assert options.decode_q_len(3, batch_invariant=False) == 4
+    assert options.decode_q_len(7, batch_invariant=False) == 8
+    assert options.decode_q_len(8, batch_invariant=False) == 1  # 9 query tokens: past our multi-token decode
+    assert options.decode_q_len(3, batch_invariant=True) == 1
+
+
+# -- one batch, routed ---------------------------------------------------------------------
+
+
+def _model(tmp_path, rng, *, layout=KVCacheLayout.LBNHC, count=2, block_size=16, num_blocks=128, **config):
+    layer_options = {k: config.pop(k) for k in ("sliding_window", "logits_soft_cap", "sinks") if k in config}
+    shape = {k: config[k] for k in ("num_heads", "num_kv_heads", "head_size") if k in config}
+    vc = h.config(tmp_path, block_size=block_size, **config)
+    built = h.layers(vc, count, **shape, **layer_options)
+    for layer in built:
+        h.allocate_kv_cache(layer, num_blocks, block_size, layout, rng)
+    return vc, built
+
+
+def test_a_mixed_batch_runs_its_decodes_on_metrale_and_its_prefills_on_vllms_backend(tmp_path):
+    """Speculative decoding with 2 draft tokens: three verification requests of 3 tokens
+    (ours, multi-token decode), a verification request whose drafts came up short (2 tokens:
+    the batch is no longer uniform past it), a chunked prefill (20 new tokens on 30 of
+    context) and a fresh prompt (12): the first three on our kernels, the rest on vLLM's
+    prefill backend, in one forward per layer; every token against float64."""
+    rng = np.random.default_rng(0)
+    vc, built = _model(tmp_path, rng, num_speculative_tokens=2)
+    requests = [(40, 3), (17, 3), (300, 3), (90, 2), (50, 20), (12, 12)]
+    b = h.batch(requests, rng=rng)
+    md = h.builder(vc, built, 16).build(0, b.cm)
+    assert (md.num_decodes, md.decode_q_len, md.prefill_start) == (3, 3, 9)
+    outs = h.forward(vc, built, md, b)
+    assert [(name, rows, starts, lens) for name, rows, starts, lens in h.PREFILL_CALLS] == [
+        (layer.layer_name, 34, [0, 2, 22, 34], [90, 50, 12]) for layer in built]
+    for layer, out in zip(built, outs):
+        for r in range(3):
+            h.check_decode(layer, b, out, r, f"{layer.layer_name} decode request {r}")
+        for r in range(3, len(requests)):
+            h.check_prefill(layer, b, out, r, f"{layer.layer_name} prefill request {r}")
+
+
+def test_a_batch_of_only_decodes_never_touches_the_prefill_backend(tmp_path, monkeypatch):
+    rng = np.random.default_rng(1)
+    vc, built = _model(tmp_path, rng)
+    builder = h.builder(vc, built, 16)
+    monkeypatch.setattr(builder.prefill_builder, "build", lambda *a, **k: pytest.fail("prefill metadata built"))
+    b = h.batch([(700, 1), (1, 1), (33, 1), (16, 1), (17, 1)], rng=rng)
+    md = builder.build(0, b.cm)
+    assert md.prefill is None and md.num_decodes == 5
+    outs = h.forward(vc, built, md, b)
+    assert h.PREFILL_CALLS == []
+    for layer, out in zip(built, outs):
+        for r in range(5):
+            h.check_decode(layer, b, out, r, f"{layer.layer_name} request {r}")
+
+
+def test_a_padded_cuda_graph_bucket_replays_after_seq_lens_and_block_tables_change_in_place(tmp_path):
+    """vLLM pads a uniform decode batch to its graph's bucket (padding requests: no query
+    tokens, seq_len 0, null-block rows). Our metadata holds views of the persistent seq_lens
+    and block table, so the captured launch reads them again: after they change in place
+    (the next step's lengths and a new page), the same metadata gives the next step's
+    outputs. The real rows' bytes are those of the unpadded batch."""
+    rng = np.random.default_rng(2)
+    vc, built = _model(tmp_path, rng, num_speculative_tokens=2, count=1)
+    layer = built[0]
+    builder = h.builder(vc, built, 16)
+    assert builder.get_cudagraph_support(vc, h.spec_of(layer, 16)) is AttentionCGSupport.UNIFORM_BATCH
+    requests = [(40, 3), (31, 3), (200, 3)]
+    padded = h.batch(requests, rng=rng, pad_to=8)
+    md = builder.build_for_cudagraph_capture(padded.cm)
+    assert (md.num_decodes, md.decode_q_len, md.prefill) == (8, 3, None)
+    out = h.forward(vc, built, md, padded)[0]
+    for r in range(3):
+        h.check_decode(layer, padded, out, r, f"padded bucket, request {r}")
+    assert not out[9:24].float().any(), "padding rows must be zeros"
+
+    alone = h.Batch(dataclasses.replace(padded.cm, query_start_loc=padded.cm.query_start_loc[:4],
+                                        query_start_loc_cpu=padded.cm.query_start_loc_cpu[:4],
+                                        seq_lens=padded.cm.seq_lens[:3], num_reqs=3, num_actual_tokens=9,
+                                        block_table_tensor=padded.cm.block_table_tensor[:3],
+                                        slot_mapping=torch.full((9,), -1, dtype=torch.int64)),
+                    padded.seq_lens, padded.query_lens, padded.block_table, padded.qkv[:9], 4, 2, 64)
+    unpadded = h.forward(vc, built, builder.build(0, alone.cm), alone)[0]
+    assert torch.equal(unpadded.view(torch.int16), out[:9].view(torch.int16))
+
+    # The next step, written in place: each request's seq_len moves on by 3 tokens (new pages
+    # where it crosses into one) in the same persistent seq_lens and block table.
+    grown = [(50, 3), (34, 3), (203, 3)]
+    free = sorted(set(range(1, 128)) - set(padded.block_table.flatten().tolist()))
+    for r, (seq_len, _) in enumerate(grown):
+        for page in range(-(-padded.seq_lens[r] // 16), -(-seq_len // 16)):
+            padded.block_table[r, page] = free.pop()
+    padded.cm.seq_lens[:3] = torch.tensor([s for s, _ in grown], dtype=torch.int32)
+    padded.cm.slot_mapping[:9] = torch.tensor([int(padded.block_table[r, p // 16]) * 16 + p % 16
+                                               for r, (s, q) in enumerate(grown) for p in range(s - q, s)])
+    step2 = dataclasses.replace(padded, seq_lens=[s for s, _ in grown])
+    out2 = h.forward(vc, built, md, step2)[0]  # the captured metadata, unchanged
+    for r in range(3):
+        h.check_decode(layer, step2, out2, r, f"replayed bucket, request {r}")
+
+
+@pytest.mark.parametrize("layout", list(ours.LAYOUTS), ids=lambda layout: layout.name)
+def test_every_kv_cache_layout_vllm_allocates_is_read_in_place(tmp_path, layout, monkeypatch):
+    """Each ``KVCacheLayout`` vLLM 0.33 allocates, through the same call: the kernels get the
+    K and V halves of vLLM's cache, its block table, seq_lens, the strided q inside the
+    fused qkv and the output itself, as views (same addresses), never copies."""
+    rng = np.random.default_rng(3)
+    vc, built = _model(tmp_path, rng, layout=layout, count=1)
+    layer = built[0]
+    b = h.batch([(70, 1), (5, 1), (129, 1)], rng=rng)
+    md = h.builder(vc, built, 16).build(0, b.cm)
+    seen = []
+    decode = ModelAttention.decode
+    monkeypatch.setattr(ModelAttention, "decode", staticmethod(lambda *a, **k: seen.append(a) or decode(*a, **k)))
+    out = h.forward(vc, built, md, b)[0]
+    for r in range(3):
+        h.check_decode(layer, b, out, r, f"{layout.name} request {r}")
+    (_, q, k_cache, v_cache, block_tables, seq_lens, out_arg), = seen
+    item = layer.kv_cache.element_size()
+    assert k_cache.data_ptr() == layer.kv_cache.data_ptr()
+    assert v_cache.data_ptr() == layer.kv_cache.data_ptr() + 64 * item
+    assert block_tables.data_ptr() == b.cm.block_table_tensor.data_ptr()
+    assert seq_lens.data_ptr() == b.cm.seq_lens.data_ptr()
+    assert q.data_ptr() == b.qkv.data_ptr() and q.stride(0) == b.qkv.stride(0)  # q inside the fused qkv
+    assert out_arg.data_ptr() == out.data_ptr()
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_the_kv_cache_update_writes_what_vllms_reshape_and_cache_flash_writes(tmp_path, kv_cache_dtype):
+    """On the CPU the step's K and V go in by a torch write of ``reshape_and_cache_flash``'s
+    semantics: slot -> (block, offset), negative slots skipped, fp8 as ``x / scale`` rounded
+    to e4m3 with saturation."""
+    rng = np.random.default_rng(4)
+    vc, built = _model(tmp_path, rng, count=1, kv_cache_dtype=kv_cache_dtype)
+    layer = built[0]
+    layer._k_scale_float, layer._v_scale_float = 0.02, 0.03
+    cache = layer.kv_cache
+    before = cache.clone()
+    key = torch.randn(5, 2, 64).to(torch.bfloat16) * 3
+    value = torch.randn(5, 2, 64).to(torch.bfloat16) * 3
+    key[0, 0, 0] = 1e4  # beyond e4m3's range after the scale: saturates to 448
+    slots = torch.tensor([3 * 16 + 5, -1, 7 * 16 + 0, 7 * 16 + 15, 100 * 16 + 2])
+    layer.impl.do_kv_cache_update(layer, key, value, cache, slots)
+    expected = before.clone()
+    for i, slot in enumerate(slots.tolist()):
+        if slot < 0:
+            continue
+        for half, (x, scale) in enumerate(((key[i], 0.02), (value[i], 0.03))):
+            if kv_cache_dtype == "fp8":
+                x = (x.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)
+            expected[slot // 16, :, slot % 16, half * 64:(half + 1) * 64] = x
+    assert torch.equal(cache.view(torch.uint8), expected.view(torch.uint8))
+    if kv_cache_dtype == "fp8":
+        assert cache[3, 0, 5, 0].view(torch.float8_e4m3fn).float() == 448.0
+
+
+def test_vllms_sliding_window_counts_the_current_token(tmp_path):
+    """vLLM's ``sliding_window=W`` attends to the last W positions, the current one included:
+    our ``window_left = W - 1``. The output matches the reference at W - 1 and not at W."""
+    rng = np.random.default_rng(5)
+    W = 32
+    vc, built = _model(tmp_path, rng, count=1, sliding_window=W)
+    layer = built[0]
+    assert layer.impl.window_left == W - 1
+    b = h.batch([(200, 1), (33, 1), (32, 1), (31, 1), (90, 12)], rng=rng)
+    md = h.builder(vc, built, 16).build(0, b.cm)
+    out = h.forward(vc, built, md, b)[0]
+    for r in range(4):
+        h.check_decode(layer, b, out, r, f"window {W}, request {r}")
+    h.check_prefill(layer, b, out, 4, "window prefill")
+    layer.impl.window_left = W  # one token too many: the reference of the other convention disagrees
+    with pytest.raises(AssertionError):
+        h.check_decode(layer, b, out, 0, "window W")
+
+
+def test_soft_cap_sinks_and_fp8_scales_pass_through_exactly(tmp_path):
+    """Gemma's ``logits_soft_cap`` (0 means off), gpt-oss's sinks (a float32 copy made once
+    from the layer's parameter) and the layer's fp8 ``_k_scale_float``/``_v_scale_float``,
+    on decode and prefill tokens alike."""
+    rng = np.random.default_rng(6)
+    sinks = torch.nn.Parameter(torch.tensor([0.5, -1.0, 2.0, float("-inf")]).to(torch.bfloat16), requires_grad=False)
+    vc, built = _model(tmp_path, rng, count=1, kv_cache_dtype="fp8", logits_soft_cap=30.0, sinks=sinks)
+    layer = built[0]
+    layer._k_scale_float, layer._v_scale_float = 0.5, 0.25
+    assert layer.impl.logits_soft_cap == 30.0 and layer.impl.kv_dtype == "fp8_e4m3"
+    b = h.batch([(300, 1), (17, 1), (40, 9)], rng=rng)
+    md = h.builder(vc, built, 16).build(0, b.cm)
+    assert layer.impl._sinks.dtype == torch.float32
+    out = h.forward(vc, built, md, b)[0]
+    for r in range(2):
+        h.check_decode(layer, b, out, r, f"cap+sinks+fp8 request {r}")
+    h.check_prefill(layer, b, out, 2, "cap+sinks+fp8 prefill")
+    no_cap = h.config(tmp_path / "nocap")
+    assert h.layers(no_cap, 1, logits_soft_cap=0.0)[0].impl.logits_soft_cap is None
+
+
+def test_one_torch_workspace_serves_every_layer_and_exists_before_the_kv_cache(tmp_path):
+    """The model's one split-K workspace is a torch tensor allocated when the weights are
+    loaded (before vLLM profiles memory and sizes the KV cache), sized by
+    ``workspace_bytes`` over the model's layer shapes, and every layer's object uses it."""
+    rng = np.random.default_rng(7)
+    vc = h.config(tmp_path, max_num_seqs=16)
+    built = h.layers(vc, 3)
+    model = built[0].impl.model
+    assert all(layer.impl.model is model for layer in built)
+    workspace = model._workspace
+    assert isinstance(workspace, torch.Tensor) and workspace.dtype == torch.uint8
+    assert workspace.numel() == workspace_bytes([(4, 2, 64)], max_batch=16, backend="cpu")
+    for layer in built:
+        h.allocate_kv_cache(layer, 64, 16, KVCacheLayout.LBNHC, rng)
+    h.builder(vc, built, 16)
+    for layer in built:
+        assert layer.impl.decoder.workspace is workspace
+    assert model._workspace is workspace  # it never moved
+
+
+def _tp_slice_outputs(tmp_path, tp: int, q_full, kv_full, b_full, rng_seed: int):
+    """Llama-3-70B's attention (64 q heads, 8 kv heads, head dim 128) on rank 0..tp-1 of a
+    tp-way split: each rank's layer has 64/tp heads and 8/tp kv heads, and its cache holds
+    its kv heads of the full cache. Returns the ranks' outputs concatenated by head."""
+    H, KV, D = 64 // tp, 8 // tp, 128
+    outs = []
+    for rank in range(tp):
+        rng = np.random.default_rng(rng_seed)
+        vc, built = _model(tmp_path / f"tp{tp}-{rank}", rng, count=1, num_heads=H, num_kv_heads=KV, head_size=D,
+                           num_blocks=32)
+        layer = built[0]
+        layer.kv_cache.copy_(kv_full[:, rank * KV:(rank + 1) * KV])
+        qkv = torch.cat([q_full[:, rank * H * D:(rank + 1) * H * D],
+                         torch.zeros(q_full.shape[0], 2 * KV * D, dtype=q_full.dtype)], dim=1)
+        b = dataclasses.replace(b_full, qkv=qkv, num_heads=H, num_kv_heads=KV,
+                                cm=dataclasses.replace(b_full.cm, slot_mapping=torch.full_like(b_full.cm.slot_mapping, -1)))
+        md = h.builder(vc, built, 16).build(0, b.cm)
+        outs.append(h.forward(vc, built, md, b)[0])
+    return torch.cat(outs, dim=1)
+
+
+def test_tensor_parallel_slices_of_llama_3_70b_give_each_head_the_full_models_bytes_when_pinned(tmp_path, monkeypatch):
+    """One process per rank, each with ``num_heads / tp`` heads: with the split count pinned
+    (``METRALE_ATTN_DECODE_SPLITK=4``), every head's output bytes at tp 2 and tp 4 equal
+    the full model's. (Under ``auto`` the split count follows the heads per rank, so bytes
+    may differ between degrees, within the bar: the README says so.)"""
+    monkeypatch.setenv("METRALE_ATTN_DECODE_SPLITK", "4")
+    rng = np.random.default_rng(8)
+    vc, built = _model(tmp_path / "tp1", rng, count=1, num_heads=64, num_kv_heads=8, head_size=128, num_blocks=32)
+    layer = built[0]
+    b = h.batch([(300, 1), (45, 1)], num_heads=64, num_kv_heads=8, head_size=128, num_blocks=32, rng=rng)
+    b = dataclasses.replace(b, cm=dataclasses.replace(b.cm, slot_mapping=torch.full_like(b.cm.slot_mapping, -1)))
+    md = h.builder(vc, built, 16).build(0, b.cm)
+    assert layer.impl.decoder.plan(2).num_splits == 4
+    full = h.forward(vc, built, md, b)[0]
+    for r in range(2):
+        h.check_decode(layer, b, full, r, f"tp1 request {r}")
+    q_full = b.split()[0].contiguous()
+    for tp in (2, 4):
+        sliced = _tp_slice_outputs(tmp_path, tp, q_full, layer.kv_cache, b, 8)
+        assert torch.equal(sliced[:2].view(torch.int16), full[:2].view(torch.int16)), f"tp={tp}"
+
+
+def test_a_layers_forward_compiles_with_fullgraph(tmp_path):
+    """``torch.compile(fullgraph=True)`` of the impl's forward on a decode batch: our part is
+    one opaque node (``torch.ops.metrale_attn.paged_decode``), no graph break."""
+    rng = np.random.default_rng(9)
+    vc, built = _model(tmp_path, rng, count=1)
+    layer = built[0]
+    b = h.batch([(70, 1), (5, 1), (129, 1)], rng=rng)
+    md = h.builder(vc, built, 16).build(0, b.cm)
+    q, _, _ = b.split()
+
+    def attend(query, kv_cache, output):
+        return layer.impl.forward(layer, query, None, None, kv_cache, md, output)
+
+    output = torch.empty(3, 4, 64, dtype=torch.bfloat16)
+    compiled = torch.compile(attend, fullgraph=True, backend="aot_eager")
+    compiled(q.view(3, 4, 64), layer.kv_cache, output)
+    for r in range(3):
+        h.check_decode(layer, b, output, r, f"compiled request {r}")
+    assert torch_op.SCHEMA.startswith("paged_decode(")
