@@ -16,8 +16,9 @@
 //     `rows` zero). q fp16 with bf16 K is split exactly into two bf16 parts (hi + lo); q
 //     bf16 with fp16/fp8 K is stored as fp16 of q * 2^c_r, a power of two per row chosen
 //     so that max |q_r| lands in [2^14, 2^15) (exact but for elements below 2^-28
-//     max |q_r|, which round to fp16 subnormals: < 2^-39 max |q_r| absolute), and 2^-c_r
-//     is folded into that row's score scale.
+//     max |q_r|, which round to fp16 subnormals: < 2^-39 max |q_r| absolute; a row of bf16
+//     subnormals lands lower, exactly), and 2^-c_r is folded into that row's score scale,
+//     for every bf16 magnitude (stage_q).
 //   * K and V stream in tiles of TT tokens aligned to absolute token positions (tile k
 //     covers [k * TT, (k + 1) * TT) and goes to warp k % W), so a row's arithmetic
 //     depends only on the keys it sees, never on the range of its CTA: rows whose ranges
@@ -250,15 +251,25 @@ __device__ __forceinline__ void stage_q(unsigned char* smem, const QRow& q_row, 
       for (int j = 0; j < 8; ++j) amax = fmaxf(amax, fabsf(x[j]));
       PD_UNROLL
       for (int off = 16; off >= 1; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(PD_FULL_MASK, amax, off));
-      // c = 14 - floor(log2 amax), clamped so that 2^c and 2^-c are normal floats; a zero
-      // row (or one of denormals) takes c = 100.
+      // c = 14 - floor(log2 amax). bf16 has fp32's exponents, so c runs from -114 (inf/NaN,
+      // e = 128) to 141: exponent field 0 (a row of zeros or bf16 subnormals, multiples of
+      // 2^-133) reads as e = -127, and q 2^141 holds such a row exactly (fp16 integers
+      // below 2^15). Neither 2^c nor 2^-c need be a normal float, so each is applied in two
+      // steps, c1 = c clamped to [-100, 100] and then c2 = c - c1 in [-14, 41]: q's steps are
+      // exact (scaling up, or down to where fp16 rounds to 0 anyway) and the scale's
+      // intermediate lies between qk_scale and the final scale, so it is normal whenever
+      // that is. A row with |c| <= 100 takes c2 = 0: the scale of a single 2^-c.
       const int e = (int)((__float_as_uint(amax) >> 23) & 0xffu) - 127;
-      int c = 14 - e;
-      c = c < -100 ? -100 : (c > 100 ? 100 : c);
-      const float up = __uint_as_float((unsigned)(127 + c) << 23);
+      const int c = 14 - e;
+      const int c1 = c < -100 ? -100 : (c > 100 ? 100 : c), c2 = c - c1;
+      const float up1 = __uint_as_float((unsigned)(127 + c1) << 23), up2 = __uint_as_float((unsigned)(127 + c2) << 23);
       PD_UNROLL
-      for (int j = 0; j < 8; ++j) bits[j] = pd_float_to_fp16(x[j] * up);  // x * 2^c exact in fp32
-      scale = qk_scale * __uint_as_float((unsigned)(127 - c) << 23);
+      for (int j = 0; j < 8; ++j) bits[j] = pd_float_to_fp16(x[j] * up1 * up2);
+      scale = qk_scale * __uint_as_float((unsigned)(127 - c1) << 23) * __uint_as_float((unsigned)(127 - c2) << 23);
+      // A scale that underflowed to 0 (a zero row, or one whose logits are below 2^-110:
+      // |q 2^c . k| < 2^39) would make a masked score -inf * 0 = NaN in attend. The least
+      // denormal keeps it > 0, and logits that small weigh exactly 1 either way.
+      scale = fmaxf(scale, __uint_as_float(1u));
     }
     if (lane == 0) reinterpret_cast<float*>(smem + SCALE_OFF)[r] = scale;
     PD_UNROLL
@@ -287,12 +298,17 @@ __device__ __forceinline__ void stage_q(unsigned char* smem, const QRow& q_row, 
 // -- the K/V stream ------------------------------------------------------------------
 
 // One warp's producer: lane i < TT owns token i of the warp's next tile to issue.
+// Token positions and page indices are unsigned: the producer advances up to S x W x TT
+// tokens past the last key it loads, past 2^31 near INT32_MAX keys (never near 2^32);
+// unsigned, that is defined and every comparison with [lo, hi) stays exact.
 struct Stream {
   const unsigned char* k_lane;  // k_cache + kv_head * k_stride_head + this lane's 16-byte chunk
   const unsigned char* v_lane;
   const int* bt_row;
-  int page_size, lo, hi;  // the CTA's keys [lo, hi)
-  int tok, page, slot, row;  // this lane's token of the next tile; its page index, slot, page id
+  int page_size;
+  unsigned lo, hi;          // the CTA's keys [lo, hi)
+  unsigned tok, page;       // this lane's token of the next tile and its page index
+  int slot, row;            // the token's slot in its page, the page's id
   int step_pages, step_slots;  // W * TT tokens as whole pages + slots
 };
 
@@ -301,11 +317,12 @@ struct Stream {
 // commit (an empty group when the tile does not exist, so the wait_group arithmetic
 // stays uniform). Advances the producer by W tiles and prefetches the block-table
 // entry that tile will need.
-__device__ __forceinline__ void issue_tile(Stream& st, const long long (&strides)[4], bool exists, int tile_first,
+__device__ __forceinline__ void issue_tile(Stream& st, const long long (&strides)[4], bool exists, int tile,
                                            unsigned char* stage, unsigned char* table) {
   const int lane = threadIdx.x & 31;
   __syncwarp();  // every lane is done with the table, the stage and the copies it waited for
   if (exists) {
+    const int tile_first = tile * TT;  // a tile that exists starts below hi: no overflow
     if (lane < TT) {
       const bool valid = st.tok >= st.lo && st.tok < st.hi;
       long long koff = 0, voff = 0;  // an invalid row is copied with src-size 0 from row 0
@@ -317,7 +334,7 @@ __device__ __forceinline__ void issue_tile(Stream& st, const long long (&strides
       *reinterpret_cast<longlong2*>(table + lane * 16) = make_longlong2(koff, voff);
     }
     __syncwarp();
-    const int first = st.lo - tile_first, past = st.hi - tile_first;  // the tile's valid rows [first, past)
+    const int first = (int)st.lo - tile_first, past = (int)st.hi - tile_first;  // the tile's valid rows [first, past)
     const int row0 = lane / CPR;
     PD_UNROLL
     for (int j = 0; j < RPL; ++j) {
@@ -444,8 +461,9 @@ __device__ __forceinline__ void attend(unsigned char* smem, const Rows& rw, cons
       if (r < rw.rows) row_range(rw, r / rw.heads, col_lo[nt][j], col_hi[nt][j]);
     }
 #endif
-  // Tiles k of [k0, k1) at absolute positions k * TT; warp w takes k = w mod W.
-  const int k0 = lo / TT, k1 = hi > lo ? (hi + TT - 1) / TT : k0;
+  // Tiles k of [k0, k1) at absolute positions k * TT; warp w takes k = w mod W. The ceiling
+  // without hi + TT - 1, which overflows for hi > INT32_MAX - TT + 1.
+  const int k0 = lo / TT, k1 = hi > lo ? hi / TT + (hi % TT != 0 ? 1 : 0) : k0;
   const int first_tile = k0 + ((warp - k0) & (W - 1));
   const int my_tiles = first_tile < k1 ? (k1 - first_tile + W - 1) / W : 0;
 
@@ -462,14 +480,14 @@ __device__ __forceinline__ void attend(unsigned char* smem, const Rows& rw, cons
   s.hi = hi;
   s.step_pages = (W * TT) / page_size;
   s.step_slots = W * TT - s.step_pages * page_size;
-  s.tok = first_tile * TT + lane;
-  s.page = s.tok / page_size;  // one division per lane per CTA; the rest are increments
-  s.slot = s.tok - s.page * page_size;
-  s.row = (lane < TT && s.tok >= lo && s.tok < hi) ? bt_row[s.page] : 0;
+  s.tok = (unsigned)first_tile * TT + lane;
+  s.page = s.tok / (unsigned)page_size;  // one division per lane per CTA; the rest are increments
+  s.slot = (int)(s.tok - s.page * page_size);
+  s.row = (lane < TT && s.tok >= s.lo && s.tok < s.hi) ? bt_row[s.page] : 0;
 
   PD_UNROLL
   for (int k = 0; k < S - 1; ++k)
-    issue_tile(s, strides, k < my_tiles, (first_tile + k * W) * TT, ring + k * STAGE_BYTES, table);
+    issue_tile(s, strides, k < my_tiles, first_tile + k * W, ring + k * STAGE_BYTES, table);
 
   // ldmatrix row address of this lane within a tile: token ((lane >> 3) & 1) * 8 +
   // (lane & 7) of a 16-token block, 16-byte chunk lane >> 4 of a chunk pair.
@@ -479,8 +497,8 @@ __device__ __forceinline__ void attend(unsigned char* smem, const Rows& rw, cons
   for (int k = 0; k < my_tiles; ++k) {
     pd_cp_async_wait<S - 2>();  // this lane's copies of tile k have landed; issue_tile's
                                 // __syncwarp makes every lane's visible and frees the stage read last
-    issue_tile(s, strides, k + S - 1 < my_tiles, (first_tile + (k + S - 1) * W) * TT,
-               ring + ((k + S - 1) % S) * STAGE_BYTES, table);
+    issue_tile(s, strides, k + S - 1 < my_tiles, first_tile + (k + S - 1) * W, ring + ((k + S - 1) % S) * STAGE_BYTES,
+               table);
 
     const unsigned char* kt = ring + (k % S) * STAGE_BYTES;
     const unsigned char* vt = kt + TILE_BYTES;
@@ -738,8 +756,9 @@ __device__ __forceinline__ void store_rows(unsigned char* smem, const Rows& rw, 
     const int r = idx / D, d = idx - r * D;
     float M, L, O;
     cta_combine(smem, r, d, M, L, O);
+    bool alone = false;  // the sink alone: its lse is the sink itself (pd_add_sink)
 #if PD_SINKS
-    pd_add_sink(sinks[r % rw.heads], M, L, O);
+    alone = pd_add_sink(sinks[r % rw.heads], M, L, O);
 #endif
     const float value = pd_normalize(O, L, v_scale);  // zeros for an empty state
     const long long at = (long long)(r / rw.heads) * num_q_heads + r % rw.heads;
@@ -748,7 +767,7 @@ __device__ __forceinline__ void store_rows(unsigned char* smem, const Rows& rw, 
 #else
     s_out[idx] = (unsigned short)pd_float_to_q(value);
 #endif
-    if (d == 0 && lse_row0 != nullptr) lse_row0[at] = pd_lse(M, L);
+    if (d == 0 && lse_row0 != nullptr) lse_row0[at] = alone ? sinks[r % rw.heads] : pd_lse(M, L);
   }
 #if !PD_OUT_F32
   __syncthreads();

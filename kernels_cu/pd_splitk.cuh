@@ -14,8 +14,9 @@
 // The merge combines the splits of (row, head) in the fixed order 0..n-1, then the sink if
 // there is one (pd_add_sink):
 //   M = max m_i; w_i = l_i 2^(m_i - M); L = sum w_i; out = sum w_i o_i / L;
-//   lse = (M + log2 L) ln 2 (natural log; lse may be null).
-// M = -inf (no token at all, seq_len 0) gives out = 0 and lse = -inf.
+//   lse = (M + log2 L) ln 2 (natural log; lse may be null), or the sink itself where it
+//   alone is the state (a finite sink beyond +-FLT_MAX ln 2, see pd_add_sink).
+// M = -inf (no token at all, seq_len 0) gives out = 0 and lse = -inf (the sink's, with one).
 //
 // Defines: PD_HEAD_DIM, PD_Q_DTYPE (pd_common.cuh), PD_MIN_KV_PER_SPLIT.
 
@@ -57,15 +58,33 @@ __device__ __forceinline__ void pd_store_split(float* slot, int d, float M, floa
 // scores) that joins the softmax denominator and contributes no value:
 //   M' = max(M, s), L' = L 2^(M - M') + 2^(s - M'), O' = O 2^(M - M'),   s = sink_ln log2 e.
 // A sink of -inf leaves (M, L, O) bit for bit (2^0 = 1, + 0); an empty state (M = -inf)
-// takes M' = s, L' = 1, O' = 0.
-__device__ __forceinline__ void pd_add_sink(float sink_ln, float& M, float& L, float& O) {
+// takes M' = s, L' = 1, O' = 0. Returns false then, and the state's lse is pd_lse(M', L').
+//
+// A finite sink beyond +-FLT_MAX ln 2 (~2.36e38) has no fp32 s: sink_ln log2 e rounds to
+// +-inf, and the formula would take inf - inf = NaN. Such a sink lies more than 2^103 (log2
+// units) beyond every finite logit, so every other weight is 2^-(> 2^103) = 0 exactly: above
+// them (s = +inf), or below them with nothing else seen (M = -inf), the state is the sink's
+// alone, L' = 1 and O' = 0 (a NaN state stays NaN); below a non-empty state its weight is 0
+// and the formula leaves the state bit for bit, as for -inf. The sink alone has lse =
+// sink_ln exactly, but M' = s has no fp32 value: M' saturates at +-FLT_MAX (pd_lse would
+// give +-FLT_MAX ln 2) and the function returns true, telling the caller to write sink_ln
+// itself as the lse.
+__device__ __forceinline__ bool pd_add_sink(float sink_ln, float& M, float& L, float& O) {
+  const float neg_inf = pd_neg_inf();
   const float s = sink_ln * PD_LOG2E;
+  if (sink_ln != s && fabsf(s) == -neg_inf && (s > 0.f || M == neg_inf)) {  // finite sink_ln, s = +-inf
+    L = fmaf(L, 0.f, 1.f);  // 1, or NaN
+    O *= 0.f;
+    M = __uint_as_float(s > 0.f ? 0x7f7fffffu : 0xff7fffffu);  // +-FLT_MAX
+    return L == 1.f;
+  }
   const float mx = fmaxf(M, s);
-  const float ms = mx == pd_neg_inf() ? 0.f : mx;  // both -inf: avoid -inf - -inf
+  const float ms = mx == neg_inf ? 0.f : mx;  // both -inf: avoid -inf - -inf
   const float a = exp2f(M - ms);
   L = fmaf(L, a, exp2f(s - ms));
   O = O * a;
   M = mx;
+  return false;
 }
 
 // The merge of (row = blockIdx.y, head = blockIdx.x) over grid (num_q_heads, rows): a row
@@ -100,14 +119,15 @@ __device__ __forceinline__ void pd_merge_splits(const float* __restrict__ worksp
       L += w;
       o = fmaf(w, sl[d], o);
     }
-    if (sinks != nullptr) pd_add_sink(sinks[head], mx, L, o);
+    bool alone = false;  // the sink alone: its lse is sinks[head] itself (pd_add_sink)
+    if (sinks != nullptr) alone = pd_add_sink(sinks[head], mx, L, o);
     // L >= w of the split holding the max (its l >= 1) unless every split is empty (L = 0).
     const float value = pd_normalize(o, L, 1.f);
     if (sizeof(Out) == 4)
       reinterpret_cast<float*>(out_row)[d] = value;
     else
       s_out[d] = (unsigned short)pd_float_to_q(value);
-    if (d == 0 && lse != nullptr) lse[(long long)row * num_q_heads + head] = pd_lse(mx, L);
+    if (d == 0 && lse != nullptr) lse[(long long)row * num_q_heads + head] = alone ? sinks[head] : pd_lse(mx, L);
   }
   if (sizeof(Out) != 4) {
     __syncthreads();

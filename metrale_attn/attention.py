@@ -50,6 +50,9 @@ launch ABI is read from the sources; a test checks each kernel's names against t
 ARRAY_ARGUMENTS = ("q", "k_cache", "v_cache", "block_tables", "seq_lens", "sinks", "out", "lse")
 """The array arguments of ``run``, in order; each is checked by ``DecodeAttention._check_<name>``."""
 MAX_PAGE_SIZE = 256
+MAX_WINDOW_LEFT = 2**31 - 1  # the kernels take window_left as an int32
+INDEX_BYTES = 4  # int32 block tables and seq_lens, float32 lse and sinks: 4-byte loads and stores
+MAX_SINK = 3.4028234663852886e38 / 1.4426950408889634  # FLT_MAX / log2(e): the kernels hold sinks in base 2
 LOG2E = 1.4426950408889634
 VECTOR_BYTES = 16  # kernels load K/V and q rows with 16-byte vector loads
 FP32_MAX = float(np.finfo(np.float32).max)  # 3.40282e+38
@@ -187,8 +190,8 @@ class DecodeAttention:
         self.kv_dtype = dtypes.canonical(kv_dtype, argument="kv_dtype", allowed=dtypes.KV_DTYPES)
         self.sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else _positive("sm_scale", sm_scale)
         self.max_q_len = _int_in("max_q_len", max_q_len, 1, MAX_Q_LEN)
-        self.window_left = _int_in("window_left", window_left, -1)
-        self.logits_soft_cap = None if logits_soft_cap is None else _soft_cap(logits_soft_cap)
+        self.window_left = _int_in("window_left", window_left, -1, MAX_WINDOW_LEFT)
+        self.logits_soft_cap = _soft_cap(logits_soft_cap)
         if not isinstance(sinks, bool):
             raise TypeError(f"sinks must be a bool (whether run() takes sink logits), got {sinks!r}")
         self.sinks = sinks
@@ -205,6 +208,8 @@ class DecodeAttention:
             self.defaults, self.shape, max_batch=max_batch, max_decode_seqs=max_decode_seqs,
             max_q_len=self.max_q_len)
         self.workspace = self._allocate_workspace() if workspace is None else self._adopt_workspace(workspace)
+        # A caller's torch tensor can lose its memory under us (resize_(0), set_()): checked every call.
+        self._workspace_guard = None if workspace is None else _storage_guard(workspace, self.workspace_nbytes)
         info = self.backend.describe(self.workspace, "workspace")
         self._workspace_range = info.byte_range()
         self._workspace_ptr = self.backend.pointer(self.workspace, info)
@@ -322,8 +327,11 @@ class DecodeAttention:
 
     @staticmethod
     def from_handle(handle: int) -> "DecodeAttention":
-        """The live object whose ``handle`` is ``handle``; a ValueError if there is none."""
-        attn = _BY_HANDLE.get(handle)
+        """The live object whose ``handle`` is ``handle``; a ValueError if there is none (a
+        bool is not a handle: ``True == 1``)."""
+        if isinstance(handle, bool) or not isinstance(handle, numbers.Integral):
+            raise TypeError(f"a handle is the int attn.handle, got {handle!r}")
+        attn = _BY_HANDLE.get(int(handle))
         if attn is None:
             raise ValueError(f"no live DecodeAttention has handle {handle!r} (handles come from attn.handle; the "
                              "registry holds objects weakly, so the object must be kept alive by its owner)")
@@ -380,8 +388,11 @@ class DecodeAttention:
                   fingerprint(seq_lens), _ABSENT if sinks is None else fingerprint(sinks), fingerprint(out),
                   _ABSENT if lse is None else fingerprint(lse))
         last = self._last
+        if self._workspace_guard is not None:
+            self._workspace_guard()
         if (last is not None and last.prints == prints and last.k_scale == k_scale and last.v_scale == v_scale
-                and type(k_scale) is float and type(v_scale) is float):  # noqa: E721  (True == 1.0: types too)
+                and type(k_scale) is float and type(v_scale) is float  # noqa: E721  (True == 1.0: types too)
+                and last.workspace_span is self._shared.span):  # no object joined the workspace since
             call = last
         else:
             call = self._validate(arrays, prints, k_scale, v_scale)
@@ -426,7 +437,8 @@ class DecodeAttention:
         num_seqs, q_len = rows[0], (rows[1] if len(rows) == 3 else 1)
         plan = self.plan(num_seqs, q_len)
         launches = self._launches(plan, seen, scalars) if num_seqs else ()
-        return _Call(prints, k_scale, v_scale, launches, seen[1].info.shape[0], seen[3].info.shape[1], q_len, seen)
+        return _Call(prints, k_scale, v_scale, launches, seen[1].info.shape[0], seen[3].info.shape[1], q_len, seen,
+                     self._shared.span)
 
     def _launch_args(self, plan: DecodePlan, seen: list, scalars: dict) -> dict:
         """Every kernel parameter of this call (``LAUNCH_ARGUMENTS``) by name: pointers
@@ -564,9 +576,10 @@ class DecodeAttention:
         if len(bi.shape) != 2 or bi.shape[0] != num_seqs or dtypes.name_of(bi.dtype) != dtypes.INT32:
             raise ValueError(f"block_tables must be int32 [{num_seqs}, max_pages] with contiguous rows, got "
                              f"{bi.dtype} {list(bi.shape)}")
-        if bi.shape[1] and bi.strides[1] != 1:
+        if not _empty(bi) and bi.strides[1] != 1:
             raise ValueError(f"block_tables must be int32 [{num_seqs}, max_pages] with contiguous rows, got strides "
                              f"{list(bi.strides)} (a row's page ids must be adjacent: stride 1)")
+        _aligned(bi, "block_tables", INDEX_BYTES)
 
     def _check_seq_lens(self, si: ArrayInfo, rows) -> None:
         """Contiguous int32 ``[num_seqs]``."""
@@ -577,6 +590,7 @@ class DecodeAttention:
         if num_seqs > 1 and si.strides[0] != 1:
             raise ValueError(f"seq_lens must be contiguous int32 [{num_seqs}], got a strided view (element stride "
                              f"{si.strides[0]}, not 1)")
+        _aligned(si, "seq_lens", INDEX_BYTES)
 
     def _check_sinks(self, info: ArrayInfo, rows) -> None:
         """Contiguous float32 ``[num_q_heads]`` (given only to an object built with sinks:
@@ -585,6 +599,7 @@ class DecodeAttention:
         if info.shape != (H,) or (H > 1 and info.strides != (1,)) or dtypes.name_of(info.dtype) != dtypes.FLOAT32:
             raise ValueError(f"sinks must be a contiguous float32 [{H}] array, got {info.dtype} {list(info.shape)} "
                              f"strides {list(info.strides)}")
+        _aligned(info, "sinks", INDEX_BYTES)
 
     def _refuse_sinks(self) -> None:
         """Sinks given to an object built without them, or missing from one built with them."""
@@ -608,17 +623,25 @@ class DecodeAttention:
             raise ValueError(f"lse must be a contiguous float32 {list(rows)} array, got {li.dtype} "
                              f"{list(li.shape)} strides {list(li.strides)}")
         _writable(li, "lse")
+        _aligned(li, "lse", INDEX_BYTES)
 
     def _check_together(self, seen: list) -> None:
         """The checks across arrays (each is on this object's device already: ``_checked``):
-        the caches agree and the outputs overlap nothing (``_refuse_overlaps``)."""
+        the caches agree, the outputs overlap nothing (``_refuse_overlaps``), and no input
+        lies in the split-K workspace of any object sharing this one's (its partials would
+        overwrite it mid-call)."""
         q, k, v, bt, sl, sk, out, lse = seen
         if k.info.shape != v.info.shape:
             raise ValueError(f"k_cache and v_cache must have the same shape, got {list(k.info.shape)} and "
                              f"{list(v.info.shape)}")
-        _refuse_overlaps((out.span, None if lse is None else lse.span),
-                         (q.span, k.span, v.span, bt.span, sl.span, None if sk is None else sk.span),
-                         self._workspace_range)
+        inputs = (q.span, k.span, v.span, bt.span, sl.span, None if sk is None else sk.span)
+        workspace = self._shared.span
+        _refuse_overlaps((out.span, None if lse is None else lse.span), inputs, workspace)
+        for name, span in zip(_INPUTS, inputs):
+            if span is not None and workspace is not None and span[0] < workspace[1] and workspace[0] < span[1]:
+                raise ValueError(f"{name} lies in the split-K workspace (bytes {span[0]:#x}..{span[1]:#x} and "
+                                 f"{workspace[0]:#x}..{workspace[1]:#x}, the workspace of every object sharing "
+                                 f"it): the kernels write their partials there; pass {name} in its own memory")
 
     def _logit_scales(self, k_scale: float) -> tuple[float, float]:
         """``(qk_scale, cap_log2)`` the kernels take: ``sm_scale * k_scale * log2(e)`` and 0,
@@ -670,7 +693,7 @@ class DecodeAttention:
         """Every length in range, and every page id a call reads a page id: those of the
         pages the window of the first query token touches, to the sequence's end (pages
         before every window may be freed, e.g. -1)."""
-        lens = np.asarray(self.backend.host_copy(seq_lens))
+        lens = np.asarray(self.backend.host_copy(seq_lens)).astype(np.int64)  # lens - q_len - window: no wrap
         table = np.asarray(self.backend.host_copy(block_tables))
         if max_pages == 0 and lens.any():
             s = int(np.flatnonzero(lens)[0])
@@ -718,11 +741,13 @@ class _Call:
     ``((module, Launch), ...)``, what the index check reads, and its arguments (kept
     alive with the launches' pointers)."""
 
-    __slots__ = ("prints", "k_scale", "v_scale", "launches", "num_pages", "max_pages", "q_len", "seen")
+    __slots__ = ("prints", "k_scale", "v_scale", "launches", "num_pages", "max_pages", "q_len", "seen",
+                 "workspace_span")
 
-    def __init__(self, prints, k_scale, v_scale, launches, num_pages, max_pages, q_len, seen):
+    def __init__(self, prints, k_scale, v_scale, launches, num_pages, max_pages, q_len, seen, workspace_span):
         self.prints, self.k_scale, self.v_scale, self.launches = prints, k_scale, v_scale, launches
         self.num_pages, self.max_pages, self.q_len, self.seen = num_pages, max_pages, q_len, seen
+        self.workspace_span = workspace_span  # the shared workspace's bytes the arrays were checked against
 
 
 class _WorkspaceUsers:
@@ -795,6 +820,25 @@ def workspace_bytes(shapes, *, max_batch: int, backend=None, target: Optional[st
     if not sizes:
         raise ValueError("shapes must name at least one (num_q_heads, num_kv_heads, head_dim)")
     return max(sizes)
+
+
+def _storage_guard(workspace, nbytes: int):
+    """For a torch tensor, a check that it still holds its memory at the address the
+    launches use, at least ``nbytes`` of it (a caller can free or swap a tensor's storage
+    in place: ``untyped_storage().resize_(0)``, ``set_()``); None for an array whose
+    memory cannot move while it is referenced (NumPy, CuPy). About a microsecond."""
+    storage_of = getattr(workspace, "untyped_storage", None)
+    if storage_of is None:
+        return None
+    ptr = workspace.data_ptr()
+
+    def check() -> None:
+        storage = storage_of()
+        if workspace.data_ptr() != ptr or storage.data_ptr() + storage.nbytes() - ptr < nbytes:
+            raise ValueError(f"the workspace tensor no longer holds its memory (it was at {ptr:#x}, {nbytes} bytes; "
+                             f"now {workspace.data_ptr():#x} in a storage of {storage.nbytes()} bytes): its storage "
+                             "was freed or replaced; the objects built on it cannot run")
+    return check
 
 
 def _contiguous(shape: tuple) -> tuple:
@@ -870,14 +914,23 @@ def _dtype(info: ArrayInfo, argument: str, expected: str) -> None:
         raise ValueError(f"{argument} must hold {expected} values (as this DecodeAttention was built), got {info.dtype}")
 
 
-def _aligned(info: ArrayInfo, argument: str) -> None:
-    if info.ptr % VECTOR_BYTES:
-        raise ValueError(f"{argument} must start on a {VECTOR_BYTES}-byte boundary for vector loads "
-                         f"(address {info.ptr:#x})")
+def _aligned(info: ArrayInfo, argument: str, boundary: int = VECTOR_BYTES) -> None:
+    if info.ptr % boundary and not _empty(info):
+        what = "vector loads" if boundary == VECTOR_BYTES else f"its {boundary}-byte elements"
+        raise ValueError(f"{argument} must start on a {boundary}-byte boundary for {what} (address {info.ptr:#x})")
+
+
+def _empty(info: ArrayInfo) -> bool:
+    """No element: nothing is read or written through it, so its strides and address do
+    not matter (NumPy 2 gives ``np.empty((0, ...))`` strides of 0)."""
+    return 0 in info.shape
 
 
 def _vector_rows(info: ArrayInfo, argument: str) -> None:
-    """No negative strides; last dim contiguous; base and every other stride a multiple of 16 bytes."""
+    """No negative strides; last dim contiguous; base and every other stride a multiple of
+    16 bytes (an empty array: nothing to check)."""
+    if _empty(info):
+        return
     _forward_strides(info, argument)
     if info.strides[-1] != 1:
         raise ValueError(f"{argument} must be contiguous in its last dim (stride 1), got strides {list(info.strides)}")
@@ -940,19 +993,28 @@ def _is_uint8(dtype) -> bool:
 _OUT_NUMPY = {**dtypes.NUMPY_DTYPES, dtypes.FLOAT32: np.dtype(np.float32)}
 
 
-def _soft_cap(value) -> float:
+def _soft_cap(value) -> Optional[float]:
+    """The cap, or None for none: None and 0 mean no cap, as in FlashInfer, vLLM and
+    FlashAttention."""
+    if value is None:
+        return None
     cap = _as_float("logits_soft_cap", value)
+    if cap == 0:
+        return None
     if not (cap > 0 and math.isfinite(cap)):
-        raise ValueError(f"logits_soft_cap must be a finite float > 0 (or None: no cap), got {value!r}")
+        raise ValueError(f"logits_soft_cap must be a finite float > 0 (or 0/None: no cap), got {value!r}")
     return cap
 
 
 def _check_sink_values(sinks) -> None:
-    """Host sink logits are finite or -inf (+inf or NaN would make every output NaN)."""
-    values = np.asarray(sinks)
-    bad = np.flatnonzero(np.isnan(values) | (values == np.inf))
+    """Host sink logits are -inf or finite within ``MAX_SINK`` in magnitude: +inf or NaN
+    would make every output NaN, and a larger finite one overflows the kernels' base-2
+    sink. A torch parameter (requires_grad) is read through ``detach``."""
+    values = np.asarray(sinks.detach() if hasattr(sinks, "detach") else sinks)
+    bad = np.flatnonzero(np.isnan(values) | (values == np.inf) | (np.isfinite(values) & (np.abs(values) > MAX_SINK)))
     if bad.size:
-        raise ValueError(f"sinks[{int(bad[0])}] = {values[bad[0]]}: sink logits must be finite or -inf")
+        raise ValueError(f"sinks[{int(bad[0])}] = {values[bad[0]]}: sink logits must be -inf or finite with "
+                         f"|sink| <= {MAX_SINK:.6g} (FLT_MAX / log2(e))")
 
 
 def _fp32_normal(value: float) -> bool:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Optional, Sequence
 
-from .plan import ModelShape, make_plan, resolve_heads_per_cta, resolve_impl, workspace_for
+from .plan import (ENV_HEADS_PER_CTA, ENV_IMPL, ModelShape, make_plan, max_rows_per_cta, resolve_heads_per_cta,
+                   resolve_impl, workspace_for)
 from .policy import parse_gqa_pack
 from .targets import TARGETS, get_target, resolve_defaults
 
@@ -67,8 +69,10 @@ def render_plan_table(args: argparse.Namespace) -> str:
     shape = _shape(args)
     max_batch = max(max(args.batch), 1) if args.max_batch is None else args.max_batch
     workspace = workspace_for(defaults, shape, max_batch=max_batch, max_decode_seqs=args.max_decode_seqs)
-    impl = resolve_impl(args.impl, None)
-    heads_per_cta = resolve_heads_per_cta(args.heads_per_cta, None, shape.group_size)
+    # What the library would run: the flags, else the same environment variables it reads.
+    impl = resolve_impl(args.impl, os.environ.get(ENV_IMPL))
+    heads_per_cta = resolve_heads_per_cta(args.heads_per_cta, os.environ.get(ENV_HEADS_PER_CTA), shape.group_size, 1,
+                                          max_rows_per_cta(shape.head_dim))
     lines = [
         defaults.line(),
         f"model: q_heads={shape.num_q_heads} kv_heads={shape.num_kv_heads} head_dim={shape.head_dim} "

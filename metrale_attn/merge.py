@@ -33,10 +33,11 @@ def merge_states(v_a, s_a, v_b, s_b, *, out=None, lse=None, backend=None):
     Shapes: ``v_*`` and ``out`` ``[..., head_dim]`` (contiguous; bf16, fp16 or float32;
     ``out`` defaults to ``v_a``'s dtype), ``s_*`` and ``lse`` float32 ``[...]`` with the
     same leading shape (natural logs). ``backend``: ``"cpu"``, ``"cupy"`` or a backend;
-    None picks the CPU backend for NumPy arrays, else CuPy. Outputs may overlap no input.
+    None picks the CPU backend for host arrays (NumPy, torch CPU tensors), else CuPy.
+    Outputs must be writable and may overlap no input.
     """
     if backend is None or isinstance(backend, str):
-        backend = get_backend(backend or ("cpu" if isinstance(v_a, np.ndarray) else "cupy"))
+        backend = get_backend(backend or ("cpu" if _on_host(v_a) else "cupy"))
     infos = [backend.describe(x, name) for x, name in ((v_a, "v_a"), (s_a, "s_a"), (v_b, "v_b"), (s_b, "s_b"))]
     va, sa, vb, sb = infos
     if len(va.shape) < 1 or vb.shape != va.shape:
@@ -60,10 +61,13 @@ def merge_states(v_a, s_a, v_b, s_b, *, out=None, lse=None, backend=None):
     if li.shape != rows or dtypes.name_of(li.dtype) != dtypes.FLOAT32:
         raise ValueError(f"lse must be float32 {list(rows)}, got {li.dtype} {list(li.shape)}")
     for info, name in zip(infos + [oi, li], ("v_a", "s_a", "v_b", "s_b", "out", "lse")):
-        if info.strides != _contiguous(info.shape):
+        if 0 not in info.shape and info.strides != _contiguous(info.shape):  # empty: no stride matters
             raise ValueError(f"{name} must be contiguous, got strides {list(info.strides)}")
         if info.device != backend.current_device():
             raise ValueError(f"{name} is not on the backend's device")
+    for info, name in ((oi, "out"), (li, "lse")):
+        if not info.writable:
+            raise ValueError(f"{name} must be writable, got a read-only array")
     for name, info in (("out", oi), ("lse", li)):
         mine = info.byte_range()
         for other, theirs in zip(("v_a", "s_a", "v_b", "s_b", "out"), (va, sa, vb, sb, oi)):
@@ -80,6 +84,14 @@ def merge_states(v_a, s_a, v_b, s_b, *, out=None, lse=None, backend=None):
                              (ptr(v_a, va), ptr(s_a, sa), ptr(v_b, vb), ptr(s_b, sb), ptr(out, oi), ptr(lse, li),
                               np.int32(va.shape[-1]))))
     return out, lse
+
+
+def _on_host(array) -> bool:
+    """A NumPy array or a torch CPU tensor (without importing torch)."""
+    if isinstance(array, np.ndarray):
+        return True
+    device = getattr(array, "device", None)
+    return type(array).__module__.startswith("torch") and getattr(device, "type", None) == "cpu"
 
 
 def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:

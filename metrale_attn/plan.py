@@ -98,12 +98,24 @@ class Workspace:
         return self.slots * self.slot_floats * FP32_BYTES
 
 
+MAX_GRID = (2**31 - 1, 65535, 65535)
+"""CUDA's limit on each grid dimension (every compute capability the targets have)."""
+
+
 @dataclass(frozen=True)
 class KernelGrid:
-    """One kernel launch of a plan: the ``extern "C"`` name and its 3-D grid."""
+    """One kernel launch of a plan: the ``extern "C"`` name and its 3-D grid, within
+    ``MAX_GRID`` (a grid past it is refused when the plan is made: a GPU would refuse
+    the launch)."""
 
     kernel: str
     grid: tuple[int, int, int]
+
+    def __post_init__(self) -> None:
+        over = [f"{axis} = {n} > {limit}" for axis, n, limit in zip("xyz", self.grid, MAX_GRID) if n > limit]
+        if over:
+            raise GridTooLarge(f"the {self.kernel} grid {self.grid} is past CUDA's limits ({', '.join(over)}): "
+                               "lower max_batch (rows are sequences x query tokens) or max_q_len")
 
     @property
     def ctas(self) -> int:
@@ -150,6 +162,10 @@ class WorkspaceTooSmall(ValueError):
     """A launch would write past the split-K workspace it was given."""
 
 
+class GridTooLarge(ValueError):
+    """A plan's grid has more blocks in a dimension than CUDA launches."""
+
+
 LEGACY_MAX_DECODE_SEQS = 1
 """Default floor of legacy's reference batch. With 1, ``legacy`` sizes for the batch
 actually launched (the classic fill-the-SMs rule, which moves with the batch);
@@ -172,9 +188,9 @@ def resolve_impl(impl: Optional[str], env_raw: Optional[str]) -> str:
     """The implementation: the ``impl`` argument, else a non-empty ``METRALE_ATTN_DECODE_IMPL``,
     else ``mma``. Either spelling must be one of ``IMPLS`` (trimmed, case-insensitive)."""
     for value, where in ((impl, "impl"), (env_raw, ENV_IMPL)):
-        if value is None or (where == ENV_IMPL and not value.strip()):
+        if value is None or (where == ENV_IMPL and not policy.normalize(value)):
             continue
-        name = str(value).strip().lower()
+        name = policy.normalize(str(value))
         if name not in IMPLS:
             raise ValueError(f"{where} must be one of {', '.join(IMPLS)}, got {value!r}")
         return name
@@ -202,14 +218,14 @@ def resolve_heads_per_cta(value, env_raw: Optional[str], group_size: int, max_q_
     never silently replaced."""
     where = "heads_per_cta"
     if value is None:
-        if env_raw is None or not env_raw.strip():
+        if env_raw is None or not policy.normalize(env_raw):
             return None
-        value, where = env_raw.strip(), ENV_HEADS_PER_CTA
-        if not value.isdigit():
-            raise ValueError(f"{ENV_HEADS_PER_CTA} must be a positive integer, got {env_raw!r}")
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"heads_per_cta must be an int or None, got {value!r}")
+        value, where = policy.parse_count(env_raw), ENV_HEADS_PER_CTA
+        if value is None:
+            raise ValueError(f"{ENV_HEADS_PER_CTA} must be a positive decimal integer (ASCII digits), got {env_raw!r}")
+    elif policy.as_int(value) is None:
+        raise TypeError(f"heads_per_cta must be an int (any numbers.Integral, not a bool) or None, got {value!r}")
+    value = policy.as_int(value)
     choices = heads_per_cta_choices(group_size, max_q_len, max_rows)
     if value not in choices:
         limit = f" ({max_q_len} query tokens each)" if max_q_len > 1 else ""

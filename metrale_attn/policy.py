@@ -68,9 +68,20 @@ _ASCII_LOWER = str.maketrans("ABCDEFGHIJKLMNOPQRSTUVWXYZ", "abcdefghijklmnopqrst
 _DECIMAL_U32 = re.compile(r"\+?[0-9]+", re.ASCII)
 
 
-def _normalize(spelling: str) -> str:
-    """Trim Unicode whitespace and lowercase ASCII letters only."""
+def normalize(spelling: str) -> str:
+    """Trim Unicode whitespace and lowercase ASCII letters only: how every environment
+    variable and option spelling of the package is read."""
     return spelling.strip(_WHITESPACE).translate(_ASCII_LOWER)
+
+
+def parse_count(spelling: str) -> Optional[int]:
+    """A decimal count as ``parse`` reads one (``normalize``d; an optional ``+``, ASCII
+    digits only, at most ``2**32 - 1``), else None: ``"\x1c2"``, ``"٢"``, ``"²"``, ``"-1"``
+    and ``"2.0"`` are not counts."""
+    word = normalize(spelling)
+    if _DECIMAL_U32.fullmatch(word) and int(word) <= U32_MAX:
+        return int(word)
+    return None
 
 
 def as_int(value) -> Optional[int]:
@@ -150,18 +161,15 @@ def parse(spelling: str) -> Optional[SplitkPolicy]:
     (``"-1"``, ``"4.0"``, ``"1_0"``, ``"4294967296"``, ``""``), which keeps the
     declaration in ``resolve_policy``.
     """
-    word = _normalize(spelling)
+    word = normalize(spelling)
     if word == "legacy":
         return SplitkPolicy.LEGACY
     if word == "auto":
         return SplitkPolicy.AUTO
     if word in ("0", "off", "false", "no"):
         return SplitkPolicy.pinned(1)
-    if _DECIMAL_U32.fullmatch(word):
-        count = int(word)
-        if count <= U32_MAX:
-            return SplitkPolicy.pinned(count)
-    return None
+    count = parse_count(word)
+    return None if count is None else SplitkPolicy.pinned(count)
 
 
 def resolve_policy(declared: str, env_raw: Optional[str]) -> tuple[SplitkPolicy, bool]:
@@ -245,7 +253,7 @@ def workspace_slots(
 def parse_gqa_pack(spelling: str) -> Optional[bool]:
     """``1``/``on``/``true``/``yes`` -> True, ``0``/``off``/``false``/``no`` -> False,
     trimmed and ASCII-case-insensitive; anything else ``None`` (keeps the declaration)."""
-    word = _normalize(spelling)
+    word = normalize(spelling)
     if word in ("1", "on", "true", "yes"):
         return True
     if word in ("0", "off", "false", "no"):

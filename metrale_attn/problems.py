@@ -18,7 +18,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .reference import BF16, FP8, FP8_E5M2, FP16, check_layout, max_abs_v_read, paged_decode
+from .reference import BF16, FP8, FP8_E5M2, FP16, check_layout, max_abs_logit, max_abs_v_read, paged_decode
 
 __all__ = ["GARBAGE_PAGE_ID", "Problem", "make_problem"]
 
@@ -87,6 +87,13 @@ class Problem:
             return_lse=return_lse,
             **features,
         )
+
+    def logit_absmax(self, *, sm_scale: float | None = None, q=None, logits_soft_cap: float | None = None,
+                     sinks=None) -> float:
+        """:func:`max_abs_logit` on this problem (``q`` replaces the problem's)."""
+        return max_abs_logit(self.q if q is None else q, self.k_cache, self.block_tables, self.seq_lens,
+                             kv_layout=self.kv_layout, sm_scale=sm_scale, k_scale=self.k_scale,
+                             logits_soft_cap=logits_soft_cap, sinks=sinks)
 
     def v_absmax(self) -> float:
         """:func:`max_abs_v_read` on this problem."""

@@ -460,17 +460,60 @@ def merge_states(v_a, s_a, v_b, s_b) -> tuple[np.ndarray, np.ndarray]:
 # --------------------------------------------------------------------------------------
 
 
-def max_abs_v_read(v_cache, block_tables, seq_lens, *, kv_layout: str = "NHD", v_scale: float = 1.0) -> float:
+def _first_key(seq_len: int, q_len: int, window_left: int) -> int:
+    """The first position any of a sequence's ``q_len`` query tokens sees (``paged_decode``'s
+    rule); pages before it are never read."""
+    return max(seq_len - q_len - window_left, 0) if window_left >= 0 else 0
+
+
+def max_abs_logit(q, k_cache, block_tables, seq_lens, *, kv_layout: str = "NHD", sm_scale: float | None = None,
+                  k_scale: float = 1.0, logits_soft_cap: float | None = None, sinks=None,
+                  window_left: int = -1) -> float:
+    """``max|s|`` over the logits any query row's softmax can see (``s = sm_scale * k_scale
+    * q . k_stored`` of the tokens from the first any query token's window reaches to
+    ``seq_lens[s]``, soft-capped when asked; natural-log units) and the finite sinks: the
+    logit magnitude the bar's near-zero allowance grows with (``logit_absmax`` of
+    :func:`metrale_attn.tolerance.assert_close_to_reference`). Causality inside the range is
+    ignored: an upper bound. 0.0 if nothing is seen."""
+    layout, q, k_cache, _, block_tables, seq_lens = _check_decode_args(q, k_cache, k_cache, block_tables, seq_lens,
+                                                                       kv_layout)
+    tokens = q if q.ndim == 4 else q[:, None]
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(tokens.shape[-1])
+    best = 0.0
+    for s in range(tokens.shape[0]):
+        start = _first_key(int(seq_lens[s]), tokens.shape[1], window_left)
+        k = gather_kv(k_cache, block_tables, seq_lens, s, layout, start) * k_scale  # [T, KV, D]
+        if not k.size:
+            continue
+        q_seq = to_float64(tokens[s])  # [q_len, H, D]
+        group = q_seq.shape[1] // k.shape[1]
+        logits = sm_scale * np.einsum("ihd,thd->iht", q_seq, np.repeat(k, group, axis=1))
+        if logits_soft_cap is not None:
+            logits = logits_soft_cap * np.tanh(logits / logits_soft_cap)
+        best = max(best, float(np.abs(logits).max()))
+    if sinks is not None:
+        finite = np.asarray(sinks, np.float64)
+        finite = finite[np.isfinite(finite)]
+        if finite.size:
+            best = max(best, float(np.abs(finite).max()))
+    return best
+
+
+def max_abs_v_read(v_cache, block_tables, seq_lens, *, kv_layout: str = "NHD", v_scale: float = 1.0,
+                   window_left: int = -1, q_len: int = 1) -> float:
     """``max|V|`` over the dequantized V values of the tokens actually attended to.
 
-    That is ``|v_scale| * max |v_stored|`` over tokens ``t < seq_lens[s]`` of every
-    sequence; 0.0 if no token is read. The bar's near-zero allowance scales with it
-    (``v_absmax`` of :func:`metrale_attn.tolerance.assert_close_to_reference`).
+    That is ``|v_scale| * max |v_stored|`` over the tokens of every sequence from the first
+    its query tokens' windows reach (all, without a window) to ``seq_lens[s]``; 0.0 if no
+    token is read. The bar's near-zero allowance scales with it (``v_absmax`` of
+    :func:`metrale_attn.tolerance.assert_close_to_reference`).
     """
     layout = check_layout(kv_layout, "kv_layout")
     best = 0.0
-    for s in range(len(np.asarray(seq_lens))):
-        v = gather_kv(v_cache, block_tables, seq_lens, s, layout)
+    lens = np.asarray(seq_lens)
+    for s in range(len(lens)):
+        v = gather_kv(v_cache, block_tables, seq_lens, s, layout, _first_key(int(lens[s]), q_len, window_left))
         if v.size:
             best = max(best, float(np.abs(v).max()))
     return best * abs(float(v_scale))

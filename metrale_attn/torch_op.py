@@ -80,9 +80,15 @@ def paged_decode(handle: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 def _paged_decode_fake(handle, q, k_cache, v_cache, block_tables, seq_lens, out, lse, k_scale=1.0, v_scale=1.0,
                        sinks=None):
-    """Nothing to compute (the op returns nothing); ranks and dtypes are checked here so a
-    mistake shows at trace time. Sizes are left to the real call: comparing symbolic
-    sizes here would add guards to the caller's graph."""
+    """Nothing to compute (the op returns nothing); devices, ranks and dtypes are checked
+    here so a mistake shows at trace time. Sizes are left to the real call: comparing
+    symbolic sizes here would add guards to the caller's graph. Tensors on several devices
+    (a ``meta`` q beside CPU caches dispatches here, not to the CPU kernel) are refused,
+    as torch's own ops refuse them, rather than returning with ``out`` unwritten."""
+    tensors = [t for t in (q, k_cache, v_cache, block_tables, seq_lens, out, lse, sinks) if t is not None]
+    if len({t.device for t in tensors}) > 1:
+        raise ValueError(f"paged_decode: every tensor must be on one device, got "
+                         f"{', '.join(sorted({str(t.device) for t in tensors}))}")
     if q.dim() not in (3, 4) or out.dim() != q.dim() or out.dtype not in (q.dtype, torch.float32):
         raise ValueError(f"paged_decode: q and out must be [num_seqs, (q_len,) num_q_heads, head_dim], out of q's "
                          f"dtype or float32, got {q.dtype} {q.dim()}-D and {out.dtype} {out.dim()}-D")

@@ -308,7 +308,7 @@ def test_a_read_only_array_for_a_non_const_pointer_is_an_error():
     ("block_sum", (1, 1, 1), (256, 1, 1), 0, r"exceeds __launch_bounds__\(128\)"),
     ("block_sum", (1, 1, 1), (128, 1, 1), 228 * 1024, r"exceed the 227 KiB"),
     ("block_sum", (1, 1, 1), (2048, 1, 1), 0, r"invalid block"),
-    ("block_sum", (0, 1, 1), (128, 1, 1), 0, r"grid .* out of range"),
+    ("block_sum", (0, 1, 1), (128, 1, 1), 0, r"grid .*: out of range"),
     ("no_such_kernel", (1, 1, 1), (128, 1, 1), 0, r"has no kernel 'no_such_kernel'"),
 ])
 def test_an_impossible_launch_configuration_is_an_error(kernel, grid, block, shared, pattern):
@@ -588,6 +588,50 @@ def test_an_unwritable_cache_directory_falls_back_to_a_private_temporary_one_wit
     assert out[0] == 128
 
 
+def test_a_cache_directory_that_fills_up_mid_build_falls_back_to_a_private_one_with_a_warning_naming_it(
+        tmp_path, monkeypatch):
+    """No space left (or over quota) while a library is written: not a bare OSError without a
+    path, but the same fallback as a read-only cache, the warning naming the directory."""
+    monkeypatch.setenv("METRALE_ATTN_CACHE_DIR", str(tmp_path))
+    _fresh_process(monkeypatch)
+    configured = build.environment.cache_dir()
+    real = build._build
+
+    def full_disk(source, name, cxx, flags, dflags, fiber, asan, so_path, meta_path, identity):
+        if so_path.parent.resolve() == configured.resolve():
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(so_path.parent / "build-x"))
+        return real(source, name, cxx, flags, dflags, fiber, asan, so_path, meta_path, identity)
+
+    monkeypatch.setattr(build, "_build", full_disk)
+    with pytest.warns(build.CacheFallbackWarning) as caught:
+        mod = compile_module(toy_source("block_reduce") + "\n// a full disk\n", name="full_disk")
+    assert len(caught) == 1 and str(configured) in str(caught[0].message)
+    assert "No space left on device" in str(caught[0].message) and mod.path.parent != configured
+    x, out = np.ones(128, np.float32), np.zeros(1, np.float32)
+    mod.launch("block_sum", (1, 1, 1), (128, 1, 1), 0, (x, out, np.int32(128)))
+    assert out[0] == 128
+
+
+@pytest.mark.parametrize("damage", ["truncated"])  # each case recompiles the runtime (~3 s): one stands for all
+def test_a_damaged_cached_runtime_object_is_rebuilt_rather_than_failing_every_later_link(damage, tmp_path,
+                                                                                        monkeypatch):
+    monkeypatch.setenv("METRALE_ATTN_CACHE_DIR", str(tmp_path))
+    _fresh_process(monkeypatch)
+    toy("block_reduce")
+    objects = sorted(build.environment.cache_dir().glob("cuda_on_cpu_runtime-*.o"))
+    assert objects and all(obj.with_name(obj.name + ".json").exists() for obj in objects)
+    obj = objects[0]
+    if damage == "record missing":
+        obj.with_name(obj.name + ".json").unlink()
+    else:  # an object file is only read by the linker: rewriting it in place is safe
+        obj.write_bytes(obj.read_bytes()[:100] if damage == "truncated" else b"")
+    _fresh_process(monkeypatch)
+    mod = compile_module(toy_source("block_reduce") + "\n// after the damage\n", name="after_damage")
+    x, out = np.ones(128, np.float32), np.zeros(1, np.float32)
+    mod.launch("block_sum", (1, 1, 1), (128, 1, 1), 0, (x, out, np.int32(128)))
+    assert out[0] == 128 and obj.stat().st_size > 100
+
+
 def test_valid_libraries_in_a_read_only_cache_are_used_without_a_rebuild_or_a_warning(tmp_path, monkeypatch):
     monkeypatch.setenv("METRALE_ATTN_CACHE_DIR", str(tmp_path))
     _fresh_process(monkeypatch)
@@ -662,3 +706,18 @@ def test_the_toy_kernels_compile_with_nvrtc_for_sm_90(name):
         pytest.fail(f"NVRTC rejected {name}.cu: {e}\n{nvrtc.getProgramLog(prog)}")
     finally:
         nvrtc.destroyProgram(prog)
+
+
+@pytest.mark.parametrize("grid, block, message", [
+    ((1, 65536, 1), (128, 1, 1), r"invalid grid \(1, 65536, 1\): out of range"),
+    ((1, 1, 65536), (128, 1, 1), r"invalid grid \(1, 1, 65536\): out of range"),
+    ((1, 1, 1), (1025, 1, 1), r"invalid block \(1025, 1, 1\): out of range"),
+    ((1, 1, 1), (32, 1, 65), r"invalid block \(32, 1, 65\): out of range"),
+    ((1, 1, 1), (512, 4, 1), r"invalid block \(512, 4, 1\): 2048 threads"),
+])
+def test_a_launch_a_gpu_would_refuse_is_refused_on_the_cpu_too(grid, block, message):
+    """CUDA's grid and block limits, so that CI sees what a GPU would refuse."""
+    mod = toy("block_reduce")
+    x, out = np.ones(128, np.float32), np.zeros(1, np.float32)
+    with pytest.raises(CudaOnCpuError, match=message):
+        mod.launch("block_sum", grid, block, 0, (x, out, np.int32(128)))

@@ -285,7 +285,8 @@ def test_a_feature_the_object_was_not_built_for_is_refused_before_any_launch(opt
 @pytest.mark.parametrize("options, match", [
     (dict(logits_soft_cap=-1.0), "logits_soft_cap must be a finite float > 0"),
     (dict(logits_soft_cap=float("inf")), "logits_soft_cap must be a finite float > 0"),
-    (dict(window_left=-2), "window_left must be an int >= -1"),
+    (dict(window_left=-2), r"window_left must be an int in -1\.\.2147483647"),
+    (dict(window_left=2**31), r"window_left must be an int in -1\.\.2147483647"),  # the kernels' int32
     (dict(max_q_len=9), r"max_q_len must be an int in 1..8"),
     (dict(max_q_len=2, heads_per_cta=16), r"heads_per_cta must divide the group size 16 and be at most 8"),
     (dict(impl="simt", sinks=True), "impl='simt' has no sink"),

@@ -354,7 +354,7 @@ def test_sixteen_heads_per_cta_need_the_second_row_tile():
     (3, None, "heads_per_cta must divide the group size 4"),
     (0, None, "one of 1, 2, 4"),
     (None, "3", "METRALE_ATTN_DECODE_HEADS_PER_CTA must divide"),
-    (None, "two", "METRALE_ATTN_DECODE_HEADS_PER_CTA must be a positive integer"),
+    (None, "two", "METRALE_ATTN_DECODE_HEADS_PER_CTA must be a positive decimal integer"),
 ])
 def test_a_heads_per_cta_the_kernels_cannot_serve_is_refused_naming_where_it_came_from(value, env, match):
     with pytest.raises(ValueError, match=match):

@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from metrale_attn import DecodeAttention
 from metrale_attn import tolerance as T
 from metrale_attn.problems import make_problem
 
@@ -220,3 +221,30 @@ def test_the_bar_is_defined_in_one_module_and_nowhere_else():
             names = {t.id for t in targets if isinstance(t, ast.Name)}
             bindings += [(path, name) for name in names & {"ULP_BAR", "NEAR_ZERO_ABS"}]
     assert sorted(bindings) == [(owner, "NEAR_ZERO_ABS"), (owner, "ULP_BAR")]
+
+
+def test_the_near_zero_allowance_grows_with_the_logit_magnitude_as_derived():
+    """``max|V| x (2^-20 + 2 u (head_dim / 16 + 2) max|s|)``, u = 2^-24 (module docstring)."""
+    assert T.near_zero_allowance(2.0, 0.0, 64) == 2.0 * 2.0**-20
+    assert T.near_zero_allowance(2.0, 10.0, 64) == 2.0 * (2.0**-20 + 2 * 2.0**-24 * 6 * 10.0)
+    assert T.near_zero_allowance(1.0, 10.0, 256) == 2.0**-20 + 2 * 2.0**-24 * 18 * 10.0
+    # At the usual 1/sqrt(head_dim) and unit inputs (|s| <= 8, head dim 128) below 2^-16 max|V|:
+    # far under one ulp (bf16 2^-8, fp16 2^-11 relative) of any element but the nearly-cancelled.
+    assert T.near_zero_allowance(1.0, 8.0, 128) < 2.0**-16
+
+
+@pytest.mark.parametrize("seed", [8, 10, 17])
+def test_honest_fp32_logits_of_magnitude_near_35_meet_the_bar_only_with_its_logit_term(seed):
+    """fp16 q and KV at sm_scale = 1 (as FlashInfer's sink decode test runs it): the logits
+    reach |s| ~ 35 and the fp32 rounding of each moves the softmax weights; one output in
+    ~2k, where terms cancel, misses the allowance without the logit term, never with it."""
+    p = make_problem(np.random.default_rng(seed), num_seqs=4, num_q_heads=8, num_kv_heads=1, head_dim=64,
+                     page_size=16, seq_lens=[700, 1200, 333, 1500], kv_dtype="fp16", q_dtype="fp16", layout="NHD")
+    attn = DecodeAttention(8, 1, 64, 16, q_dtype="fp16", kv_dtype="fp16", max_batch=4, sm_scale=1.0, backend="cpu")
+    out = np.full(p.q.shape, np.nan, p.q.dtype)
+    attn.run(p.q, p.k_cache, p.v_cache, p.block_tables, p.seq_lens, out=out)
+    ref = p.reference(sm_scale=1.0)
+    logits = p.logit_absmax(sm_scale=1.0)
+    assert logits > 30
+    assert not T.close_to_reference_mask(out, ref, v_absmax=p.v_absmax()).all()
+    T.assert_close_to_reference(out, ref, v_absmax=p.v_absmax(), logit_absmax=logits)

@@ -277,6 +277,25 @@ def test_a_batch_of_only_decodes_never_touches_the_prefill_backend(tmp_path, mon
             h.check_decode(layer, b, out, r, f"{layer.layer_name} request {r}")
 
 
+@pytest.mark.parametrize("speculative, batch_invariant, dbo, support", [
+    (None, False, False, "UNIFORM_BATCH"), (2, False, False, "UNIFORM_BATCH"), (7, False, False, "UNIFORM_BATCH"),
+    (8, False, False, "UNIFORM_SINGLE_TOKEN_DECODE"), (2, True, False, "UNIFORM_SINGLE_TOKEN_DECODE"),
+    (2, False, True, "UNIFORM_SINGLE_TOKEN_DECODE"), (None, False, True, "UNIFORM_BATCH"),
+])
+def test_full_cuda_graphs_are_declared_only_for_the_uniform_batches_we_decode(tmp_path, monkeypatch, speculative,
+                                                                              batch_invariant, dbo, support):
+    """vLLM captures uniform batches of 1 + speculative tokens per request. Past our
+    multi-token decode (8), in batch-invariant mode (verification on the prefill backend) or
+    with micro-batching (which can cut a verification request in two), such a batch would
+    run the prefill backend on per-step metadata: only single-token decode graphs then."""
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1" if batch_invariant else "0")
+    vc = h.config(tmp_path, num_speculative_tokens=speculative)
+    vc.parallel_config.enable_dbo = dbo
+    layer = h.layers(vc, 1)[0]
+    found = h.builder(vc, [layer], 16).get_cudagraph_support(vc, h.spec_of(layer, 16))
+    assert found is getattr(AttentionCGSupport, support)
+
+
 def test_a_padded_cuda_graph_bucket_replays_after_seq_lens_and_block_tables_change_in_place(tmp_path):
     """vLLM pads a uniform decode batch to its graph's bucket (padding requests: no query
     tokens, seq_len 0, null-block rows). Our metadata holds views of the persistent seq_lens
@@ -287,11 +306,13 @@ def test_a_padded_cuda_graph_bucket_replays_after_seq_lens_and_block_tables_chan
     vc, built = _model(tmp_path, rng, num_speculative_tokens=2, count=1)
     layer = built[0]
     builder = h.builder(vc, built, 16)
-    assert builder.get_cudagraph_support(vc, h.spec_of(layer, 16)) is AttentionCGSupport.UNIFORM_BATCH
     requests = [(40, 3), (31, 3), (200, 3)]
     padded = h.batch(requests, rng=rng, pad_to=8)
     md = builder.build_for_cudagraph_capture(padded.cm)
     assert (md.num_decodes, md.decode_q_len, md.prefill) == (8, 3, None)
+    # What the captured launch reads is vLLM's persistent buffers themselves, not per-step copies.
+    assert md.seq_lens.data_ptr() == padded.cm.seq_lens.data_ptr()
+    assert md.block_table.data_ptr() == padded.cm.block_table_tensor.data_ptr()
     out = h.forward(vc, built, md, padded)[0]
     for r in range(3):
         h.check_decode(layer, padded, out, r, f"padded bucket, request {r}")
@@ -349,10 +370,11 @@ def test_every_kv_cache_layout_vllm_allocates_is_read_in_place(tmp_path, layout,
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
-def test_the_kv_cache_update_writes_what_vllms_reshape_and_cache_flash_writes(tmp_path, kv_cache_dtype):
-    """On the CPU the step's K and V go in by a torch write of ``reshape_and_cache_flash``'s
-    semantics: slot -> (block, offset), negative slots skipped, fp8 as ``x / scale`` rounded
-    to e4m3 with saturation."""
+def test_on_the_host_the_kv_cache_update_follows_reshape_and_cache_flashs_semantics(tmp_path, kv_cache_dtype):
+    """On a GPU the step's K and V go in by vLLM's own kernel (the prefill impl's
+    ``do_kv_cache_update``); on the host by a torch write with its semantics, pinned here:
+    slot -> (block, offset), negative slots skipped, fp8 as ``x / scale`` rounded to e4m3
+    with saturation."""
     rng = np.random.default_rng(4)
     vc, built = _model(tmp_path, rng, count=1, kv_cache_dtype=kv_cache_dtype)
     layer = built[0]
@@ -415,6 +437,66 @@ def test_soft_cap_sinks_and_fp8_scales_pass_through_exactly(tmp_path):
     h.check_prefill(layer, b, out, 2, "cap+sinks+fp8 prefill")
     no_cap = h.config(tmp_path / "nocap")
     assert h.layers(no_cap, 1, logits_soft_cap=0.0)[0].impl.logits_soft_cap is None
+
+
+def test_with_flashattention_present_model_dtype_caches_prefill_on_it_and_its_scheduler_sees_every_window(
+        tmp_path, monkeypatch):
+    """Where FlashAttention is present (any GPU install; not this machine, so its presence is
+    stood in for) a bf16 cache prefills on FlashAttention, through its own metadata builder;
+    its ahead-of-time scheduler (FA3) reads every layer's window through
+    ``get_impl_variants``, which lists the FlashAttention impl inside ours; fp8 caches stay
+    on Triton."""
+    from vllm.v1.attention.backends import fa_utils
+    from vllm.v1.attention.backends.flash_attn import (FlashAttentionBackend, FlashAttentionImpl,
+                                                       FlashAttentionMetadata, _get_sliding_window_configs)
+
+    monkeypatch.setattr(fa_utils, "is_flash_attn_varlen_func_available", lambda: True)
+    monkeypatch.setattr(FlashAttentionImpl, "forward", h.cpu_prefill_forward)
+    assert ours.prefill_backend(head_size=64, dtype=torch.bfloat16, kv_cache_dtype="auto") is FlashAttentionBackend
+    assert ours.prefill_backend(head_size=64, dtype=torch.bfloat16, kv_cache_dtype="fp8") is not FlashAttentionBackend
+    rng = np.random.default_rng(11)
+    vc, built = _model(tmp_path, rng, sliding_window=64, num_speculative_tokens=2)
+    assert all(isinstance(layer.impl.prefill_impl, FlashAttentionImpl) for layer in built)
+    assert _get_sliding_window_configs(vc) == {(63, 0)}
+    requests = [(90, 3), (40, 3), (200, 20), (30, 30)]
+    b = h.batch(requests, rng=rng)
+    md = h.builder(vc, built, 16).build(0, b.cm)
+    assert isinstance(md.prefill, FlashAttentionMetadata) and md.num_decodes == 2
+    outs = h.forward(vc, built, md, b)
+    for layer, out in zip(built, outs):
+        for r in range(2):
+            h.check_decode(layer, b, out, r, f"{layer.layer_name} decode {r}")
+        for r in range(2, 4):
+            h.check_prefill(layer, b, out, r, f"{layer.layer_name} FlashAttention prefill {r}")
+
+
+def test_a_weight_reload_refreshes_the_kernels_sinks_in_place(tmp_path):
+    """vLLM reloads weights in place (RL weight syncs) and calls process_weights_after_loading
+    again: the float32 sinks our kernels read are updated where a captured graph reads them."""
+    rng = np.random.default_rng(12)
+    sinks = torch.nn.Parameter(torch.tensor([0.5, -1.0, 2.0, 0.0], dtype=torch.bfloat16), requires_grad=False)
+    vc, built = _model(tmp_path, rng, count=1, sinks=sinks)  # bf16, as a bf16 checkpoint loads them: a copy
+    layer = built[0]
+    builder = h.builder(vc, built, 16)
+    before = layer.impl._sinks.data_ptr()
+    with torch.no_grad():
+        sinks.copy_(torch.tensor([3.0, 1.0, -2.0, float("-inf")]))
+    layer.process_weights_after_loading(torch.bfloat16)
+    assert layer.impl._sinks.data_ptr() == before and torch.equal(layer.impl._sinks, sinks.detach().float())
+    b = h.batch([(120, 1), (9, 1)], rng=rng)
+    out = h.forward(vc, built, builder.build(0, b.cm), b)[0]
+    for r in range(2):
+        h.check_decode(layer, b, out, r, f"reloaded sinks, request {r}")
+
+
+def test_a_cache_whose_v_head_size_differs_from_ks_is_refused_when_the_builder_is_made(tmp_path):
+    import dataclasses as dc
+
+    vc = h.config(tmp_path)
+    layer = h.layers(vc, 1)[0]
+    spec = dc.replace(h.spec_of(layer, 16), head_size_v=128)
+    with pytest.raises(ValueError, match="V's head size to equal K's, got 128 and 64"):
+        ours.MetraleMetadataBuilder(spec, [layer.layer_name], vc, torch.device("cpu"))
 
 
 def test_one_torch_workspace_serves_every_layer_and_exists_before_the_kv_cache(tmp_path):
@@ -482,9 +564,11 @@ def test_tensor_parallel_slices_of_llama_3_70b_give_each_head_the_full_models_by
 
 def test_a_layers_forward_compiles_with_fullgraph(tmp_path):
     """``torch.compile(fullgraph=True)`` of vLLM's ``Attention.forward`` on our backend, under
-    vLLM's forward context (the KV cache update and the attention, vLLM's direct-call path on
-    this platform): no graph break; our part is one opaque node,
-    ``torch.ops.metrale_attn.paged_decode``, and the outputs meet the bar."""
+    vLLM's forward context: no graph break, our part one opaque node
+    (``torch.ops.metrale_attn.paged_decode``), and the outputs meet the bar. This platform
+    takes vLLM's direct-call path, which traces into the impl; on CUDA vLLM wraps the whole
+    attention in its own opaque op (``unified_attention_with_output``), inside which ours runs
+    eagerly or in a captured graph."""
     from vllm.forward_context import set_forward_context
 
     rng = np.random.default_rng(9)

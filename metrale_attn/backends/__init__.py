@@ -11,6 +11,7 @@ description (``ArrayInfo``), so the dispatch above them is written and tested on
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional, Protocol
 
@@ -159,10 +160,31 @@ def cuda_available() -> bool:
         return False
 
 
+NVIDIA_DEVICE_FILES = ("/dev/nvidia0", "/proc/driver/nvidia/gpus")
+"""Where an NVIDIA driver shows a GPU, whether or not CuPy is installed."""
+
+
+def gpu_present(paths=NVIDIA_DEVICE_FILES) -> Optional[str]:
+    """The first of ``paths`` that exists (a GPU's driver is loaded here), or None."""
+    return next((path for path in paths if os.path.exists(path)), None)
+
+
 def get_backend(name: Optional[str] = None) -> Backend:
-    """The named backend, or the best one present: CuPy with a GPU, else the CPU."""
+    """The named backend, or the best one present: CuPy with a GPU, else the CPU.
+
+    ``None`` on a machine that has an NVIDIA GPU (``gpu_present``) but no usable CuPy is
+    an error, not the CPU emulator (a thousand times slower): it names the install line;
+    ``backend="cpu"`` asks for the emulator on purpose."""
     if name is None:
-        name = "cupy" if cuda_available() else "cpu"
+        if cuda_available():
+            name = "cupy"
+        elif gpu_present():
+            raise RuntimeError(
+                f"this machine has an NVIDIA GPU ({gpu_present()}) but CuPy is not installed or sees no device: "
+                "pip install 'metrale-attn[cuda12]' (or [cuda13], to match the driver), or pass backend='cpu' to "
+                "run the CPU emulator on purpose (a test backend, about a thousand times slower)")
+        else:
+            name = "cpu"
     if name == "cupy":
         if not cuda_available():
             raise ValueError("backend 'cupy' needs CuPy and a visible CUDA device; none is here (use backend='cpu')")

@@ -79,13 +79,24 @@ def read_descs(lib: ctypes.CDLL) -> dict:
             "static_shared_bytes": int(lib.cocpu_static_shared_bytes())}
 
 
+MAX_GRID = (0x7FFFFFFF, 65535, 65535)
+MAX_BLOCK = (1024, 1024, 64)
+MAX_THREADS_PER_BLOCK = 1024
+"""CUDA's launch limits (every compute capability from sm_50): what a GPU refuses, refused here too."""
+
+
 def dim3(value, what: str) -> tuple[int, int, int]:
+    """A grid or block as three ints within CUDA's limits (``what``: "grid" or "block")."""
     t = tuple(value) if isinstance(value, (tuple, list)) else (value,)
     if not 1 <= len(t) <= 3 or not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in t):
         raise CudaOnCpuError(f"{what} must be a tuple of up to three ints, got {value!r}")
     t = tuple(int(v) for v in t) + (1,) * (3 - len(t))
-    if min(t) < 1 or max(t) > 0x7FFFFFFF:
-        raise CudaOnCpuError(f"{what} {t} out of range")
+    limits = MAX_BLOCK if what == "block" else MAX_GRID
+    if min(t) < 1 or any(n > limit for n, limit in zip(t, limits)):
+        raise CudaOnCpuError(f"invalid {what} {t}: out of range, CUDA allows 1..{limits} per dimension")
+    if what == "block" and t[0] * t[1] * t[2] > MAX_THREADS_PER_BLOCK:
+        raise CudaOnCpuError(f"invalid block {t}: {t[0] * t[1] * t[2]} threads, CUDA allows at most "
+                             f"{MAX_THREADS_PER_BLOCK} per block")
     return t
 
 

@@ -13,14 +13,17 @@ A cached library is trusted only as far as its record proves: the ``.json`` besi
 both are checked before the library is loaded. A truncated or foreign ``.so`` (which
 would crash dlopen's user with SIGBUS or SIGSEGV), an empty one, or a record that is
 missing, not JSON or names another variant is a miss: the library is rebuilt and both
-files replaced atomically. A cache directory this process cannot write falls back to a
-private temporary directory (removed at exit), with one warning per process.
+files replaced atomically; the runtime objects every library links are checked the same
+way (size and SHA-256 against their own record). A cache directory this process cannot
+write, or one that fills up (no space, over quota) during a build, falls back to a
+private temporary directory (removed at exit), with one warning per process naming both.
 """
 
 from __future__ import annotations
 
 import atexit
 import ctypes
+import errno
 import hashlib
 import json
 import os
@@ -74,7 +77,6 @@ def _writable_cache_dir(configured: Path) -> Path:
 
     Asked by trying: permission bits say nothing for root or a read-only mount.
     """
-    global _FALLBACK_WARNED
     fallback = _FALLBACK_DIRS.get(configured)
     if fallback is not None:
         return fallback
@@ -85,16 +87,34 @@ def _writable_cache_dir(configured: Path) -> Path:
         os.unlink(probe)
         return configured
     except OSError as err:
+        return _fall_back(configured, err.strerror or str(err))
+
+
+def _fall_back(configured: Path, why: str) -> Path:
+    """This process's private temporary directory in place of ``configured`` (created once,
+    removed at exit), with one warning per process naming both and why."""
+    global _FALLBACK_WARNED
+    fallback = _FALLBACK_DIRS.get(configured)
+    if fallback is None:
         fallback = Path(tempfile.mkdtemp(prefix="metrale-attn-cuda_on_cpu-"))  # mode 0700
         atexit.register(shutil.rmtree, fallback, ignore_errors=True)
         _FALLBACK_DIRS[configured] = fallback
-        if not _FALLBACK_WARNED:
-            _FALLBACK_WARNED = True
-            warnings.warn(f"cannot write the CUDA-on-CPU kernel cache {configured} ({err.strerror or err}); this "
-                          f"process builds its kernels in {fallback} instead, removed at exit (point "
-                          "METRALE_ATTN_CACHE_DIR at a writable directory to keep them)",
-                          CacheFallbackWarning, stacklevel=4)
-        return fallback
+    if not _FALLBACK_WARNED:
+        _FALLBACK_WARNED = True
+        warnings.warn(f"cannot write the CUDA-on-CPU kernel cache {configured} ({why}); this process builds its "
+                      f"kernels in {fallback} instead, removed at exit (point METRALE_ATTN_CACHE_DIR at a writable "
+                      "directory with space to keep them)", CacheFallbackWarning, stacklevel=5)
+    return fallback
+
+
+_FULL = (errno.ENOSPC, errno.EDQUOT)
+"""A cache directory that is full (no space, over quota): its builds move to a private one."""
+
+
+def _is_full(err: Exception) -> bool:
+    if isinstance(err, OSError):
+        return err.errno in _FULL
+    return isinstance(err, CudaOnCpuCompileError) and "No space left on device" in str(err)
 
 
 def _flags(asan: bool, fiber: str) -> list[str]:
@@ -177,13 +197,29 @@ def _runtime_objects_locked(cxx: list[str], flags: list[str], fiber: str, src_di
                      _resource_text(_HEADER), _resource_text(fname)):
             h.update(part.encode() + b"\0")
         obj = out_dir / f"{Path(fname).stem}-{h.hexdigest()[:20]}.o"
-        if not obj.exists():
+        record = obj.with_name(f"{obj.name}.json")
+        if not _object_proves_itself(obj, record):  # missing, truncated or foreign: rebuilt
             tmp = out_dir / f"{obj.name}.{os.getpid()}.tmp.o"
             _run_compiler(cxx + flags + ["-I", str(src_dir), "-c", str(src_dir / fname), "-o", str(tmp)],
                           f"compiling the CUDA-on-CPU runtime ({fname})")
-            os.replace(tmp, obj)
+            data = tmp.read_bytes()
+            os.replace(tmp, obj)  # the object first, then the record that vouches for it
+            _atomic_write(record, json.dumps(_object_record(data)).encode())
         objs.append(obj)
     return objs
+
+
+def _object_record(data: bytes) -> dict:
+    return dict(bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+
+
+def _object_proves_itself(obj: Path, record: Path) -> bool:
+    """Whether a cached runtime object has the size and SHA-256 its record gives (a
+    damaged one would fail every later link with ``file too short`` until deleted)."""
+    try:
+        return json.loads(record.read_text()) == _object_record(obj.read_bytes())
+    except (OSError, ValueError):
+        return False
 
 
 def compile_module(source: str, *, name: str, defines: dict[str, int | str] | None = None,
@@ -226,8 +262,16 @@ def compile_module(source: str, *, name: str, defines: dict[str, int | str] | No
                 where = _writable_cache_dir(home)
                 meta = _cached_meta(where, stem, identity) if where != home else None
         if meta is None:
-            meta = _build(source, name, cxx, flags, dflags, fiber, asan, where / f"{stem}.so",
-                          where / f"{stem}.json", identity)
+            try:
+                meta = _build(source, name, cxx, flags, dflags, fiber, asan, where / f"{stem}.so",
+                              where / f"{stem}.json", identity)
+            except (OSError, CudaOnCpuCompileError) as err:
+                if not _is_full(err) or where in _FALLBACK_DIRS.values():
+                    raise
+                with _MEMO_LOCK:
+                    where = _fall_back(home, f"{os.strerror(errno.ENOSPC)}: {err}")
+                meta = _build(source, name, cxx, flags, dflags, fiber, asan, where / f"{stem}.so",
+                              where / f"{stem}.json", identity)
         module = Module(name, where / f"{stem}.so", meta, asan=asan)
         with _MEMO_LOCK:
             _MEMO[digest] = module

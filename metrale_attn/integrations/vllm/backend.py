@@ -260,21 +260,23 @@ that every field vLLM defines is here, so an upgrade that adds one fails loudly)
 def prefill_part(cm: CommonAttentionMetadata, num_decodes: int, num_decode_tokens: int) -> CommonAttentionMetadata:
     """``cm`` restricted to its requests from ``num_decodes`` on, whose tokens start at
     row ``num_decode_tokens``: per-request fields sliced, per-token fields sliced, query
-    start locations sliced and shifted to start at 0, batch-wide logits indices dropped."""
+    start locations sliced and shifted to start at 0, batch-wide logits indices dropped;
+    ``max_seq_len`` kept (an upper bound, which vLLM raises on purpose during capture).
+    With no decodes, ``cm`` itself: nothing is allocated."""
+    if num_decodes == 0:
+        return cm
     sliced = {name: None if (value := getattr(cm, name)) is None else value[num_decodes:] for name in _REQUEST_FIELDS}
     sliced.update({name: None if (value := getattr(cm, name)) is None else value[num_decode_tokens:]
                    for name in _TOKEN_FIELDS})
     sliced.update({name: getattr(cm, name)[num_decodes:] - num_decode_tokens for name in _LOCATION_FIELDS})
     sliced.update({name: None for name in _DROPPED_FIELDS})
     starts = sliced["query_start_loc_cpu"]
-    upper = sliced["seq_lens_cpu_upper_bound"]
     ranges = cm.mm_req_doc_ranges
     return dataclasses.replace(
         cm, **sliced,
         num_reqs=cm.num_reqs - num_decodes,
         num_actual_tokens=cm.num_actual_tokens - num_decode_tokens,
         max_query_len=int((starts[1:] - starts[:-1]).max()),
-        max_seq_len=int(upper.max()) if upper is not None and len(upper) else cm.max_seq_len,
         causal=cm.causal[num_decodes:] if isinstance(cm.causal, torch.Tensor) else cm.causal,
         mm_req_doc_ranges=None if ranges is None else {r - num_decodes: v for r, v in ranges.items()
                                                        if r >= num_decodes},
@@ -302,15 +304,33 @@ def decode_rows(query_start_loc_cpu: torch.Tensor, num_decodes: int, tokens: int
 class MetraleMetadataBuilder(AttentionMetadataBuilder[MetraleAttentionMetadata]):
     """Builds each layer's ``DecodeAttention`` once, then one step's split metadata.
 
-    CUDA graphs: ``UNIFORM_BATCH``, a uniform decode batch (every request ``q_len``
-    tokens, padding requests of length 0 and seq_len 0) runs our kernels only, on
-    vLLM's persistent seq_lens and block table, so a captured graph replays after they
-    change in place; a mixed batch runs eagerly (vLLM's piecewise graphs)."""
+    CUDA graphs (``get_cudagraph_support``): a uniform decode batch (every request
+    ``q_len`` tokens, padding requests of length 0 and seq_len 0) runs our kernels only,
+    on vLLM's persistent seq_lens and block table, so a captured graph replays after
+    they change in place; a mixed batch runs eagerly (vLLM's piecewise graphs)."""
 
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH
 
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config: VllmConfig, kv_cache_spec) -> AttentionCGSupport:
+        """``UNIFORM_BATCH`` when every uniform batch vLLM captures is a decode batch of
+        ours: its query length, 1 + the speculative tokens, is our ``decode_q_len``, and no
+        micro-batching (DBO) cuts a multi-token request between two halves. Otherwise
+        (more than 7 speculative tokens, batch-invariant mode, DBO with verification)
+        single-token decode batches only: a verification batch would run the prefill
+        backend on metadata sliced per step, which a graph cannot replay."""
+        spec = vllm_config.speculative_config
+        uniform = 1 + ((spec.num_speculative_tokens or 0) if spec is not None else 0)
+        ours = _decode_q_len(vllm_config)
+        if ours == uniform and (ours == 1 or not vllm_config.parallel_config.use_ubatching):
+            return AttentionCGSupport.UNIFORM_BATCH
+        return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+
     def __init__(self, kv_cache_spec, layer_names: list[str], vllm_config: VllmConfig, device: torch.device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        if getattr(kv_cache_spec, "head_size_v", kv_cache_spec.head_size) != kv_cache_spec.head_size:
+            raise ValueError(f"{BACKEND_NAME} needs V's head size to equal K's, got {kv_cache_spec.head_size_v} and "
+                             f"{kv_cache_spec.head_size}: select another attention backend for this model")
         impls = _our_impls(vllm_config, layer_names)
         if not impls:
             raise ValueError(f"{BACKEND_NAME}: no attention layer of ours among {layer_names}")
@@ -327,14 +347,19 @@ class MetraleMetadataBuilder(AttentionMetadataBuilder[MetraleAttentionMetadata])
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> MetraleAttentionMetadata:
-        cm = common_attn_metadata
+        return self._split(common_attn_metadata,
+                           lambda part: self.prefill_builder.build(0, part, fast_build=fast_build))
+
+    def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata) -> MetraleAttentionMetadata:
+        """A capture batch is a uniform decode batch (``get_cudagraph_support``): ours alone;
+        anything left goes through the prefill builder's own capture build."""
+        return self._split(common_attn_metadata, self.prefill_builder.build_for_cudagraph_capture)
+
+    def _split(self, cm: CommonAttentionMetadata, build_prefill) -> MetraleAttentionMetadata:
         num_decodes, num_prefills, num_decode_tokens, _ = split_decodes_and_prefills(
             cm, decode_threshold=self.decode_q_len, require_uniform=True)
         rows, q_len = decode_rows(cm.query_start_loc_cpu, num_decodes, num_decode_tokens)
-        prefill = None
-        if num_prefills:
-            prefill = self.prefill_builder.build(0, prefill_part(cm, num_decodes, num_decode_tokens),
-                                                 fast_build=fast_build)
+        prefill = build_prefill(prefill_part(cm, num_decodes, num_decode_tokens)) if num_prefills else None
         return MetraleAttentionMetadata(num_actual_tokens=cm.num_actual_tokens, num_decodes=rows, decode_q_len=q_len,
                                         seq_lens=cm.seq_lens[:rows], block_table=cm.block_table_tensor[:rows],
                                         prefill_start=num_decode_tokens, prefill=prefill)
@@ -437,11 +462,21 @@ class MetraleAttentionImpl(AttentionImpl):
         self._handle: Optional[int] = None  # its handle, what the op takes
         self._sinks = None  # float32 [num_heads] sink logits, the kernels' view of `sinks`
 
+    def get_impl_variants(self) -> tuple:
+        """This impl and the prefill impl inside it, as vLLM's composite backend lists its
+        children: vLLM scans layers for their FlashAttention impls (FA3's ahead-of-time
+        scheduler reads every layer's sliding window that way)."""
+        return self, self.prefill_impl
+
     def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
-        """After the weights: the prefill impl's own step, and the model's workspace
-        allocated (before vLLM profiles memory to size the KV cache)."""
+        """After the weights (and after an in-place reload): the prefill impl's own step, the
+        model's workspace allocated (before vLLM profiles memory to size the KV cache),
+        and the kernels' float32 sinks refreshed in place (a captured graph holds their
+        address)."""
         self.prefill_impl.process_weights_after_loading(act_dtype)
         self.model.allocate()
+        if self._sinks is not None:
+            self._sinks.copy_(self.sinks.detach())
 
     def bind(self, page_size: int) -> None:
         """Build this layer's ``DecodeAttention`` for pages of ``page_size`` tokens (once:
