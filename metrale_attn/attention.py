@@ -28,7 +28,7 @@ import numpy as np
 
 from . import dtypes, policy
 from .backends import ArrayInfo, Launch, get_backend
-from .kernels import Variant, kernel_params, source_constants
+from .kernels import Variant, kernel_params, mma_smem_bytes, source_constants
 from .plan import (ENV_HEADS_PER_CTA, ENV_IMPL, LEGACY_MAX_DECODE_SEQS, MAX_Q_LEN, DecodePlan, ModelShape,
                    heads_per_cta_choices, make_plan, max_rows_per_cta, resolve_heads_per_cta, resolve_impl,
                    workspace_for)
@@ -237,6 +237,16 @@ class DecodeAttention:
                                        "kernels were verified on, and only they serve the features asked for")
                 warnings.warn(f"metrale-attn: this device's {', '.join(disagree)} disagree with the emulation the "
                               "mma kernels were verified on; using impl='simt' instead", RuntimeWarning, stacklevel=2)
+                self.impl = "simt"
+        if self.impl == "mma":  # a kernel asking for more shared memory than the target has never launches
+            need, target = mma_smem_bytes(head_dim, self.q_dtype, self.kv_dtype), self.defaults.target
+            if need > target.smem_per_block:
+                why = (f"the mma kernels of this shape ask for {need} bytes of shared memory per block; "
+                       f"{target.name} (sm_{target.compute_capability[0]}{target.compute_capability[1]}) allows "
+                       f"{target.smem_per_block}")
+                if impl is not None or os.environ.get(ENV_IMPL, "").strip() or wanted or self.kv_dtype == dtypes.FP8_E5M2:
+                    raise ValueError(f"{why}: they cannot launch there (impl='simt' has no features and no e5m2)")
+                warnings.warn(f"metrale-attn: {why}; using impl='simt' instead", RuntimeWarning, stacklevel=2)
                 self.impl = "simt"
         max_rows = max_rows_per_cta(head_dim)
         self.heads_per_cta = resolve_heads_per_cta(heads_per_cta, os.environ.get(ENV_HEADS_PER_CTA),

@@ -7,6 +7,7 @@ import os
 import sys
 from typing import Optional, Sequence
 
+from .kernels import mma_fits
 from .plan import (ENV_HEADS_PER_CTA, ENV_IMPL, ModelShape, make_plan, max_rows_per_cta, resolve_heads_per_cta,
                    resolve_impl, workspace_for)
 from .policy import parse_gqa_pack
@@ -71,6 +72,9 @@ def render_plan_table(args: argparse.Namespace) -> str:
     workspace = workspace_for(defaults, shape, max_batch=max_batch, max_decode_seqs=args.max_decode_seqs)
     # What the library would run: the flags, else the same environment variables it reads.
     impl = resolve_impl(args.impl, os.environ.get(ENV_IMPL))
+    if impl == "mma" and not (args.impl or os.environ.get(ENV_IMPL, "").strip()) and not mma_fits(
+            shape.head_dim, defaults.target.smem_per_block):
+        impl = "simt"  # as DecodeAttention falls back: no mma kernel fits the target's shared memory
     heads_per_cta = resolve_heads_per_cta(args.heads_per_cta, os.environ.get(ENV_HEADS_PER_CTA), shape.group_size, 1,
                                           max_rows_per_cta(shape.head_dim))
     lines = [

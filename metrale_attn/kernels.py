@@ -298,6 +298,18 @@ def mma_tiling(head_dim: int, q_dtype: str, kv_dtype: str, row_tiles: int,
     return None
 
 
+def mma_smem_bytes(head_dim: int, q_dtype: str, kv_dtype: str) -> int:
+    """Dynamic shared memory the smallest ``mma`` variant of this shape and these dtypes
+    asks for (one row tile; the tiling is sized for sm_90's ``SMEM_LIMIT_BYTES``)."""
+    return mma_tiling(head_dim, q_dtype, kv_dtype, 1).smem_bytes
+
+
+def mma_fits(head_dim: int, smem_per_block: int) -> bool:
+    """Whether some ``mma`` variant of this head dim fits a target's shared memory per
+    block (for a caller that knows no dtypes: the CLI's plan)."""
+    return any(mma_smem_bytes(head_dim, q, kv) <= smem_per_block for q in dtypes.Q_DTYPES for kv in dtypes.KV_DTYPES)
+
+
 @dataclass(frozen=True)
 class Variant:
     """One compiled specialization. Its ``name`` carries every parameter and is the memo key.

@@ -19,13 +19,16 @@ from .policy import SplitkPolicy
 
 @dataclass(frozen=True)
 class Target:
-    """One GPU family. ``splitk_declared`` is a policy spelling, or None (-> legacy)."""
+    """One GPU family. ``splitk_declared`` is a policy spelling, or None (-> legacy).
+    ``smem_per_block``: the most dynamic shared memory one block may opt into (bytes);
+    a kernel that asks for more does not launch there."""
 
     name: str
     hw: str
     sm_count: int
     compute_capability: tuple[int, int]
     splitk_declared: Optional[str]
+    smem_per_block: int
     gqa_pack_declared: bool = policy.DECODE_GQA_PACK_DECLARED
 
     @property
@@ -38,10 +41,10 @@ class Target:
 TARGETS: dict[str, Target] = {
     t.name: t
     for t in (
-        Target("hopper", "H100/H200", 132, (9, 0), "auto"),
-        Target("b200", "B200", 148, (10, 0), "auto"),
-        Target("b300", "B300", 148, (10, 3), "auto"),
-        Target("gb10", "GB10", 48, (12, 1), None),
+        Target("hopper", "H100/H200", 132, (9, 0), "auto", 227 * 1024),
+        Target("b200", "B200", 148, (10, 0), "auto", 227 * 1024),
+        Target("b300", "B300", 148, (10, 3), "auto", 227 * 1024),
+        Target("gb10", "GB10", 48, (12, 1), None, 99 * 1024),
     )
 }
 DEFAULT_TARGET = "hopper"

@@ -270,7 +270,7 @@ def test_a_workspace_too_large_to_allocate_says_its_bytes_and_what_to_lower():
 def test_construction_compiles_every_variant_the_policy_can_reach_so_run_never_compiles():
     p = problem(seq_lens=(10,))
     be = CountingBackend()
-    attn = decoder(p, backend=be, splitk="legacy", target="gb10", max_batch=64)
+    attn = decoder(p, backend=be, splitk="legacy", max_batch=64)  # 33 splits at batch 1, one at 64
     assert sorted(be.loaded) == ["decode_splitk_qbf16_kvbf16_hd64_r8", "decode_unpacked_qbf16_kvbf16_hd64_r8"]
     for n in (1, 64):
         attn.run(p.q[:1].repeat(n, 0), p.k_cache, p.v_cache, p.block_tables[:1].repeat(n, 0), p.seq_lens[:1].repeat(n))
