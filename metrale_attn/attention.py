@@ -14,11 +14,14 @@ serve one stream at a time between them (see ``DecodeAttention``).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import logging
 import math
 import numbers
 import os
 import threading
+import time
 import warnings
 import weakref
 from dataclasses import replace
@@ -33,6 +36,8 @@ from .plan import (ENV_HEADS_PER_CTA, ENV_IMPL, LEGACY_MAX_DECODE_SEQS, MAX_Q_LE
                    heads_per_cta_choices, make_plan, max_rows_per_cta, resolve_heads_per_cta, resolve_impl,
                    workspace_for)
 from .targets import DEFAULT_TARGET, Defaults, Target, detect_target, get_target, resolve_defaults
+
+logger = logging.getLogger(__name__)
 
 LAYOUTS = ("NHD", "HND")
 LAUNCH_ARGUMENTS = {
@@ -235,8 +240,8 @@ class DecodeAttention:
                 if wanted or self.kv_dtype == dtypes.FP8_E5M2:
                     raise RuntimeError(f"this device's {', '.join(disagree)} disagree with the emulation the mma "
                                        "kernels were verified on, and only they serve the features asked for")
-                warnings.warn(f"metrale-attn: this device's {', '.join(disagree)} disagree with the emulation the "
-                              "mma kernels were verified on; using impl='simt' instead", RuntimeWarning, stacklevel=2)
+                _fall_back(f"this device's {', '.join(disagree)} disagree with the emulation the mma kernels were "
+                           "verified on")
                 self.impl = "simt"
         if self.impl == "mma":  # a kernel asking for more shared memory than the target has never launches
             need, target = mma_smem_bytes(head_dim, self.q_dtype, self.kv_dtype), self.defaults.target
@@ -246,7 +251,7 @@ class DecodeAttention:
                        f"{target.smem_per_block}")
                 if impl is not None or os.environ.get(ENV_IMPL, "").strip() or wanted or self.kv_dtype == dtypes.FP8_E5M2:
                     raise ValueError(f"{why}: they cannot launch there (impl='simt' has no features and no e5m2)")
-                warnings.warn(f"metrale-attn: {why}; using impl='simt' instead", RuntimeWarning, stacklevel=2)
+                _fall_back(why)
                 self.impl = "simt"
         max_rows = max_rows_per_cta(head_dim)
         self.heads_per_cta = resolve_heads_per_cta(heads_per_cta, os.environ.get(ENV_HEADS_PER_CTA),
@@ -271,12 +276,19 @@ class DecodeAttention:
                     variants.setdefault((plan.arm, rt, q_len > 1), Variant(
                         plan.arm, head_dim, self.q_dtype, self.kv_dtype, plan.impl, rt,
                         self._features | ({"mt"} if q_len > 1 else set())))
-        modules = self.backend.load_many(variants.values())
+        with _said_while_slow(f"compiling {len(variants)} kernel variant(s) for {self.defaults.target.arch} "
+                              f"({', '.join(v.name for v in variants.values())})"):
+            modules = self.backend.load_many(variants.values())
         self._modules = {key: (v, m) for (key, v), m in zip(variants.items(), modules)}  # (arm, rows, multi-token)
         self._abi: dict[str, tuple] = {}  # kernel -> ((argument name, scalar type or None), ...)
         for variant in variants.values():
             for kernel, params in kernel_params(variant).items():
                 self._abi[kernel] = tuple((p.name, None if p.is_pointer else p.numpy_type) for p in params)
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("DecodeAttention %d/%d/%d, page %d, %s, impl %s, max_batch %d: %s; batch 1: %s; batch %d: %s",
+                         num_q_heads, num_kv_heads, head_dim, page_size, self.target_line(), self.impl, max_batch,
+                         ", ".join(variants[k].name for k in variants), self.plan(1).reason, max_batch,
+                         self.plan(max_batch).reason)
 
     def _target(self, name: Optional[str]) -> Target:
         return _resolve_target(self.backend, name)
@@ -830,6 +842,35 @@ def workspace_bytes(shapes, *, max_batch: int, backend=None, target: Optional[st
     if not sizes:
         raise ValueError("shapes must name at least one (num_q_heads, num_kv_heads, head_dim)")
     return max(sizes)
+
+
+SLOW_COMPILE_S = 10.0
+"""A construction still compiling after this many seconds says so (INFO), once."""
+
+
+def _fall_back(why: str) -> None:
+    """The one way a construction falls back to the simt kernels: a warning and a log line."""
+    message = f"metrale-attn: {why}; using impl='simt' instead"
+    logger.warning("%s", message)
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+@contextlib.contextmanager
+def _said_while_slow(what: str):
+    """Log ``what`` at INFO if it is still running after ``SLOW_COMPILE_S`` (a cold cache's
+    NVRTC or host-compiler builds), and how long it took when it ends after that."""
+    start = time.perf_counter()
+    timer = threading.Timer(SLOW_COMPILE_S, lambda: logger.info("still %s (%.0f s so far)", what,
+                                                                time.perf_counter() - start))
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+        took = time.perf_counter() - start
+        if took >= SLOW_COMPILE_S:
+            logger.info("done %s in %.1f s", what, took)
 
 
 def _storage_guard(workspace, nbytes: int):

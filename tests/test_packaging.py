@@ -83,3 +83,31 @@ def test_the_vllm_plugin_is_declared_and_names_a_function_that_exists():
     module, function = plugins["metrale_attn"].split(":")
     assert callable(getattr(importlib.import_module(module), function))
     assert any(req.startswith("vllm") for req in project["optional-dependencies"]["vllm"])
+
+
+def test_the_wheel_ships_both_license_texts_and_an_spdx_expression(wheel_names, tmp_path_factory):
+    licenses = {name.rsplit("/", 1)[-1] for name in wheel_names if "/licenses/" in name}
+    assert {"LICENSE-MIT", "LICENSE-APACHE"} <= licenses
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        project = tomllib.load(f)["project"]
+    assert project["license"] == "MIT OR Apache-2.0"
+    assert "Apache License" in (ROOT / "LICENSE-APACHE").read_text()
+    assert "Permission is hereby granted" in (ROOT / "LICENSE-MIT").read_text()
+
+
+def test_the_version_lives_in_one_place_and_the_changelog_names_it():
+    import metrale_attn
+
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        data = tomllib.load(f)
+    assert "version" not in data["project"] and "version" in data["project"]["dynamic"]
+    assert data["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "metrale_attn.__version__"}
+    assert f"## {metrale_attn.__version__}" in (ROOT / "CHANGELOG.md").read_text()
+
+
+def test_the_torch_extra_asks_for_a_range_that_never_replaces_an_engines_torch():
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        extras = tomllib.load(f)["project"]["optional-dependencies"]
+    (torch_req,) = extras["torch"]
+    assert torch_req.startswith("torch>=") and "==" not in torch_req
+    assert any(req.startswith("nvidia-cuda-nvrtc") for req in extras["cuda13"])

@@ -20,12 +20,15 @@ import ctypes
 import functools
 import hashlib
 import json
+import logging
 import os
 import struct
 import sys
 import tempfile
 import warnings
 from pathlib import Path
+
+logger = logging.getLogger(__name__)
 
 ELF_MAGIC = b"\x7fELF"
 _ELF64_HEADER = struct.Struct("<16sHHIQQQIHHHHHH")  # e_ident .. e_shstrndx
@@ -246,9 +249,10 @@ def fallback_dir(unwritable: Path, err: OSError) -> Path:
     global _fallback_dir
     if _fallback_dir is None:
         _fallback_dir = Path(tempfile.mkdtemp(prefix="metrale-attn-cubin-"))
-        warnings.warn(f"metrale-attn: cubin cache {unwritable} is not writable ({err}); caching cubins in "
-                      f"{_fallback_dir} for this process only (set METRALE_ATTN_CACHE_DIR to a writable "
-                      "directory)", RuntimeWarning, stacklevel=3)
+        message = (f"metrale-attn: cubin cache {unwritable} is not writable ({err}); caching cubins in "
+                   f"{_fallback_dir} for this process only (set METRALE_ATTN_CACHE_DIR to a writable directory)")
+        logger.warning("%s", message)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
     return _fallback_dir
 
 

@@ -24,13 +24,17 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import threading
+import time
 
 import numpy as np
 
 from ..cache import cache_root
 from ..kernels import Variant
 from . import ArrayInfo, DeviceInfo, Launch, cubin
+
+logger = logging.getLogger(__name__)
 
 DIALECT_PRELUDE = "#define DYNAMIC_SHARED(T, name) extern __shared__ __align__(16) T name[]\n"
 """How the shared dialect's dynamic shared memory reads on the GPU."""
@@ -94,7 +98,20 @@ def cubin_path(variant: Variant, arch: str) -> str:
     source, options = nvrtc_program(variant)
     key = hashlib.sha256(repr((source, options, arch, nvrtc.getVersion())).encode()).hexdigest()[:20]
     path = cache_root() / "cubin" / f"{variant.name}_{arch}_{key}.cubin"
-    return str(cubin.cached_cubin(path, lambda: compile_cubin(variant, arch)))
+    built = []
+
+    def build() -> bytes:
+        start = time.perf_counter()
+        data = compile_cubin(variant, arch)
+        built.append(time.perf_counter() - start)
+        return data
+
+    found = cubin.cached_cubin(path, build)
+    if built:
+        logger.debug("compiled %s for %s with NVRTC in %.2f s (cache miss: %s)", variant.name, arch, built[0], found)
+    else:
+        logger.debug("loaded %s for %s from the cache (hit: %s)", variant.name, arch, found)
+    return str(found)
 
 
 class _StreamHandle:

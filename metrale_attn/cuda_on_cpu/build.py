@@ -26,6 +26,7 @@ import ctypes
 import errno
 import hashlib
 import json
+import logging
 import os
 import platform
 import re
@@ -34,6 +35,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 import warnings
 from contextlib import ExitStack
 from importlib import resources
@@ -46,6 +48,8 @@ from .declarations import find_kernels, registration
 from .errors import CudaOnCpuCompileError
 from .isolation import child_describe
 from .module import Module
+
+logger = logging.getLogger(__name__)
 
 # Bumped whenever the generated code or the cache layout changes meaning.
 _FORMAT_VERSION = "cocpu-1"
@@ -101,9 +105,11 @@ def _fall_back(configured: Path, why: str) -> Path:
         _FALLBACK_DIRS[configured] = fallback
     if not _FALLBACK_WARNED:
         _FALLBACK_WARNED = True
-        warnings.warn(f"cannot write the CUDA-on-CPU kernel cache {configured} ({why}); this process builds its "
-                      f"kernels in {fallback} instead, removed at exit (point METRALE_ATTN_CACHE_DIR at a writable "
-                      "directory with space to keep them)", CacheFallbackWarning, stacklevel=5)
+        message = (f"cannot write the CUDA-on-CPU kernel cache {configured} ({why}); this process builds its "
+                   f"kernels in {fallback} instead, removed at exit (point METRALE_ATTN_CACHE_DIR at a writable "
+                   "directory with space to keep them)")
+        logger.warning("%s", message)
+        warnings.warn(message, CacheFallbackWarning, stacklevel=5)
     return fallback
 
 
@@ -261,7 +267,10 @@ def compile_module(source: str, *, name: str, defines: dict[str, int | str] | No
             if meta is None:
                 where = _writable_cache_dir(home)
                 meta = _cached_meta(where, stem, identity) if where != home else None
-        if meta is None:
+        if meta is not None:
+            logger.debug("loaded %s for the CPU backend from the cache (hit: %s)", name, where / f"{stem}.so")
+        else:
+            start = time.perf_counter()
             try:
                 meta = _build(source, name, cxx, flags, dflags, fiber, asan, where / f"{stem}.so",
                               where / f"{stem}.json", identity)
@@ -272,6 +281,8 @@ def compile_module(source: str, *, name: str, defines: dict[str, int | str] | No
                     where = _fall_back(home, f"{os.strerror(errno.ENOSPC)}: {err}")
                 meta = _build(source, name, cxx, flags, dflags, fiber, asan, where / f"{stem}.so",
                               where / f"{stem}.json", identity)
+            logger.debug("compiled %s for the CPU backend (%s) in %.2f s (cache miss: %s)", name, platform.machine(),
+                         time.perf_counter() - start, where / f"{stem}.so")
         module = Module(name, where / f"{stem}.so", meta, asan=asan)
         with _MEMO_LOCK:
             _MEMO[digest] = module

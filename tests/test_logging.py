@@ -1,0 +1,75 @@
+"""What the package says under the ``metrale_attn`` logger: each compile (variant, where, seconds,
+cache hit or miss), each fallback (simt, a cache directory it cannot use), the plan chosen at
+construction (DEBUG), and a compile that is taking long, while it runs (INFO)."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+
+from metrale_attn import attention
+from metrale_attn.backends.cpu_backend import CpuBackend
+from metrale_attn.cuda_on_cpu import build, compile_module
+
+from conftest import decoder, problem, toy_source
+
+P = problem(seed=31, seq_lens=(5, 40), num_q_heads=4, num_kv_heads=2)
+
+
+def test_a_construction_logs_its_target_variants_and_plans_at_debug(caplog):
+    with caplog.at_level(logging.DEBUG, logger="metrale_attn"):
+        decoder(P, max_batch=4)
+    (record,) = [r for r in caplog.records if r.name == "metrale_attn.attention" and r.levelno == logging.DEBUG]
+    text = record.getMessage()
+    assert "DecodeAttention 4/2/64, page 16" in text and "impl mma" in text and "decode_splitk_" in text
+    assert "batch 1: auto: ceil(2 x 132 SMs / 4 q heads)" in text
+
+
+def test_each_cpu_compile_logs_its_variant_seconds_and_whether_the_cache_had_it(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("METRALE_ATTN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(build, "_MEMO", {})
+    source = toy_source("block_reduce") + "\n// logged\n"
+    with caplog.at_level(logging.DEBUG, logger="metrale_attn"):
+        compile_module(source, name="logged")
+        monkeypatch.setattr(build, "_MEMO", {})  # a new process: only the disk cache is left
+        compile_module(source, name="logged")
+    lines = [r.getMessage() for r in caplog.records if r.name == "metrale_attn.cuda_on_cpu.build"]
+    assert len(lines) == 2
+    assert lines[0].startswith("compiled logged for the CPU backend") and "cache miss" in lines[0]
+    assert " s (cache miss" in lines[0] and str(tmp_path) in lines[0]
+    assert lines[1].startswith("loaded logged for the CPU backend from the cache (hit")
+
+
+def test_a_compile_still_running_after_the_threshold_says_so_while_it_runs(monkeypatch, caplog):
+    class SlowBuilds(CpuBackend):
+        def load_many(self, variants):
+            time.sleep(0.3)
+            return super().load_many(variants)
+
+    monkeypatch.setattr(attention, "SLOW_COMPILE_S", 0.05)
+    with caplog.at_level(logging.INFO, logger="metrale_attn"):
+        decoder(P, backend=SlowBuilds())
+    infos = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    assert infos[0].startswith("still compiling 1 kernel variant(s) for sm_90 (decode_splitk_")
+    assert infos[-1].startswith("done compiling 1 kernel variant(s)")
+
+
+def test_a_fallback_to_simt_is_logged_as_well_as_warned(caplog):
+    with caplog.at_level(logging.WARNING, logger="metrale_attn"), pytest.warns(RuntimeWarning):
+        decoder(P, target="gb10")
+    (record,) = [r for r in caplog.records if r.name == "metrale_attn.attention"]
+    assert record.levelno == logging.WARNING and "gb10 (sm_121) allows 101376; using impl='simt'" in record.getMessage()
+
+
+def test_a_cache_directory_that_cannot_be_written_is_logged_as_well_as_warned(tmp_path, monkeypatch, caplog):
+    root = tmp_path / "a-file"
+    root.write_text("")
+    monkeypatch.setenv("METRALE_ATTN_CACHE_DIR", str(root))
+    for name, value in (("_MEMO", {}), ("_FALLBACK_DIRS", {}), ("_FALLBACK_WARNED", False)):
+        monkeypatch.setattr(build, name, value)
+    with caplog.at_level(logging.WARNING, logger="metrale_attn"), pytest.warns(build.CacheFallbackWarning):
+        compile_module(toy_source("block_reduce"), name="unwritable_logged")
+    (record,) = [r for r in caplog.records if r.name == "metrale_attn.cuda_on_cpu.build"]
+    assert f"cannot write the CUDA-on-CPU kernel cache {root}" in record.getMessage()
