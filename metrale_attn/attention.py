@@ -33,8 +33,8 @@ from . import dtypes, policy
 from .backends import ArrayInfo, Launch, get_backend
 from .kernels import Variant, kernel_params, mma_smem_bytes, source_constants
 from .plan import (ENV_HEADS_PER_CTA, ENV_IMPL, LEGACY_MAX_DECODE_SEQS, MAX_Q_LEN, DecodePlan, ModelShape,
-                   heads_per_cta_choices, make_plan, max_rows_per_cta, resolve_heads_per_cta, resolve_impl,
-                   workspace_for)
+                   heads_per_cta_choices, impl_chosen, make_plan, max_rows_per_cta, resolve_heads_per_cta,
+                   resolve_impl, workspace_for)
 from .targets import DEFAULT_TARGET, Defaults, Target, detect_target, get_target, resolve_defaults
 
 logger = logging.getLogger(__name__)
@@ -57,10 +57,10 @@ ARRAY_ARGUMENTS = ("q", "k_cache", "v_cache", "block_tables", "seq_lens", "sinks
 MAX_PAGE_SIZE = 256
 MAX_WINDOW_LEFT = 2**31 - 1  # the kernels take window_left as an int32
 INDEX_BYTES = 4  # int32 block tables and seq_lens, float32 lse and sinks: 4-byte loads and stores
-MAX_SINK = 3.4028234663852886e38 / 1.4426950408889634  # FLT_MAX / log2(e): the kernels hold sinks in base 2
 LOG2E = 1.4426950408889634
 VECTOR_BYTES = 16  # kernels load K/V and q rows with 16-byte vector loads
 FP32_MAX = float(np.finfo(np.float32).max)  # 3.40282e+38
+MAX_SINK = FP32_MAX / LOG2E  # the kernels hold sinks in base 2: a larger one overflows
 FP32_MIN_NORMAL = float(np.finfo(np.float32).tiny)  # 1.17549e-38
 _FP32_RANGE = f"({FP32_MIN_NORMAL:.6g} .. {FP32_MAX:.6g})"
 
@@ -216,11 +216,10 @@ class DecodeAttention:
         # A caller's torch tensor can lose its memory under us (resize_(0), set_()): checked every call.
         self._workspace_guard = None if workspace is None else _storage_guard(workspace, self.workspace_nbytes)
         info = self.backend.describe(self.workspace, "workspace")
-        self._workspace_range = info.byte_range()
         self._workspace_ptr = self.backend.pointer(self.workspace, info)
         # One call's launches at a time per workspace (they share its partials), whichever
         # objects share it; and the stream of its previous launch, for StreamReuseWarning.
-        self._shared = _WorkspaceUsers.join(self._device, self._workspace_range)
+        self._shared = _WorkspaceUsers.join(self._device, info.byte_range())
         self._seen: list = [None] * len(ARRAY_ARGUMENTS)  # per argument: the last buffer checked (_Seen)
         self._last: Optional[_Call] = None  # the last validated call, reused for the same buffers and scales
         with _HANDLES_LOCK:
@@ -230,14 +229,15 @@ class DecodeAttention:
         self._checkers = [getattr(type(self), f"_check_{name}") for name in ARRAY_ARGUMENTS]  # unbound: no cycle
         self.impl = resolve_impl(impl, os.environ.get(ENV_IMPL))
         wanted = sorted(self._features | ({"mt"} if self.max_q_len > 1 else set()))
-        if self.impl == "simt" and (wanted or self.kv_dtype == dtypes.FP8_E5M2):
+        mma_only = bool(wanted) or self.kv_dtype == dtypes.FP8_E5M2  # what only the mma kernels serve
+        if self.impl == "simt" and mma_only:
             raise ValueError(f"impl='simt' has no {', '.join(wanted) or 'fp8 e5m2 cache'} (features: mt = "
                              "max_q_len > 1, win = window_left, cap = logits_soft_cap, sink = sinks, of32 = "
                              "out_dtype float32; fp8_e5m2 caches): use impl='mma'")
         if self.impl == "mma":
             disagree = self.backend.verify_mma()
             if disagree:  # never return bytes from instructions that differ from their emulation
-                if wanted or self.kv_dtype == dtypes.FP8_E5M2:
+                if mma_only:
                     raise RuntimeError(f"this device's {', '.join(disagree)} disagree with the emulation the mma "
                                        "kernels were verified on, and only they serve the features asked for")
                 _fall_back(f"this device's {', '.join(disagree)} disagree with the emulation the mma kernels were "
@@ -249,7 +249,7 @@ class DecodeAttention:
                 why = (f"the mma kernels of this shape ask for {need} bytes of shared memory per block; "
                        f"{target.name} (sm_{target.compute_capability[0]}{target.compute_capability[1]}) allows "
                        f"{target.smem_per_block}")
-                if impl is not None or os.environ.get(ENV_IMPL, "").strip() or wanted or self.kv_dtype == dtypes.FP8_E5M2:
+                if mma_only or impl_chosen(impl, os.environ.get(ENV_IMPL)):
                     raise ValueError(f"{why}: they cannot launch there (impl='simt' has no features and no e5m2)")
                 _fall_back(why)
                 self.impl = "simt"
@@ -649,21 +649,15 @@ class DecodeAttention:
 
     def _check_together(self, seen: list) -> None:
         """The checks across arrays (each is on this object's device already: ``_checked``):
-        the caches agree, the outputs overlap nothing (``_refuse_overlaps``), and no input
-        lies in the split-K workspace of any object sharing this one's (its partials would
-        overwrite it mid-call)."""
+        the caches agree, and the outputs overlap nothing and no input lies in the split-K
+        workspace of any object sharing this one's (``_refuse_overlaps``)."""
         q, k, v, bt, sl, sk, out, lse = seen
         if k.info.shape != v.info.shape:
             raise ValueError(f"k_cache and v_cache must have the same shape, got {list(k.info.shape)} and "
                              f"{list(v.info.shape)}")
-        inputs = (q.span, k.span, v.span, bt.span, sl.span, None if sk is None else sk.span)
-        workspace = self._shared.span
-        _refuse_overlaps((out.span, None if lse is None else lse.span), inputs, workspace)
-        for name, span in zip(_INPUTS, inputs):
-            if span is not None and workspace is not None and span[0] < workspace[1] and workspace[0] < span[1]:
-                raise ValueError(f"{name} lies in the split-K workspace (bytes {span[0]:#x}..{span[1]:#x} and "
-                                 f"{workspace[0]:#x}..{workspace[1]:#x}, the workspace of every object sharing "
-                                 f"it): the kernels write their partials there; pass {name} in its own memory")
+        _refuse_overlaps((out.span, None if lse is None else lse.span),
+                         (q.span, k.span, v.span, bt.span, sl.span, None if sk is None else sk.span),
+                         self._shared.span)
 
     def _logit_scales(self, k_scale: float) -> tuple[float, float]:
         """``(qk_scale, cap_log2)`` the kernels take: ``sm_scale * k_scale * log2(e)`` and 0,
@@ -793,7 +787,7 @@ class _WorkspaceUsers:
         if span is None:  # an empty workspace: nothing to share
             return cls(device, None)
         with cls._registry:
-            found = [u for u in list(cls._live) if u.device == device and u.span[0] < span[1] and span[0] < u.span[1]]
+            found = [u for u in list(cls._live) if u.device == device and _overlap(u.span, span)]
             if len(found) > 1:
                 raise ValueError(f"workspace (bytes {span[0]:#x}..{span[1]:#x}) overlaps the workspaces of "
                                  f"{len(found)} groups of DecodeAttention objects that do not share one: pass every "
@@ -935,8 +929,10 @@ _INPUTS = ("q", "k_cache", "v_cache", "block_tables", "seq_lens", "sinks", "the 
 
 def _refuse_overlaps(outputs: tuple, inputs: tuple, workspace: Optional[tuple[int, int]]) -> None:
     """``(out, lse)`` may share no byte with each other, an input ``(q, k_cache, v_cache,
-    block_tables, seq_lens, sinks)`` or the workspace (``sinks`` and ``lse`` may be None). Each is given by
-    its byte range (``ArrayInfo.byte_range``; None: empty or absent).
+    block_tables, seq_lens, sinks)`` or the workspace, and no input may lie in the
+    workspace (the kernels write their partials there mid-call); ``sinks`` and ``lse`` may
+    be None. Each is given by its byte range (``ArrayInfo.byte_range``; None: empty or
+    absent); ``workspace`` is that of every object sharing this one's.
 
     Ranges are hulls: from an array's lowest element byte to its highest. Outputs are
     contiguous, so theirs are exact; a strided input's gaps count as its own, which
@@ -946,15 +942,22 @@ def _refuse_overlaps(outputs: tuple, inputs: tuple, workspace: Optional[tuple[in
     out, lse = outputs
     spans = tuple(inputs) + (workspace,)
     for name, mine, names, theirs_all in (("out", out, _INPUTS, spans), ("lse", lse, ("out",) + _INPUTS, (out,) + spans)):
-        if mine is None:
-            continue
-        first, end = mine
         for other, theirs in zip(names, theirs_all):
-            if theirs is not None and first < theirs[1] and theirs[0] < end:
+            if _overlap(mine, theirs):
                 raise ValueError(
-                    f"{name} overlaps {other} in memory (bytes {first:#x}..{end:#x} and {theirs[0]:#x}.."
+                    f"{name} overlaps {other} in memory (bytes {mine[0]:#x}..{mine[1]:#x} and {theirs[0]:#x}.."
                     f"{theirs[1]:#x}): outputs may share memory with nothing else, not even out with q; pass a "
                     f"separate {name}")
+    for name, span in zip(_INPUTS, inputs):
+        if _overlap(span, workspace):
+            raise ValueError(f"{name} lies in the split-K workspace (bytes {span[0]:#x}..{span[1]:#x} and "
+                             f"{workspace[0]:#x}..{workspace[1]:#x}, the workspace of every object sharing it): "
+                             f"the kernels write their partials there; pass {name} in its own memory")
+
+
+def _overlap(a: Optional[tuple[int, int]], b: Optional[tuple[int, int]]) -> bool:
+    """Whether two byte ranges ``[first, end)`` share a byte (None: no bytes)."""
+    return a is not None and b is not None and a[0] < b[1] and b[0] < a[1]
 
 
 def _dtype(info: ArrayInfo, argument: str, expected: str) -> None:

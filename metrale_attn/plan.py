@@ -197,6 +197,13 @@ def resolve_impl(impl: Optional[str], env_raw: Optional[str]) -> str:
     return DEFAULT_IMPL
 
 
+def impl_chosen(impl: Optional[str], env_raw: Optional[str]) -> bool:
+    """Whether the caller chose the implementation (the ``impl`` argument, or a non-empty
+    ``METRALE_ATTN_DECODE_IMPL``) rather than taking the default: a chosen ``mma`` is never
+    silently replaced."""
+    return impl is not None or bool(policy.normalize(env_raw or ""))
+
+
 def max_rows_per_cta(head_dim: int) -> int:
     """Query rows an ``mma`` CTA holds at ``head_dim``: 16, but 8 at head dim 256, where 16
     rows' fp32 accumulators alone (16 x 256 / 32 lanes = 128 registers) leave ptxas no
