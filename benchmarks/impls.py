@@ -22,7 +22,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Optional
 
-from metrale_attn.plan import ENV_IMPL, resolve_impl
+from metrale_attn.config import ENV_IMPL, resolve_impl
 
 IMPLS = ("simt", "mma")
 """``impl=`` values the harness forces, in the order rows are timed and shown: old, new."""

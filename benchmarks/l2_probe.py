@@ -300,7 +300,8 @@ def _run_capped(cmd: list[str], timeout_s: float, log_path: str) -> tuple[Option
 def attention_kernel_regex() -> str:
     """ncu's ``--kernel-name``: the attention kernel (the first launch) of each probed arm on each
     implementation, by exact name (``plan.KERNELS``); the merges and the mma self-test are left out."""
-    from metrale_attn.plan import IMPLS, KERNELS
+    from metrale_attn.config import IMPLS
+    from metrale_attn.plan import KERNELS
 
     return "regex:^(" + "|".join(sorted(KERNELS[impl, arm][0] for impl in IMPLS for arm in ARMS)) + ")$"
 

@@ -62,7 +62,7 @@
 //                             sizing and this carve cannot drift apart.
 //   PD_MULTI_TOKEN 0 | 1      rows may see different keys (q_len > 1): per-row masks
 //   PD_WINDOW      0 | 1      window_left bounds each row's keys from below
-//   PD_SOFTCAP     0 | 1      the logits soft-cap
+//   PD_SOFT_CAP     0 | 1      the logits soft-cap
 //   PD_SINKS       0 | 1      a learned sink logit per head joins the denominator
 //   PD_OUT_F32     0 | 1      out (and the merge's out) in fp32 instead of q's dtype
 // Every feature off is the plain path: no code of any feature is compiled into it.
@@ -90,9 +90,9 @@
 #ifndef PD_SMEM_BYTES
 #error "PD_SMEM_BYTES must be defined (the dynamic shared memory of the launch)"
 #endif
-#if !defined(PD_MULTI_TOKEN) || !defined(PD_WINDOW) || !defined(PD_SOFTCAP) || !defined(PD_SINKS) || \
+#if !defined(PD_MULTI_TOKEN) || !defined(PD_WINDOW) || !defined(PD_SOFT_CAP) || !defined(PD_SINKS) || \
     !defined(PD_OUT_F32)
-#error "PD_MULTI_TOKEN, PD_WINDOW, PD_SOFTCAP, PD_SINKS and PD_OUT_F32 must be defined (0 or 1)"
+#error "PD_MULTI_TOKEN, PD_WINDOW, PD_SOFT_CAP, PD_SINKS and PD_OUT_F32 must be defined (0 or 1)"
 #endif
 
 #if PD_OUT_F32
@@ -565,7 +565,7 @@ __device__ __forceinline__ void attend(unsigned char* smem, const Rows& rw, cons
         PD_UNROLL
         for (int nt = 0; nt < NT; ++nt) {
           const bool valid = pos >= col_lo[nt][e & 1] && pos < col_hi[nt][e & 1];
-#if PD_SOFTCAP
+#if PD_SOFT_CAP
           sc[mt][nt][e] = valid ? cap_log2 * tanhf(sc[mt][nt][e] * scale[nt][e & 1]) : neg_inf;
 #else
           sc[mt][nt][e] = valid ? sc[mt][nt][e] : neg_inf;
@@ -575,7 +575,7 @@ __device__ __forceinline__ void attend(unsigned char* smem, const Rows& rw, cons
         const bool valid = pos >= lo && pos < hi;
         PD_UNROLL
         for (int nt = 0; nt < NT; ++nt) {
-#if PD_SOFTCAP
+#if PD_SOFT_CAP
           sc[mt][nt][e] = valid ? cap_log2 * tanhf(sc[mt][nt][e] * scale[nt][e & 1]) : neg_inf;
 #else
           sc[mt][nt][e] = valid ? sc[mt][nt][e] : neg_inf;
@@ -595,7 +595,7 @@ __device__ __forceinline__ void attend(unsigned char* smem, const Rows& rw, cons
         for (int mt = 0; mt < MT; ++mt) mx = fmaxf(mx, fmaxf(sc[mt][nt][j], sc[mt][nt][j + 2]));
         PD_UNROLL
         for (int off = 4; off <= 16; off <<= 1) mx = fmaxf(mx, __shfl_xor_sync(PD_FULL_MASK, mx, off));
-#if PD_SOFTCAP
+#if PD_SOFT_CAP
         const float m_new = fmaxf(st.m[nt][j], mx);
 #else
         const float m_new = fmaxf(st.m[nt][j], mx * scale[nt][j]);
@@ -610,7 +610,7 @@ __device__ __forceinline__ void attend(unsigned char* smem, const Rows& rw, cons
         for (int mt = 0; mt < MT; ++mt)
           PD_UNROLL
           for (int e = j; e < 4; e += 2) {
-#if PD_SOFTCAP
+#if PD_SOFT_CAP
             const float p = exp2f(sc[mt][nt][e] - ms);
 #else
             const float p = exp2f(fmaf(sc[mt][nt][e], scale[nt][j], -ms));

@@ -7,9 +7,11 @@ import os
 import sys
 from typing import Optional, Sequence
 
-from .kernels import mma_fits
-from .plan import (ENV_HEADS_PER_CTA, ENV_IMPL, ModelShape, make_plan, max_rows_per_cta, resolve_heads_per_cta,
-                   resolve_impl, workspace_for)
+from dataclasses import replace
+
+from .config import ENV_IMPL, ModelShape, configure, impl_chosen
+from .kernels import smem_refusal
+from .plan import make_plan, workspace_for
 from .policy import parse_gqa_pack
 from .targets import TARGETS, get_target, resolve_defaults
 
@@ -71,12 +73,12 @@ def render_plan_table(args: argparse.Namespace) -> str:
     max_batch = max(max(args.batch), 1) if args.max_batch is None else args.max_batch
     workspace = workspace_for(defaults, shape, max_batch=max_batch, max_decode_seqs=args.max_decode_seqs)
     # What the library would run: the flags, else the same environment variables it reads.
-    impl = resolve_impl(args.impl, os.environ.get(ENV_IMPL))
-    if impl == "mma" and not (args.impl or os.environ.get(ENV_IMPL, "").strip()) and not mma_fits(
-            shape.head_dim, defaults.target.smem_per_block):
-        impl = "simt"  # as DecodeAttention falls back: no mma kernel fits the target's shared memory
-    heads_per_cta = resolve_heads_per_cta(args.heads_per_cta, os.environ.get(ENV_HEADS_PER_CTA), shape.group_size, 1,
-                                          max_rows_per_cta(shape.head_dim))
+    config = configure(shape.num_q_heads, shape.num_kv_heads, shape.head_dim, 16, q_dtype=args.q_dtype,
+                       kv_dtype=args.kv_dtype, max_batch=max_batch, defaults=defaults,
+                       max_decode_seqs=args.max_decode_seqs, impl=args.impl, heads_per_cta=args.heads_per_cta)
+    if config.impl == "mma" and not impl_chosen(args.impl, os.environ.get(ENV_IMPL)) and smem_refusal(config):
+        config = replace(config, impl="simt")  # as DecodeAttention falls back: no mma kernel fits the target
+    impl = config.impl
     lines = [
         defaults.line(),
         f"model: q_heads={shape.num_q_heads} kv_heads={shape.num_kv_heads} head_dim={shape.head_dim} "
@@ -87,8 +89,7 @@ def render_plan_table(args: argparse.Namespace) -> str:
         f"{'ws bytes':>10}",
     ]
     for batch in args.batch:
-        plan = make_plan(defaults, shape, batch, max_batch=max_batch, max_decode_seqs=args.max_decode_seqs,
-                         workspace=workspace, impl=impl, heads_per_cta=heads_per_cta)
+        plan = make_plan(config, batch, workspace=workspace)
         grids = " + ".join("({},{},{})".format(*g.grid) for g in plan.launches)
         used = plan.slots_used * workspace.slot_floats * 4
         lines.append(
@@ -116,6 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--gqa-pack", type=_on_off, help="override: on or off")
     plan.add_argument("--impl", help="mma (tensor cores, default) or simt (the first CUDA-core kernels)")
     plan.add_argument("--heads-per-cta", type=int, help="override the rule: a divisor of the group size up to 16")
+    plan.add_argument("--q-dtype", default="bfloat16", help="q and out: bfloat16 (default) or float16")
+    plan.add_argument("--kv-dtype", default="bfloat16", help="the KV cache: bfloat16 (default), float16, fp8_e4m3 "
+                      "or fp8_e5m2")
 
     demo = sub.add_parser("demo", help="run a mixed decode batch on the best backend and check it")
     demo.add_argument("--backend", choices=["cupy", "cpu"], help="default: cupy with a GPU, else cpu")

@@ -34,7 +34,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import dtypes, policy
-from .plan import ARMS, DEFAULT_IMPL, HEAD_DIMS, IMPLS, KERNELS, max_rows_per_cta
+from .config import (DEFAULT_IMPL, FEATURES, HEAD_DIMS, IMPLS, ROW_TILE, LayerConfig, feature_define,
+                     heads_per_cta_choices, max_rows_per_cta)
+from .plan import ARMS, KERNELS, make_plan
 
 SOURCE_PACKAGE = "metrale_attn.kernels_cu"
 COMMON_HEADER = "pd_common.cuh"
@@ -268,12 +270,6 @@ class Tiling:
     smem_bytes: int
 
 
-FEATURES = {"mt": "PD_MULTI_TOKEN", "win": "PD_WINDOW", "cap": "PD_SOFTCAP", "sink": "PD_SINKS",
-            "of32": "PD_OUT_F32"}
-"""``mma`` specializations, as they appear in variant names, and the define each sets:
-multi-token decode (query rows that see different keys), a sliding window, the logits
-soft-cap, attention sinks, fp32 output."""
-
 WARPS = 4
 STAGE_TARGET_BYTES = 8192
 """K+V bytes one warp's stage aims at: with 3 stages and 4 warps a CTA keeps 64 KiB of
@@ -304,10 +300,14 @@ def mma_smem_bytes(head_dim: int, q_dtype: str, kv_dtype: str) -> int:
     return mma_tiling(head_dim, q_dtype, kv_dtype, 1).smem_bytes
 
 
-def mma_fits(head_dim: int, smem_per_block: int) -> bool:
-    """Whether some ``mma`` variant of this head dim fits a target's shared memory per
-    block (for a caller that knows no dtypes: the CLI's plan)."""
-    return any(mma_smem_bytes(head_dim, q, kv) <= smem_per_block for q in dtypes.Q_DTYPES for kv in dtypes.KV_DTYPES)
+def smem_refusal(config: LayerConfig) -> str | None:
+    """Why the ``mma`` kernels of this layer cannot launch on its target (they ask for more
+    dynamic shared memory per block than it allows), or None when they fit."""
+    need, target = mma_smem_bytes(config.shape.head_dim, config.q_dtype, config.kv_dtype), config.target
+    if need <= target.smem_per_block:
+        return None
+    return (f"the mma kernels of this shape ask for {need} bytes of shared memory per block; "
+            f"{target.name} ({target.arch}) allows {target.smem_per_block}")
 
 
 @dataclass(frozen=True)
@@ -355,7 +355,8 @@ class Variant:
         dt = f"q{self.q_dtype}_kv{self.kv_dtype}_hd{self.head_dim}"
         if self.impl == "simt":
             return f"paged_decode_{self.arm}_{dt}"
-        return f"decode_{self.arm}_{dt}_r{8 * self.row_tiles}" + "".join(f"_{f}" for f in FEATURES if f in self.features)
+        return f"decode_{self.arm}_{dt}_r{ROW_TILE * self.row_tiles}" + "".join(
+            f"_{f}" for f in FEATURES if f in self.features)
 
     @property
     def filename(self) -> str:
@@ -368,7 +369,7 @@ class Variant:
     @property
     def max_rows(self) -> int:
         """Query heads one CTA of this variant serves at most."""
-        return 8 * self.row_tiles if self.impl == "mma" else 1
+        return ROW_TILE * self.row_tiles if self.impl == "mma" else 1
 
     @functools.cached_property
     def tiling(self) -> Tiling | None:
@@ -408,7 +409,7 @@ class Variant:
         if self.tiling:
             out.update(PD_ROW_TILES=self.row_tiles, PD_TILE_TOKENS=self.tiling.tile_tokens,
                        PD_STAGES=self.tiling.stages, PD_SMEM_BYTES=self.tiling.smem_bytes)
-            out.update({define: int(f in self.features) for f, define in FEATURES.items()})
+            out.update({feature_define(f): int(f in self.features) for f in FEATURES})
         return out
 
 
@@ -516,8 +517,30 @@ def all_variants() -> list[Variant]:
         Variant(arm, 256 if arm == "gqa_packed" else 128, dtypes.BF16, dtypes.FP8, "mma", 1, {feature})
         for arm in ARMS
         for feature in FEATURES
-        if not (arm == "gqa_packed" and feature == "mt")  # the packed arm serves one query token
+        if not (arm == "gqa_packed" and feature == "multi_token")  # the packed arm serves one query token
     ]
     every = [Variant(arm, d, dtypes.FP16, dtypes.BF16, "mma", rt, set(FEATURES))
              for arm in ("unpacked", "splitk") for d, rt in ((256, 1), (128, 2))]
     return plain + featured + every
+
+
+def variants_for(config: LayerConfig) -> dict[tuple[str, int, bool], Variant]:
+    """Every variant a call of this layer can reach, by ``(arm, row_tiles, multi_token)``:
+    what ``DecodeAttention`` compiles at construction so that ``run`` never compiles.
+
+    Legacy's split count only falls as the batch grows, so batch 1 and ``max_batch``
+    bound the arms; the row tiles follow ``heads_per_cta x q_len``, which the plan's rule
+    may set to any choice unless the config pins it; ``q_len > 1`` takes the
+    multi-token specialization."""
+    variants: dict[tuple[str, int, bool], Variant] = {}
+    for q_len in range(1, config.max_q_len + 1):
+        for plan in (make_plan(config, 1, q_len), make_plan(config, config.max_batch, q_len)):
+            if plan.impl == "simt" or plan.arm == "gqa_packed" or config.heads_per_cta is not None:
+                rows = {plan.heads_per_cta * q_len}
+            else:
+                rows = {h * q_len for h in heads_per_cta_choices(config.shape.group_size, q_len, config.max_rows)}
+            for row_tiles in sorted({plan.row_tiles_for(r) for r in rows}):
+                variants.setdefault((plan.arm, row_tiles, q_len > 1), Variant(
+                    plan.arm, config.shape.head_dim, config.q_dtype, config.kv_dtype, plan.impl, row_tiles,
+                    config.features_at(q_len)))
+    return variants

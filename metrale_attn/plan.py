@@ -17,16 +17,10 @@ from dataclasses import dataclass
 from typing import Optional
 
 from . import policy
+from .config import DEFAULT_IMPL, ROW_TILE, LayerConfig, ModelShape, heads_per_cta_choices, max_rows_per_cta
 from .targets import Defaults
 
 ARMS = ("unpacked", "splitk", "gqa_packed")
-IMPLS = ("mma", "simt")
-"""``mma``: the tensor-core core, a CTA serves ``heads_per_cta`` heads of one KV head;
-``simt``: the first CUDA-core kernels, one head per CTA (the packed arm: the pack)."""
-DEFAULT_IMPL = "mma"
-ENV_IMPL = "METRALE_ATTN_DECODE_IMPL"
-ENV_HEADS_PER_CTA = "METRALE_ATTN_DECODE_HEADS_PER_CTA"
-HEAD_DIMS = (64, 128, 256)
 FP32_BYTES = 4
 
 KERNELS = {
@@ -40,46 +34,12 @@ KERNELS = {
 """(impl, arm) -> the ``extern "C"`` kernels a plan launches, in order (their sources:
 ``kernels.SOURCE_FILES``; tests check that each source defines them)."""
 
-MAX_ROWS_PER_CTA = 16
-"""Query rows (heads x query tokens) one ``mma`` CTA can hold: two row tiles of 8 (the
-MMA's N side); ``max_rows_per_cta`` lowers it for head dim 256."""
-MAX_HEADS_PER_CTA = MAX_ROWS_PER_CTA
-MAX_Q_LEN = 8
-"""Query tokens per sequence in one call (multi-token decode: speculative verification, MTP)."""
-
 MIN_CTAS_PER_SM = 0.5
 """``heads_per_cta_for`` keeps at least this many attention CTAs per SM. One CTA keeps
 4 warps x 2 stages x 8 KiB = 64 KiB of K/V loads in flight; by Little's law at 800 ns
 that sustains ~80 GB/s, so the 4.3 TB/s of an H200 needs ~54 busy CTAs: half of its
 132 SMs, with margin. Below that, smaller groups buy CTAs (each KV row is then read
 once per group of the KV head instead of once)."""
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """Attention heads of one layer. ``num_q_heads`` is a multiple of ``num_kv_heads``."""
-
-    num_q_heads: int
-    num_kv_heads: int
-    head_dim: int
-
-    def __post_init__(self) -> None:
-        for name in ("num_q_heads", "num_kv_heads", "head_dim"):
-            value = policy.as_int(getattr(self, name))  # NumPy integers too, not bools
-            if value is None or value <= 0:
-                raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")
-            object.__setattr__(self, name, value)
-        if self.num_q_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_q_heads ({self.num_q_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
-            )
-        if self.head_dim not in HEAD_DIMS:
-            raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {self.head_dim}")
-
-    @property
-    def group_size(self) -> int:
-        """Query heads per KV head."""
-        return self.num_q_heads // self.num_kv_heads
 
 
 @dataclass(frozen=True)
@@ -144,9 +104,13 @@ class DecodePlan:
 
     @property
     def row_tiles(self) -> int:
-        """Query-row tiles of 8 the ``mma`` kernel needs (1 for ``simt``): a CTA holds
+        """Query-row tiles the ``mma`` kernel needs (1 for ``simt``): a CTA holds
         ``heads_per_cta x q_len`` rows."""
-        return 1 if self.impl == "simt" or self.heads_per_cta * self.q_len <= 8 else 2
+        return self.row_tiles_for(self.heads_per_cta * self.q_len)
+
+    def row_tiles_for(self, rows: int) -> int:
+        """Row tiles of ``ROW_TILE`` rows that hold ``rows`` query rows on this plan's implementation."""
+        return 1 if self.impl == "simt" else -(-rows // ROW_TILE)
 
     @property
     def ctas(self) -> int:
@@ -184,63 +148,6 @@ def workspace_for(
     return Workspace(slots, shape.head_dim)
 
 
-def resolve_impl(impl: Optional[str], env_raw: Optional[str]) -> str:
-    """The implementation: the ``impl`` argument, else a non-empty ``METRALE_ATTN_DECODE_IMPL``,
-    else ``mma``. Either spelling must be one of ``IMPLS`` (trimmed, case-insensitive)."""
-    for value, where in ((impl, "impl"), (env_raw, ENV_IMPL)):
-        if value is None or (where == ENV_IMPL and not policy.normalize(value)):
-            continue
-        name = policy.normalize(str(value))
-        if name not in IMPLS:
-            raise ValueError(f"{where} must be one of {', '.join(IMPLS)}, got {value!r}")
-        return name
-    return DEFAULT_IMPL
-
-
-def impl_chosen(impl: Optional[str], env_raw: Optional[str]) -> bool:
-    """Whether the caller chose the implementation (the ``impl`` argument, or a non-empty
-    ``METRALE_ATTN_DECODE_IMPL``) rather than taking the default: a chosen ``mma`` is never
-    silently replaced."""
-    return impl is not None or bool(policy.normalize(env_raw or ""))
-
-
-def max_rows_per_cta(head_dim: int) -> int:
-    """Query rows an ``mma`` CTA holds at ``head_dim``: 16, but 8 at head dim 256, where 16
-    rows' fp32 accumulators alone (16 x 256 / 32 lanes = 128 registers) leave ptxas no
-    room for the rest of the loop without spilling."""
-    return 8 if head_dim >= 256 else MAX_ROWS_PER_CTA
-
-
-def heads_per_cta_choices(group_size: int, q_len: int = 1, max_rows: int = MAX_ROWS_PER_CTA) -> tuple[int, ...]:
-    """The divisors of the group size an ``mma`` CTA can hold with ``q_len`` query tokens
-    each (``h x q_len <= max_rows``, see ``max_rows_per_cta``)."""
-    return tuple(d for d in range(1, min(group_size, max_rows // q_len) + 1) if group_size % d == 0)
-
-
-def resolve_heads_per_cta(value, env_raw: Optional[str], group_size: int, max_q_len: int = 1,
-                          max_rows: int = MAX_ROWS_PER_CTA) -> Optional[int]:
-    """An override of the rule: the ``heads_per_cta`` argument, else a non-empty
-    ``METRALE_ATTN_DECODE_HEADS_PER_CTA``; None when neither is set. It must be one of
-    ``heads_per_cta_choices(group_size)``: a value the kernels cannot serve is an error,
-    never silently replaced."""
-    where = "heads_per_cta"
-    if value is None:
-        if env_raw is None or not policy.normalize(env_raw):
-            return None
-        value, where = policy.parse_count(env_raw), ENV_HEADS_PER_CTA
-        if value is None:
-            raise ValueError(f"{ENV_HEADS_PER_CTA} must be a positive decimal integer (ASCII digits), got {env_raw!r}")
-    elif policy.as_int(value) is None:
-        raise TypeError(f"heads_per_cta must be an int (any numbers.Integral, not a bool) or None, got {value!r}")
-    value = policy.as_int(value)
-    choices = heads_per_cta_choices(group_size, max_q_len, max_rows)
-    if value not in choices:
-        limit = f" ({max_q_len} query tokens each)" if max_q_len > 1 else ""
-        raise ValueError(f"{where} must divide the group size {group_size} and be at most "
-                         f"{max_rows // max_q_len}{limit}: one of {', '.join(map(str, choices))}; got {value}")
-    return value
-
-
 def heads_per_cta_for(shape: ModelShape, num_seqs: int, num_splits: int, sm_count: int, q_len: int = 1) -> int:
     """Query heads per ``mma`` CTA: the largest divisor of the group size G (at most
     ``MAX_HEADS_PER_CTA``) whose grid, ``num_kv_heads * (G / h) * num_splits *
@@ -273,48 +180,33 @@ def heads_per_cta_for(shape: ModelShape, num_seqs: int, num_splits: int, sm_coun
     return choices[0]
 
 
-def make_plan(
-    defaults: Defaults,
-    shape: ModelShape,
-    num_seqs: int,
-    *,
-    max_batch: int,
-    max_decode_seqs: int = LEGACY_MAX_DECODE_SEQS,
-    workspace: Optional[Workspace] = None,
-    impl: str = DEFAULT_IMPL,
-    heads_per_cta: Optional[int] = None,
-    q_len: int = 1,
-) -> DecodePlan:
-    """Plan a call of ``num_seqs`` sequences (``0 <= num_seqs <= max_batch``).
+def make_plan(config: LayerConfig, num_seqs: int, q_len: int = 1, *, workspace: Optional[Workspace] = None,
+              ) -> DecodePlan:
+    """Plan a call of ``num_seqs`` sequences (``0 <= num_seqs <= config.max_batch``) of
+    ``q_len`` query tokens each (``1 <= q_len <= config.max_q_len``) for a layer.
 
     ``legacy`` reads ``split_ref_seqs(num_seqs, max_decode_seqs)``; ``auto`` and
     pinned policies read neither, which is the batch-invariance guarantee.
-    ``heads_per_cta`` (``mma`` only) overrides ``heads_per_cta_for``; it must be one of
-    ``heads_per_cta_choices``. The packed arm always serves ``DECODE_GQA_PACK_WIDTH``
-    heads per CTA, and ``simt`` one (its packed arm: the pack). ``q_len`` (``mma``
-    only) query tokens per sequence: each is a row of its own in the workspace and
+    ``config.heads_per_cta`` (``mma`` only) overrides ``heads_per_cta_for``. The packed
+    arm always serves ``DECODE_GQA_PACK_WIDTH`` heads per CTA, and ``simt`` one (its
+    packed arm: the pack). Each query token is a row of its own in the workspace and
     the merge; the packed arm serves ``q_len = 1`` only.
 
-    ``workspace`` is what was allocated (default: ``workspace_for`` the same
-    arguments); a split-K geometry that needs more slots is refused here, with
-    both sizes, because on the GPU it would be a silent out-of-bounds write.
+    ``workspace`` is what was allocated (default: ``workspace_for`` the config); a
+    split-K geometry that needs more slots is refused here, with both sizes, because on
+    the GPU it would be a silent out-of-bounds write. The config's values are taken as
+    checked (``config.configure``); only the call's own two numbers are checked here.
     """
-    batch, seqs = policy.as_int(max_batch), policy.as_int(num_seqs)  # NumPy integers too, not bools
-    if batch is None or batch < 1:
-        raise ValueError(f"max_batch must be an int >= 1, got {max_batch!r}")
-    if seqs is None or not 0 <= seqs <= batch:
-        raise ValueError(f"num_seqs must be an int in 0..max_batch={batch}, got {num_seqs!r}")
-    max_batch, num_seqs = batch, seqs
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {', '.join(IMPLS)}, got {impl!r}")
-    if not 1 <= q_len <= (MAX_Q_LEN if impl == "mma" else 1):
-        raise ValueError(f"q_len must be in 1..{MAX_Q_LEN if impl == 'mma' else 1} ({impl}), got {q_len!r}")
-    choices = heads_per_cta_choices(shape.group_size, q_len, max_rows_per_cta(shape.head_dim))
-    if heads_per_cta is not None and heads_per_cta not in choices:
-        raise ValueError(f"heads_per_cta must be one of {choices} at q_len {q_len}, head_dim {shape.head_dim}, "
-                         f"got {heads_per_cta!r}")
+    seqs = policy.as_int(num_seqs)  # NumPy integers too, not bools
+    if seqs is None or not 0 <= seqs <= config.max_batch:
+        raise ValueError(f"num_seqs must be an int in 0..max_batch={config.max_batch}, got {num_seqs!r}")
+    if not 1 <= q_len <= config.max_q_len:
+        raise ValueError(f"q_len must be in 1..max_q_len={config.max_q_len}, got {q_len!r}")
+    num_seqs, defaults, shape, impl = seqs, config.defaults, config.shape, config.impl
     if workspace is None:
-        workspace = workspace_for(defaults, shape, max_batch=max_batch, max_decode_seqs=max_decode_seqs)
+        workspace = workspace_for(defaults, shape, max_batch=config.max_batch, max_decode_seqs=config.max_decode_seqs,
+                                  max_q_len=config.max_q_len)
+    max_decode_seqs, heads_per_cta = config.max_decode_seqs, config.heads_per_cta
     sms, heads = defaults.sm_count, shape.num_q_heads
     ref = policy.split_ref_seqs(num_seqs, max_decode_seqs)
     splits = policy.num_splits(defaults.splitk, sms, heads, ref)

@@ -22,7 +22,9 @@ from typing import Optional
 import torch
 
 from . import torch_op  # registers torch.ops.metrale_attn.paged_decode
-from .attention import LEGACY_MAX_DECODE_SEQS, DecodeAttention, workspace_bytes
+from .attention import DecodeAttention
+from .plan import LEGACY_MAX_DECODE_SEQS
+from .workspace import workspace_bytes
 
 
 class ModelAttention:

@@ -75,6 +75,17 @@ def detect_target(compute_capability: tuple[int, int], sm_count: int) -> Target:
     )
 
 
+def target_for(device, name: Optional[str]) -> Target:
+    """The target a layer runs with: on a GPU (``device``: its ``compute_capability`` and
+    ``sm_count``) the device's (``name`` then keeps its table but the device's SM count),
+    else the named one or the default (``device`` None: the table's SM count stands in)."""
+    if device is None:
+        return get_target(name or DEFAULT_TARGET)
+    if name is None:
+        return detect_target(device.compute_capability, device.sm_count)
+    return replace(get_target(name), sm_count=device.sm_count)
+
+
 @dataclass(frozen=True)
 class Defaults:
     """The policy a target runs with, and where each value came from.

@@ -16,7 +16,8 @@ import pytest
 from metrale_attn import DecodeAttention, kernels, policy, tolerance
 from metrale_attn.backends.cpu_backend import CpuBackend
 from metrale_attn.problems import Problem, make_problem
-from metrale_attn.targets import TARGETS
+from metrale_attn.config import LayerConfig, ModelShape
+from metrale_attn.targets import TARGETS, Defaults
 
 TOYS = Path(__file__).parent / "toy_kernels"
 
@@ -76,6 +77,12 @@ ARM_OPTIONS = {
 }
 
 
+def layer_config(defaults: Defaults, shape: ModelShape, *, max_batch: int, page_size: int = 16, q_dtype="bf16",
+                 kv_dtype="bf16", **fields) -> LayerConfig:
+    """A ``LayerConfig`` for plan tests (its fields taken as valid, as ``configure`` leaves them)."""
+    return LayerConfig(shape, page_size, q_dtype, kv_dtype, max_batch, defaults, **fields)
+
+
 def problem(*, seed=0, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16, seq_lens=(0, 1, 37),
             kv_dtype="bf16", q_dtype="bf16", layout="NHD", **kwargs):
     return make_problem(
@@ -118,9 +125,9 @@ ARCHES = tuple(sorted({t.arch for t in TARGETS.values()} | {"sm_120"}, key=lambd
 (docs/architecture.md)."""
 
 SPOT_VARIANTS = (
-    kernels.Variant("unpacked", 256, "fp16", "bf16", "mma", 1, {"mt", "win", "cap", "sink", "of32"}),  # most registers
+    kernels.Variant("unpacked", 256, "fp16", "bf16", "mma", 1, set(kernels.FEATURES)),  # most registers
     kernels.Variant("splitk", 256, "fp16", "bf16", "mma", 1),
-    kernels.Variant("unpacked", 128, "fp16", "bf16", "mma", 2, {"mt", "win", "cap", "sink", "of32"}),
+    kernels.Variant("unpacked", 128, "fp16", "bf16", "mma", 2, set(kernels.FEATURES)),
     kernels.Variant("unpacked", 128, "bf16", "fp8", "mma"),
     kernels.Variant("splitk", 64, "fp16", "fp8", "mma"),  # 4-stage rings
     kernels.Variant("gqa_packed", 256, "bf16", "fp8", "mma"),

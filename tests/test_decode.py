@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from metrale_attn import reference
-from metrale_attn.plan import IMPLS
+from metrale_attn.config import IMPLS
 from metrale_attn.policy import PD_MIN_KV_PER_SPLIT
 
 from conftest import ARM_OPTIONS, CountingBackend, check_against_reference, decoder, problem, run_poisoned

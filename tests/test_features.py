@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from metrale_attn import tolerance
 from metrale_attn.backends.cpu_backend import CpuBackend
-from metrale_attn.plan import heads_per_cta_choices
+from metrale_attn.config import heads_per_cta_choices
 from metrale_attn.problems import Problem
 
 from conftest import CountingBackend, decoder, problem
@@ -311,8 +311,8 @@ def test_features_are_carried_in_the_variant_names_and_compiled_only_when_used()
     assert be.loaded == ["decode_unpacked_qbf16_kvbf16_hd64_r8"]
     be = CountingBackend()
     decoder(P, backend=be, splitk="off", sinks=True, window_left=5, logits_soft_cap=3.0, max_q_len=2)
-    assert sorted(be.loaded) == ["decode_unpacked_qbf16_kvbf16_hd64_r8_mt_win_cap_sink",
-                                 "decode_unpacked_qbf16_kvbf16_hd64_r8_win_cap_sink"]
+    assert sorted(be.loaded) == ["decode_unpacked_qbf16_kvbf16_hd64_r8_multi_token_window_soft_cap_sinks",
+                                 "decode_unpacked_qbf16_kvbf16_hd64_r8_window_soft_cap_sinks"]
 
 
 def test_feature_bytes_hold_under_the_seeded_thread_orders():

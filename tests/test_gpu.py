@@ -337,7 +337,7 @@ def test_the_device_passes_the_known_answer_test_of_the_mma_instructions():
 @pytest.mark.parametrize("arm", ["unpacked", "splitk"])
 @pytest.mark.parametrize("kv, q", [("bf16", "bf16"), ("fp8", "bf16"), ("fp16", "fp16"), ("bf16", "fp16")])
 def test_gpu_bytes_do_not_depend_on_heads_per_cta(arm, kv, q):
-    from metrale_attn.plan import heads_per_cta_choices
+    from metrale_attn.config import heads_per_cta_choices
 
     p = problem(seed=21, page_size=16, seq_lens=(0, 77, 3000, 513), num_q_heads=16, num_kv_heads=2, head_dim=128,
                 kv_dtype=kv, q_dtype=q)

@@ -9,7 +9,7 @@ import pytest
 from metrale_attn import policy
 from metrale_attn.problems import Problem
 from metrale_attn.backends.cpu_backend import CpuBackend
-from metrale_attn.plan import heads_per_cta_choices
+from metrale_attn.config import heads_per_cta_choices
 
 from conftest import ARM_OPTIONS, check_against_reference, decoder, problem, run_poisoned
 

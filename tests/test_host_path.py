@@ -24,10 +24,10 @@ def test_repeated_calls_with_the_same_buffers_reuse_the_validated_launches_and_s
     attn = decoder(P, backend=be, splitk="3")
     out, lse = _outputs()
     attn.run(*_args(), out=out, lse=lse)
-    first = attn._last
+    first = attn._binder.last
     out[:] = np.nan
     attn.run(*_args(), out=out, lse=lse)
-    assert attn._last is first  # nothing was validated again
+    assert attn._binder.last is first  # nothing was validated again
     assert be.launches == ["decode_splitk", "decode_splitk_merge"] * 2
     check_against_reference(P, out, lse)
 

@@ -21,7 +21,8 @@ from metrale_attn.kernels import (
     read_source,
     source_constants,
 )
-from metrale_attn.plan import IMPLS, KERNELS
+from metrale_attn.config import IMPLS
+from metrale_attn.plan import KERNELS
 from metrale_attn.targets import TARGETS
 
 """Every target's architecture, from the one table (sm_90, sm_100, sm_103, sm_121): each
@@ -90,8 +91,8 @@ def test_block_sizes_and_dtype_codes_are_read_from_the_common_header():
 def test_variant_names_carry_every_specialization_parameter():
     assert Variant("splitk", 128, "bf16", "fp8", "simt").name == "paged_decode_splitk_qbf16_kvfp8_hd128"
     assert Variant("splitk", 128, "bf16", "fp8", "mma", 2).name == "decode_splitk_qbf16_kvfp8_hd128_r16"
-    assert Variant("unpacked", 64, "fp16", "fp8e5m2", features={"sink", "mt"}).name == \
-        "decode_unpacked_qfp16_kvfp8e5m2_hd64_r8_mt_sink"
+    assert Variant("unpacked", 64, "fp16", "fp8e5m2", features={"sinks", "multi_token"}).name == \
+        "decode_unpacked_qfp16_kvfp8e5m2_hd64_r8_multi_token_sinks"
     names = [v.name for v in all_variants()]
     simt = 3 * 2 * 3 + 3 * 2 * 3 + 1 * 2 * 3  # three KV dtypes (no e5m2)
     mma = 2 * (5 * 2 * 4) + 1 * 2 * 4  # four KV dtypes; unpacked and split-K at 1 or 2 row tiles (hd256: 1)
@@ -112,15 +113,17 @@ def test_every_kernel_an_arm_launches_is_defined_in_its_source():
 
 def test_the_dispatch_passes_every_parameter_every_kernel_declares():
     """The launch ABI is each kernel's parameter list, read from its source; the dispatch
-    passes arguments by name, so a parameter it does not know is caught here."""
-    from metrale_attn.attention import LAUNCH_ARGUMENTS
+    passes arguments by name (binding.ARGUMENTS, or a LayerConfig field of the same name),
+    so a parameter it does not know is caught here; pointers are exactly the arrays."""
+    from metrale_attn.binding import POINTER_ARGUMENTS, argument_source, kernel_abi
 
     for variant in all_variants():
+        kernel_abi(variant)  # refuses a parameter nothing binds
         for kernel, params in kernel_params(variant).items():
-            unknown = [p.name for p in params if p.name not in LAUNCH_ARGUMENTS]
+            unknown = [p.name for p in params if argument_source(p.name) is None]
             assert not unknown, (kernel, unknown)
             for p in params:
-                assert p.is_pointer == (LAUNCH_ARGUMENTS[p.name] == "pointer"), (kernel, p)
+                assert p.is_pointer == (p.name in POINTER_ARGUMENTS), (kernel, p)
 
 
 def test_a_parameter_of_an_unknown_type_is_refused_when_the_abi_is_read():
@@ -246,8 +249,10 @@ def test_plans_launch_exactly_the_kernels_their_arm_compiles():
     from metrale_attn.plan import make_plan
     from metrale_attn.targets import get_target, resolve_defaults
 
+    from conftest import layer_config
+
     for options in (dict(splitk="4"), dict(splitk="off"), dict(splitk="off", gqa_pack=True)):
         defaults = resolve_defaults(get_target("hopper"), environ={}, **options)
         for impl in IMPLS:
-            plan = make_plan(defaults, MODELS["qwen3.8-27b"], 2, max_batch=2, impl=impl)
+            plan = make_plan(layer_config(defaults, MODELS["qwen3.8-27b"], max_batch=2, impl=impl), 2)
             assert tuple(g.kernel for g in plan.launches) == Variant(plan.arm, 256, "bf16", "bf16", impl).kernels

@@ -9,9 +9,13 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "metrale_attn"
 LAYERS = [
     {"policy", "cache"},
     {"targets", "dtypes", "reference", "tolerance"},
+    {"config"},
     {"plan", "cuda_on_cpu", "problems"},
     {"kernels"},
     {"backends"},
+    {"validation"},
+    {"workspace"},
+    {"binding"},
     {"attention", "merge"},
     {"demo", "torch_op"},
     {"serving"},

@@ -2,25 +2,19 @@
 
 import subprocess
 import sys
+from dataclasses import astuple
 
 import pytest
 
 from metrale_attn import policy
 from metrale_attn.cli import MODELS, main
-from metrale_attn.plan import (
-    IMPLS,
-    ModelShape,
-    Workspace,
-    WorkspaceTooSmall,
-    heads_per_cta_choices,
-    heads_per_cta_for,
-    make_plan,
-    resolve_heads_per_cta,
-    resolve_impl,
-    workspace_for,
-)
+from metrale_attn.config import (IMPLS, ModelShape, configure, heads_per_cta_choices, resolve_heads_per_cta,
+                                 resolve_impl)
+from metrale_attn.plan import Workspace, WorkspaceTooSmall, heads_per_cta_for, make_plan, workspace_for
 from metrale_attn.policy import SplitkPolicy
 from metrale_attn.targets import TARGETS, detect_target, get_target, resolve_defaults
+
+from conftest import layer_config
 
 NO_ENV: dict = {}
 
@@ -137,7 +131,7 @@ def test_auto_plans_split_the_same_way_for_every_batch_with_exact_cta_counts(tar
     d = defaults(target)
     for batch in (1, 8, 64, 256):
         for impl in IMPLS:
-            plan = make_plan(d, shape, batch, max_batch=256, impl=impl)
+            plan = make_plan(layer_config(d, shape, max_batch=256, impl=impl), batch)
             hpc = plan.heads_per_cta
             assert plan.arm == "splitk" and plan.num_splits == splits
             assert hpc == 1 if impl == "simt" else shape.group_size % hpc == 0
@@ -149,24 +143,24 @@ def test_auto_plans_split_the_same_way_for_every_batch_with_exact_cta_counts(tar
 
 def test_gb10_legacy_plans_move_with_the_batch():
     d = defaults("gb10")
-    rows = [(b, make_plan(d, QWEN, b, max_batch=64, impl="simt")) for b in (1, 2, 8)]
+    rows = [(b, make_plan(layer_config(d, QWEN, max_batch=64, impl="simt"), b)) for b in (1, 2, 8)]
     assert [(b, p.arm, p.num_splits, p.ctas) for b, p in rows] == [
         (1, "splitk", 2, 48), (2, "unpacked", 1, 48), (8, "unpacked", 1, 192)]
     # mma: the same split counts; grouped heads while the grid keeps 24 of 48 SMs busy.
-    rows = [(b, make_plan(d, QWEN, b, max_batch=64)) for b in (1, 2, 8)]
+    rows = [(b, make_plan(layer_config(d, QWEN, max_batch=64), b)) for b in (1, 2, 8)]
     assert [(b, p.arm, p.num_splits, p.heads_per_cta, p.ctas) for b, p in rows] == [
         (1, "splitk", 2, 2, 24), (2, "unpacked", 1, 2, 24), (8, "unpacked", 1, 6, 32)]
 
 
 def test_legacy_reads_the_configured_reference_batch_when_it_is_larger():
     d = defaults("gb10")
-    assert make_plan(d, QWEN, 1, max_batch=64, max_decode_seqs=4).num_splits == 1
+    assert make_plan(layer_config(d, QWEN, max_batch=64, max_decode_seqs=4), 1).num_splits == 1
 
 
 def test_one_split_with_the_pack_armed_and_a_fitting_shape_takes_the_packed_arm():
     d = defaults("gb10", gqa_pack=True)
     for impl, kernel in (("simt", "paged_decode_gqa_packed"), ("mma", "decode_gqa_packed")):
-        plan = make_plan(d, QWEN, 8, max_batch=64, impl=impl)
+        plan = make_plan(layer_config(d, QWEN, max_batch=64, impl=impl), 8)
         assert (plan.arm, plan.launches[0].kernel, plan.launches[0].grid, plan.ctas, plan.heads_per_cta) == (
             "gqa_packed", kernel, (4, 8, 1), 32, policy.DECODE_GQA_PACK_WIDTH)
         assert plan.ctas == policy.gqa_pack_ctas(4, 8)
@@ -174,12 +168,12 @@ def test_one_split_with_the_pack_armed_and_a_fitting_shape_takes_the_packed_arm(
 
 def test_the_packed_arm_is_never_used_under_split_k():
     d = defaults("hopper", gqa_pack=True)
-    assert make_plan(d, QWEN, 8, max_batch=64).arm == "splitk"
-    assert make_plan(defaults("hopper", gqa_pack=True, splitk="off"), QWEN, 8, max_batch=64).arm == "gqa_packed"
+    assert make_plan(layer_config(d, QWEN, max_batch=64), 8).arm == "splitk"
+    assert make_plan(layer_config(defaults("hopper", gqa_pack=True, splitk="off"), QWEN, max_batch=64), 8).arm == "gqa_packed"
 
 
 def test_an_armed_pack_with_a_shape_that_does_not_fit_keeps_the_unpacked_kernel_and_says_why():
-    plan = make_plan(defaults("hopper", gqa_pack=True, splitk="off"), LLAMA8, 8, max_batch=64, impl="simt")
+    plan = make_plan(layer_config(defaults("hopper", gqa_pack=True, splitk="off"), LLAMA8, max_batch=64, impl="simt"), 8)
     assert plan.arm == "unpacked" and plan.launches[0].grid == (32, 8, 1)
     assert "does not fit" in plan.reason
 
@@ -193,7 +187,7 @@ def test_the_workspace_is_sized_once_for_max_batch():
 def test_a_call_whose_geometry_exceeds_the_workspace_is_refused_naming_both_sizes():
     small = workspace_for(defaults("hopper", splitk="legacy"), QWEN, max_batch=64)  # 132 slots
     with pytest.raises(WorkspaceTooSmall) as err:
-        make_plan(defaults("hopper"), QWEN, 2, max_batch=64, workspace=small)
+        make_plan(layer_config(defaults("hopper"), QWEN, max_batch=64), 2, workspace=small)
     message = str(err.value)
     assert "528 slots" in message and "132 slots" in message
     assert str(2 * 24 * 11 * 258 * 4) in message and str(132 * 258 * 4) in message
@@ -201,11 +195,11 @@ def test_a_call_whose_geometry_exceeds_the_workspace_is_refused_naming_both_size
 
 def test_a_batch_wider_than_max_batch_is_refused():
     with pytest.raises(ValueError, match="max_batch=8"):
-        make_plan(defaults("hopper"), QWEN, 9, max_batch=8)
+        make_plan(layer_config(defaults("hopper"), QWEN, max_batch=8), 9)
 
 
 def test_an_empty_batch_plans_zero_ctas():
-    plan = make_plan(defaults("hopper"), QWEN, 0, max_batch=8)
+    plan = make_plan(layer_config(defaults("hopper"), QWEN, max_batch=8), 0)
     assert plan.ctas == 0 and plan.slots_used == 0
 
 
@@ -323,31 +317,32 @@ def test_heads_per_cta_choices_are_the_divisors_of_the_group_up_to_sixteen():
 
 def test_at_head_dim_256_a_cta_holds_eight_rows_so_nothing_spills():
     shape = ModelShape(32, 2, 256)
-    assert make_plan(defaults("hopper"), shape, 64, max_batch=64).heads_per_cta == 8
+    assert make_plan(layer_config(defaults("hopper"), shape, max_batch=64), 64).heads_per_cta == 8
     with pytest.raises(ValueError, match="head_dim 256"):
-        make_plan(defaults("hopper"), shape, 64, max_batch=64, heads_per_cta=16)
+        configure(*astuple(shape), 16, q_dtype="bf16", kv_dtype="bf16", max_batch=64, defaults=defaults("hopper"),
+                  heads_per_cta=16)
 
 
 def test_the_split_count_and_the_workspace_never_read_heads_per_cta():
     d = defaults("hopper")
     for batch in (1, 3, 64):
-        plans = [make_plan(d, LLAMA70, batch, max_batch=64, heads_per_cta=h) for h in heads_per_cta_choices(8)]
+        plans = [make_plan(layer_config(d, LLAMA70, max_batch=64, heads_per_cta=h), batch) for h in heads_per_cta_choices(8)]
         assert {p.num_splits for p in plans} == {5}
         assert {p.slots_used for p in plans} == {batch * 64 * 5}
         assert [p.heads_per_cta for p in plans] == [1, 2, 4, 8]
 
 
 def test_a_heads_per_cta_override_wins_over_the_rule_and_shows_in_the_reason():
-    plan = make_plan(defaults("hopper"), LLAMA8, 1, max_batch=8, heads_per_cta=1)
+    plan = make_plan(layer_config(defaults("hopper"), LLAMA8, max_batch=8, heads_per_cta=1), 1)
     assert plan.heads_per_cta == 1 and plan.launches[0].grid == (32, 9, 1) and "override" in plan.reason
-    assert "rule" in make_plan(defaults("hopper"), LLAMA8, 1, max_batch=8).reason
+    assert "rule" in make_plan(layer_config(defaults("hopper"), LLAMA8, max_batch=8), 1).reason
 
 
 def test_sixteen_heads_per_cta_need_the_second_row_tile():
     shape = ModelShape(32, 2, 128)
-    assert make_plan(defaults("hopper"), shape, 64, max_batch=64).heads_per_cta == 16
-    assert make_plan(defaults("hopper"), shape, 64, max_batch=64).row_tiles == 2
-    assert make_plan(defaults("hopper"), shape, 64, max_batch=64, heads_per_cta=8).row_tiles == 1
+    assert make_plan(layer_config(defaults("hopper"), shape, max_batch=64), 64).heads_per_cta == 16
+    assert make_plan(layer_config(defaults("hopper"), shape, max_batch=64), 64).row_tiles == 2
+    assert make_plan(layer_config(defaults("hopper"), shape, max_batch=64, heads_per_cta=8), 64).row_tiles == 1
 
 
 @pytest.mark.parametrize("value, env, match", [

@@ -119,3 +119,23 @@ def test_the_op_refuses_bad_input_with_runs_errors():
     p, attn, (q, k, v, bt, sl) = _case(seed=6)
     with pytest.raises(ValueError, match="out overlaps q"):
         OP(attn.handle, q, k, v, bt, sl, q, None, 1.0, 1.0)
+
+
+def test_the_op_schema_names_the_arguments_of_paged_decode_and_of_run_in_order():
+    """The schema is written once (torch_op.SCHEMA); the function that implements it, its fake
+    and DecodeAttention.run must agree with it on every name, order and default."""
+    import inspect
+
+    from metrale_attn import torch_op
+
+    schema = torch.ops.metrale_attn.paged_decode.default._schema
+    names = [a.name for a in schema.arguments]
+    defaults = {a.name: a.default_value for a in schema.arguments if a.has_default_value()}
+    for fn in (torch_op.paged_decode, torch_op._paged_decode_fake):
+        params = inspect.signature(fn).parameters
+        assert list(params) == names, fn
+        assert {n: p.default for n, p in params.items() if p.default is not inspect.Parameter.empty} == defaults, fn
+    run = inspect.signature(DecodeAttention.run).parameters
+    assert set(names) - {"handle"} <= set(run)
+    assert all(run[n].default == d for n, d in defaults.items())
+    assert [a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write] == ["out", "lse"]

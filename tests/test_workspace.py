@@ -38,7 +38,7 @@ def test_layers_of_several_shapes_share_one_workspace_and_get_the_bytes_of_priva
     ws = np.empty(workspace_bytes(SHAPES, max_batch=3, backend="cpu", splitk="4"), np.uint8)
     layers = [_layer(SHAPES[i % 3], ws) for i in range(6)]  # six layers, two of each shape, one allocation
     assert all(layer.workspace is ws for layer in layers)
-    assert len({id(layer._shared) for layer in layers}) == 1
+    assert len({id(layer._group) for layer in layers}) == 1
     for step in range(2):
         for i, layer in enumerate(layers):
             p = _problem(SHAPES[i % 3], seed=10 * step + i)
@@ -77,7 +77,7 @@ def test_a_torch_tensor_serves_as_a_workspace_and_another_objects_workspace_may_
     ws = torch.empty(workspace_bytes(SHAPES, max_batch=3, backend="cpu", splitk="4"), dtype=torch.uint8)
     a = _layer(SHAPES[1], ws)
     b = _layer(SHAPES[0], a.workspace)
-    assert a._shared is b._shared
+    assert a._group is b._group
     for layer, shape in ((a, SHAPES[1]), (b, SHAPES[0])):
         p = _problem(shape, seed=3)
         check_against_reference(p, *run_poisoned(layer, p))
@@ -97,9 +97,9 @@ def test_overlapping_workspaces_share_a_lock_and_one_bridging_two_groups_is_refu
     buf = np.empty(4 * n, np.uint8)
     a = _layer(SHAPES[0], buf[:n])
     b = _layer(SHAPES[0], buf[2 * n:3 * n])
-    assert a._shared is not b._shared  # disjoint: independent
+    assert a._group is not b._group  # disjoint: independent
     c = _layer(SHAPES[0], buf[n // 2:n // 2 + n])  # overlaps a's: a's group
-    assert c._shared is a._shared
+    assert c._group is a._group
     with pytest.raises(ValueError, match="overlaps the workspaces of 2 groups"):
         _layer(SHAPES[0], buf[n:n + 2 * n])
 

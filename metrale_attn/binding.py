@@ -1,0 +1,283 @@
+"""Binding one call's arguments to its kernels' parameters: the launch ABI, Python side.
+
+Each kernel's parameter list (names, order, C types) is read from its source
+(``kernels.kernel_params``): the C signature is the one description of the ABI. Here
+``ARGUMENTS`` says where the value of every parameter a kernel may declare comes from,
+and a parameter named after a ``LayerConfig`` field takes that field's value (``int
+window_left``), so a feature whose kernels read a configured value needs no entry here.
+A parameter that is neither fails ``kernel_abi`` (and the test that builds every
+variant's ABI) before anything launches.
+
+``CallBinder`` turns one call's arrays and scales into launches: it checks each array
+(``validation``) unless it is the buffer checked last time, and keeps one template of
+typed values per plan, scalars and strides, so a call with new buffers of the same layout
+only fills in pointers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Optional
+
+from .backends import Launch
+from .config import LayerConfig
+from .kernels import kernel_params
+from .validation import (ARRAY_ARGUMENTS, CHECKERS, VECTOR_BYTES, check_together, logit_scales, refuse_sinks,
+                         scales)
+from .workspace import where
+
+_CONFIG_FIELDS = frozenset(f.name for f in dataclasses.fields(LayerConfig))
+
+ARGUMENTS: dict[str, Callable[["_Values"], object]] = {
+    # the arrays' pointers
+    "q": lambda v: v.seen[0].pointer,
+    "k_cache": lambda v: v.seen[1].pointer,
+    "v_cache": lambda v: v.seen[2].pointer,
+    "block_tables": lambda v: v.seen[3].pointer,
+    "seq_lens": lambda v: v.seen[4].pointer,
+    "sinks": lambda v: v.pointer_or_null(5),
+    "out": lambda v: v.seen[6].pointer,
+    "lse": lambda v: v.pointer_or_null(7),
+    "workspace": lambda v: v.workspace,
+    # their strides, in elements: q (seq, token, head), each cache (page, token, head)
+    "q_stride_seq": lambda v: v.q_strides[0],
+    "q_stride_token": lambda v: v.q_strides[1],
+    "q_stride_head": lambda v: v.q_strides[2],
+    "k_stride_page": lambda v: v.seen[1].derived[0],
+    "k_stride_token": lambda v: v.seen[1].derived[1],
+    "k_stride_head": lambda v: v.seen[1].derived[2],
+    "v_stride_page": lambda v: v.seen[2].derived[0],
+    "v_stride_token": lambda v: v.seen[2].derived[1],
+    "v_stride_head": lambda v: v.seen[2].derived[2],
+    "block_tables_stride": lambda v: v.seen[3].info.strides[0],
+    # the layer
+    "num_kv_heads": lambda v: v.config.shape.num_kv_heads,
+    # the plan
+    "heads_per_cta": lambda v: v.plan.heads_per_cta,
+    "num_splits": lambda v: v.plan.num_splits,
+    "q_len": lambda v: v.plan.q_len,
+    # the scales, folded (validation.scales, validation.logit_scales)
+    "qk_scale": lambda v: v.scalars["qk_scale"],
+    "qk_scale_log2": lambda v: v.scalars["qk_scale"],  # simt's name: the same value (it has no cap)
+    "cap_log2": lambda v: v.scalars["cap_log2"],
+    "v_scale": lambda v: v.scalars["v_scale"],
+}
+"""Where each kernel parameter's value comes from, by the name the sources give it (the
+layer's own fields, ``page_size`` or ``window_left``, are found by name in ``LayerConfig``)."""
+POINTER_ARGUMENTS = ARRAY_ARGUMENTS + ("workspace",)
+"""The parameters that are pointers: the arrays of ``run`` and the workspace."""
+
+
+def argument_source(name: str) -> Optional[str]:
+    """``"call"`` for a parameter ``ARGUMENTS`` binds, ``"config"`` for one named after a
+    ``LayerConfig`` field, None for a parameter nothing binds."""
+    if name in ARGUMENTS:
+        return "call"
+    return "config" if name in _CONFIG_FIELDS else None
+
+
+def kernel_abi(variant) -> dict[str, tuple]:
+    """Per kernel of ``variant``: ``((parameter name, NumPy scalar type or None for a pointer), ...)``,
+    refusing a parameter no value is bound to."""
+    abi = {}
+    for kernel, params in kernel_params(variant).items():
+        unbound = [p.name for p in params if argument_source(p.name) is None]
+        if unbound:
+            raise RuntimeError(f"kernel {kernel} ({variant.name}) declares {', '.join(unbound)}, which nothing binds: "
+                               "name it after a LayerConfig field or add it to binding.ARGUMENTS")
+        abi[kernel] = tuple((p.name, None if p.is_pointer else p.numpy_type) for p in params)
+    return abi
+
+
+class _Seen:
+    """One array argument as last checked: its fingerprint and the rows it was checked
+    for, the array (kept alive: a fingerprint may stand for its pointer by ``id``), its
+    description, byte range, what its checker derived, and its launch pointer."""
+
+    __slots__ = ("fingerprint", "rows", "array", "info", "span", "derived", "pointer")
+
+    def __init__(self, fingerprint, rows, array, info, span, derived, pointer):
+        self.fingerprint, self.rows, self.array, self.info = fingerprint, rows, array, info
+        self.span, self.derived, self.pointer = span, derived, pointer
+
+
+class BoundCall:
+    """A validated call: the fingerprints and scales it was validated for, its launches
+    ``((module, Launch), ...)``, what the index check reads, and its arguments (kept
+    alive with the launches' pointers)."""
+
+    __slots__ = ("prints", "k_scale", "v_scale", "launches", "num_pages", "max_pages", "q_len", "seen",
+                 "workspace_span")
+
+    def __init__(self, prints, k_scale, v_scale, launches, num_pages, max_pages, q_len, seen, workspace_span):
+        self.prints, self.k_scale, self.v_scale, self.launches = prints, k_scale, v_scale, launches
+        self.num_pages, self.max_pages, self.q_len, self.seen = num_pages, max_pages, q_len, seen
+        self.workspace_span = workspace_span  # the shared workspace's bytes the arrays were checked against
+
+
+class _Values:
+    """What ``ARGUMENTS`` reads a value from: the layer, the plan, the checked arrays, the
+    folded scalars and the workspace pointer."""
+
+    __slots__ = ("config", "plan", "seen", "scalars", "workspace", "null", "q_strides")
+
+    def __init__(self, config, plan, seen, scalars, workspace, null):
+        self.config, self.plan, self.seen, self.scalars, self.workspace, self.null = (
+            config, plan, seen, scalars, workspace, null)
+        qs = seen[0].info.strides
+        self.q_strides = qs[:3] if len(qs) == 4 else (qs[0], 0, qs[1])  # (seq, token, head)
+
+    def pointer_or_null(self, index: int):
+        seen = self.seen[index]
+        return self.null if seen is None else seen.pointer
+
+
+_ABSENT = ()
+"""The fingerprint of an absent optional array (``lse=None``)."""
+_MAX_TEMPLATES = 64
+
+
+class CallBinder:
+    """One layer's calls turned into launches.
+
+    ``modules``: ``(arm, row_tiles, multi_token) -> (variant, module)``; ``abi``: kernel ->
+    ``kernel_abi``; ``plan``: the layer's memoized ``plan(num_seqs, q_len)``; ``group``: the
+    ``WorkspaceGroup`` (its byte range is what inputs may not overlap); ``block``: the
+    attention kernels' and the merge's block sizes.
+    """
+
+    def __init__(self, config: LayerConfig, backend, device, modules: dict, abi: dict, plan, group,
+                 workspace_pointer, block: tuple[int, int]):
+        self.config, self.backend, self.device = config, backend, device
+        self._modules, self._abi, self._plan, self._group = modules, abi, plan, group
+        self._workspace, self._block = workspace_pointer, block
+        self._seen: list = [None] * len(ARRAY_ARGUMENTS)  # per argument: the last buffer checked (_Seen)
+        self.last: Optional[BoundCall] = None  # the last validated call, reused for the same buffers and scales
+        self._templates: dict = {}  # (plan, scalars, strides) -> per kernel typed values and pointer slots
+
+    def bind(self, arrays: tuple, k_scale, v_scale) -> BoundCall:
+        """The launches of a call of ``arrays`` (``ARRAY_ARGUMENTS`` in order; ``sinks`` and
+        ``lse`` may be None): the last call's when every array is the same buffer (the
+        backend's ``fingerprint``), the scales are the same floats and no layer joined the
+        workspace since; else every check of every argument (``validate``)."""
+        fingerprint = self.backend.fingerprint
+        q, k, v, bt, sl, sk, out, lse = arrays
+        prints = (fingerprint(q), fingerprint(k), fingerprint(v), fingerprint(bt), fingerprint(sl),
+                  _ABSENT if sk is None else fingerprint(sk), fingerprint(out),
+                  _ABSENT if lse is None else fingerprint(lse))
+        last = self.last
+        if (last is not None and last.prints == prints and last.k_scale == k_scale and last.v_scale == v_scale
+                and type(k_scale) is float and type(v_scale) is float  # noqa: E721  (True == 1.0: types too)
+                and last.workspace_span is self._group.span):  # no layer joined the workspace since
+            return last
+        call = self.validate(arrays, prints, k_scale, v_scale)
+        self.last = call if None not in prints else None
+        return call
+
+    def rows(self, q) -> tuple[int, ...]:
+        """out's leading dims for ``q``, after checking it."""
+        return self._checked(0, q, self.backend.fingerprint(q), None).derived
+
+    def validate(self, arrays: tuple, prints: tuple, k_scale, v_scale) -> BoundCall:
+        """Check a call's arguments and build its launches: every check of every argument.
+
+        Each array is described and checked by its checker (``validation.CHECKERS``)
+        unless it is the buffer the same argument was checked as last time (``prints``:
+        the backend's fingerprints; None: unknown, check); then the checks across arrays
+        run, and the scalars'.
+        """
+        config = self.config
+        q_seen = self._checked(0, arrays[0], prints[0], None)
+        rows = q_seen.derived  # out's leading dims: (num_seqs, num_q_heads) or (num_seqs, q_len, num_q_heads)
+        if (arrays[5] is None) == config.sinks:
+            refuse_sinks(config)
+        seen = [q_seen] + [None if a is None else self._checked(i, a, prints[i], rows)
+                           for i, a in enumerate(arrays[1:], 1)]
+        q, k, v, bt, sl, sk, out, lse = seen
+        check_together(k.info, v.info, (out.span, None if lse is None else lse.span),
+                       (q.span, k.span, v.span, bt.span, sl.span, None if sk is None else sk.span), self._group.span)
+        k_scale, v_scale = scales(config.sm_scale, k_scale, v_scale)
+        qk_scale, cap_log2 = logit_scales(config, k_scale)
+        scalars = dict(qk_scale=qk_scale, cap_log2=cap_log2, v_scale=v_scale)
+        num_seqs, q_len = rows[0], (rows[1] if len(rows) == 3 else 1)
+        plan = self._plan(num_seqs, q_len)
+        launches = self._launches(plan, seen, scalars) if num_seqs else ()
+        return BoundCall(prints, k_scale, v_scale, launches, k.info.shape[0], bt.info.shape[1], q_len, seen,
+                         self._group.span)
+
+    def _checked(self, index: int, array, fingerprint, rows) -> _Seen:
+        """``array`` (argument ``ARRAY_ARGUMENTS[index]``) described and checked, or what
+        was found of it last time when it is the same buffer checked for the same rows.
+
+        A new buffer of the argument's last layout (the fingerprint past its first item:
+        shape, strides, dtype, device, writability) at an address that moved by a multiple
+        of ``VECTOR_BYTES`` gets the last verdict of its checker without running it: the
+        checkers read an array's address only modulo ``VECTOR_BYTES`` (alignment).
+        Everything else about it is read anew."""
+        seen = self._seen[index]
+        backend = self.backend
+        if fingerprint is not None and seen is not None and seen.rows == rows:
+            if seen.fingerprint == fingerprint:
+                return seen
+            if seen.fingerprint[1:] == fingerprint[1:]:
+                info = backend.moved(seen.info, array)
+                shift = info.ptr - seen.info.ptr
+                if shift % VECTOR_BYTES == 0:
+                    span = None if seen.span is None else (seen.span[0] + shift, seen.span[1] + shift)
+                    seen = _Seen(fingerprint, rows, array, info, span, seen.derived, backend.pointer(array, info))
+                    self._seen[index] = seen
+                    return seen
+        info = backend.describe(array, ARRAY_ARGUMENTS[index])
+        if info.device != self.device:
+            raise ValueError(f"{ARRAY_ARGUMENTS[index]} must be on the device this DecodeAttention was built on "
+                             f"({where(self.device)}), got {where(info.device)}")
+        derived = CHECKERS[index](self.config, info, rows)
+        seen = _Seen(fingerprint, rows, array, info, info.byte_range(), derived, backend.pointer(array, info))
+        self._seen[index] = seen if fingerprint is not None else None
+        return seen
+
+    def _launches(self, plan, seen: list, scalars: dict) -> tuple:
+        """``plan``'s launches ``((module, Launch), ...)``, each with the parameters its
+        source declares, by name.
+
+        Built once per plan, scalars and strides as a template: each kernel's typed
+        values (NumPy scalars of the ABI's types) with a slot per array pointer; a call
+        with new buffers of the same strides only fills the slots."""
+        key = (id(plan), *scalars.values(), *[None if x is None else x.info.strides for x in seen])
+        template = self._templates.get(key)
+        if template is None:
+            if len(self._templates) >= _MAX_TEMPLATES:  # strides of many cache views: start over
+                self._templates.clear()
+            template = self._templates[key] = self._template(plan, seen, scalars)
+        launches = []
+        for module, kernel, grid, block, shared, values, slots in template:
+            values = values.copy()
+            for j, index in slots:
+                values[j] = seen[index].pointer
+            launches.append((module, Launch(kernel, grid, block, shared, tuple(values))))
+        return tuple(launches)
+
+    def _template(self, plan, seen: list, scalars: dict) -> tuple:
+        """Per kernel of ``plan``: ``(module, kernel, grid, block, shared bytes, values,
+        slots)``; ``slots`` are ``(position, argument index)`` of the array pointers. Values
+        other than the arrays' pointers depend only on the plan, the scalars, the arrays'
+        strides and the layer."""
+        variant, module = self._modules[plan.arm, plan.row_tiles, plan.q_len > 1]
+        values_of = _Values(self.config, plan, seen, scalars, self._workspace, self.backend.pointer(None))
+        index = {name: i for i, name in enumerate(ARRAY_ARGUMENTS) if seen[i] is not None}
+        template = []
+        for i, grid in enumerate(plan.launches):
+            abi = self._abi[grid.kernel]
+            values = []
+            for name, typ in abi:
+                value = ARGUMENTS[name](values_of) if name in ARGUMENTS else getattr(self.config, name)
+                values.append(value if typ is None else typ(value))
+            slots = tuple((j, index[name]) for j, (name, typ) in enumerate(abi) if typ is None and name in index)
+            for j, _ in slots:  # filled per call; the template keeps no array alive
+                values[j] = None
+            if i == 0:  # the attention kernel
+                block, shared = (self._block[0], 1, 1), variant.shared_bytes
+            else:  # the merge
+                block, shared = (self._block[1], 1, 1), 0
+            template.append((module, grid.kernel, grid.grid, block, shared, values, slots))
+        return tuple(template)

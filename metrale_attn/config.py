@@ -1,0 +1,321 @@
+"""One layer's configuration, validated once: what the plan, the variants and the launch read.
+
+``configure`` turns the keyword arguments a caller gives ``DecodeAttention`` (shape,
+dtypes, layout, features, implementation, policy inputs) into a frozen ``LayerConfig``,
+refusing a bad value with the argument's name. Nothing below it checks those values
+again: ``plan.make_plan``, ``kernels.variants_for`` and the launch binding take the
+config as true.
+
+A feature of the ``mma`` core is one entry of ``FEATURES``: its name, and the rule
+saying when a layer has it. The name is the feature's only spelling: the kernels
+compile it as ``-DPD_<NAME>=0|1`` (``PD_WINDOW``), variant names carry it as a suffix
+(``..._window``), and a kernel parameter named after a ``LayerConfig`` field (``int
+window_left``) takes that field's value. docs/adding-a-kernel-feature.md walks through it.
+
+Pure: no backend, no device, no kernel source is touched here.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import os
+from dataclasses import dataclass, field, replace
+from typing import Callable, Optional
+
+from . import dtypes, policy
+from .targets import Defaults
+
+HEAD_DIMS = (64, 128, 256)
+LAYOUTS = ("NHD", "HND")
+MAX_PAGE_SIZE = 256
+MAX_Q_LEN = 8
+"""Query tokens per sequence in one call (multi-token decode: speculative verification, MTP)."""
+MAX_WINDOW_LEFT = 2**31 - 1  # the kernels take window_left as an int32
+
+IMPLS = ("mma", "simt")
+"""``mma``: the tensor-core core, a CTA serves ``heads_per_cta`` heads of one KV head;
+``simt``: the first CUDA-core kernels (the reference implementation), one head per CTA."""
+DEFAULT_IMPL = "mma"
+ENV_IMPL = "METRALE_ATTN_DECODE_IMPL"
+ENV_HEADS_PER_CTA = "METRALE_ATTN_DECODE_HEADS_PER_CTA"
+
+ROW_TILE = 8
+"""Query rows (heads x query tokens) in one row tile of an ``mma`` CTA: the MMA's N side."""
+MAX_ROWS_PER_CTA = 2 * ROW_TILE
+"""Query rows one ``mma`` CTA can hold: two row tiles; ``max_rows_per_cta`` lowers it for
+head dim 256."""
+
+FP32_MAX = 3.4028234663852886e38
+FP32_MIN_NORMAL = 1.1754943508222875e-38
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Attention heads of one layer. ``num_q_heads`` is a multiple of ``num_kv_heads``."""
+
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+    def __post_init__(self) -> None:
+        for name in ("num_q_heads", "num_kv_heads", "head_dim"):
+            value = policy.as_int(getattr(self, name))  # NumPy integers too, not bools
+            if value is None or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")
+            object.__setattr__(self, name, value)
+        if self.num_q_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_q_heads ({self.num_q_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
+        if self.head_dim not in HEAD_DIMS:
+            raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {self.head_dim}")
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per KV head."""
+        return self.num_q_heads // self.num_kv_heads
+
+
+@dataclass(frozen=True)
+class LayerConfig:
+    """One attention layer as ``DecodeAttention`` serves it; every value already checked.
+
+    Units and meanings are ``DecodeAttention``'s: ``sm_scale`` multiplies ``q . k``;
+    ``window_left`` is -1 (none) or the keys before a token's position it still sees;
+    ``logits_soft_cap`` None (none) or the cap; ``heads_per_cta`` None (the plan's rule)
+    or the override; ``impl`` the implementation after any fallback.
+    """
+
+    shape: ModelShape
+    page_size: int
+    q_dtype: str
+    kv_dtype: str
+    max_batch: int
+    defaults: Defaults
+    kv_layout: str = "NHD"
+    out_dtype: Optional[str] = None  # None: q_dtype
+    sm_scale: Optional[float] = None  # None: 1 / sqrt(head_dim)
+    max_decode_seqs: int = 1
+    impl: str = DEFAULT_IMPL
+    heads_per_cta: Optional[int] = None
+    max_q_len: int = 1
+    window_left: int = -1
+    logits_soft_cap: Optional[float] = None
+    sinks: bool = False
+    features: frozenset = field(init=False)
+    """The ``FEATURES`` this layer compiles (``multi_token`` for calls of ``q_len > 1`` only)."""
+
+    def __post_init__(self) -> None:
+        if self.out_dtype is None:
+            object.__setattr__(self, "out_dtype", self.q_dtype)
+        if self.sm_scale is None:
+            object.__setattr__(self, "sm_scale", 1.0 / math.sqrt(self.shape.head_dim))
+        object.__setattr__(self, "features", frozenset(name for name, has in FEATURES.items() if has(self)))
+
+    @property
+    def target(self):
+        return self.defaults.target
+
+    @property
+    def max_rows(self) -> int:
+        """Query rows an ``mma`` CTA of this head dim holds (``max_rows_per_cta``)."""
+        return max_rows_per_cta(self.shape.head_dim)
+
+    def features_at(self, q_len: int) -> frozenset:
+        """The features a call of ``q_len`` query tokens runs with: ``multi_token`` only when
+        ``q_len > 1`` (a one-token call of a multi-token layer takes the plain kernels)."""
+        return self.features if q_len > 1 else self.features - {"multi_token"}
+
+    @property
+    def mma_only(self) -> tuple[str, ...]:
+        """What this layer asks that only the ``mma`` kernels serve: its features, and an e5m2 cache."""
+        return tuple(sorted(self.features)) + (("fp8 e5m2 cache",) if self.kv_dtype == dtypes.FP8_E5M2 else ())
+
+
+FEATURES: dict[str, Callable[[LayerConfig], bool]] = {
+    "multi_token": lambda c: c.max_q_len > 1,
+    "window": lambda c: c.window_left >= 0,
+    "soft_cap": lambda c: c.logits_soft_cap is not None,
+    "sinks": lambda c: c.sinks,
+    "out_f32": lambda c: c.out_dtype == dtypes.FLOAT32,
+}
+"""The ``mma`` core's specializations, by name, and when a layer has each: multi-token
+decode (``max_q_len > 1``: query rows that see different keys), a sliding window, the
+logits soft-cap, attention sinks, fp32 output. Each compiles as ``-DPD_<NAME>=0|1``
+(``feature_define``), so the plain path compiles none of their code."""
+
+
+def feature_define(name: str) -> str:
+    """The ``-D`` name of a feature: ``PD_`` and the name in capitals (``PD_WINDOW``)."""
+    return f"PD_{name.upper()}"
+
+
+def configure(
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    page_size: int,
+    *,
+    q_dtype,
+    kv_dtype,
+    max_batch: int,
+    defaults: Defaults,
+    kv_layout: str = "NHD",
+    out_dtype=None,
+    sm_scale: Optional[float] = None,
+    max_decode_seqs: int = 1,
+    impl: Optional[str] = None,
+    heads_per_cta: Optional[int] = None,
+    max_q_len: int = 1,
+    window_left: int = -1,
+    logits_soft_cap: Optional[float] = None,
+    sinks: bool = False,
+    environ=None,
+) -> LayerConfig:
+    """A ``LayerConfig`` from ``DecodeAttention``'s keyword arguments, each checked here and
+    refused with its name: integers may be any ``numbers.Integral`` (never a bool), dtypes
+    strings or NumPy/ml_dtypes/torch dtypes, and ``impl``/``heads_per_cta`` fall back to
+    ``METRALE_ATTN_DECODE_IMPL``/``METRALE_ATTN_DECODE_HEADS_PER_CTA`` (read from
+    ``environ``, default ``os.environ``) when None. ``defaults``: the target and its resolved
+    policy (``targets.resolve_defaults``)."""
+    env = os.environ if environ is None else environ
+    shape = ModelShape(num_q_heads, num_kv_heads, head_dim)
+    page_size = int_in("page_size", page_size, 1, MAX_PAGE_SIZE)
+    max_batch = int_in("max_batch", max_batch, 1)
+    max_decode_seqs = int_in("max_decode_seqs", max_decode_seqs, 0)
+    layout = str(kv_layout).strip().upper()  # trimmed, like every other string option
+    if layout not in LAYOUTS:
+        raise ValueError(f"kv_layout must be 'NHD' or 'HND', got {kv_layout!r}")
+    q_dtype = dtypes.canonical(q_dtype, argument="q_dtype", allowed=dtypes.Q_DTYPES)
+    kv_dtype = dtypes.canonical(kv_dtype, argument="kv_dtype", allowed=dtypes.KV_DTYPES)
+    sm_scale = 1.0 / math.sqrt(shape.head_dim) if sm_scale is None else positive("sm_scale", sm_scale)
+    max_q_len = int_in("max_q_len", max_q_len, 1, MAX_Q_LEN)
+    window_left = int_in("window_left", window_left, -1, MAX_WINDOW_LEFT)
+    logits_soft_cap = soft_cap(logits_soft_cap)
+    if not isinstance(sinks, bool):
+        raise TypeError(f"sinks must be a bool (whether run() takes sink logits), got {sinks!r}")
+    out_dtype = q_dtype if out_dtype is None else dtypes.canonical(out_dtype, argument="out_dtype",
+                                                                   allowed=(q_dtype, dtypes.FLOAT32))
+    impl = resolve_impl(impl, env.get(ENV_IMPL))
+    config = LayerConfig(shape, page_size, q_dtype, kv_dtype, max_batch, defaults, layout, out_dtype, sm_scale,
+                         max_decode_seqs, impl, None, max_q_len, window_left, logits_soft_cap, sinks)
+    if config.impl == "simt" and config.mma_only:
+        raise ValueError(f"impl='simt' has no {', '.join(config.mma_only)} (features: multi_token = max_q_len > 1, "
+                         "window = window_left, soft_cap = logits_soft_cap, sinks = sinks, out_f32 = out_dtype "
+                         "float32; fp8_e5m2 caches): use impl='mma'")
+    override = resolve_heads_per_cta(heads_per_cta, env.get(ENV_HEADS_PER_CTA), shape.group_size, max_q_len,
+                                     max_rows_per_cta(shape.head_dim))
+    return replace(config, heads_per_cta=override)
+
+
+# -- the implementation and heads per CTA -----------------------------------------------
+
+
+def resolve_impl(impl: Optional[str], env_raw: Optional[str]) -> str:
+    """The implementation: the ``impl`` argument, else a non-empty ``METRALE_ATTN_DECODE_IMPL``,
+    else ``mma``. Either spelling must be one of ``IMPLS`` (trimmed, case-insensitive)."""
+    for value, where in ((impl, "impl"), (env_raw, ENV_IMPL)):
+        if value is None or (where == ENV_IMPL and not policy.normalize(value)):
+            continue
+        name = policy.normalize(str(value))
+        if name not in IMPLS:
+            raise ValueError(f"{where} must be one of {', '.join(IMPLS)}, got {value!r}")
+        return name
+    return DEFAULT_IMPL
+
+
+def impl_chosen(impl: Optional[str], env_raw: Optional[str]) -> bool:
+    """Whether the caller chose the implementation (the ``impl`` argument, or a non-empty
+    ``METRALE_ATTN_DECODE_IMPL``) rather than taking the default: a chosen ``mma`` is never
+    silently replaced."""
+    return impl is not None or bool(policy.normalize(env_raw or ""))
+
+
+def max_rows_per_cta(head_dim: int) -> int:
+    """Query rows an ``mma`` CTA holds at ``head_dim``: 16, but 8 at head dim 256, where 16
+    rows' fp32 accumulators alone (16 x 256 / 32 lanes = 128 registers) leave ptxas no
+    room for the rest of the loop without spilling."""
+    return ROW_TILE if head_dim >= 256 else MAX_ROWS_PER_CTA
+
+
+def heads_per_cta_choices(group_size: int, q_len: int = 1, max_rows: int = MAX_ROWS_PER_CTA) -> tuple[int, ...]:
+    """The divisors of the group size an ``mma`` CTA can hold with ``q_len`` query tokens
+    each (``h x q_len <= max_rows``, see ``max_rows_per_cta``)."""
+    return tuple(d for d in range(1, min(group_size, max_rows // q_len) + 1) if group_size % d == 0)
+
+
+def resolve_heads_per_cta(value, env_raw: Optional[str], group_size: int, max_q_len: int = 1,
+                          max_rows: int = MAX_ROWS_PER_CTA) -> Optional[int]:
+    """An override of the rule: the ``heads_per_cta`` argument, else a non-empty
+    ``METRALE_ATTN_DECODE_HEADS_PER_CTA``; None when neither is set. It must be one of
+    ``heads_per_cta_choices(group_size)``: a value the kernels cannot serve is an error,
+    never silently replaced."""
+    where = "heads_per_cta"
+    if value is None:
+        if env_raw is None or not policy.normalize(env_raw):
+            return None
+        value, where = policy.parse_count(env_raw), ENV_HEADS_PER_CTA
+        if value is None:
+            raise ValueError(f"{ENV_HEADS_PER_CTA} must be a positive decimal integer (ASCII digits), got {env_raw!r}")
+    elif policy.as_int(value) is None:
+        raise TypeError(f"heads_per_cta must be an int (any numbers.Integral, not a bool) or None, got {value!r}")
+    value = policy.as_int(value)
+    choices = heads_per_cta_choices(group_size, max_q_len, max_rows)
+    if value not in choices:
+        limit = f" ({max_q_len} query tokens each)" if max_q_len > 1 else ""
+        if max_rows < MAX_ROWS_PER_CTA:
+            limit += f" (a CTA holds {max_rows} rows at head_dim 256)"
+        raise ValueError(f"{where} must divide the group size {group_size} and be at most "
+                         f"{max_rows // max_q_len}{limit}: one of {', '.join(map(str, choices))}; got {value}")
+    return value
+
+
+# -- scalar arguments ---------------------------------------------------------------------
+
+
+def int_in(argument: str, value, low: int, high: Optional[int] = None) -> int:
+    """``value`` as an int (any ``numbers.Integral``, not a bool) in ``low..high``."""
+    checked = policy.as_int(value)
+    if checked is None or checked < low or (high is not None and checked > high):
+        bound = f"in {low}..{high}" if high is not None else f">= {low}"
+        raise ValueError(f"{argument} must be an int {bound}, got {value!r}")
+    return checked
+
+
+def as_float(argument: str, value) -> float:
+    """A real number as a Python float; an integer beyond the float range is inf."""
+    if type(value) is float:  # the common case, without the ABC check below
+        return value
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{argument} must be a Python or NumPy float, got {type(value).__name__}")
+    try:
+        return float(value)
+    except OverflowError:  # float(10**400)
+        return math.inf if value > 0 else -math.inf
+
+
+def positive(argument: str, value) -> float:
+    """A finite float > 0."""
+    as_float_ = as_float(argument, value)
+    if not math.isfinite(as_float_) or as_float_ <= 0:
+        raise ValueError(f"{argument} must be a finite float > 0, got {as_float_}")
+    return as_float_
+
+
+def soft_cap(value) -> Optional[float]:
+    """The logits soft-cap, or None for none: None and 0 mean no cap, as in FlashInfer, vLLM
+    and FlashAttention."""
+    if value is None:
+        return None
+    cap = as_float("logits_soft_cap", value)
+    if cap == 0:
+        return None
+    if not (cap > 0 and math.isfinite(cap)):
+        raise ValueError(f"logits_soft_cap must be a finite float > 0 (or 0/None: no cap), got {value!r}")
+    return cap
+
+
+def fp32_normal(value: float) -> bool:
+    """Whether ``value`` is a finite normal fp32 magnitude (what the kernels can fold a scale into)."""
+    return FP32_MIN_NORMAL <= value <= FP32_MAX
