@@ -1,7 +1,7 @@
 """The alternatives a user would pick for paged decode, run on the same data as ours.
 
-This module owns the baselines of ``bench_decode.py`` and nothing about timing. Each
-``prepare_*`` function takes a ``Case`` (one configuration's tensors, already on the
+This module owns the baselines of the sweep (``sweep.py``) and nothing about timing. Each
+``prepare_*`` function takes a ``data.Case`` (one configuration's tensors, already on the
 device) and returns a zero-argument callable that computes the decode output
 ``[num_seqs, num_q_heads, head_dim]`` (bf16) for it, or raises ``Unavailable`` with
 the reason it cannot run. The caller warms the callable up, checks its output, then
@@ -25,12 +25,12 @@ captures and times it exactly like ours.
   decode kernel has no instance for the group size, e.g. 6). Its kernels are
   compiled by FlashInfer's JIT (nvcc) on first use, which takes minutes; that
   compile runs ahead of the benchmark in separate processes with a time cap
-  (``python3 benchmarks/baselines.py flashinfer-prewarm``), and the benchmark only
+  (``python -m benchmarks.baselines flashinfer-prewarm``), and the benchmark only
   runs the variants that compiled.
 
 Every baseline works on the CPU too (except FlashInfer), which is how its wiring is
-tested without a GPU (``tests/test_benchmarks.py`` does not need PyTorch; a
-developer with PyTorch can run ``python3 benchmarks/baselines.py selftest``).
+tested without a GPU (``benchmarks/tests/test_benchmarks.py`` does not need PyTorch; a
+developer with PyTorch can run ``python -m benchmarks.baselines selftest``).
 """
 
 from __future__ import annotations
@@ -43,8 +43,9 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from typing import Callable, Optional
+
+from .data import Case
 
 FLASHINFER_DECODE_GROUP_SIZES = (1, 2, 3, 4, 8)
 """Group sizes FlashInfer's CUDA-core decode kernel is instantiated for (DISPATCH_GQA_GROUP_SIZE);
@@ -55,46 +56,6 @@ FLASHINFER_WORKSPACE_BYTES = 128 * 1024 * 1024  # the size FlashInfer's document
 
 class Unavailable(Exception):
     """This baseline cannot run on this configuration or machine; the message says why."""
-
-
-@dataclass
-class Case:
-    """One configuration's data (PyTorch tensors on one device).
-
-    ``q``: ``[B, H, D]`` bf16. ``k_pool``/``v_pool``: NHD ``[num_pages, page_size, KV, D]``,
-    bf16 or ``torch.float8_e4m3fn`` (dequantized value = stored * scale).
-    ``block_tables``: int32 ``[B, max_pages]``; ``seq_lens``: int32 ``[B]``, all equal to
-    ``context`` here. ``sm_scale`` multiplies q.k before the softmax (natural exp).
-    """
-
-    q: object
-    k_pool: object
-    v_pool: object
-    block_tables: object
-    seq_lens: object
-    context: int
-    page_size: int
-    num_kv_heads: int
-    k_scale: float
-    v_scale: float
-    sm_scale: float
-    kv_dtype: str  # "bf16" or "fp8"
-
-    @property
-    def batch(self) -> int:
-        return int(self.q.shape[0])
-
-    @property
-    def num_q_heads(self) -> int:
-        return int(self.q.shape[1])
-
-    @property
-    def head_dim(self) -> int:
-        return int(self.q.shape[2])
-
-    @property
-    def pages_per_seq(self) -> int:
-        return -(-self.context // self.page_size)
 
 
 # -- PyTorch SDPA ----------------------------------------------------------------
@@ -402,7 +363,8 @@ def pending_builds(status: dict, variants) -> list[str]:
 
 
 def _warm_one_command(h: int, kv: int, d: int, dt: str) -> list[str]:
-    return [sys.executable, os.path.abspath(__file__), "flashinfer-warm-one", "--q-heads", str(h), "--kv-heads",
+    # From the repository root, like the caller (gpu_check.sh puts the root on PYTHONPATH too).
+    return [sys.executable, "-m", "benchmarks.baselines", "flashinfer-warm-one", "--q-heads", str(h), "--kv-heads",
             str(kv), "--head-dim", str(d), "--kv-dtype", dt]
 
 

@@ -7,7 +7,7 @@ reps = 0 (fibers, barriers, stores), divided by the number of instructions: per 
 instruction for mma and ldmatrix (32 lanes' switches and the completing step), per copy for
 cp.async.
 
-    python benchmarks/cuda_on_cpu_ptx_speed.py [--repeat N]
+    python -m benchmarks.cuda_on_cpu_ptx_speed [--repeat N]
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ A grid of 1024 blocks x 128 threads; every block runs 10 __syncthreads and a
 warp-shuffle reduction (5 __shfl_xor_sync per warp, twice). Prints the launch time with
 the hand-written x86-64 context switch and with the ucontext fallback.
 
-    python benchmarks/cuda_on_cpu_speed.py [--repeat N]
+    python -m benchmarks.cuda_on_cpu_speed [--repeat N]
 """
 
 from __future__ import annotations

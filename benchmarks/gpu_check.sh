@@ -6,24 +6,24 @@
 #   0. wheels: the carried .whl/ installed into /tmp/site; a failure is recorded and the run
 #      goes on without FlashInfer
 #   1. metrale_attn imports from the checkout
-#   2. environment and the device-to-device copy bandwidth                 (gpu_env.py)
+#   2. environment and the device-to-device copy bandwidth             (environment.py)
 #      then, in the background: FlashInfer's JIT (CPU, niced; decode variants first, the
 #      tensor-core ones only if they can still finish), the static SASS model (CPU, niced;
-#      sass_report.py, when present) and compute-sanitizer memcheck / racecheck / initcheck
+#      sass_model.py, when present) and compute-sanitizer memcheck / racecheck / initcheck
 #      on a small case of every arm (a refusal is recorded, not fatal)    (sanitize_cases.py)
 #   3. the GPU tests: pytest -m gpu tests/test_gpu.py; nothing passed is FAIL; the
 #      sanitizers are then waited for (bounded)
 #   4. the L2 probe: ncu (--clock-control none) on one small configuration per arm and
 #      kernel implementation; absence or refusal recorded                  (l2_probe.py)
 #   5. the sweep, with what the deadline leaves: the decisive configurations first (bf16,
-#      fp8, heads_per_cta), then the grid; FlexAttention and FlashInfer last (bench_decode.py);
+#      fp8, heads_per_cta), then the grid; FlexAttention and FlashInfer last (sweep.py);
 #      every arm on simt and mma; step mma_selftest: whether the mma rows ran mma (a device
 #      that fails the self-test gets simt: FALLBACK, the mma rows not timed)
 #   6. the decode loop: examples/decode_loop.py, the serving path the vLLM backend shares, on
 #      the device eagerly, compiled and under a CUDA graph (every output against float64), and a
 #      step at batch 64 x 4k timed against the same loop on PyTorch SDPA; its time is reserved
 #      out of the sweep's budget, so the grid gives way, not this (decode_loop_check.py)
-#   7. summary: summary.md, and a short table printed LAST                   (summarize.py)
+#   7. summary: summary.md, and a short table printed LAST                     (summary.py)
 #
 # After every step (and every CHECKPOINT_S seconds during the sweep) summary.md is rewritten
 # and logs.tar.gz repacked in $OUT, and the sweep rewrites its JSON and markdown, so a run cut
@@ -44,8 +44,8 @@
 # 0: skip the step), SANITIZE_TOOLS ("memcheck
 # racecheck initcheck"), SANITIZE_TIMEOUT_S (45 each), FLASHINFER_JIT_CAP_S (300), L2_PROBE (1),
 # L2_PROBE_CAP_S (70), NCU (ncu to use; "none"), SASS_MODEL_JSON (predictions to use), SASS_REPORT
-# (1: run sass_report.py in --cpu too), SASS_REPORT_CAP_S (150), BENCH_BUDGET_S (300 at most),
-# BENCH_ARGS (extra bench_decode.py flags), CHECKPOINT_S (30), KEEP_WORK=1 (keep the log folder).
+# (1: run sass_model.py in --cpu too), SASS_REPORT_CAP_S (150), BENCH_BUDGET_S (300 at most),
+# BENCH_ARGS (extra sweep.py flags), CHECKPOINT_S (30), KEEP_WORK=1 (keep the log folder).
 set -uo pipefail
 
 MODE=gpu
@@ -80,7 +80,7 @@ since() { echo $(( $(date +%s) - $1 )); }
 step() { printf '%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$(echo "$4" | tr '\t\n' '  ' | cut -c1-300)" >>"$STEPS"; }
 say() { echo "[gpu_check $(elapsed)s] $*"; }
 clamp() { local v=$1 lo=$2 hi=$3; [ "$v" -lt "$lo" ] && v=$lo; [ "$v" -gt "$hi" ] && v=$hi; echo "$v"; }
-verdict() { "$PY" benchmarks/steps.py "$@" 2>/dev/null || printf 'FAIL\tsteps.py failed\n'; }
+verdict() { "$PY" -m benchmarks.steps "$@" 2>/dev/null || printf 'FAIL\tsteps.py failed\n'; }
 latest_json() {
   [ -e "$WORK/bench.start" ] && find "$OUT" -maxdepth 1 -name '*_bench.json' -newer "$WORK/bench.start" | head -n 1
 }
@@ -98,14 +98,14 @@ pack_logs() {
 # checkpoint [RUNNING_STEP]: summary.md rewritten from what is known now, logs repacked.
 checkpoint() {
   local json; json=$(latest_json)
-  "$PY" benchmarks/summarize.py --steps "$STEPS" --env "$WORK/env.json" ${json:+--bench "$json"} \
+  "$PY" -m benchmarks.summary --steps "$STEPS" --env "$WORK/env.json" ${json:+--bench "$json"} \
     --probe "$WORK/l2_probe.json" --mode "$MODE" --out "$OUT/summary.md" --total-s "$(elapsed)" \
     ${1:+--running "$1"} --quiet >>"$WORK/checkpoint.log" 2>&1
   pack_logs
 }
 
 say "mode=$MODE profile=$PROFILE out=$OUT logs=$WORK deadline=${DEADLINE_S}s"
-# --cpu runs the same steps on the CPU backend; bench_decode.py --cpu then sweeps its own tiny cpu profile.
+# --cpu runs the same steps on the CPU backend; sweep.py --cpu then sweeps its own tiny cpu profile.
 CPUFLAG=(); [ "$MODE" = cpu ] && CPUFLAG=(--cpu)
 
 # -- 0. wheels ---------------------------------------------------------------------------------
@@ -146,7 +146,7 @@ if [ "$MODE" = gpu ]; then
   timeout 20 nvidia-smi >"$WORK/nvidia-smi.txt" 2>&1
   timeout 20 nvidia-smi -q >"$WORK/nvidia-smi-q.txt" 2>&1
 fi
-timeout 60 "$PY" benchmarks/gpu_env.py --out "$WORK/env.json" "${CPUFLAG[@]}" >"$WORK/env.log" 2>&1
+timeout 60 "$PY" -m benchmarks.environment --out "$WORK/env.json" "${CPUFLAG[@]}" >"$WORK/env.log" 2>&1
 rc=$?
 cat "$WORK/env.log"
 if [ $rc -eq 0 ]; then
@@ -167,7 +167,7 @@ if [ "$PROFILE" = full ] && [ "$MODE" = gpu ]; then
     # Niced: its nvcc jobs would otherwise starve the pytest workers; it gets the CPU they leave.
     NICE=(); command -v nice >/dev/null 2>&1 && NICE=(nice -n 10)
     FI_CAP=${FLASHINFER_JIT_CAP_S:-300}
-    timeout $((FI_CAP + 30)) "${NICE[@]}" "$PY" benchmarks/baselines.py flashinfer-prewarm --timeout-s "$FI_CAP" \
+    timeout $((FI_CAP + 30)) "${NICE[@]}" "$PY" -m benchmarks.baselines flashinfer-prewarm --timeout-s "$FI_CAP" \
       --out "$FI_STATUS" --log-dir "$WORK/flashinfer" </dev/null >"$WORK/flashinfer_prewarm.log" 2>&1 &
     FI_PID=$!
   fi
@@ -175,8 +175,8 @@ fi
 
 SASS_PID=''
 SASS_JSON=${SASS_MODEL_JSON:-}
-if [ -z "$SASS_JSON" ] && [ -f benchmarks/sass_report.py ] && { [ "$MODE" = gpu ] || [ "${SASS_REPORT:-0}" = 1 ]; }; then
-  timeout "${SASS_REPORT_CAP_S:-150}" nice -n 10 "$PY" benchmarks/sass_report.py --json "$WORK/sass_model.json" \
+if [ -z "$SASS_JSON" ] && [ -f benchmarks/sass_model.py ] && { [ "$MODE" = gpu ] || [ "${SASS_REPORT:-0}" = 1 ]; }; then
+  timeout "${SASS_REPORT_CAP_S:-150}" nice -n 10 "$PY" -m benchmarks.sass_model --json "$WORK/sass_model.json" \
     </dev/null >"$WORK/sass_report.md" 2>"$WORK/sass_report.err" &
   SASS_PID=$!
 fi
@@ -191,7 +191,7 @@ sanitize_chain() {  # runs in the background; each tool capped, all done by SAN_
       continue
     fi
     timeout -k 10 "$(clamp "$left" 10 "${SANITIZE_TIMEOUT_S:-45}")" "$SANITIZER" --tool "$tool" --error-exitcode 3 \
-      --print-limit 20 "$PY" benchmarks/sanitize_cases.py </dev/null >"$WORK/sanitize_$tool.log" 2>&1
+      --print-limit 20 "$PY" -m benchmarks.sanitize_cases </dev/null >"$WORK/sanitize_$tool.log" 2>&1
     rc=$?
     out=$(verdict sanitizer --rc "$rc" --log "$WORK/sanitize_$tool.log")
     STEPS="$WORK/sanitize_steps.tsv" step "sanitize_$tool" "${out%%$'\t'*}" "$(since "$t")" "${out#*$'\t'}"
@@ -207,7 +207,7 @@ if [ "$PROFILE" != quick ]; then
     if [ -z "$SANITIZER" ] && [ -x "$candidate" ]; then SANITIZER=$candidate; fi
   done
   if [ "$MODE" = cpu ]; then
-    step sanitize skipped 0 "--cpu: no sanitizer (tests/test_benchmarks.py runs sanitize_cases.py --cpu)"
+    step sanitize skipped 0 "--cpu: no sanitizer (benchmarks/tests/test_benchmarks.py runs sanitize_cases.py --cpu)"
   elif [ -n "$SANITIZER" ] && [ -x "$SANITIZER" ]; then
     say "compute-sanitizer (${SANITIZE_TOOLS:-memcheck racecheck initcheck}) beside the tests"
     SAN_DEADLINE=$(( $(date +%s) + PT_CAP + 15 ))
@@ -254,7 +254,7 @@ if [ "${L2_PROBE:-1}" = 1 ]; then
   t=$(date +%s)
   L2_CAP=${L2_PROBE_CAP_S:-70}
   say "l2_probe.py (ncu, cap ${L2_CAP}s)"
-  timeout -k 10 $((L2_CAP + 15)) "$PY" benchmarks/l2_probe.py probe --out "$WORK/l2_probe.json" --work "$WORK/l2_probe" \
+  timeout -k 10 $((L2_CAP + 15)) "$PY" -m benchmarks.l2_probe probe --out "$WORK/l2_probe.json" --work "$WORK/l2_probe" \
     --timeout-s "$L2_CAP" "${CPUFLAG[@]}" ${NCU:+--ncu "$NCU"} 2>"$WORK/l2_probe.err" | tee "$WORK/l2_probe.log"
   out=$(verdict json-status "$WORK/l2_probe.json")
   step l2_probe "${out%%$'\t'*}" "$(since "$t")" "${out#*$'\t'}"
@@ -274,7 +274,7 @@ else
   fi
   if [ -s "$WORK/sass_model.json" ]; then
     SASS_JSON=$WORK/sass_model.json
-    step sass_model ok 0 "fresh: sass_report.py on this checkout"
+    step sass_model ok 0 "fresh: sass_model.py on this checkout"
   elif [ -s benchmarks/results/sass_model.json ]; then
     SASS_JSON=$REPO/benchmarks/results/sass_model.json
     step sass_model ok 0 "committed benchmarks/results/sass_model.json$([ -n "$SASS_PID" ] && echo ' (the fresh report did not finish)')"
@@ -289,13 +289,13 @@ t=$(date +%s)
 if [ "$PROFILE" = quick ]; then LOOP_CAP=0; elif [ "$MODE" = cpu ]; then LOOP_CAP=${DECODE_LOOP_CAP_S:-60}; else
   LOOP_CAP=${DECODE_LOOP_CAP_S:-120}; fi
 BUDGET=$(clamp $(( DEADLINE_S - $(elapsed) - 30 - LOOP_CAP )) 30 "${BENCH_BUDGET_S:-300}")
-BENCH=(benchmarks/bench_decode.py --out-dir "$OUT" --env-json "$WORK/env.json" --time-budget-s "$BUDGET"
+BENCH=(-m benchmarks.sweep --out-dir "$OUT" --env-json "$WORK/env.json" --time-budget-s "$BUDGET"
        --profile "$PROFILE" --probe-json "$WORK/l2_probe.json" --checkpoint-s "$CHECKPOINT_S")
 [ -n "$SASS_JSON" ] && BENCH+=(--sass-json "$SASS_JSON")
 if [ "$MODE" = cpu ]; then BENCH+=(--cpu); elif [ "$PROFILE" = full ]; then BENCH+=(--flashinfer-status "$FI_STATUS"); fi
 # shellcheck disable=SC2206
 BENCH+=(${BENCH_ARGS:-})
-say "bench_decode.py --profile $PROFILE${CPUFLAG[*]:+ --cpu}, budget ${BUDGET}s"
+say "sweep.py --profile $PROFILE${CPUFLAG[*]:+ --cpu}, budget ${BUDGET}s"
 touch "$WORK/bench.start"
 checkpoint_loop() {  # summary.md and logs every CHECKPOINT_S while the sweep runs
   local n=0
@@ -306,7 +306,7 @@ checkpoint_loop() {  # summary.md and logs every CHECKPOINT_S while the sweep ru
 }
 checkpoint_loop &
 CK_PID=$!
-# SIGTERM at the cap: bench_decode.py then writes what it measured; SIGKILL 15 s later.
+# SIGTERM at the cap: sweep.py then writes what it measured; SIGKILL 15 s later.
 timeout -k 15 $((BUDGET + 25)) "$PY" "${BENCH[@]}" 2>"$WORK/bench.err" | tee "$WORK/bench.log" \
   | grep --line-buffered -E '^\[|^wrote '
 rc=${PIPESTATUS[0]}
@@ -331,7 +331,7 @@ fi
 if [ "$LOOP_CAP" -gt 0 ]; then
   t=$(date +%s)
   say "decode_loop_check.py (cap ${LOOP_CAP}s)"
-  timeout -k 10 $((LOOP_CAP + 15)) "$PY" benchmarks/decode_loop_check.py "${CPUFLAG[@]}" --cap-s "$LOOP_CAP" \
+  timeout -k 10 $((LOOP_CAP + 15)) "$PY" -m benchmarks.decode_loop_check "${CPUFLAG[@]}" --cap-s "$LOOP_CAP" \
     --out "$WORK/decode_loop.json" 2>"$WORK/decode_loop.err" | tee "$WORK/decode_loop.log" | grep --line-buffered '^\['
   out=$(tail -n 1 "$WORK/decode_loop.log")
   case "$out" in ok$'\t'*|FAIL$'\t'*|PARTIAL$'\t'*) ;; *) out="FAIL"$'\t'"no verdict: $(tail -n 1 "$WORK/decode_loop.err")" ;; esac
@@ -342,11 +342,11 @@ fi
 checkpoint
 
 # -- 7. summary (printed last) and logs --------------------------------------------------------
-"$PY" benchmarks/summarize.py --steps "$STEPS" --env "$WORK/env.json" ${json:+--bench "$json"} \
+"$PY" -m benchmarks.summary --steps "$STEPS" --env "$WORK/env.json" ${json:+--bench "$json"} \
   --probe "$WORK/l2_probe.json" --mode "$MODE" --out "$OUT/summary.md" --total-s "$(elapsed)" \
-  >"$WORK/summary.txt" 2>&1 || echo "summarize.py failed" >>"$WORK/summary.txt"
+  >"$WORK/summary.txt" 2>&1 || echo "summary.py failed" >>"$WORK/summary.txt"
 pack_logs
 cat "$WORK/summary.txt"
 [ "${KEEP_WORK:-0}" = 1 ] || rm -rf "$WORK"
 # Exit 0 when the sweep timed rows of ours (its pass/fail lines are in the summary), 1 when not.
-"$PY" benchmarks/steps.py exit-code ${json:+--json "$json"} >/dev/null
+"$PY" -m benchmarks.steps exit-code ${json:+--json "$json"} >/dev/null

@@ -18,7 +18,7 @@ calls) is printed per case:
 - ``torch op, same buffers``: through ``torch.ops.metrale_attn.paged_decode``
   (the dispatcher's cost included).
 
-    python benchmarks/host_overhead.py [--calls 5000]
+    python -m benchmarks.host_overhead [--calls 5000]
 """
 
 from __future__ import annotations

@@ -27,9 +27,9 @@ is recorded in the result, never fatal.
 
 Commands::
 
-    python3 benchmarks/l2_probe.py probe --out l2_probe.json [--work DIR] [--cpu] [--ncu PATH|none]
-    python3 benchmarks/l2_probe.py target --manifest m.json [--cpu]   # what ncu profiles
-    python3 benchmarks/l2_probe.py report --csv ncu.csv --manifest m.json --out l2_probe.json
+    python -m benchmarks.l2_probe probe --out l2_probe.json [--work DIR] [--cpu] [--ncu PATH|none]
+    python -m benchmarks.l2_probe target --manifest m.json [--cpu]   # what ncu profiles
+    python -m benchmarks.l2_probe report --csv ncu.csv --manifest m.json --out l2_probe.json
 
 ``--cpu`` runs the target on the CPU backend at a tiny size (2/2/256, 8/2/256, 16/2/256;
 one sequence of 64 tokens) and uses ncu only when ``--ncu`` names one: the dry run of the
@@ -52,7 +52,6 @@ import sys
 import time
 from typing import Optional
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 SECTOR_BYTES = 32
 METRICS = ("dram__bytes_read.sum", "lts__t_sectors_srcunit_tex_op_read.sum", "gpu__time_duration.sum",
            "smsp__inst_executed.sum", "sm__inst_issued.avg.pct_of_peak_sustained_active",
@@ -76,11 +75,10 @@ SECONDS = {"nsecond": 1e-9, "usecond": 1e-6, "msecond": 1e-3, "second": 1.0}
 def run_target(manifest_path: str, *, cpu: bool, batch: int, context: int) -> dict:
     """Run every probe configuration once and write the manifest: per launch, the shape, arm,
     implementation, heads per CTA and the names of the kernels it launched, in launch order."""
-    sys.path.insert(0, HERE)
-    import impls
-    from sweep_plan import arm_options
-
     from metrale_attn import DecodeAttention
+
+    from . import impls
+    from .sweep_plan import arm_options
 
     backend = "cpu" if cpu else "cupy"
     shapes = CPU_SHAPES if cpu else GPU_SHAPES
@@ -118,8 +116,9 @@ def run_target(manifest_path: str, *, cpu: bool, batch: int, context: int) -> di
 def _gpu_data(q_heads, kv_heads, head_dim, batch, context):
     import torch
 
-    from bench_decode import GpuPool
     from metrale_attn.plan import ModelShape
+
+    from .data import GpuPool
 
     pool = GpuPool(ModelShape(q_heads, kv_heads, head_dim), "bf16", 16, batch * -(-context // 16), seed=1)
     case = pool.case(batch, context)
@@ -312,8 +311,9 @@ def probe(*, out: str, work: str, cpu: bool, ncu: Optional[str], timeout_s: floa
     kernel_regex = kernel_regex or attention_kernel_regex()
     os.makedirs(work, exist_ok=True)
     manifest_path = os.path.join(work, "l2_probe_manifest.json")
-    target = [sys.executable, os.path.abspath(__file__), "target", "--manifest", manifest_path, "--batch", str(batch),
-              "--context", str(context)] + (["--cpu"] if cpu else [])
+    # From the repository root, like the caller (gpu_check.sh puts the root on PYTHONPATH too).
+    target = [sys.executable, "-m", "benchmarks.l2_probe", "target", "--manifest", manifest_path, "--batch",
+              str(batch), "--context", str(context)] + (["--cpu"] if cpu else [])
     result: dict = {"batch": batch, "context": context, "kv_dtype": "bf16", "ncu": ncu, "passes": [], "rows": []}
     if ncu is None:
         result.update(status="absent", detail="ncu not found (NCU, PATH, /usr/local/cuda, /opt/nvidia): no counters")

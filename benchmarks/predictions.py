@@ -1,13 +1,13 @@
 """The static SASS model's prediction beside each measured row.
 
-``benchmarks/sass_report.py --json PATH`` (it needs no GPU: NVRTC compiles, nvdisasm
+``python -m benchmarks.sass_model --json PATH`` (it needs no GPU: NVRTC compiles, nvdisasm
 disassembles) writes a JSON list of rows, each with at least ``arm``, ``q_heads``,
 ``kv_heads``, ``head_dim``, ``q_dtype``, ``kv_dtype`` (``bf16``, ``fp16``,
 ``fp8_e4m3``), ``arch``, ``heads_per_cta``, ``instr_per_kib``,
 ``kib_in_flight_per_sm``, ``registers``, ``spill_bytes``, ``ceiling_pct`` and
 ``binding``. ``gpu_check.sh`` runs it on the device's CPU beside the GPU tests, and
 falls back to the committed ``benchmarks/results/sass_model.json`` (regenerate it with
-``python benchmarks/sass_report.py --json benchmarks/results/sass_model.json``).
+``python -m benchmarks.sass_model --json benchmarks/results/sass_model.json``).
 
 Rows are joined by (implementation, arm, q_heads, kv_heads, head_dim, q_dtype,
 kv_dtype, heads_per_cta) on the device's architecture, the implementation and heads per

@@ -23,25 +23,22 @@ Why the arrays look the way they do:
   never writes fails the check (and a read of uninitialized workspace shows in
   initcheck).
 
-Usage: ``compute-sanitizer --tool memcheck python3 benchmarks/sanitize_cases.py``
+Usage: ``compute-sanitizer --tool memcheck python -m benchmarks.sanitize_cases``
 (``--cpu`` runs the same cases on the CPU backend, for a dry run without a GPU).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from metrale_attn import DecodeAttention, problems, tolerance
 
-from sweep_plan import ARM_OPTIONS as ARMS  # noqa: E402
-from impls import IMPLS  # noqa: E402
-
-from metrale_attn import DecodeAttention, problems, tolerance  # noqa: E402
+from .impls import IMPLS
+from .sweep_plan import ARM_OPTIONS as ARMS
 
 CASES = [
     # (kv dtype, layout, page size, head_dim for unpacked/split-K)

@@ -1,5 +1,5 @@
 """The verdicts of ``gpu_check.sh``'s steps, and its exit code: small rules, kept out of the shell
-so that they are tested (``tests/test_benchmarks.py``) rather than trusted.
+so that they are tested (``benchmarks/tests/test_benchmarks.py``) rather than trusted.
 
 - ``pytest``: a test step is ``ok`` only if something passed. In GPU mode a run with
   nothing passed (every test skipped because the tests saw no device, or no tests

@@ -22,7 +22,7 @@ behind them (``plan_jobs``):
 
 FlexAttention (one configuration per shape) and FlashInfer (whatever its JIT built in
 time) are timed last, on the configurations already measured, in the same order
-(``bench_decode.py``'s late phase).
+(``sweep.py``'s late phase).
 
 Profiles: ``full`` (the above), ``quick`` (tiers 1-3 only, no baselines: the short
 rerun) and ``cpu`` (the CPU dry run: one 6/1/256 configuration per dtype, a tiny
@@ -34,11 +34,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from impls import IMPLS, SWEEP_IMPL
-
 from metrale_attn import policy
 from metrale_attn.cli import MODELS
 from metrale_attn.plan import ModelShape, heads_per_cta_choices
+
+from .impls import IMPLS, SWEEP_IMPL
 
 ITEMSIZE = {"bf16": 2, "fp8": 1}
 Q_ITEMSIZE = 2  # q and out are bf16

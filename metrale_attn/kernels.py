@@ -15,16 +15,13 @@ Two implementations (``plan.IMPLS``) serve the same three arms (``plan.ARMS``):
   (the packed arm: ``PD_GQA``). Kept selectable until a GPU has measured ``mma``.
 
 What the Python side relies on that lives in the sources is read back from them:
-the constants (``PD_GQA``, ``PD_HDIM``, block sizes, dtype codes, the simt loop's
-``VEC``/``UNROLL``; ``PD_GQA``/``PD_HDIM`` must equal the policy's constants) and each
-kernel's parameter list, which is the launch ABI (``kernel_params``): the dispatch
-passes arguments by name. ``Variant.hot_loop`` tells the static SASS report
-(``benchmarks/sass_report.py``) what one iteration of a variant's K/V loop consumes.
+the constants (``PD_GQA``, ``PD_HDIM``, block sizes, dtype codes; ``PD_GQA``/``PD_HDIM``
+must equal the policy's constants) and each kernel's parameter list, which is the launch
+ABI (``kernel_params``): the dispatch passes arguments by name.
 """
 
 from __future__ import annotations
 
-import ast
 import functools
 import importlib.resources
 import pathlib
@@ -135,36 +132,6 @@ def source_constants() -> SourceConstants:
     )
 
 
-def read_constexpr(text: str, name: str, *, kv_itemsize: int) -> int:
-    """The value of the one ``constexpr int <name> = <expr>;`` in ``text``, where
-    ``<expr>`` is integer arithmetic on literals and ``sizeof(pd_kv_t)`` (the KV
-    element size, ``kv_itemsize``), e.g. ``16 / (int)sizeof(pd_kv_t)``."""
-    found = re.findall(rf"\bconstexpr[ \t]+int[ \t]+{name}[ \t]*=[ \t]*([^;]+);", text)
-    if len(found) != 1:
-        raise KernelSourceError(f"expected exactly one 'constexpr int {name} = ...;' in the kernel source, "
-                                f"found {len(found)}")
-    expr = re.sub(r"\(int\)\s*sizeof\(pd_kv_t\)|sizeof\(pd_kv_t\)", str(kv_itemsize), found[0])
-    try:
-        return _int_arithmetic(ast.parse(expr.strip(), mode="eval").body)
-    except (SyntaxError, ValueError):
-        raise KernelSourceError(f"cannot evaluate constexpr {name} = {found[0]!r} (only integer arithmetic and "
-                                "sizeof(pd_kv_t) are understood)") from None
-
-
-_C_INT_OPS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
-              ast.Div: lambda a, b: int(a / b)}  # C's int division truncates toward zero
-
-
-def _int_arithmetic(node: ast.AST) -> int:
-    if isinstance(node, ast.Constant) and type(node.value) is int:
-        return node.value
-    if isinstance(node, ast.BinOp) and type(node.op) in _C_INT_OPS:
-        return _C_INT_OPS[type(node.op)](_int_arithmetic(node.left), _int_arithmetic(node.right))
-    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
-        return -_int_arithmetic(node.operand)
-    raise ValueError(f"not integer arithmetic: {ast.dump(node)}")
-
-
 def check_pack_constants(text: str, filename: str) -> None:
     """Refuse a packed source whose ``PD_GQA``/``PD_HDIM`` differ from the policy's."""
     for define, expected in (("PD_GQA", policy.DECODE_GQA_PACK_WIDTH), ("PD_HDIM", policy.DECODE_GQA_PACK_HEAD_DIM)):
@@ -226,36 +193,6 @@ def parse_kernel_params(text: str) -> dict[str, tuple[Param, ...]]:
 # ---------------------------------------------------------------------------------------
 # Variants
 # ---------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class HotLoop:
-    """What the static SASS report (``benchmarks/sass_report.py``) must know about a
-    variant beyond its SASS: the shape of the CTA and what one iteration of one warp
-    of the steady-state K/V loop consumes. Units: bytes, tokens, per CTA or per warp
-    as named. A new kernel implementation fills these in for its variants
-    (``Variant.hot_loop``) and the report needs no edit.
-    """
-
-    kernel: str
-    """The ``extern "C"`` kernel that runs the loop."""
-    heads_per_cta: int
-    """Query heads one CTA serves; the ``G / heads_per_cta`` CTAs of a GQA group each read the same K/V."""
-    warps_per_cta: int
-    tokens_per_warp_iter: int
-    """K/V tokens one warp consumes in one iteration of the loop."""
-    kv_bytes_per_warp_iter: int
-    """Their K + V bytes: ``tokens_per_warp_iter * head_dim * kv itemsize * 2``."""
-    pipeline_stages: int = 0
-    """Depth of a ``cp.async``/TMA ring of shared-memory stages; 0 = plain loads into
-    registers (the report then reads the loads in flight off the SASS)."""
-    stage_bytes: int = 0
-    """K + V bytes of one stage of one CTA (with ``pipeline_stages``)."""
-    dynamic_smem_bytes: int = 0
-    """Dynamic shared memory per CTA at launch."""
-    grouped: bool = False
-    """``heads_per_cta`` is a capacity: the launch picks any divisor of the group up to it
-    (``mma``), and a report row takes the largest one that divides its shape's group."""
 
 
 @dataclass(frozen=True)
@@ -385,11 +322,6 @@ class Variant:
         """Dynamic shared memory of the attention kernel's launch (the merge takes none)."""
         return self.tiling.smem_bytes if self.tiling else 0
 
-    @property
-    def hot_loop(self) -> HotLoop:
-        """The steady-state K/V loop, from the sources' own constants (see ``HotLoop``)."""
-        return _hot_loop(self)
-
     def source(self, text: str | None = None) -> str:
         """The self-contained source; ``text`` replaces the arm's file (tests)."""
         full = inline(self.filename, text)
@@ -411,37 +343,6 @@ class Variant:
                        PD_STAGES=self.tiling.stages, PD_SMEM_BYTES=self.tiling.smem_bytes)
             out.update({feature_define(f): int(f in self.features) for f in FEATURES})
         return out
-
-
-@functools.cache
-def _hot_loop(variant: Variant) -> HotLoop:
-    """``mma``: each warp consumes one stage of ``tile_tokens`` tokens per iteration from
-    its ring of ``stages`` (a CTA's stage: 4 warps' worth). ``simt`` (``pd_attend`` in
-    pd_common.cuh): a thread owns ``VEC`` elements of the head dim, ``D / VEC`` threads a
-    row, so a warp covers ``R = 32 / (D / VEC)`` rows per load and an iteration takes
-    ``R * UNROLL`` tokens; ``VEC`` and ``UNROLL`` are the arm file's ``constexpr``s."""
-    itemsize = dtypes.NUMPY_DTYPES[variant.kv_dtype].itemsize
-    warps = source_constants().threads // 32
-    if variant.tiling:
-        tokens = variant.tiling.tile_tokens
-        stage = tokens * variant.head_dim * itemsize * 2
-        packed = variant.arm == "gqa_packed"
-        return HotLoop(kernel=variant.kernels[0],
-                       heads_per_cta=policy.DECODE_GQA_PACK_WIDTH if packed else variant.max_rows,
-                       warps_per_cta=warps, tokens_per_warp_iter=tokens, kv_bytes_per_warp_iter=stage,
-                       pipeline_stages=variant.tiling.stages, stage_bytes=warps * stage,
-                       dynamic_smem_bytes=variant.shared_bytes, grouped=not packed)
-    text = variant.source()
-    vec = read_constexpr(text, "VEC", kv_itemsize=itemsize)
-    unroll = read_constexpr(text, "UNROLL", kv_itemsize=itemsize)
-    tokens = 32 // (variant.head_dim // vec) * unroll
-    return HotLoop(
-        kernel=variant.kernels[0],
-        heads_per_cta=read_define(text, "PD_GQA") if variant.arm == "gqa_packed" else 1,
-        warps_per_cta=warps,
-        tokens_per_warp_iter=tokens,
-        kv_bytes_per_warp_iter=tokens * variant.head_dim * itemsize * 2,
-    )
 
 
 @dataclass(frozen=True)

@@ -9,16 +9,14 @@ every compiled cubin's ELF header, run ``nvdisasm`` on the cached files as writt
 import json
 import pathlib
 import subprocess
-import sys
 
 import pytest
 from conftest import ARCHES, arch_matrix, nvrtc_build
 
+from benchmarks.sass_model import find_nvdisasm
 from metrale_attn.backends import cubin
 from metrale_attn.kernels import Variant, all_variants
 from metrale_attn.plan import ARMS
-
-BENCH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
 
 pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="NVRTC (cupy) is not installed")
 
@@ -75,16 +73,9 @@ def test_registers_recorded_in_the_cubin_match_ptxas():
         assert f"Used {registers} registers" in section.split("Compiling entry function")[0]
 
 
-def _nvdisasm():
-    sys.path.insert(0, str(BENCH))
-    import sass_report
-
-    return sass_report.find_nvdisasm()
-
-
 @pytest.mark.parametrize("arch", ARCHES)
 def test_nvdisasm_accepts_the_cached_cubins_unpatched(arch, tmp_path, monkeypatch):
-    nvdisasm = _nvdisasm()
+    nvdisasm = find_nvdisasm()
     if nvdisasm is None:
         pytest.skip("nvdisasm not found (pip install nvidia-cuda-nvdisasm)")
     monkeypatch.setenv("METRALE_ATTN_CACHE_DIR", str(tmp_path))

@@ -159,15 +159,11 @@ def test_a_captured_cuda_graph_replays_with_seq_lens_changed_in_place():
 
 @pytest.mark.parametrize("impl", ["simt", "mma"])
 def test_the_benchmark_timer_captures_torch_inputs_on_its_own_stream(impl):
-    """bench_decode.py times ``run`` on torch tensors through ``GpuTimer.capture_cupy``, on both kernel
+    """benchmarks/sweep.py times ``run`` on torch tensors through ``GpuTimer.capture_cupy``, on both kernel
     implementations: the graph must hold the launch (torch's current stream is the timer's inside the
     capture), or the sweep would time an empty graph and read NaN back."""
     torch = pytest.importorskip("torch")
-    import os
-    import sys
-
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
-    from gpu_timing import GpuTimer
+    from benchmarks.timing import GpuTimer
 
     p = problem(seed=7, page_size=16, seq_lens=(700, 5), head_dim=128, num_q_heads=8, num_kv_heads=2)
     attn = decoder(p, backend="cupy", impl=impl, splitk="4", heads_per_cta=4 if impl == "mma" else None)
@@ -177,7 +173,7 @@ def test_the_benchmark_timer_captures_torch_inputs_on_its_own_stream(impl):
     out = torch.empty_like(q)
     call = lambda: attn.run(q, k, v, bt, sl, out=out)  # noqa: E731
     timer = GpuTimer(flush_bytes=1 << 20, min_iters=2, max_iters=3, target_ms=0.1, warmup=1)
-    launch = timer.capture_poisoned(call, out, warmup=1)  # what bench_decode.py does before timing
+    launch = timer.capture_poisoned(call, out, warmup=1)  # what the sweep does before timing
     ref_out = p.reference()
     tolerance.assert_close_to_reference(_to_numpy_bf16(torch, out, p.q), ref_out, v_absmax=p.v_absmax())
     timing = timer.measure(launch)

@@ -129,16 +129,3 @@ def test_a_new_buffer_of_the_same_layout_at_a_misaligned_address_is_refused():
     q3 = buf[aligned + 1:aligned + 1 + P.q.size].reshape(P.q.shape)  # 2 bytes on
     with pytest.raises(ValueError, match="q must start on a 16-byte boundary"):
         attn.run(q3, *_args()[1:], out=out, lse=lse)
-
-
-def test_the_host_overhead_benchmark_runs_every_case(capsys):
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "host_overhead.py"
-    spec = importlib.util.spec_from_file_location("host_overhead", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    assert bench.main(["--calls", "20"]) == 0
-    printed = capsys.readouterr().out
-    assert printed.count(" us per run") >= 2 and "numpy, same buffers" in printed

@@ -1,4 +1,4 @@
-"""The benchmark harness (benchmarks/) without a GPU: its CPU dry run end to end, and its
+"""The benchmark harness (the benchmarks package) without a GPU: its CPU dry run end to end, and its
 reporting (targets, markdown, plots, summary) on a synthetic GPU-shaped result.
 
 The GPU run itself (``benchmarks/gpu_check.sh`` on a device) is not tested here; what
@@ -29,19 +29,10 @@ import time
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BENCH = os.path.join(REPO, "benchmarks")
-sys.path.insert(0, BENCH)
+from benchmarks import baselines, impls, l2_probe, predictions, report, steps, summary, sweep, sweep_plan
 
-import baselines  # noqa: E402
-import bench_decode  # noqa: E402
-import bench_report  # noqa: E402
-import l2_probe  # noqa: E402
-import predictions  # noqa: E402
-import steps  # noqa: E402
-import summarize  # noqa: E402
-import impls  # noqa: E402
-import sweep_plan  # noqa: E402
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BENCH = os.path.join(REPO, "benchmarks")
 
 HAVE_MPL = importlib.util.find_spec("matplotlib") is not None
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
@@ -80,7 +71,7 @@ def _sass_row(impl, arm, heads_per_cta, ceiling, kv_dtype="bf16", arch="sm_90", 
                 spill_bytes=0, ceiling_pct=ceiling, binding=binding)
 
 
-SASS_ROWS = [  # a stand-in for sass_report.py --json: the CPU profile's shape on sm_90, both implementations as the
+SASS_ROWS = [  # a stand-in for sass_model.py --json: the CPU profile's shape on sm_90, both implementations as the
     # report writes them (mma at the group's largest heads per CTA, 6), one fp8 row, one sm_100 row
     _sass_row("simt", "unpacked", 1, 41.0), _sass_row("simt", "splitk", 1, 40.0),
     _sass_row("simt", "gqa_packed", 6, 60.0),
@@ -233,7 +224,7 @@ def test_a_run_killed_mid_sweep_still_leaves_logs_summary_and_numbers(tmp_path):
 
 
 def test_sanitizer_cases_pass_on_the_cpu_backend():
-    done = subprocess.run([sys.executable, os.path.join(BENCH, "sanitize_cases.py"), "--cpu"], cwd=REPO,
+    done = subprocess.run([sys.executable, "-m", "benchmarks.sanitize_cases", "--cpu"], cwd=REPO,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     lines = [line.split() for line in done.stdout.splitlines() if line.startswith("ok ")]
@@ -310,7 +301,7 @@ def test_bench_verdict_and_exit_code(tmp_path):
 
 
 def _planned(*argv):
-    return sweep_plan.plan_jobs(bench_decode.parse_args(list(argv)))
+    return sweep_plan.plan_jobs(sweep.parse_args(list(argv)))
 
 
 def test_the_full_profile_runs_the_decisive_configurations_first():
@@ -354,8 +345,8 @@ import json, sys
 sys.path.insert(0, sys.argv[1])
 from metrale_attn.backends.cpu_backend import CpuBackend
 CpuBackend.verify_mma = lambda self: ["mma.m16n8k16 bf16"]  # as the CuPy backend reports a disagreeing device
-import bench_decode, l2_probe
-rc = bench_decode.main(sys.argv[3:])
+from benchmarks import l2_probe, sweep
+rc = sweep.main(sys.argv[3:])
 manifest = l2_probe.run_target(sys.argv[2], cpu=True, batch=1, context=64)
 sys.exit(rc)
 """
@@ -371,19 +362,19 @@ def test_a_device_that_fails_the_mma_self_test_runs_simt_and_the_run_says_so(tmp
         def verify_mma(self):
             return ["ldmatrix.x4"]
 
-    built = impls.build(bench_decode.DecodeAttention, 8, 2, 64, 16, q_dtype="bf16", kv_dtype="bf16", max_batch=2,
+    built = impls.build(sweep.DecodeAttention, 8, 2, 64, 16, q_dtype="bf16", kv_dtype="bf16", max_batch=2,
                         backend=Disagreeing(), impl="mma")
     assert built.fell_back and built.impl == "simt" and "ldmatrix.x4" in built.fallback_reason()
-    assert not impls.build(bench_decode.DecodeAttention, 8, 2, 64, 16, q_dtype="bf16", kv_dtype="bf16", max_batch=2,
+    assert not impls.build(sweep.DecodeAttention, 8, 2, 64, 16, q_dtype="bf16", kv_dtype="bf16", max_batch=2,
                            backend="cpu", impl="mma").fell_back
     with pytest.raises(ValueError, match="heads_per_cta"):  # a bad heads_per_cta is the build's refusal
-        impls.build(bench_decode.DecodeAttention, 8, 2, 64, 16, q_dtype="bf16", kv_dtype="bf16", max_batch=2,
+        impls.build(sweep.DecodeAttention, 8, 2, 64, 16, q_dtype="bf16", kv_dtype="bf16", max_batch=2,
                     backend="cpu", heads_per_cta=3)
 
     driver = tmp_path / "driver.py"
     driver.write_text(DISAGREEING_DEVICE_DRIVER)
     out, manifest = tmp_path / "out", tmp_path / "manifest.json"
-    done = subprocess.run([sys.executable, str(driver), BENCH, str(manifest), "--cpu", "--out-dir", str(out),
+    done = subprocess.run([sys.executable, str(driver), REPO, str(manifest), "--cpu", "--out-dir", str(out),
                            "--decisive", "6/1/256:1:64", "--decisive-dtypes", "bf16", "--hpc-models", "4/1/64",
                            "--hpc-batches", "1", "--rest", "off"], cwd=REPO, capture_output=True, text=True,
                           timeout=300)
@@ -404,7 +395,7 @@ def test_a_device_that_fails_the_mma_self_test_runs_simt_and_the_run_says_so(tmp
     assert all(x.get("fallback") for x in launches if x["impl"] == "mma")
     assert steps.selftest_verdict(str(out / name))[0] == "FALLBACK"
     table = [dict(name="mma_selftest", status="FALLBACK", seconds="0", detail=record["detail"])]
-    _, text = summarize.render(table, {}, result, "9")
+    _, text = summary.render(table, {}, result, "9")
     assert "mma self-test: FELL BACK to simt" in text and "fallback[-]" in text
     assert text.splitlines()[-1].startswith("OVERALL (CPU dry run): FAIL (mma_selftest FALLBACK)")
 
@@ -460,7 +451,7 @@ def test_the_l2_probe_parses_ncu_and_records_a_refusal(tmp_path, mode, status, p
     ncu.chmod(0o755)
     out = tmp_path / "l2.json"
     env = dict(os.environ, FAKE_NCU=mode)
-    done = subprocess.run([sys.executable, os.path.join(BENCH, "l2_probe.py"), "probe", "--cpu", "--ncu", str(ncu),
+    done = subprocess.run([sys.executable, "-m", "benchmarks.l2_probe", "probe", "--cpu", "--ncu", str(ncu),
                            "--out", str(out), "--work", str(tmp_path)], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr  # never fatal
@@ -563,7 +554,7 @@ def test_predictions_join_by_variant_on_the_device_arch(tmp_path):
 
 
 def test_the_committed_sass_model_predicts_every_decisive_variant_of_both_implementations():
-    """benchmarks/results/sass_model.json (``sass_report.py --json``) joined as the sweep joins it: every forced
+    """benchmarks/results/sass_model.json (``sass_model.py --json``) joined as the sweep joins it: every forced
     arm on simt and mma at every decisive configuration, at the heads per CTA its plan on an H200 runs. The
     report gives mma at the group's largest heads per CTA only, so the one plan that picks fewer (unpacked, one
     sequence: 8 KV heads x 4 / h CTAs, h = 1 to cover half the SMs) has none."""
@@ -590,22 +581,22 @@ def test_the_committed_sass_model_predicts_every_decisive_variant_of_both_implem
 
 
 def test_bytes_per_call_count_k_and_v_q_and_out():
-    shape = bench_decode.MODELS["qwen3.8-27b"]
-    c = bench_decode.Config("qwen3.8-27b", shape, "bf16", batch=2, context=1024, page_size=16)
+    shape = sweep.MODELS["qwen3.8-27b"]
+    c = sweep.Config("qwen3.8-27b", shape, "bf16", batch=2, context=1024, page_size=16)
     kv = 2 * 1024 * 4 * 256 * 2 * 2  # seqs x tokens x kv_heads x head_dim x bf16 x (K, V)
     assert c.kv_bytes == kv
     assert c.bytes_moved == kv + 2 * (2 * 24 * 256 * 2)  # + q and out, bf16
-    assert bench_decode.Config("x", shape, "fp8", 2, 1024, 16).kv_bytes == kv // 2
+    assert sweep.Config("x", shape, "fp8", 2, 1024, 16).kv_bytes == kv // 2
 
 
 def test_arms_are_forced_only_where_the_shape_fits():
-    MODELS = bench_decode.MODELS
-    assert bench_decode.arms_for(MODELS["qwen3.8-27b"], ["unpacked", "splitk", "gqa_packed"]) == [
+    MODELS = sweep.MODELS
+    assert sweep.arms_for(MODELS["qwen3.8-27b"], ["unpacked", "splitk", "gqa_packed"]) == [
         "unpacked", "splitk", "gqa_packed"]
-    assert bench_decode.arms_for(MODELS["llama-3-8b"], ["unpacked", "splitk", "gqa_packed"]) == ["unpacked", "splitk"]
-    assert bench_decode.arm_options("splitk:4") == dict(splitk="4", gqa_pack=False)
-    assert bench_decode.arm_options("unpacked") == dict(splitk="off", gqa_pack=False)
-    assert [m for m, _ in bench_decode.parse_models("llama-3-70b,6/1/256")] == ["llama-3-70b", "6/1/256"]
+    assert sweep.arms_for(MODELS["llama-3-8b"], ["unpacked", "splitk", "gqa_packed"]) == ["unpacked", "splitk"]
+    assert sweep.arm_options("splitk:4") == dict(splitk="4", gqa_pack=False)
+    assert sweep.arm_options("unpacked") == dict(splitk="off", gqa_pack=False)
+    assert [m for m, _ in sweep.parse_models("llama-3-70b,6/1/256")] == ["llama-3-70b", "6/1/256"]
 
 
 # -- reporting on a synthetic GPU-shaped result -------------------------------------------------------
@@ -613,23 +604,23 @@ def test_arms_are_forced_only_where_the_shape_fits():
 
 def synthetic_result(copy: float = 4.0) -> dict:
     """A GPU-shaped result: two configurations, ours at a given % of copy, and two baselines."""
-    shape = bench_decode.MODELS["llama-3-8b"]
+    shape = sweep.MODELS["llama-3-8b"]
     rows = []
 
     def ours(batch, context, arm, us, default):
-        c = bench_decode.Config("llama-3-8b", shape, "bf16", batch, context, 16)
-        timing = bench_decode.Timing(us, us, us, 5, "cuda-graph")
-        return bench_decode.make_row(c, "metrale", arm=arm, timing=timing, copy_tb_per_s=copy, status="ok",
+        c = sweep.Config("llama-3-8b", shape, "bf16", batch, context, 16)
+        timing = sweep.Timing(us, us, us, 5, "cuda-graph")
+        return sweep.make_row(c, "metrale", arm=arm, timing=timing, copy_tb_per_s=copy, status="ok",
                                      check={"status": "ok"}, default=default)
 
     def base(batch, context, name, us=None, reason=""):
-        c = bench_decode.Config("llama-3-8b", shape, "bf16", batch, context, 16)
-        timing = bench_decode.Timing(us, us, us, 5, "cuda-graph") if us else None
-        return bench_decode.make_row(c, name, timing=timing, copy_tb_per_s=copy,
+        c = sweep.Config("llama-3-8b", shape, "bf16", batch, context, 16)
+        timing = sweep.Timing(us, us, us, 5, "cuda-graph") if us else None
+        return sweep.make_row(c, name, timing=timing, copy_tb_per_s=copy,
                                      status="ok" if us else "unavailable", reason=reason)
 
     for batch, context in ((1, 65536), (16, 4096), (64, 16384)):
-        c = bench_decode.Config("llama-3-8b", shape, "bf16", batch, context, 16)
+        c = sweep.Config("llama-3-8b", shape, "bf16", batch, context, 16)
         at = lambda pct: c.bytes_moved / (pct / 100 * copy * 1e12) * 1e6  # microseconds at pct % of copy
         rows.append(ours(batch, context, "splitk", at(92 if batch > 1 else 85), True))
         rows.append(ours(batch, context, "unpacked", at(50 if batch == 1 else 88), False))
@@ -642,13 +633,13 @@ def synthetic_result(copy: float = 4.0) -> dict:
               "environment": {"device": {"name": "NVIDIA H200", "sm_count": 132}},
               "rows": rows, "skipped": [], "not_measured": [], "host_overhead": [], "baselines": {},
               "budget": {"time_budget_s": 150, "elapsed_s": 10, "stopped_early": False}}
-    bench_decode.summarize_baselines(result)
+    sweep.summarize_baselines(result)
     return result
 
 
 def test_targets_pass_and_fail_where_they_should():
     result = synthetic_result()
-    targets = {t["id"]: t for t in bench_report.evaluate_targets(result)}
+    targets = {t["id"]: t for t in report.evaluate_targets(result)}
     assert targets["T1"]["status"] == "PASS" and targets["T1"]["value"] == pytest.approx(92)
     assert targets["T2"]["status"] == "PASS" and targets["T2"]["value"] == pytest.approx(85)
     # FlashInfer is faster at batch 64: T3 fails and names that configuration.
@@ -659,14 +650,14 @@ def test_targets_pass_and_fail_where_they_should():
     for r in slow["rows"]:  # the same times against twice the bandwidth: 46%
         if r.get("pct_of_copy"):
             r["pct_of_copy"] /= 2
-    t1 = {t["id"]: t for t in bench_report.evaluate_targets(slow)}["T1"]
+    t1 = {t["id"]: t for t in report.evaluate_targets(slow)}["T1"]
     assert t1["status"] == "FAIL" and "b16" in " ".join(t1["failures"])
 
 
 def test_markdown_names_baselines_that_did_not_run_and_why():
     result = synthetic_result()
-    result["targets"] = bench_report.evaluate_targets(result)
-    md = bench_report.render_markdown(result)
+    result["targets"] = report.evaluate_targets(result)
+    md = report.render_markdown(result)
     assert "FlexAttention**: did not run" in md and "compile budget of 60 s spent" in md
     assert "| 64 | 16k |" in md and "T3 misses" in md
     assert result["baselines"]["flashinfer"]["ran"] == 3
@@ -674,8 +665,8 @@ def test_markdown_names_baselines_that_did_not_run_and_why():
 
 def test_outputs_and_summary_from_a_synthetic_result(tmp_path):
     result = synthetic_result()
-    result["targets"] = bench_report.evaluate_targets(result)
-    paths = bench_report.write_outputs(result, str(tmp_path))
+    result["targets"] = report.evaluate_targets(result)
+    paths = report.write_outputs(result, str(tmp_path))
     names = {os.path.basename(p) for p in paths}
     expected = {"2026-11-30_H200_bench.json", "2026-11-30_H200_bench.md"}
     if HAVE_MPL:
@@ -683,15 +674,15 @@ def test_outputs_and_summary_from_a_synthetic_result(tmp_path):
     assert names == expected
     json.loads((tmp_path / "2026-11-30_H200_bench.json").read_text())
     steps = [dict(name="gpu_tests", status="ok", seconds="80", detail="252 passed")]
-    md, text = summarize.render(steps, {}, result, "300")
+    md, text = summary.render(steps, {}, result, "300")
     assert "gpu_tests" in text and "T1     PASS" in text and "% of copy" in text
     assert "vs fastest baseline" in text and md.startswith("# metrale-attn gpu_check")
 
 
 def test_markdown_gives_percent_of_copy_for_every_arm():
     result = synthetic_result()
-    result["targets"] = bench_report.evaluate_targets(result)
-    md = bench_report.render_markdown(result)
+    result["targets"] = report.evaluate_targets(result)
+    md = report.render_markdown(result)
     assert "| unpacked us (% copy) | split-K us (% copy) |" in md
     row = next(line for line in md.splitlines() if line.startswith("| 16 | 4k |"))
     assert "(88.0%)" in row and "(92.0%)" in row and "(30.0%)" in row  # unpacked, split-K, SDPA
@@ -702,13 +693,13 @@ def full_size_result(copy: float = 4.3) -> dict:
     implementations (mma twice as fast), every baseline on the decisive configurations, the heads_per_cta
     sweep on both groups, a 12-kernel L2 probe."""
     rows = []
-    for job in sweep_plan.plan_jobs(bench_decode.parse_args([])):
+    for job in sweep_plan.plan_jobs(sweep.parse_args([])):
         c = job.config
         at = lambda pct: c.bytes_moved / (pct / 100 * copy * 1e12) * 1e6  # noqa: E731  (us at pct % of copy)
         for slot in sweep_plan.slots_for(job, list(sweep_plan.DEFAULT_ARMS)):
             us = at(92.0 if slot.impl == "mma" else 46.0)
-            row = bench_decode.make_row(c, "metrale", arm=slot.arm, copy_tb_per_s=copy, status="ok",
-                                        timing=bench_decode.Timing(us, us, us, 20, "cuda-graph"),
+            row = sweep.make_row(c, "metrale", arm=slot.arm, copy_tb_per_s=copy, status="ok",
+                                        timing=sweep.Timing(us, us, us, 20, "cuda-graph"),
                                         check={"status": "ok"}, slot=slot, tier=job.tier,
                                         default=(slot.arm, slot.impl) == ("splitk", "mma"),
                                         extra=dict(sass={"ceiling_pct": 100.0 if slot.impl == "mma" else 41.0,
@@ -717,9 +708,9 @@ def full_size_result(copy: float = 4.3) -> dict:
                 row.update(sweep="heads_per_cta", hpc_choice=slot.heads_per_cta == 4)
             rows.append(row)
         late = sweep_plan.LATE_BASELINES if job.tier.startswith("decisive") else ()
-        timing = bench_decode.Timing(at(60.0), at(60.0), at(60.0), 20, "cuda-graph")
+        timing = sweep.Timing(at(60.0), at(60.0), at(60.0), 20, "cuda-graph")
         for name in job.baselines + late:
-            rows.append(bench_decode.make_row(c, name, timing=timing, copy_tb_per_s=copy, status="ok", tier=job.tier))
+            rows.append(sweep.make_row(c, name, timing=timing, copy_tb_per_s=copy, status="ok", tier=job.tier))
     probe_rows = [dict(shape=s, group=g, arm=a, impl=i, heads_per_cta=1 if i == "simt" else g, status="ok",
                        time_us=301.0, dram_bytes=1.07e9, l2_over_dram=float(g), expected_l2_over_dram=float(g),
                        dram_tb_per_s=3.56, issue_slots_pct=22.0, instr_per_kib=101.0,
@@ -734,7 +725,7 @@ def full_size_result(copy: float = 4.3) -> dict:
               "hpc_sweep": {"status": "planned", "choices": {f"{m} b{b}": 4 for m in ("llama-3-8b", "llama-3-70b")
                                                              for b in (1, 16, 64)}},
               "l2_probe": {"status": "ok", "detail": "12 of 12 kernels profiled in 1 ncu pass(es)", "rows": probe_rows}}
-    result["targets"] = bench_report.evaluate_targets(result)
+    result["targets"] = report.evaluate_targets(result)
     return result
 
 
@@ -746,16 +737,16 @@ def test_the_short_table_of_a_full_run_fits_the_device_tools_output_tail():
     names = ["wheels", "import", "environment", "sanitize_memcheck", "sanitize_racecheck", "sanitize_initcheck",
              "gpu_tests", "l2_probe", "sass_model", "benchmark", "mma_selftest", "flashinfer_jit"]
     table = [dict(name=n, status="ok", seconds="99", detail="x" * 300) for n in names]
-    _, text = summarize.render(table, {}, result, "463")
+    _, text = summary.render(table, {}, result, "463")
     lines = text.splitlines()
     assert len(text) < 8000 and max(map(len, lines)) <= 120, (len(text), max(lines, key=len))
     assert lines[-1].startswith("OVERALL: ok; targets T1 PASS, T2 PASS, T3 PASS, C PASS")
     assert "old vs new kernels: mma over simt 2.00x min" in text and "L2 probe: ok" in text
     assert "mma self-test: ok" in text
-    decisive = [job for job in sweep_plan.plan_jobs(bench_decode.parse_args([])) if job.tier.startswith("decisive")]
+    decisive = [job for job in sweep_plan.plan_jobs(sweep.parse_args([])) if job.tier.startswith("decisive")]
     for job in decisive:  # the configuration's first arm line: simt and mma in % of copy with [prediction], x2.00
         c = job.config
-        label = f"{c.model} {c.kv_dtype} b{c.batch} {bench_report._ctx(c.context)}"
+        label = f"{c.model} {c.kv_dtype} b{c.batch} {report._ctx(c.context)}"
         (line,) = [line for line in lines if line.startswith(f"  {label} ")]
         assert re.search(r" unp +\d+\.\d\[41\] +\d+\.\d\[100\] +2\.00x  sdpa\+g \d+\.\d  sdpa \d", line), line
     spk = [line for line in lines if re.match(r"^ {27}spk +\d+\.\d\[41\] +\d+\.\d\*\[100\] +2\.00x$", line)]
@@ -763,7 +754,7 @@ def test_the_short_table_of_a_full_run_fits_the_device_tools_output_tail():
     assert sum(1 for line in lines if re.match(r"^ {27}pack ", line)) == 2  # 24/4/256, bf16 and fp8
     assert any(line.startswith("  llama-3-8b b16:") and "h4*" in line and "h8" not in line for line in lines)
     assert any(line.startswith("  llama-3-70b b64:") and "h4*" in line and "h8 " in line for line in lines)
-    md = bench_report.render_markdown(result)
+    md = report.render_markdown(result)
     assert "| unpacked/simt us (% copy) | unpacked/mma us (% copy) | split-K/simt us (% copy) |" in md
     assert "mma speed-up" in md and "llama-3-70b (64/8/128, group 8), mma kernels" in md
 
@@ -775,11 +766,11 @@ import contextlib, sys, time, types
 import numpy as np, torch, ml_dtypes
 sys.path.insert(0, sys.argv[1])
 sys.modules["cupy"] = types.ModuleType("cupy")  # GpuSweep imports CuPy only to fail early
-import gpu_timing, bench_decode as bd, baselines
+from benchmarks import baselines, timing, sweep as bd
 from metrale_attn import DecodeAttention
 
 
-class FakeTimer(gpu_timing.GpuTimer):  # GpuTimer without CuPy: wall clock, no streams, no graphs
+class FakeTimer(timing.GpuTimer):  # GpuTimer without CuPy: wall clock, no streams, no graphs
     def __init__(self, **kw): pass
     def on_stream(self): return contextlib.nullcontext()
     def synchronize_device(self): pass
@@ -789,7 +780,7 @@ class FakeTimer(gpu_timing.GpuTimer):  # GpuTimer without CuPy: wall clock, no s
         samples = []
         for _ in range(3):
             t = time.perf_counter(); launch(); samples.append((time.perf_counter() - t) * 1e6)
-        return gpu_timing._summarize(samples, mode, note)
+        return timing._summarize(samples, mode, note)
     def host_overhead_us(self, call, iters=10):
         t = time.perf_counter()
         for _ in range(iters): call()
@@ -814,7 +805,7 @@ class CpuBackedAttention:  # DecodeAttention on the CPU backend, taking and fill
         return out
 
 
-gpu_timing.GpuTimer = FakeTimer
+timing.GpuTimer = FakeTimer
 bd.DecodeAttention = CpuBackedAttention
 pool_init = bd.GpuPool.__init__
 bd.GpuPool.__init__ = lambda self, *a, **kw: pool_init(self, *a, **dict(kw, device="cpu"))
@@ -837,7 +828,7 @@ def test_gpu_sweep_control_flow_with_fakes_on_the_cpu(tmp_path):
     status.write_text(json.dumps({"variants": {}, "import_error": "not compiled in this test"}))
     out = tmp_path / "out"
     done = subprocess.run(
-        [sys.executable, str(driver), BENCH, "--env-json", str(env_json), "--out-dir", str(out),
+        [sys.executable, str(driver), REPO, "--env-json", str(env_json), "--out-dir", str(out),
          "--decisive", "llama-3-8b:1:40,qwen3.8-27b:1:40,llama-3-8b:2:40", "--decisive-dtypes", "bf16,fp8",
          "--hpc-batches", "none", "--features", "llama-3-8b:1:40", "--feature-window", "15", "--rest", "off",
          "--flex-batches", "1", "--host-overhead-iters", "2",
@@ -874,7 +865,7 @@ def test_gpu_sweep_control_flow_with_fakes_on_the_cpu(tmp_path):
 
 
 def test_the_decode_loop_step_fails_when_a_correctness_run_fails_and_is_partial_when_a_timing_run_does():
-    import decode_loop_check as dlc
+    from benchmarks import decode_loop_check as dlc
 
     ok = lambda name, kind, **kw: dict(name=name, kind=kind, status="ok", **kw)  # noqa: E731
     rows = [ok("eager", "check"), ok("cuda-graph", "check"), ok("metrale b64", "time", step_ms=2.0),
@@ -883,3 +874,11 @@ def test_the_decode_loop_step_fails_when_a_correctness_run_fails_and_is_partial_
     assert dlc.verdict([dict(rows[0], status="FAIL")] + rows[1:])[0] == "FAIL"
     assert dlc.verdict(rows[:2] + [dict(rows[2], status="TIMEOUT")] + rows[3:])[0] == "PARTIAL"
     assert dlc.verdict(rows[:3])[0] == "PARTIAL" and dlc.verdict([])[0] == "FAIL"
+
+
+def test_the_host_overhead_benchmark_runs_every_case(capsys):
+    from benchmarks import host_overhead as bench
+
+    assert bench.main(["--calls", "20"]) == 0
+    printed = capsys.readouterr().out
+    assert printed.count(" us per run") >= 2 and "numpy, same buffers" in printed

@@ -1,6 +1,6 @@
 """The last word of ``gpu_check.sh``: one summary of every step, the targets, and a short table.
 
-This script owns ``summary.md`` (rewritten after every step, so a run cut off from
+This module owns ``summary.md`` (rewritten after every step, so a run cut off from
 outside still brings one back) and the short plain-text table ``gpu_check.sh`` prints
 LAST: the device tool returns only the last 12,000 characters of a run's output, so the
 table is kept to short lines and a few dozen of them:
@@ -14,7 +14,7 @@ table is kept to short lines and a few dozen of them:
 - per model: the policy's default arm's % of copy, batch by context;
 - ``OVERALL``: ok, or FAIL with the steps that failed (the last line).
 
-Usage: ``python3 benchmarks/summarize.py --steps steps.tsv --env env.json --bench X_bench.json
+Usage: ``python -m benchmarks.summary --steps steps.tsv --env env.json --bench X_bench.json
 --probe l2_probe.json --mode gpu --out summary.md [--running benchmark] [--quiet]``
 """
 
@@ -25,11 +25,9 @@ import os
 import statistics
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import bench_report  # noqa: E402
-from l2_probe import probe_text  # noqa: E402
-from steps import load_json, timed_rows  # noqa: E402
+from . import report
+from .l2_probe import probe_text
+from .steps import load_json, timed_rows
 
 FAILING = ("FAIL", "TIMEOUT", "ERRORS", "WRONG", "FALLBACK")
 
@@ -84,17 +82,17 @@ def decisive_lines(result: dict, width: int = 118) -> list[str]:
         by_cfg.setdefault((r["model"], r["kv_dtype"], r["batch"], r["context"]), []).append(r)
     for (model, kv, batch, context), rs in by_cfg.items():
         ours = [r for r in rs if r["impl"] == "metrale"]
-        bases = "  ".join(f"{bench_report.short_label(r)} {_value(r, pct) if r.get('median_us') is not None else '-'}"
+        bases = "  ".join(f"{report.short_label(r)} {_value(r, pct) if r.get('median_us') is not None else '-'}"
                           for r in rs if r["impl"] != "metrale")
         by_arm: dict = {}
         for r in ours:
             by_arm.setdefault(r.get("arm"), {})[r.get("kernel_impl") or r.get("impl_asked")] = r
-        label = f"{model} {kv} b{batch} {bench_report._ctx(context)}"
+        label = f"{model} {kv} b{batch} {report._ctx(context)}"
         for arm, by in by_arm.items():
             old, new = by.get("simt"), by.get("mma")
             speed = (f"{old['median_us'] / new['median_us']:.2f}x" if old and new and old.get("median_us")
                      and new.get("median_us") else "-")
-            line = (f"  {label:<24} {bench_report.ARM_SHORT.get(arm, arm):<5} {_ours_cell(old, pct):>12} "
+            line = (f"  {label:<24} {report.ARM_SHORT.get(arm, arm):<5} {_ours_cell(old, pct):>12} "
                     f"{_ours_cell(new, pct):>12} {speed:>8}")
             if bases:
                 if len(line) + 2 + len(bases) > width:
@@ -119,12 +117,12 @@ def _wrap(head: str, parts: list[str], width: int = 110) -> list[str]:
 
 def hpc_lines(result: dict) -> list[str]:
     info = result.get("hpc_sweep") or {}
-    by_model = bench_report.hpc_rows(result)
+    by_model = report.hpc_rows(result)
     if not by_model:
         return [f"heads_per_cta sweep: {info.get('status', 'not planned')}"] if info else []
     pct = _pct_mode(result)
     r0 = next(iter(next(iter(by_model.values())).values()))[0]
-    out = [f"heads_per_cta sweep (mma, {r0['kv_dtype']} {bench_report._ctx(r0['context'])}; "
+    out = [f"heads_per_cta sweep (mma, {r0['kv_dtype']} {report._ctx(r0['context'])}; "
            f"{'% of copy' if pct else 'us'}; * the plan's choice):"]
     for model, by_batch in by_model.items():
         for batch, rs in sorted(by_batch.items()):
@@ -136,7 +134,7 @@ def hpc_lines(result: dict) -> list[str]:
 def impl_line(result: dict) -> list[str]:
     if not result.get("kernel_impls"):
         return []
-    pairs = [{impl: r["median_us"] for impl, r in by.items()} for by in bench_report.impl_pairs(result).values()]
+    pairs = [{impl: r["median_us"] for impl, r in by.items()} for by in report.impl_pairs(result).values()]
     speedups = sorted(p["simt"] / p["mma"] for p in pairs if "simt" in p and "mma" in p)
     if not speedups:
         return ["old vs new kernels: no configuration timed both"]
@@ -147,14 +145,14 @@ def impl_line(result: dict) -> list[str]:
 def grid_tables(result: dict) -> list[str]:
     """Per model: the default arm's % of copy (us on the CPU), rows batch, columns context,
     one block of columns per KV dtype; then its slowest speed-up over the fastest baseline."""
-    rows = [r for r in bench_report.default_rows(result) if r.get("median_us") is not None]
+    rows = [r for r in report.default_rows(result) if r.get("median_us") is not None]
     if not rows:
         return ["(no benchmark rows)"]
     pct = bool(result.get("copy_tb_per_s")) and result.get("mode") != "cpu"
     fastest_base: dict = {}
     for r in result["rows"]:
         if r["impl"] != "metrale" and r.get("median_us") is not None:
-            k = bench_report._key(r)
+            k = report._key(r)
             fastest_base[k] = min(fastest_base.get(k, float("inf")), r["median_us"])
     out = []
     for model in dict.fromkeys(r["model"] for r in rows):
@@ -166,7 +164,7 @@ def grid_tables(result: dict) -> list[str]:
         out.append(f"{model} ({rs[0]['shape']}): {'% of copy' if pct else 'simulator us'}, default arm")
         blocks = [f"KV {dt}".center(len(contexts) * (width + 1) - 1) for dt in dtypes]
         out.append(f"  {'':>5} " + " | ".join(blocks))
-        out.append(f"  {'batch':>5} " + " | ".join(" ".join(f"{bench_report._ctx(c):>{width}}" for c in contexts)
+        out.append(f"  {'batch':>5} " + " | ".join(" ".join(f"{report._ctx(c):>{width}}" for c in contexts)
                                                   for _ in dtypes))
         for b in sorted({r["batch"] for r in rs}):
             parts = []
@@ -180,8 +178,8 @@ def grid_tables(result: dict) -> list[str]:
                         vals.append(f"{r['pct_of_copy']:>{width}.1f}" if pct else f"{r['median_us']:>{width}.0f}")
                 parts.append(" ".join(vals))
             out.append(f"  {b:>5} " + " | ".join(parts))
-        speedups = sorted(fastest_base[bench_report._key(r)] / r["median_us"] for r in rs
-                          if bench_report._key(r) in fastest_base)
+        speedups = sorted(fastest_base[report._key(r)] / r["median_us"] for r in rs
+                          if report._key(r) in fastest_base)
         if speedups:
             out.append(f"  vs fastest baseline: min {speedups[0]:.2f}x, median {speedups[len(speedups) // 2]:.2f}x "
                        f"over {len(speedups)} configurations")
@@ -228,9 +226,9 @@ def render(steps: list[dict], env: dict, result: dict, total_s: str, *, probe: d
         if budget.get("stopped_early"):
             text.append(f"benchmark STOPPED EARLY: {budget.get('reason')}; {len(result.get('not_measured', []))} "
                         "configurations not measured")
-        text.append(bench_report.targets_table(result.get("targets") or bench_report.evaluate_targets(result)))
+        text.append(report.targets_table(result.get("targets") or report.evaluate_targets(result)))
         text.append("")
-        text.append(bench_report.selftest_line(result))
+        text.append(report.selftest_line(result))
         for block in (decisive_lines(result), hpc_lines(result), impl_line(result)):
             text += block
         text.append("")

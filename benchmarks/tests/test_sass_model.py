@@ -1,4 +1,4 @@
-"""benchmarks/sass_report.py: the static SASS model, without a GPU.
+"""benchmarks/sass_model.py: the static SASS model, without a GPU.
 
 The CFG machinery is checked on small hand-written listings (nested loops, a divergent
 fallback, a rare detour, two memory waits); the real report runs on one variant end to
@@ -13,15 +13,13 @@ import subprocess
 import sys
 
 import pytest
-from conftest import nvrtc_build
 
+from benchmarks import sass_model as sr
+from benchmarks.hot_loop import hot_loop
 from metrale_attn.backends import cubin
 from metrale_attn.kernels import Variant
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, "benchmarks"))
-
-import sass_report as sr  # noqa: E402
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # -------------------------------------------------------------------------------------
 # The CFG and the model on hand-written SASS
@@ -114,7 +112,7 @@ def test_every_assumption_names_its_source_and_the_table_prints():
     for key in ("sm_count", "clock_ghz", "hbm_copy_tb_s", "l2_tb_s", "latency_short_ns", "latency_long_ns"):
         assert key in sr.ASSUMPTIONS
     assert "gpu-l2-cache/h200.txt" in sr.ASSUMPTIONS["l2_tb_s"].source
-    done = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "sass_report.py"), "--assumptions"],
+    done = subprocess.run([sys.executable, "-m", "benchmarks.sass_model", "--assumptions"], cwd=REPO,
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and "| `l2_tb_s` | 9.8 |" in done.stdout
 
@@ -145,6 +143,14 @@ NVDISASM = sr.find_nvdisasm()
 needs_nvdisasm = pytest.mark.skipif(NVDISASM is None, reason="nvdisasm not found (pip install nvidia-cuda-nvdisasm)")
 
 
+def nvrtc_build(variant, arch: str):
+    """``(cubin, ptxas -v log)`` of ``variant`` for ``arch`` through the backend's own NVRTC path, as
+    the report compiles it."""
+    from metrale_attn.backends.cupy_backend import nvrtc_compile
+
+    return nvrtc_compile(variant, arch, ptxas_verbose=True)
+
+
 @needs_nvdisasm
 @pytest.mark.parametrize("variant", [Variant("unpacked", 64, "fp16", "bf16", "simt"),
                                      Variant("splitk", 128, "bf16", "fp8", "simt"),
@@ -157,7 +163,7 @@ def test_the_loop_the_report_finds_loads_the_bytes_the_source_declares(variant):
     facts = sr.analyse(variant, "sm_90", NVDISASM, build=nvrtc_build(variant, "sm_90"))
     assert facts.hot is not None
     assert facts.warp_iters_per_sass_iter == 1
-    assert facts.sass_kv_bytes_per_iter == variant.hot_loop.kv_bytes_per_warp_iter
+    assert facts.sass_kv_bytes_per_iter == hot_loop(variant).kv_bytes_per_warp_iter
     vector_loads = [i for i in facts.hot.instrs if sr.global_load_bytes(i) and sr._width_bytes(i) >= 8]
     if variant.impl == "simt":  # every K and V load of the tile is on the path: 2 per UNROLL step
         assert len(vector_loads) == 2 * 4
@@ -170,9 +176,9 @@ def test_the_loop_the_report_finds_loads_the_bytes_the_source_declares(variant):
 def test_the_report_on_one_variant_writes_the_interface(tmp_path):
     out = tmp_path / "rows.json"
     done = subprocess.run(
-        [sys.executable, os.path.join(REPO, "benchmarks", "sass_report.py"), "--json", str(out), "--arch", "sm_90",
+        [sys.executable, "-m", "benchmarks.sass_model", "--json", str(out), "--arch", "sm_90",
          "--variants", "paged_decode_unpacked_qbf16_kvbf16_hd128", "--shapes", "32/8/128"],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "NVDISASM": NVDISASM})
+        cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, "NVDISASM": NVDISASM})
     assert done.returncode == 0, done.stdout + done.stderr
     assert "NOT measured" in done.stdout and "| unpacked | 32/8/128 | bf16 | sm_90 | 1 |" in done.stdout
     (r,) = json.loads(out.read_text())

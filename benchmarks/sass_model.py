@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Static SASS report: what each kernel variant's steady-state loop costs, and the
 share of the H200's copy bandwidth that cost leaves room for. EVERY FIGURE IS MODELLED
 from the compiler's output and the assumption table below; nothing here is measured.
@@ -29,11 +28,12 @@ For each variant and model shape the report
    shared-memory bandwidth, L2 bandwidth shared by the CTAs that read each row, and
    bytes in flight at two latencies. The lowest is ``ceiling_pct``, its name ``binding``.
 
-What a variant must declare is ``metrale_attn.kernels.HotLoop`` (``Variant.hot_loop``):
-the kernel holding the loop, heads per CTA, warps per CTA, tokens and K+V bytes one
-warp iteration consumes, pipeline stages and stage bytes, dynamic shared memory.
+What the model needs beyond the SASS is a variant's ``HotLoop`` (``hot_loop.py``, computed
+from the variant's public fields and source text): the kernel holding the loop, heads per
+CTA, warps per CTA, tokens and K+V bytes one warp iteration consumes, pipeline stages and
+stage bytes, dynamic shared memory.
 
-Usage: ``python benchmarks/sass_report.py [--json PATH] [--arch sm_90 [sm_100]]
+Usage: ``python -m benchmarks.sass_model [--json PATH] [--arch sm_90 [sm_100]]
 [--variants NAME_OR_ARM ...] [--shapes 32/8/128 ...] [--kv-dtypes bf16 fp8]``.
 The markdown table goes to stdout; ``--json`` writes the rows (a list of dicts).
 """
@@ -53,14 +53,11 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 
-try:
-    import metrale_attn  # noqa: F401
-except ImportError:  # a bare checkout: the package sits beside benchmarks/
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from metrale_attn import dtypes
+from metrale_attn.kernels import Variant, all_variants
+from metrale_attn.plan import max_rows_per_cta
 
-from metrale_attn import dtypes  # noqa: E402
-from metrale_attn.kernels import Variant, all_variants  # noqa: E402
-from metrale_attn.plan import max_rows_per_cta  # noqa: E402
+from .hot_loop import hot_loop
 
 # ======================================================================================
 # THE ASSUMPTIONS: every number the model uses, with its source. H200 SXM, sm_90.
@@ -643,7 +640,7 @@ def analyse(variant: Variant, arch: str, nvdisasm: str, build: tuple[bytes, str]
 
         build = nvrtc_compile(variant, arch, ptxas_verbose=True)
     cubin, log = build
-    loop = variant.hot_loop
+    loop = hot_loop(variant)
     functions = parse_functions(disassemble(cubin, nvdisasm))
     if loop.kernel not in functions:
         raise RuntimeError(f"{loop.kernel} not in the disassembly of {variant.name} ({', '.join(functions)})")
@@ -671,7 +668,7 @@ def heads_per_cta(loop, group: int) -> int:
 
 def row(facts: VariantFacts, q_heads: int, kv_heads: int) -> dict:
     """One report row: the variant's SASS facts scaled to a model shape, and the model."""
-    v, loop, hot = facts.variant, facts.variant.hot_loop, facts.hot
+    v, loop, hot = facts.variant, hot_loop(facts.variant), facts.hot
     group = q_heads // kv_heads
     hpc = heads_per_cta(loop, group)
     readers = group / hpc  # CTAs reading each K/V row
@@ -756,7 +753,7 @@ def serves(variant: Variant, q_heads: int, kv_heads: int, head_dim: int) -> bool
     """A variant serves a shape at its head dim when its heads per CTA divide the group;
     a grouped (mma) variant when it is the smallest whose capacity holds the group's
     largest choice (one row tile for groups up to 8, two above)."""
-    loop, group = variant.hot_loop, q_heads // kv_heads
+    loop, group = hot_loop(variant), q_heads // kv_heads
     if variant.head_dim != head_dim:
         return False
     if not loop.grouped:
@@ -785,7 +782,7 @@ def _pct(x) -> str:
 
 def markdown(rows: list[dict]) -> str:
     lines = [
-        "Static SASS model (NOT measured): H200 assumption table in benchmarks/sass_report.py; "
+        "Static SASS model (NOT measured): H200 assumption table in benchmarks/sass_model.py; "
         "% of the 4.3 TB/s copy bandwidth",
         "",
         "| arm | q/kv/D | KV | arch | heads/CTA | instr/KiB unique | regs | spill B | CTAs/SM | KiB in flight/SM "

@@ -1,12 +1,13 @@
 """Paged-decode benchmark sweep: ours (every arm) against the baselines, on one GPU, in one run.
 
-This script owns the sweep's execution: the data each configuration runs on, the
+This module owns the sweep's execution: the data each configuration runs on, the
 correctness check before timing, the bytes a call must move, the rows of the result,
 and the time budget. What runs and in which order (tiers: the decisive
-configurations first) is ``sweep_plan.py``; timing is ``gpu_timing.py``; the
-baselines ``baselines.py``; the environment and copy-bandwidth ceiling ``gpu_env.py``;
-JSON / markdown / plots / targets ``bench_report.py``; the kernel implementations and
-the mma self-test's verdict ``impls.py``; the static SASS model's predictions ``predictions.py``.
+configurations first) is ``sweep_plan.py``; the GPU tensors ``data.py``; timing is
+``timing.py``; the baselines ``baselines.py``; the environment and copy-bandwidth ceiling
+``environment.py``; JSON / markdown / plots / targets ``report.py``; the kernel
+implementations and the mma self-test's verdict ``impls.py``; the static SASS model's
+predictions ``predictions.py``.
 
 What one row means (GPU):
 
@@ -39,7 +40,7 @@ What one row means (GPU):
   the same float64 comparison with a loose bar (they round P to bf16): max abs
   error <= 1% of max|reference|.
 - Time: median microseconds of a CUDA-graph launch between CUDA events on one
-  stream, L2 flushed before each (``gpu_timing.py``).
+  stream, L2 flushed before each (``timing.py``).
 - Bytes: KV actually touched (tokens x kv_heads x head_dim x itemsize x 2 for K and
   V) + q + out. ``tb_per_s`` = bytes / median time, in decimal TB/s; ``pct_of_copy``
   = that over the measured device-to-device copy bandwidth. Baselines are charged
@@ -66,9 +67,9 @@ NOT kernel performance.
 
 Usage::
 
-    python3 benchmarks/bench_decode.py --out-dir OUT [--env-json env.json] [--time-budget-s 240]
-    python3 benchmarks/bench_decode.py --profile quick --out-dir OUT     # decisive tiers only
-    python3 benchmarks/bench_decode.py --cpu --out-dir /tmp/bench
+    python -m benchmarks.sweep --out-dir OUT [--env-json env.json] [--time-budget-s 240]
+    python -m benchmarks.sweep --profile quick --out-dir OUT     # decisive tiers only
+    python -m benchmarks.sweep --cpu --out-dir /tmp/bench
 """
 
 from __future__ import annotations
@@ -78,36 +79,27 @@ import contextlib
 import gc
 import json
 import math
-import os
 import signal
 import sys
 import time
 import traceback
 from typing import Optional
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import numpy as np
 
-import numpy as np  # noqa: E402
+from metrale_attn import DecodeAttention, problems, reference, tolerance
 
-import bench_report  # noqa: E402
-import gpu_env  # noqa: E402
-from gpu_timing import Timing, time_host  # noqa: E402
-import impls  # noqa: E402
-from predictions import Predictions, arch_digits  # noqa: E402
-from steps import load_json  # noqa: E402
-from predictions import ratio as prediction_ratio  # noqa: E402
-from sweep_plan import (ARM_OPTIONS, BASELINE_NAMES, DEFAULT_ARMS, LATE_BASELINES, MODELS, PROFILES,  # noqa: E402,F401
-                        SOFT_CAP, Config, Job, Slot, apply_profile, arm_options, arms_for, baseline_list,
-                        feature_kv_fraction, feature_options, feature_q_len, parse_models, plan_jobs, slots_for)
-
-from metrale_attn import DecodeAttention, policy, problems, reference, tolerance  # noqa: E402
-from metrale_attn.plan import ModelShape  # noqa: E402
+from . import environment, impls, report
+from .data import GpuPool
+from .predictions import Predictions, arch_digits
+from .predictions import ratio as prediction_ratio
+from .steps import load_json
+from .sweep_plan import (ARM_OPTIONS, BASELINE_NAMES, DEFAULT_ARMS, LATE_BASELINES, MODELS, PROFILES,  # noqa: F401
+                         SOFT_CAP, Config, Job, Slot, apply_profile, arm_options, arms_for, baseline_list,
+                         feature_kv_fraction, feature_options, feature_q_len, parse_models, plan_jobs, slots_for)
+from .timing import Timing, time_host
 
 GB = 1e9  # decimal
-FP8_MAX = 448.0
-FP8_SCALE = 6.0 / FP8_MAX
-"""Per-tensor fp8 scale of the benchmark's caches: values ~ N(0, 1) stored as x / scale,
-so |x| up to 6 (more than 6 sigma) spans the e4m3 range."""
 HOST_OVERHEAD_CONTEXT = 1024
 
 
@@ -195,7 +187,7 @@ def progress_line(elapsed: float, job: Job, rows: list[dict], seconds: float, gp
     one short line per job (``*``: the policy's default; ``:status`` where nothing was timed)."""
     parts = []
     for r in rows:
-        label = bench_report.short_label(r) + ("*" if r.get("default") or r.get("hpc_choice") else "")
+        label = report.short_label(r) + ("*" if r.get("default") or r.get("hpc_choice") else "")
         if r.get("median_us") is None:
             parts.append(f"{label}:{r['status']}")
         elif gpu and r.get("pct_of_copy") is not None:
@@ -636,62 +628,6 @@ def _check_numpy(out, ref, v_absmax: float, seqs: list[int]) -> dict:
 # =====================================================================================
 
 
-class GpuPool:
-    """A paged K/V pool on the GPU: NHD ``[num_pages, page_size, KV, D]``, shared by every shape
-    with these KV heads and head dim (q heads only shape the query).
-
-    Values ~ N(0, 1) (fp8: stored as x / FP8_SCALE, clamped to the e4m3 range), filled
-    in chunks so that fp8 needs no full-size temporary.
-    """
-
-    CHUNK_BYTES = 1 << 30
-
-    def __init__(self, shape: ModelShape, kv_dtype: str, page_size: int, num_pages: int, seed: int,
-                 device: str = "cuda"):
-        import torch
-
-        self.torch, self.device = torch, device
-        self.shape, self.kv_dtype, self.page_size, self.num_pages = shape, kv_dtype, page_size, num_pages
-        self.scale = 1.0 if kv_dtype == "bf16" else FP8_SCALE
-        dt = torch.bfloat16 if kv_dtype == "bf16" else torch.float8_e4m3fn
-        self.gen = torch.Generator(device=device)
-        self.gen.manual_seed(seed)
-        dims = (page_size, shape.num_kv_heads, shape.head_dim)
-        self.k = torch.empty((num_pages, *dims), dtype=dt, device=device)
-        self.v = torch.empty((num_pages, *dims), dtype=dt, device=device)
-        per_page = math.prod(dims) * 2  # bf16 temporary
-        chunk = max(1, self.CHUNK_BYTES // per_page)
-        for pool in (self.k, self.v):
-            for start in range(0, num_pages, chunk):
-                end = min(start + chunk, num_pages)
-                x = torch.randn((end - start, *dims), dtype=torch.bfloat16, device=device, generator=self.gen)
-                if kv_dtype == "fp8":
-                    x = (x.float() / self.scale).clamp_(-FP8_MAX, FP8_MAX)
-                pool[start:end] = x.to(dt)
-        if device == "cuda":
-            torch.cuda.synchronize()
-
-    @property
-    def nbytes(self) -> int:
-        return 2 * self.k.numel() * self.k.element_size()
-
-    def case(self, batch: int, context: int, num_q_heads: Optional[int] = None):
-        """Tensors of one configuration: random q, pages drawn without replacement from the pool."""
-        from baselines import Case
-
-        torch, s = self.torch, self.shape
-        heads = num_q_heads or s.num_q_heads
-        pages = -(-context // self.page_size)
-        if batch * pages > self.num_pages:
-            raise ValueError(f"pool of {self.num_pages} pages is too small for {batch} x {pages}")
-        table = torch.randperm(self.num_pages, device=self.device, generator=self.gen)[: batch * pages]
-        q = torch.randn((batch, heads, s.head_dim), device=self.device, generator=self.gen).to(torch.bfloat16)
-        return Case(q=q, k_pool=self.k, v_pool=self.v, block_tables=table.view(batch, pages).to(torch.int32),
-                    seq_lens=torch.full((batch,), context, dtype=torch.int32, device=self.device), context=context,
-                    page_size=self.page_size, num_kv_heads=s.num_kv_heads, k_scale=self.scale, v_scale=self.scale,
-                    sm_scale=1.0 / math.sqrt(s.head_dim), kv_dtype=self.kv_dtype)
-
-
 def _gather_seq(case, pool, seq: int, scale: float):
     """float64 ``[T, KV, D]``: one sequence's dequantized K or V, gathered on the GPU."""
     import torch
@@ -791,7 +727,7 @@ class GpuSweep(Sweep):
         import cupy  # noqa: F401  (the backend; fail early with a clear error)
         import torch
 
-        from gpu_timing import GpuTimer
+        from .timing import GpuTimer  # looked up at construction: a test substitutes it
 
         super().__init__(args, result)
         self.torch = torch
@@ -905,7 +841,7 @@ class GpuSweep(Sweep):
     def baseline_unavailable(self, config: Config, name: str) -> Optional[str]:
         if name != "flashinfer":
             return None
-        import baselines
+        from . import baselines
 
         status = self._load_flashinfer_status(None)
         variant = baselines.flashinfer_variant(config.shape.num_q_heads, config.shape.num_kv_heads,
@@ -920,7 +856,7 @@ class GpuSweep(Sweep):
     def wait_for_builds(self, name: str, configs: list[Config]) -> None:
         """FlashInfer variants its JIT is still building when the late phase starts: the GPU has nothing
         else left to do, so wait for them while the budget still leaves time to time every configuration."""
-        import baselines
+        from . import baselines
 
         if name != "flashinfer":
             return
@@ -939,8 +875,8 @@ class GpuSweep(Sweep):
             self.result.setdefault("late_phase", {})["flashinfer_wait_s"] = round(time.monotonic() - t0, 1)
 
     def measure_baseline(self, job: Job, case, name: str) -> dict:
-        import baselines
-        from gpu_timing import try_capture_torch
+        from . import baselines
+        from .timing import try_capture_torch
 
         config = job.config
         timer, args = self.timer, self.args
@@ -992,7 +928,7 @@ class GpuSweep(Sweep):
     def _load_flashinfer_status(self, configs: Optional[list[Config]]) -> dict:
         """The prewarm's status: re-read from ``--flashinfer-status`` each time (the JIT runs beside
         the sweep and writes it as variants finish); without that file, compiled here once."""
-        import baselines
+        from . import baselines
 
         args = self.args
         if args.flashinfer_status:  # compiled ahead (gpu_check.sh): never compile here, whatever it says
@@ -1057,7 +993,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="full: every tier and baseline; quick: the decisive tiers, no baselines")
     p.add_argument("--out-dir", default=".", help="where the JSON, markdown and plots go")
     p.add_argument("--stem", help="file name stem (default: DATE_DEVICE)")
-    p.add_argument("--env-json", help="gpu_env.py output (environment + copy bandwidth); measured here if absent")
+    p.add_argument("--env-json", help="environment.py output (environment + copy bandwidth); measured here if absent")
     p.add_argument("--models", help=f"the rest tier's models, comma-separated: {', '.join(MODELS)} or "
                                     "q/kv/head_dim (default: the profile's)")
     p.add_argument("--kv-dtypes", help="the rest tier's KV dtypes: bf16,fp8")
@@ -1091,7 +1027,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--flashinfer-status", help="flashinfer-prewarm JSON (from gpu_check.sh); compiled here if absent")
     p.add_argument("--flashinfer-jit-cap-s", type=float, default=150.0,
                    help="cap on FlashInfer's JIT when compiled here")
-    p.add_argument("--sass-json", help="sass_report.py --json output: the static model's predictions")
+    p.add_argument("--sass-json", help="sass_model.py --json output: the static model's predictions")
     p.add_argument("--probe-json", help="l2_probe.py output, embedded in the result")
     p.add_argument("--check-seqs", type=int, default=2, help="sequences checked against float64 (first and last)")
     p.add_argument("--flush-mb", type=float, default=256.0, help="L2 flush buffer (decimal MB)")
@@ -1118,12 +1054,12 @@ def main(argv=None) -> int:
     t0 = time.monotonic()
     env = load_json(args.env_json)
     if env is None:
-        env = gpu_env.probe_environment(cpu=args.cpu)
+        env = environment.probe_environment(cpu=args.cpu)
         try:
-            env["copy_bandwidth"] = gpu_env.measure_copy_bandwidth(cpu=args.cpu)
+            env["copy_bandwidth"] = environment.measure_copy_bandwidth(cpu=args.cpu)
         except Exception as err:  # no ratios then, but the times still count
             env["copy_bandwidth"] = {"error": _short(err)}
-        env["device_label"] = gpu_env.device_label(env)
+        env["device_label"] = environment.device_label(env)
     copy = env.get("copy_bandwidth", {})
     result = {
         "schema": "metrale-attn-bench/2",
@@ -1132,7 +1068,7 @@ def main(argv=None) -> int:
         "timing_note": ("CPU backend simulator; not kernel performance" if args.cpu else
                         "median of CUDA-event-timed CUDA-graph launches on one stream, L2 flushed before each"),
         "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "device_label": env.get("device_label") or gpu_env.device_label(env),
+        "device_label": env.get("device_label") or environment.device_label(env),
         "environment": {k: v for k, v in env.items() if k != "copy_bandwidth"},
         "copy_bandwidth": copy,
         "copy_tb_per_s": copy.get("tb_per_s"),
@@ -1146,15 +1082,15 @@ def main(argv=None) -> int:
     if args.cpu:
         for name in BASELINE_NAMES:
             result["baselines"][name] = {"status": "not run", "reason": "CPU backend smoke run: no baselines"}
-    stem = args.stem or bench_report.default_stem(result)
+    stem = args.stem or report.default_stem(result)
 
     def write(plots: bool) -> list[str]:
         if sweep is not None and sweep.flashinfer_status is not None:
             result["flashinfer_prewarm"] = sweep.flashinfer_status
         result["budget"]["elapsed_s"] = round(time.monotonic() - t0, 1)
         summarize_baselines(result)
-        result["targets"] = bench_report.evaluate_targets(result)
-        return bench_report.write_outputs(result, args.out_dir, stem, plots=plots)
+        result["targets"] = report.evaluate_targets(result)
+        return report.write_outputs(result, args.out_dir, stem, plots=plots)
 
     signal.signal(signal.SIGTERM, _on_sigterm)
     sweep = None
@@ -1174,7 +1110,7 @@ def main(argv=None) -> int:
         write(plots=False)  # the numbers first: drawing the plots takes seconds a cap may not leave
         for path in write(plots=True):
             print(f"wrote {path}")
-        print(bench_report.targets_table(result["targets"]))
+        print(report.targets_table(result["targets"]))
     return 1 if aborted else 0  # 1: cut short by an error or SIGTERM (what was measured is written)
 
 

@@ -15,7 +15,7 @@ This module owns two things:
 
 Command line (writes one JSON file; ``gpu_check.sh`` runs it as its first step)::
 
-    python3 benchmarks/gpu_env.py --out env.json [--cpu] [--copy-gib 4] [--repeats 10]
+    python -m benchmarks.environment --out env.json [--cpu] [--copy-gib 4] [--repeats 10]
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Turns a benchmark result (the dict ``bench_decode.py`` builds) into files a reader uses.
+"""Turns a benchmark result (the dict ``sweep.py`` builds) into files a reader uses.
 
 This module owns the presentation of a run, not its measurement:
 
@@ -20,7 +20,7 @@ This module owns the presentation of a run, not its measurement:
   ``STEM_arms.png`` where STEM is ``DATE_DEVICE`` (``2026-11-30_H200``); each written
   whole under a temporary name first (the sweep rewrites them as it goes).
 
-Re-render a saved result: ``python3 benchmarks/bench_report.py RESULT.json --out-dir DIR``.
+Re-render a saved result: ``python -m benchmarks.report RESULT.json --out-dir DIR``.
 """
 
 from __future__ import annotations
@@ -33,9 +33,7 @@ import sys
 import time
 from typing import Optional
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from l2_probe import probe_markdown  # noqa: E402
+from .l2_probe import probe_markdown
 
 T1_PCT, T1_MIN_BATCH, T1_MIN_CONTEXT = 90.0, 16, 4096
 T2_PCT, T2_BATCH, T2_MIN_CONTEXT = 80.0, 1, 32768

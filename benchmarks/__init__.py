@@ -1,0 +1,30 @@
+"""The GPU proof-and-benchmark harness of metrale-attn: a package of its own beside the library.
+
+It imports ``metrale_attn``; nothing in ``metrale_attn`` imports it. It is not installed with
+the library: run its modules from the repository root, ``python -m benchmarks.<module>``
+(``gpu_check.sh`` does, and puts the root on ``PYTHONPATH`` for what they start). Its modules,
+lowest first; a module imports only modules of lower rows
+(``benchmarks/tests/test_benchmarks_layering.py``):
+
+- ``steps``: the verdicts of ``gpu_check.sh``'s steps and its exit code
+- ``predictions``: the static SASS model's prediction joined to each measured row
+- ``environment``: the environment probe and the device-to-device copy bandwidth (every ratio's ceiling)
+- ``timing``: how a call is timed (one stream, CUDA graphs, CUDA events, L2 flush, median)
+- ``impls``: the kernel implementations measured, and building one with the mma self-test's verdict
+- ``data``: the tensors a GPU configuration runs on (the paged K/V pool, one configuration's case)
+- ``hot_loop``: what one iteration of a variant's K/V loop consumes (the SASS model's input)
+- ``decode_loop_check``: the end-to-end step, ``examples/decode_loop.py`` on the device
+- ``host_overhead``: microseconds of Python per ``DecodeAttention.run``, kernels stubbed
+- ``cuda_on_cpu_speed``, ``cuda_on_cpu_ptx_speed``: the speed of the CPU backend's simulator
+- ``baselines``: PyTorch SDPA, FlexAttention and FlashInfer on the same data; FlashInfer's JIT prewarm
+- ``sweep_plan``: what the sweep runs and in which order (tiers, profiles, slots)
+- ``sass_model``: the static SASS model and its report (no GPU; every figure modelled)
+- ``l2_probe``: ncu's L2 and DRAM counters on one small configuration per arm and implementation
+- ``sanitize_cases``: one small checked decode per arm and implementation, for compute-sanitizer
+- ``report``: a sweep's result as targets, markdown, plots and files
+- ``sweep``: the sweep's job loop (data, check before timing, bytes, rows, budget, checkpoints)
+- ``summary``: ``summary.md`` and the short table ``gpu_check.sh`` prints last
+
+Beside them: ``gpu_check.sh`` (the one device command), ``fetch_wheels.sh``, ``results/``,
+``NOTES.md``, ``README.md`` and ``tests/`` (this package's own tests, in the default test run).
+"""

@@ -1,0 +1,108 @@
+"""What one iteration of a variant's steady-state K/V loop consumes: the part of the static
+SASS model (``sass_model.py``) that is not in the SASS.
+
+``hot_loop(variant)`` is computed from the variant's public fields (arm, head dim, KV dtype,
+implementation, ``tiling``, ``kernels``, ``max_rows``, ``shared_bytes``) and its source text:
+the ``mma`` loop is one stage of each warp's ``cp.async`` ring (``Variant.tiling``); the
+``simt`` loop is read off the arm file's ``constexpr int VEC``/``UNROLL`` (``read_constexpr``,
+with a small evaluator of C integer arithmetic). A new kernel implementation adds its case to
+``hot_loop`` and the rest of the model needs no edit.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import re
+from dataclasses import dataclass
+
+from metrale_attn import dtypes, policy
+from metrale_attn.kernels import KernelSourceError, Variant, read_define, source_constants
+
+
+@dataclass(frozen=True)
+class HotLoop:
+    """What the static SASS model must know about a variant beyond its SASS: the shape of
+    the CTA and what one iteration of one warp of the steady-state K/V loop consumes.
+    Units: bytes, tokens, per CTA or per warp as named."""
+
+    kernel: str
+    """The ``extern "C"`` kernel that runs the loop."""
+    heads_per_cta: int
+    """Query heads one CTA serves; the ``G / heads_per_cta`` CTAs of a GQA group each read the same K/V."""
+    warps_per_cta: int
+    tokens_per_warp_iter: int
+    """K/V tokens one warp consumes in one iteration of the loop."""
+    kv_bytes_per_warp_iter: int
+    """Their K + V bytes: ``tokens_per_warp_iter * head_dim * kv itemsize * 2``."""
+    pipeline_stages: int = 0
+    """Depth of a ``cp.async``/TMA ring of shared-memory stages; 0 = plain loads into
+    registers (the model then reads the loads in flight off the SASS)."""
+    stage_bytes: int = 0
+    """K + V bytes of one stage of one CTA (with ``pipeline_stages``)."""
+    dynamic_smem_bytes: int = 0
+    """Dynamic shared memory per CTA at launch."""
+    grouped: bool = False
+    """``heads_per_cta`` is a capacity: the launch picks any divisor of the group up to it
+    (``mma``), and a model row takes the largest one that divides its shape's group."""
+
+
+@functools.cache
+def hot_loop(variant: Variant) -> HotLoop:
+    """``mma``: each warp consumes one stage of ``tile_tokens`` tokens per iteration from
+    its ring of ``stages`` (a CTA's stage: 4 warps' worth). ``simt`` (``pd_attend`` in
+    pd_common.cuh): a thread owns ``VEC`` elements of the head dim, ``D / VEC`` threads a
+    row, so a warp covers ``R = 32 / (D / VEC)`` rows per load and an iteration takes
+    ``R * UNROLL`` tokens; ``VEC`` and ``UNROLL`` are the arm file's ``constexpr``s."""
+    itemsize = dtypes.NUMPY_DTYPES[variant.kv_dtype].itemsize
+    warps = source_constants().threads // 32
+    if variant.tiling:
+        tokens = variant.tiling.tile_tokens
+        stage = tokens * variant.head_dim * itemsize * 2
+        packed = variant.arm == "gqa_packed"
+        return HotLoop(kernel=variant.kernels[0],
+                       heads_per_cta=policy.DECODE_GQA_PACK_WIDTH if packed else variant.max_rows,
+                       warps_per_cta=warps, tokens_per_warp_iter=tokens, kv_bytes_per_warp_iter=stage,
+                       pipeline_stages=variant.tiling.stages, stage_bytes=warps * stage,
+                       dynamic_smem_bytes=variant.shared_bytes, grouped=not packed)
+    text = variant.source()
+    vec = read_constexpr(text, "VEC", kv_itemsize=itemsize)
+    unroll = read_constexpr(text, "UNROLL", kv_itemsize=itemsize)
+    tokens = 32 // (variant.head_dim // vec) * unroll
+    return HotLoop(
+        kernel=variant.kernels[0],
+        heads_per_cta=read_define(text, "PD_GQA") if variant.arm == "gqa_packed" else 1,
+        warps_per_cta=warps,
+        tokens_per_warp_iter=tokens,
+        kv_bytes_per_warp_iter=tokens * variant.head_dim * itemsize * 2,
+    )
+
+
+def read_constexpr(text: str, name: str, *, kv_itemsize: int) -> int:
+    """The value of the one ``constexpr int <name> = <expr>;`` in ``text``, where
+    ``<expr>`` is integer arithmetic on literals and ``sizeof(pd_kv_t)`` (the KV
+    element size, ``kv_itemsize``), e.g. ``16 / (int)sizeof(pd_kv_t)``."""
+    found = re.findall(rf"\bconstexpr[ \t]+int[ \t]+{name}[ \t]*=[ \t]*([^;]+);", text)
+    if len(found) != 1:
+        raise KernelSourceError(f"expected exactly one 'constexpr int {name} = ...;' in the kernel source, "
+                                f"found {len(found)}")
+    expr = re.sub(r"\(int\)\s*sizeof\(pd_kv_t\)|sizeof\(pd_kv_t\)", str(kv_itemsize), found[0])
+    try:
+        return _int_arithmetic(ast.parse(expr.strip(), mode="eval").body)
+    except (SyntaxError, ValueError):
+        raise KernelSourceError(f"cannot evaluate constexpr {name} = {found[0]!r} (only integer arithmetic and "
+                                "sizeof(pd_kv_t) are understood)") from None
+
+
+_C_INT_OPS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
+              ast.Div: lambda a, b: int(a / b)}  # C's int division truncates toward zero
+
+
+def _int_arithmetic(node: ast.AST) -> int:
+    if isinstance(node, ast.Constant) and type(node.value) is int:
+        return node.value
+    if isinstance(node, ast.BinOp) and type(node.op) in _C_INT_OPS:
+        return _C_INT_OPS[type(node.op)](_int_arithmetic(node.left), _int_arithmetic(node.right))
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        return -_int_arithmetic(node.operand)
+    raise ValueError(f"not integer arithmetic: {ast.dump(node)}")
