@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
 if TYPE_CHECKING:  # an annotation only: baselines, and FlashInfer's JIT processes, import no metrale_attn
-    from metrale_attn.plan import ModelShape
+    from metrale_attn.config import ModelShape
 
 FP8_MAX = 448.0
 FP8_SCALE = 6.0 / FP8_MAX

@@ -116,7 +116,7 @@ def run_target(manifest_path: str, *, cpu: bool, batch: int, context: int) -> di
 def _gpu_data(q_heads, kv_heads, head_dim, batch, context):
     import torch
 
-    from metrale_attn.plan import ModelShape
+    from metrale_attn.config import ModelShape
 
     from .data import GpuPool
 

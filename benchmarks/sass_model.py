@@ -55,7 +55,7 @@ from dataclasses import dataclass, field
 
 from metrale_attn import dtypes
 from metrale_attn.kernels import Variant, all_variants
-from metrale_attn.plan import max_rows_per_cta
+from metrale_attn.config import max_rows_per_cta
 
 from .hot_loop import hot_loop
 

@@ -36,7 +36,7 @@ from typing import Optional
 
 from metrale_attn import policy
 from metrale_attn.cli import MODELS
-from metrale_attn.plan import ModelShape, heads_per_cta_choices
+from metrale_attn.config import ModelShape, heads_per_cta_choices
 
 from .impls import IMPLS, SWEEP_IMPL
 

@@ -558,10 +558,9 @@ def test_the_committed_sass_model_predicts_every_decisive_variant_of_both_implem
     arm on simt and mma at every decisive configuration, at the heads per CTA its plan on an H200 runs. The
     report gives mma at the group's largest heads per CTA only, so the one plan that picks fewer (unpacked, one
     sequence: 8 KV heads x 4 / h CTAs, h = 1 to cover half the SMs) has none."""
+    from metrale_attn.config import LayerConfig
     from metrale_attn.plan import make_plan
     from metrale_attn.targets import get_target, resolve_defaults
-
-    from conftest import layer_config
 
     p = predictions.Predictions.load(os.path.join(BENCH, "results", "sass_model.json"), "sm_90")
     decisive, missing = [j for j in _planned() if j.tier.startswith("decisive")], []
@@ -569,7 +568,7 @@ def test_the_committed_sass_model_predicts_every_decisive_variant_of_both_implem
         c = job.config
         for slot in sweep_plan.slots_for(job, list(sweep_plan.DEFAULT_ARMS)):
             defaults = resolve_defaults(get_target("hopper"), environ={}, **sweep_plan.arm_options(slot.arm))
-            plan = make_plan(layer_config(defaults, c.shape, max_batch=c.batch, impl=slot.impl), c.batch)
+            plan = make_plan(LayerConfig(c.shape, 16, "bf16", c.kv_dtype, c.batch, defaults, impl=slot.impl), c.batch)
             found = p.lookup(impl=plan.impl, arm=plan.arm, q_heads=c.shape.num_q_heads,
                              kv_heads=c.shape.num_kv_heads, head_dim=c.shape.head_dim, q_dtype="bf16",
                              kv_dtype=c.kv_dtype, heads_per_cta=plan.heads_per_cta)
