@@ -49,7 +49,7 @@ from .errors import CudaOnCpuCompileError
 from .isolation import child_describe
 from .module import Module
 
-logger = logging.getLogger(__name__)
+_LOGGER = logging.getLogger(__name__)  # unless the caller names its own (compile_module)
 
 # Bumped whenever the generated code or the cache layout changes meaning.
 _FORMAT_VERSION = "cocpu-1"
@@ -75,7 +75,7 @@ class CacheFallbackWarning(RuntimeWarning):
     """The kernel cache directory cannot be written; this process builds into a temporary one."""
 
 
-def _writable_cache_dir(configured: Path) -> Path:
+def _writable_cache_dir(configured: Path, setting: str, logger: logging.Logger) -> Path:
     """``configured`` (created if need be) when this process can create files in it, else a
     private temporary directory for the rest of the process, with one warning per process.
 
@@ -91,22 +91,23 @@ def _writable_cache_dir(configured: Path) -> Path:
         os.unlink(probe)
         return configured
     except OSError as err:
-        return _fall_back(configured, err.strerror or str(err))
+        return _fall_back(configured, err.strerror or str(err), setting, logger)
 
 
-def _fall_back(configured: Path, why: str) -> Path:
+def _fall_back(configured: Path, why: str, setting: str, logger: logging.Logger) -> Path:
     """This process's private temporary directory in place of ``configured`` (created once,
-    removed at exit), with one warning per process naming both and why."""
+    removed at exit), with one warning per process naming both, why, and the ``setting``
+    that moves the cache."""
     global _FALLBACK_WARNED
     fallback = _FALLBACK_DIRS.get(configured)
     if fallback is None:
-        fallback = Path(tempfile.mkdtemp(prefix="metrale-attn-cuda_on_cpu-"))  # mode 0700
+        fallback = Path(tempfile.mkdtemp(prefix="cuda_on_cpu-"))  # mode 0700
         atexit.register(shutil.rmtree, fallback, ignore_errors=True)
         _FALLBACK_DIRS[configured] = fallback
     if not _FALLBACK_WARNED:
         _FALLBACK_WARNED = True
         message = (f"cannot write the CUDA-on-CPU kernel cache {configured} ({why}); this process builds its "
-                   f"kernels in {fallback} instead, removed at exit (point METRALE_ATTN_CACHE_DIR at a writable "
+                   f"kernels in {fallback} instead, removed at exit (point {setting} at a writable "
                    "directory with space to keep them)")
         logger.warning("%s", message)
         warnings.warn(message, CacheFallbackWarning, stacklevel=5)
@@ -229,7 +230,8 @@ def _object_proves_itself(obj: Path, record: Path) -> bool:
 
 
 def compile_module(source: str, *, name: str, defines: dict[str, int | str] | None = None,
-                   asan: bool = False) -> Module:
+                   asan: bool = False, cache_dir: Path | None = None,
+                   cache_setting: str = environment.CACHE_DIR, logger: logging.Logger = _LOGGER) -> Module:
     """Compile (or fetch from the caches) the CPU build of a complete CUDA C source.
 
     ``source`` must be self-contained (headers inlined; ``#line`` directives make compiler
@@ -237,6 +239,11 @@ def compile_module(source: str, *, name: str, defines: dict[str, int | str] | No
     ``<name>.cu``). ``defines`` become -D options. ``asan`` builds with AddressSanitizer;
     such a module always launches in a child process. Raises CudaOnCpuCompileError with
     the compiler's message.
+
+    A library built on the shim passes its own ``cache_dir`` (else ``environment.cache_dir()``),
+    the ``cache_setting`` its users change to move it (named by the warning when the
+    directory cannot be written) and its ``logger`` (each build, cache hit and fallback is
+    logged there), so that its users see one cache and one logger.
     """
     if not re.fullmatch(r"[A-Za-z0-9_.+-]+", name or ""):
         raise ValueError(f"module name {name!r} must be a plain file-name stem")
@@ -262,10 +269,10 @@ def compile_module(source: str, *, name: str, defines: dict[str, int | str] | No
                 return _MEMO[digest]
             stem = f"{name}-{digest[:20]}{'-asan' if asan else ''}"
             identity = {"name": name, "key": digest}
-            home = environment.cache_dir()
+            home = Path(cache_dir) if cache_dir is not None else environment.cache_dir()
             meta, where = _cached_meta(home, stem, identity), home
             if meta is None:
-                where = _writable_cache_dir(home)
+                where = _writable_cache_dir(home, cache_setting, logger)
                 meta = _cached_meta(where, stem, identity) if where != home else None
         if meta is not None:
             logger.debug("loaded %s for the CPU backend from the cache (hit: %s)", name, where / f"{stem}.so")
@@ -278,7 +285,7 @@ def compile_module(source: str, *, name: str, defines: dict[str, int | str] | No
                 if not _is_full(err) or where in _FALLBACK_DIRS.values():
                     raise
                 with _MEMO_LOCK:
-                    where = _fall_back(home, f"{os.strerror(errno.ENOSPC)}: {err}")
+                    where = _fall_back(home, f"{os.strerror(errno.ENOSPC)}: {err}", cache_setting, logger)
                 meta = _build(source, name, cxx, flags, dflags, fiber, asan, where / f"{stem}.so",
                               where / f"{stem}.json", identity)
             logger.debug("compiled %s for the CPU backend (%s) in %.2f s (cache miss: %s)", name, platform.machine(),

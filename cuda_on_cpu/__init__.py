@@ -6,7 +6,7 @@ thread is a fiber, blocks run one after another, barriers and warp intrinsics ar
 synchronisation points, and their misuse is reported instead of hanging. This is the
 ``cpu`` backend CI uses.
 
-    from metrale_attn.cuda_on_cpu import compile_module
+    from cuda_on_cpu import compile_module
     mod = compile_module(source, name="variant", defines={"HEAD_DIM": 128})
     mod.launch("kernel", (blocks, 1, 1), (128, 1, 1), 0, (out, inp, np.int32(n)))
 
