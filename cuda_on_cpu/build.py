@@ -2,11 +2,12 @@
 
 One shared library per kernel variant: the kernel source, unchanged, prefixed with the
 shim header (``cuda_on_cpu.h``) and followed by a registration table of its
-``extern "C" __global__`` kernels (``declarations``), linked with the runtime
-(``cuda_on_cpu_runtime.cpp`` and, on x86-64, the hand-written fiber switch). Libraries
-are cached on disk, keyed by a hash of everything that goes into them, and memoized
-in-process. Threads may build different libraries at once (``CpuBackend.load_many``);
-one library builds once.
+``extern "C" __global__`` kernels (``declarations``), linked with the runtime objects
+(``runtime/*.cpp`` and, on x86-64, the hand-written fiber switch ``runtime/switch_x86_64.S``),
+which are compiled once per set of flags, concurrently, and cached beside the libraries.
+Libraries are cached on disk, keyed by a hash of everything that goes into them, and
+memoized in-process. Threads may build different libraries at once (a caller's pool of
+builds); one library builds once.
 
 A cached library is trusted only as far as its record proves: the ``.json`` beside each
 ``.so`` names the variant (module name and key) and the ``.so``'s size and SHA-256, and
@@ -37,6 +38,7 @@ import tempfile
 import threading
 import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from importlib import resources
 from pathlib import Path
@@ -55,8 +57,9 @@ _LOGGER = logging.getLogger(__name__)  # unless the caller names its own (compil
 _FORMAT_VERSION = "cocpu-1"
 
 _HEADER = "cuda_on_cpu.h"
-_RUNTIME = "cuda_on_cpu_runtime.cpp"
-_SWITCH = "cuda_on_cpu_switch_x86_64.S"
+_RUNTIME_HEADER = "runtime/internal.h"
+_RUNTIME = ("runtime/launch.cpp", "runtime/scheduler.cpp", "runtime/ptx.cpp", "runtime/errors.cpp")
+_SWITCH = "runtime/switch_x86_64.S"
 
 # Every compiler invocation of this process (argv lists): tests check cache reuse with it.
 compiler_calls: list[list[str]] = []
@@ -189,30 +192,41 @@ def _atomic_write(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
+def _runtime_sources(fiber: str) -> tuple[str, ...]:
+    """The runtime's sources a library links, as objects: the switch only with the asm fiber."""
+    return _RUNTIME + ((_SWITCH,) if fiber == "asm" else ())
+
+
 def _runtime_objects(cxx: list[str], flags: list[str], fiber: str, src_dir: Path, out_dir: Path) -> list[Path]:
-    """The runtime (and switch) objects for these flags, compiled once and cached."""
+    """The runtime objects for these flags, compiled once and cached."""
     with _RUNTIME_LOCK:  # concurrent builds share the objects and their temporary names
         return _runtime_objects_locked(cxx, flags, fiber, src_dir, out_dir)
 
 
 def _runtime_objects_locked(cxx: list[str], flags: list[str], fiber: str, src_dir: Path, out_dir: Path) -> list[Path]:
-    objs = []
-    sources = [_RUNTIME] + ([_SWITCH] if fiber == "asm" else [])
-    for fname in sources:
+    objs, missing = [], []
+    for fname in _runtime_sources(fiber):
         h = hashlib.sha256()
         for part in (_FORMAT_VERSION, _compiler_version(cxx), shlex.join(cxx), shlex.join(flags),
-                     _resource_text(_HEADER), _resource_text(fname)):
+                     _resource_text(_HEADER), _resource_text(_RUNTIME_HEADER), _resource_text(fname)):
             h.update(part.encode() + b"\0")
-        obj = out_dir / f"{Path(fname).stem}-{h.hexdigest()[:20]}.o"
-        record = obj.with_name(f"{obj.name}.json")
-        if not _object_proves_itself(obj, record):  # missing, truncated or foreign: rebuilt
-            tmp = out_dir / f"{obj.name}.{os.getpid()}.tmp.o"
-            _run_compiler(cxx + flags + ["-I", str(src_dir), "-c", str(src_dir / fname), "-o", str(tmp)],
-                          f"compiling the CUDA-on-CPU runtime ({fname})")
-            data = tmp.read_bytes()
-            os.replace(tmp, obj)  # the object first, then the record that vouches for it
-            _atomic_write(record, json.dumps(_object_record(data)).encode())
+        obj = out_dir / f"runtime-{Path(fname).stem}-{h.hexdigest()[:20]}.o"
+        if not _object_proves_itself(obj):  # missing, truncated or foreign: rebuilt
+            missing.append((fname, obj))
         objs.append(obj)
+
+    def compile_object(fname: str, obj: Path) -> None:
+        tmp = out_dir / f"{obj.name}.{os.getpid()}.tmp.o"
+        _run_compiler(cxx + flags + ["-I", str(src_dir), "-c", str(src_dir / fname), "-o", str(tmp)],
+                      f"compiling the CUDA-on-CPU runtime ({fname})")
+        data = tmp.read_bytes()
+        os.replace(tmp, obj)  # the object first, then the record that vouches for it
+        _atomic_write(_object_record_path(obj), json.dumps(_object_record(data)).encode())
+
+    if missing:  # one compiler per object: a first build waits for the slowest, not the sum
+        with ThreadPoolExecutor(max_workers=len(missing), thread_name_prefix="cuda_on_cpu-runtime") as pool:
+            for done in [pool.submit(compile_object, fname, obj) for fname, obj in missing]:
+                done.result()
     return objs
 
 
@@ -220,11 +234,15 @@ def _object_record(data: bytes) -> dict:
     return dict(bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
 
 
-def _object_proves_itself(obj: Path, record: Path) -> bool:
+def _object_record_path(obj: Path) -> Path:
+    return obj.with_name(f"{obj.name}.json")
+
+
+def _object_proves_itself(obj: Path) -> bool:
     """Whether a cached runtime object has the size and SHA-256 its record gives (a
     damaged one would fail every later link with ``file too short`` until deleted)."""
     try:
-        return json.loads(record.read_text()) == _object_record(obj.read_bytes())
+        return json.loads(_object_record_path(obj).read_text()) == _object_record(obj.read_bytes())
     except (OSError, ValueError):
         return False
 
@@ -253,9 +271,8 @@ def compile_module(source: str, *, name: str, defines: dict[str, int | str] | No
     dflags = _define_flags(defines)
     h = hashlib.sha256()
     for part in (_FORMAT_VERSION, platform.machine(), _compiler_version(cxx), shlex.join(cxx),
-                 shlex.join(flags), shlex.join(dflags), name, source,
-                 _resource_text(_HEADER), _resource_text(_RUNTIME),
-                 _resource_text(_SWITCH) if fiber == "asm" else ""):
+                 shlex.join(flags), shlex.join(dflags), name, source, _resource_text(_HEADER),
+                 _resource_text(_RUNTIME_HEADER), *map(_resource_text, _runtime_sources(fiber))):
         h.update(part.encode() + b"\0")
     digest = h.hexdigest()
     with _MEMO_LOCK:

@@ -628,7 +628,7 @@ def test_a_damaged_cached_runtime_object_is_rebuilt_rather_than_failing_every_la
     monkeypatch.setenv("CUDA_ON_CPU_CACHE_DIR", str(tmp_path))
     _fresh_process(monkeypatch)
     toy("block_reduce")
-    objects = sorted(build.environment.cache_dir().glob("cuda_on_cpu_runtime-*.o"))
+    objects = sorted(build.environment.cache_dir().glob("runtime-*.o"))
     assert objects and all(obj.with_name(obj.name + ".json").exists() for obj in objects)
     obj = objects[0]
     if damage == "record missing":
@@ -663,10 +663,12 @@ def test_a_library_built_on_the_shim_gives_its_own_cache_directory_setting_and_l
         return compile_module(src, name="a_library", cache_dir=cache_dir, cache_setting="A_LIBRARY_CACHE",
                               logger=theirs)
 
+    its_cache = environment.cache_dir()  # this module's, whose runtime objects are built already
+    monkeypatch.setenv("CUDA_ON_CPU_CACHE_DIR", str(tmp_path / "not-the-librarys"))
     with caplog.at_level(logging.DEBUG, logger="a_library"):
-        mod = build_for_the_library(tmp_path / "its-cache")
-        assert build_for_the_library(tmp_path / "its-cache").path == mod.path
-    assert mod.path.parent == tmp_path / "its-cache"
+        mod = build_for_the_library(its_cache)
+        assert build_for_the_library(its_cache).path == mod.path
+    assert mod.path.parent == its_cache and not (tmp_path / "not-the-librarys").exists()
     assert [r.getMessage().split()[0] for r in caplog.records if r.name == "a_library"] == ["compiled", "loaded"]
     blocker = tmp_path / "a-file"
     blocker.write_text("")
