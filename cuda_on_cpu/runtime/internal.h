@@ -1,15 +1,16 @@
 // internal.h: what the translation units of the CUDA-on-CPU runtime share: the launch
 // state, the fibers, and the functions one part of the runtime calls in another. Kernels
-// never see it (they see cuda_on_cpu.h); every name here is hidden in the built library
-// (-fvisibility=hidden).
+// never see it (they see cuda_on_cpu.h), and the built library exports none of its
+// cocpu_runtime names (-fvisibility=hidden).
 //
 // The runtime, by job:
 //   launch.cpp     the entry points the Python loader calls (cocpu_launch and the rest)
 //   scheduler.cpp  fibers and the block scheduler: stacks, context switches, thread
 //                  orders, barriers, shuffles and votes, the block's shared memory
-//   ptx.cpp        the PTX emulation of kernels_cu/pd_ptx.cuh's collective and deferred
-//                  instructions: ldmatrix, movmatrix, mma, cp.async (its conversions are
-//                  pure functions in cuda_on_cpu.h)
+//   ptx.cpp        the PTX emulation of the collective and deferred instructions of an
+//                  intrinsics header (metrale-attn's kernels_cu/pd_ptx.cuh): ldmatrix,
+//                  movmatrix, mma, cp.async (the conversions are pure functions in
+//                  cuda_on_cpu.h)
 //   errors.cpp     error messages, and crash reporting (SIGSEGV/SIGBUS, ASan reports)
 //   switch_x86_64.S  the fiber context switch on x86-64 (ucontext elsewhere)
 #ifndef CUDA_ON_CPU_RUNTIME_INTERNAL_H

@@ -1,7 +1,8 @@
 // ptx.cpp: the PTX emulation of the CUDA-on-CPU runtime (the parts are listed in
-// internal.h): the runtime half of kernels_cu/pd_ptx.cuh's instructions that involve the
-// whole warp (ldmatrix, movmatrix, mma) or the scheduler (cp.async, deferred). The
-// conversions and prmt are pure functions in cuda_on_cpu.h.
+// internal.h): the runtime half of the instructions of an intrinsics header such as
+// metrale-attn's kernels_cu/pd_ptx.cuh that involve the whole warp (ldmatrix, movmatrix,
+// mma) or the scheduler (cp.async, deferred). The conversions and prmt are pure functions
+// in cuda_on_cpu.h.
 #include "internal.h"
 
 #include <string.h>
