@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from metrale_attn.cuda_on_cpu import compile_module
+from cuda_on_cpu import compile_module
 from metrale_attn.kernels import inline
 
 SOURCE = r'''

@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from metrale_attn.cuda_on_cpu import compile_module
+from cuda_on_cpu import compile_module
 
 SOURCE = r'''
 #line 1 "benchmarks/cuda_on_cpu_speed.cu"

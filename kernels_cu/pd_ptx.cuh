@@ -14,7 +14,7 @@
 // anything else, naming the kernel, block, thread and the kernel line of the call (the line
 // that calls the pd_* function, so keep them out of helper functions that hide the line).
 //
-// What the shim does, in short (details in metrale_attn/cuda_on_cpu/cuda_on_cpu.h):
+// What the shim does, in short (details in cuda_on_cpu/cuda_on_cpu.h):
 //   * cp.async is deferred: the source is read and the destination filled with 0xFF at
 //     issue; the bytes land at the wait_group that covers the copy's group (under the seeded
 //     thread orders possibly earlier). __syncthreads does not land copies. A missing or

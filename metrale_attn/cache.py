@@ -12,9 +12,12 @@ import os
 from pathlib import Path
 
 
+CACHE_DIR = "METRALE_ATTN_CACHE_DIR"
+
+
 def cache_root() -> Path:
     """The cache directory (not created here)."""
-    root = os.environ.get("METRALE_ATTN_CACHE_DIR")
+    root = os.environ.get(CACHE_DIR)
     if not root:
         xdg = os.environ.get("XDG_CACHE_HOME")
         root = os.path.join(xdg, "metrale-attn") if xdg else os.path.join(Path.home(), ".cache", "metrale-attn")

@@ -14,7 +14,7 @@ import ml_dtypes
 import numpy as np
 
 from conftest import TOYS, toy_source
-from metrale_attn.cuda_on_cpu import compile_module
+from cuda_on_cpu import compile_module
 
 MATRIX, CP_ASYNC, CVT, MISUSE = "ptx_matrix", "ptx_cp_async", "ptx_cvt", "ptx_misuse"
 COPY_THREADS = 64  # ptx_cp_async.cu

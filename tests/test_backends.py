@@ -1,16 +1,29 @@
 """The backend layer without a GPU: what each backend says about itself, and the CuPy backend's
 stream wrappers (CuPy creates them without touching a device)."""
 
+import types
+
 import pytest
 
+from cuda_on_cpu import build
 from metrale_attn.backends import get_backend
 from metrale_attn.backends.cpu_backend import CpuBackend
+from metrale_attn.cache import cache_root
 
 
 def test_the_cpu_backend_has_no_device_and_says_its_times_are_an_emulators():
     backend = get_backend("cpu")
     assert isinstance(backend, CpuBackend)
     assert backend.device() is None and backend.emulated is True
+
+
+def test_the_cpu_backend_builds_into_the_package_cache_whatever_the_shim_defaults_to(tmp_path, monkeypatch):
+    """The shim has a cache of its own; metrale-attn's users keep theirs (cache_root()/cuda_on_cpu)."""
+    monkeypatch.setenv("CUDA_ON_CPU_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(build, "_MEMO", {})
+    source = 'extern "C" __global__ void cached_here(float* out) { out[threadIdx.x] = 1.0f; }\n'
+    CpuBackend().load(types.SimpleNamespace(name="cached_here", source=lambda: source, defines=dict))
+    assert list((cache_root() / "cuda_on_cpu").glob("cached_here-*.so")) and not any(tmp_path.iterdir())
 
 
 def test_a_raw_stream_handle_maps_to_one_wrapper_and_a_bounded_number_of_handles_are_kept():

@@ -5,8 +5,8 @@ import pathlib
 import re
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-SOURCES = ("metrale_attn", "kernels_cu", "tests", "benchmarks", "docs")
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "cuda_on_cpu" / "README.md"]
+SOURCES = ("metrale_attn", "cuda_on_cpu", "kernels_cu", "tests", "benchmarks", "docs")
 SUFFIXES = {".py", ".md", ".cu", ".cuh", ".h", ".cpp", ".sh", ".toml"}
 ABSENT = re.compile(r"DESIGN\.md|\bDESIGN\b|attn_splitk|\bthe seed\b|\bseed's|specification's|"
                     r"metrale-model-layers|sizes\.rs|kernels/(?:hopper|gb10|b200|b300)/")

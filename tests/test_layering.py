@@ -1,16 +1,19 @@
-"""The file tree reads as the architecture: policy -> plan -> launch, and no module reaches upward."""
+"""The file tree reads as the architecture: policy -> plan -> launch, and no module reaches upward;
+below the library, the CUDA-on-CPU shim, which knows nothing of it."""
 
 import ast
 import pathlib
 
-PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "metrale_attn"
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "metrale_attn"
+SHIM = ROOT / "cuda_on_cpu"
 
 # Lower layers first; a module may import only modules of lower layers (or its own subpackage).
 LAYERS = [
     {"policy", "cache"},
     {"targets", "dtypes", "reference", "tolerance"},
     {"config"},
-    {"plan", "cuda_on_cpu", "problems"},
+    {"plan", "problems"},
     {"kernels"},
     {"backends"},
     {"validation"},
@@ -24,11 +27,10 @@ LAYERS = [
     {"__init__", "__main__"},
 ]
 RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}
-ALLOWED = {"reference": {"policy"}, "tolerance": set(), "problems": {"reference"}, "dtypes": set(),
-           "cuda_on_cpu": {"cache"}}
+ALLOWED = {"reference": {"policy"}, "tolerance": set(), "problems": {"reference"}, "dtypes": set()}
 """Modules that may import even less than their layer allows: the reference (the oracle)
-and the tolerance (the bar) share no code with what they check, the problem builder asks
-only the oracle, and the CPU shim stands alone."""
+and the tolerance (the bar) share no code with what they check, and the problem builder
+asks only the oracle."""
 
 
 def _top(path: pathlib.Path) -> str:
@@ -76,28 +78,46 @@ def test_every_module_has_a_layer():
 
 SHIM_LAYERS = ["errors", "environment", "declarations", "abi", "asan", "isolation", "module", "build",
                "__init__", "_child"]
-"""The CUDA-on-CPU subpackage's own modules, lowest first (its ``__init__`` lists what each owns)."""
+"""The CUDA-on-CPU package's own modules, lowest first (its ``__init__`` lists what each owns)."""
 
 
 def _shim_imports(path: pathlib.Path) -> set[str]:
-    """Modules of metrale_attn.cuda_on_cpu that ``path`` (one of them) imports."""
+    """Modules of cuda_on_cpu that ``path`` (one of them) imports."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom):
             module = node.module or ""
             if node.level == 1:
                 found.update([module.split(".")[0]] if module else [a.name for a in node.names])
-            elif module.startswith("metrale_attn.cuda_on_cpu."):
-                found.add(module.split(".")[2])
-            elif module == "metrale_attn.cuda_on_cpu":
+            elif module.startswith("cuda_on_cpu."):
+                found.add(module.split(".")[1])
+            elif module == "cuda_on_cpu":
                 found.add("__init__")
     return found
 
 
 def test_every_module_of_the_cpu_shim_imports_only_modules_below_it():
-    shim = PACKAGE / "cuda_on_cpu"
-    assert sorted(p.stem for p in shim.glob("*.py")) == sorted(SHIM_LAYERS)
+    assert sorted(p.stem for p in SHIM.glob("*.py")) == sorted(SHIM_LAYERS)
     rank = {name: i for i, name in enumerate(SHIM_LAYERS)}
-    offences = [f"{path.name} imports {other}" for path in sorted(shim.glob("*.py"))
+    offences = [f"{path.name} imports {other}" for path in sorted(SHIM.glob("*.py"))
                 for other in _shim_imports(path) if rank[other] >= rank[path.stem]]
+    assert not offences
+
+
+def _top_level_imports(path: pathlib.Path) -> set[str]:
+    """The top-level names of every absolute import in ``path``."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and not node.level:
+            found.add((node.module or "").split(".")[0])
+        elif isinstance(node, ast.Import):
+            found.update(a.name.split(".")[0] for a in node.names)
+    return found
+
+
+def test_the_cpu_shim_and_its_tests_import_nothing_of_metrale_attn():
+    """The shim is a package below the library, for any project to reuse: neither it nor its
+    tests may lean on metrale_attn, nor on the library's test helpers (tests/conftest.py)."""
+    offences = [f"{path.relative_to(ROOT)} imports {name}" for path in sorted(SHIM.rglob("*.py"))
+                for name in _top_level_imports(path) & {"metrale_attn", "conftest"}]
     assert not offences

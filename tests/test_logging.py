@@ -6,16 +6,23 @@ from __future__ import annotations
 
 import logging
 import time
+import types
 
 import pytest
 
+from cuda_on_cpu import build
 from metrale_attn import attention
 from metrale_attn.backends.cpu_backend import CpuBackend
-from metrale_attn.cuda_on_cpu import build, compile_module
 
-from conftest import decoder, problem, toy_source
+from conftest import decoder, problem
 
 P = problem(seed=31, seq_lens=(5, 40), num_q_heads=4, num_kv_heads=2)
+
+
+def stand_in(name: str):
+    """What ``CpuBackend.load`` reads of a variant (its name, source and defines), for a one-line kernel."""
+    source = f'extern "C" __global__ void {name}(float* out) {{ out[threadIdx.x] = 1.0f; }}\n'
+    return types.SimpleNamespace(name=name, source=lambda: source, defines=dict)
 
 
 def test_a_construction_logs_its_target_variants_and_plans_at_debug(caplog):
@@ -30,12 +37,11 @@ def test_a_construction_logs_its_target_variants_and_plans_at_debug(caplog):
 def test_each_cpu_compile_logs_its_variant_seconds_and_whether_the_cache_had_it(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("METRALE_ATTN_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(build, "_MEMO", {})
-    source = toy_source("block_reduce") + "\n// logged\n"
     with caplog.at_level(logging.DEBUG, logger="metrale_attn"):
-        compile_module(source, name="logged")
+        CpuBackend().load(stand_in("logged"))
         monkeypatch.setattr(build, "_MEMO", {})  # a new process: only the disk cache is left
-        compile_module(source, name="logged")
-    lines = [r.getMessage() for r in caplog.records if r.name == "metrale_attn.cuda_on_cpu.build"]
+        CpuBackend().load(stand_in("logged"))
+    lines = [r.getMessage() for r in caplog.records if r.name == "metrale_attn.backends.cpu_backend"]
     assert len(lines) == 2
     assert lines[0].startswith("compiled logged for the CPU backend") and "cache miss" in lines[0]
     assert " s (cache miss" in lines[0] and str(tmp_path) in lines[0]
@@ -70,6 +76,6 @@ def test_a_cache_directory_that_cannot_be_written_is_logged_as_well_as_warned(tm
     for name, value in (("_MEMO", {}), ("_FALLBACK_DIRS", {}), ("_FALLBACK_WARNED", False)):
         monkeypatch.setattr(build, name, value)
     with caplog.at_level(logging.WARNING, logger="metrale_attn"), pytest.warns(build.CacheFallbackWarning):
-        compile_module(toy_source("block_reduce"), name="unwritable_logged")
-    (record,) = [r for r in caplog.records if r.name == "metrale_attn.cuda_on_cpu.build"]
+        CpuBackend().load(stand_in("unwritable_logged"))
+    (record,) = [r for r in caplog.records if r.name == "metrale_attn.backends.cpu_backend"]
     assert f"cannot write the CUDA-on-CPU kernel cache {root}" in record.getMessage()

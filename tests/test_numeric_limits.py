@@ -11,9 +11,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from cuda_on_cpu import compile_module
 from metrale_attn import kernels, reference, tolerance
 from metrale_attn.backends.cpu_backend import CpuBackend
-from metrale_attn.cuda_on_cpu import compile_module
 from metrale_attn.problems import Problem, make_problem
 
 from conftest import decoder, problem
@@ -87,10 +87,10 @@ def test_multi_token_decode_at_int32_max_keys_attends_each_query_token_to_its_ow
 def test_the_core_computes_no_signed_overflow_at_int32_max_keys_under_ubsan(monkeypatch, capfd):
     # The producer runs tiles past the last key: past 2^31 near INT32_MAX, which wraps on the
     # GPU and on the host build alike, so only the sanitizer sees int overflow there.
-    from metrale_attn.cuda_on_cpu import build
+    from cuda_on_cpu import build
 
     if not hasattr(build, "_flags"):
-        pytest.skip("metrale_attn.cuda_on_cpu.build has no _flags to add the sanitizer to")
+        pytest.skip("cuda_on_cpu.build has no _flags to add the sanitizer to")
     flags = build._flags
     monkeypatch.setattr(build, "_flags", lambda *args: flags(*args) + ["-fsanitize=signed-integer-overflow"])
     p, _, v_absmax = _window_at_the_end(INT32_MAX, 64, "bf16", 1, 300)

@@ -1,6 +1,8 @@
-"""The wheel carries the kernel sources and the CPU shim, so a non-editable install finds them."""
+"""The wheel carries the kernel sources and the CUDA-on-CPU shim (a package of its own, without its
+tests), so a non-editable install finds them."""
 
 import importlib
+import os
 import pathlib
 import shutil
 import subprocess
@@ -18,7 +20,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def wheel_names(tmp_path_factory):
+def wheel(tmp_path_factory) -> pathlib.Path:
     if shutil.which("pip") is None and not _has_module("pip"):
         pytest.skip("pip is not available")
     out = tmp_path_factory.mktemp("wheel")
@@ -32,7 +34,12 @@ def wheel_names(tmp_path_factory):
         [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation", "-w", str(out), "."],
         cwd=src, check=True, capture_output=True,
     )
-    (wheel,) = out.glob("metrale_attn-*.whl")
+    (built,) = out.glob("metrale_attn-*.whl")
+    return built
+
+
+@pytest.fixture(scope="module")
+def wheel_names(wheel):
     with zipfile.ZipFile(wheel) as zf:
         return set(zf.namelist())
 
@@ -50,11 +57,39 @@ def test_every_kernel_source_is_shipped_inside_the_package(wheel_names):
 
 
 def test_the_cpu_backend_ships_its_shim(wheel_names):
-    shim = sorted(
-        p.name for p in (ROOT / "metrale_attn" / "cuda_on_cpu").iterdir() if p.suffix in (".h", ".hpp", ".cpp", ".S")
-    )
-    missing = [name for name in shim if f"metrale_attn/cuda_on_cpu/{name}" not in wheel_names]
+    """The shim's modules and every runtime source it compiles; its tests stay in the repository."""
+    shim = ROOT / "cuda_on_cpu"
+    shipped = sorted(p.relative_to(ROOT).as_posix() for p in shim.rglob("*")
+                     if p.suffix in (".py", ".h", ".hpp", ".cpp", ".S") and "tests" not in p.relative_to(shim).parts)
+    assert "cuda_on_cpu/cuda_on_cpu.h" in shipped and "cuda_on_cpu/build.py" in shipped
+    missing = [name for name in shipped if name not in wheel_names]
     assert not missing
+    assert not [name for name in wheel_names if name.startswith("cuda_on_cpu/tests/")]
+
+
+def test_the_shim_builds_and_launches_from_a_non_editable_install(wheel, tmp_path):
+    """Unpacked, the wheel is the install: the shim compiles its runtime from the shipped sources
+    and launches in a child process that imports the shim from there too; the library finds
+    its kernel sources there."""
+    site = tmp_path / "site"
+    with zipfile.ZipFile(wheel) as zf:
+        zf.extractall(site)
+    code = (
+        "import sys\n"
+        f"sys.path.insert(0, {str(site)!r})\n"
+        "import numpy as np\n"
+        "import cuda_on_cpu, metrale_attn\n"
+        "from metrale_attn import kernels\n"
+        f"assert all(m.__file__.startswith({str(site)!r}) for m in (cuda_on_cpu, metrale_attn))\n"
+        "assert 'pd_ptx.cuh' in kernels.Variant('unpacked', 128, 'bf16', 'fp8', 'mma').source()\n"
+        "src = 'extern \"C\" __global__ void ones(float* out) { out[threadIdx.x] = 1.0f; }'\n"
+        "out = np.zeros(32, np.float32)\n"
+        "cuda_on_cpu.compile_module(src, name='from_the_wheel').launch('ones', 1, 32, 0, (out,), isolate=True)\n"
+        "assert (out == 1).all()\n"
+    )
+    env = dict(os.environ, CUDA_ON_CPU_CACHE_DIR=str(tmp_path / "cache"))
+    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
 
 
 def test_the_console_script_is_declared_and_names_a_function_that_exists():

@@ -13,10 +13,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from conftest import toy_source
+from conftest import TOYS, toy_source
+from cuda_on_cpu import CudaOnCpuError
+from cuda_on_cpu.asan import libasan_path
 from metrale_attn import kernels
-from metrale_attn.cuda_on_cpu import CudaOnCpuError
-from metrale_attn.cuda_on_cpu.asan import libasan_path
 from ptx_toys import (
     ALL_16_BIT,
     BF16_NAN,
@@ -509,3 +509,19 @@ def test_the_intrinsics_compile_under_nvrtc_to_exactly_their_ptx_instructions(ar
     for instruction in PTX_OF.values():
         assert instruction in ptx, instruction
     assert not re.search(r"\b(ld|st)\.local\b", ptx)
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in TOYS.glob("ptx_*.cu")))
+def test_the_ptx_toy_kernels_compile_with_nvrtc_for_sm_90(name):
+    """The same sources build with NVRTC (as the shim's own toys do, cuda_on_cpu/tests)."""
+    try:
+        prog = nvrtc.createProgram(toy_source(name), f"{name}.cu", [], [])
+    except Exception as e:  # the NVRTC library itself is missing
+        pytest.skip(f"NVRTC unavailable: {e}")
+    opts = ["--gpu-architecture=sm_90", "-std=c++17", "-DDYNAMIC_SHARED(T,name)=extern __shared__ __align__(16) T name[]"]
+    try:
+        nvrtc.compileProgram(prog, opts)
+    except Exception as e:
+        pytest.fail(f"NVRTC rejected {name}.cu: {e}\n{nvrtc.getProgramLog(prog)}")
+    finally:
+        nvrtc.destroyProgram(prog)

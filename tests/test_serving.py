@@ -6,10 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from cuda_on_cpu import asan
 from metrale_attn import DecodeAttention
 from metrale_attn.problems import GARBAGE_PAGE_ID, Problem
 from metrale_attn.backends.cpu_backend import CpuBackend
-from metrale_attn.cuda_on_cpu import asan
 
 from conftest import check_against_reference, decoder, problem, run_poisoned
 

@@ -6,7 +6,7 @@ description (``ArrayInfo``), so the dispatch above them is written and tested on
 
 - ``cupy``: cubins compiled by NVRTC (no ``-ftz``), loaded by ``cupy.RawModule`` on a CUDA device.
 - ``cpu``: the same sources built with the host C++ compiler against the
-  CUDA-on-CPU shim (``metrale_attn.cuda_on_cpu``); NumPy arrays. For tests and demos.
+  CUDA-on-CPU shim (the package ``cuda_on_cpu``); NumPy arrays. For tests and demos.
 """
 
 from __future__ import annotations

@@ -6,21 +6,27 @@ pointer (never copied): the shim is handed a NumPy byte view of the memory a ten
 spans, so bf16 and fp8 tensors (which NumPy cannot hold) work as they would on a GPU. ``order`` picks the shim's thread
 order (``"default"``, ``"shuffle:SEED"``, ``"warp-ahead:SEED"``, ...; ``None``
 reads ``METRALE_ATTN_CPU_ORDER``) and ``asan`` builds and runs under
-AddressSanitizer.
+AddressSanitizer. The shim (the package ``cuda_on_cpu``, below this one) builds into
+metrale-attn's cache (``cache.cache_root()/cuda_on_cpu``) and logs under this module's logger.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
 import numpy as np
 
+from ..cache import CACHE_DIR, cache_root
 from ..kernels import Variant
 from . import ArrayInfo, Launch
+
+logger = logging.getLogger(__name__)
+
 
 class _CpuModule:
     def __init__(self, module, order: Optional[str]):
@@ -52,9 +58,10 @@ class CpuBackend:
             return list(pool.map(self.load, variants))
 
     def load(self, variant: Variant) -> _CpuModule:
-        from ..cuda_on_cpu import compile_module
+        from cuda_on_cpu import compile_module  # not at import: ``import metrale_attn`` stays light
 
-        module = compile_module(variant.source(), name=variant.name, defines=variant.defines(), asan=self.asan)
+        module = compile_module(variant.source(), name=variant.name, defines=variant.defines(), asan=self.asan,
+                                cache_dir=cache_root() / "cuda_on_cpu", cache_setting=CACHE_DIR, logger=logger)
         return _CpuModule(module, self.order)
 
     def describe(self, array, argument: str) -> ArrayInfo:

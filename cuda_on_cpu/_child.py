@@ -1,6 +1,6 @@
 """Child process for isolated and AddressSanitizer launches (see isolation.launch_in_child).
 
-Usage: python -m metrale_attn.cuda_on_cpu._child REQUEST.pkl RESULT.pkl
+Usage: python -m cuda_on_cpu._child REQUEST.pkl RESULT.pkl
 
 The request names a compiled library and either asks for its kernel metadata
 ("describe") or for one launch with shipped arrays. Arrays are re-created with
@@ -15,9 +15,9 @@ import ctypes
 import pickle
 import sys
 
-from metrale_attn.cuda_on_cpu.abi import launch_raw, read_descs
-from metrale_attn.cuda_on_cpu.errors import CudaOnCpuError
-from metrale_attn.cuda_on_cpu.isolation import CHILD_LAUNCH_ERROR
+from cuda_on_cpu.abi import launch_raw, read_descs
+from cuda_on_cpu.errors import CudaOnCpuError
+from cuda_on_cpu.isolation import CHILD_LAUNCH_ERROR
 
 
 def _aligned_copy(libc, data: bytes) -> int:

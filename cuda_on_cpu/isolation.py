@@ -1,6 +1,6 @@
 """Child processes: launches isolated from this process, and every ASan launch.
 
-A child (``python -m metrale_attn.cuda_on_cpu._child``) gets a pickled request: a
+A child (``python -m cuda_on_cpu._child``) gets a pickled request: a
 library and either "describe" (read its kernel table) or one launch with its arrays
 shipped by value. Each distinct array is shipped once, so aliasing arguments stay
 aliased in the child; partial overlaps cannot be reproduced there and are refused.
@@ -27,7 +27,7 @@ CHILD_LAUNCH_ERROR = 3  # the child's exit status for a CudaOnCpuError
 
 def _child_env(with_asan: bool) -> dict:
     env = dict(os.environ)
-    pkg_root = str(Path(__file__).resolve().parents[2])
+    pkg_root = str(Path(__file__).resolve().parents[1])
     env["PYTHONPATH"] = pkg_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     if with_asan:
         asan.child_env(env)
@@ -39,7 +39,7 @@ def _run_child(request: dict, with_asan: bool) -> tuple[subprocess.CompletedProc
         req_path, out_path = Path(td) / "request.pkl", Path(td) / "result.pkl"
         req_path.write_bytes(pickle.dumps(request, protocol=pickle.HIGHEST_PROTOCOL))
         proc = subprocess.run(
-            [sys.executable, "-m", "metrale_attn.cuda_on_cpu._child", str(req_path), str(out_path)],
+            [sys.executable, "-m", "cuda_on_cpu._child", str(req_path), str(out_path)],
             env=_child_env(with_asan), capture_output=True, text=True)
         result = pickle.loads(out_path.read_bytes()) if out_path.exists() else None
     return proc, result

@@ -1,4 +1,4 @@
-/* cuda_on_cpu_switch_x86_64.S: the fiber context switch of the CUDA-on-CPU runtime.
+/* switch_x86_64.S: the fiber context switch of the CUDA-on-CPU runtime.
  *
  *   void cocpu_switch(void **save_sp, void *new_sp);
  *
@@ -11,7 +11,7 @@
  *   [sp+0] mxcsr (4 bytes)  [sp+4] x87 cw (2 bytes)
  *   [sp+8] r15  [sp+16] r14  [sp+24] r13  [sp+32] r12  [sp+40] rbx  [sp+48] rbp
  *   [sp+56] return address
- * The runtime builds this frame by hand to start a fiber (cuda_on_cpu_runtime.cpp).
+ * The runtime builds this frame by hand to start a fiber (prepare_fiber, scheduler.cpp).
  */
     .text
     .globl  cocpu_switch

@@ -6,7 +6,8 @@
 //     <kernel source>            <- with the caller's #line directives
 //     <registration>             <- one cocpu_kernel_desc per extern "C" __global__
 //
-// and links it with cuda_on_cpu_runtime.cpp (fibers, scheduler, error reporting) into one
+// and links it with the runtime (runtime/*.cpp: fibers and the block scheduler, the PTX
+// emulation, error and crash reporting; runtime/internal.h lists the parts) into one
 // shared library per kernel variant. Every CUDA thread of a block runs on its own fiber;
 // blocks run one after another on the calling OS thread.
 //
@@ -14,8 +15,8 @@
 //   * entry points are `extern "C" __global__ void name(...)`; parameters are pointers
 //     and 32/64-bit integers and floats (passed from Python as NumPy arrays / typed
 //     NumPy scalars);
-//   * no #include in kernel sources other than the package's own headers, which the
-//     caller inlines; bf16/fp8 conversions are bit operations in a shared header;
+//   * no #include in kernel sources other than the caller's own headers, which it
+//     inlines; bf16/fp8 conversions are bit operations in a shared header;
 //   * no host macros such as INFINITY, NAN or M_PI (they are #undef'd below so that a
 //     kernel using them fails here as it would under NVRTC): write
 //     __int_as_float(0x7f800000) and spell constants out;
@@ -28,10 +29,11 @@
 //     inside the kernel body (on a GPU: `extern __shared__ __align__(16) T name[]`, so
 //     within one source a name must always have the same T: NVRTC rejects a second
 //     type for the same extern array);
-//   * PTX only through kernels_cu/pd_ptx.cuh (the one file with `asm`: one function per
-//     instruction, emulated here, see below); no cooperative groups, no textures, no
-//     `extern "C" { ... }` blocks around kernels (the loader looks for `extern "C"
-//     __global__` definitions);
+//   * PTX only through an intrinsics header such as metrale-attn's kernels_cu/pd_ptx.cuh
+//     (the one file with `asm`: one function per instruction, which calls the runtime
+//     interface below on the CPU; what is emulated is listed below); no cooperative
+//     groups, no textures, no `extern "C" { ... }` blocks around kernels (the loader
+//     looks for `extern "C" __global__` definitions);
 //   * __shared__ variables in the kernel body (function templates and inline functions
 //     work, but GCC ignores section attributes there, so theirs are not poisoned), or the
 //     DYNAMIC_SHARED buffer;
@@ -98,8 +100,8 @@
 //     thread exits are dropped. So a missing or too-short wait reads 0xFF (or a stale tile).
 //   * cvt / prmt: bit-exact pure functions (below); NaN results 0x7fff (f16, bf16) and
 //     0x7fffffff (f32), as CUDA's own headers produce them.
-#ifndef METRALE_CUDA_ON_CPU_H
-#define METRALE_CUDA_ON_CPU_H
+#ifndef CUDA_ON_CPU_H
+#define CUDA_ON_CPU_H
 
 #define __CUDA_ON_CPU__ 1
 
@@ -202,7 +204,7 @@ struct dim3 {
 };
 
 // ------------------------------------------------------------------------------------
-// Runtime interface (cuda_on_cpu_runtime.cpp, linked into the same shared library)
+// Runtime interface (runtime/*.cpp, linked into the same shared library)
 // ------------------------------------------------------------------------------------
 #define COCPU_HIDDEN __attribute__((visibility("hidden")))
 #define COCPU_EXPORT __attribute__((visibility("default")))
@@ -682,4 +684,4 @@ inline cocpu_kernel_desc make_kernel_desc(void (*f)(A...), const char* name,
 }  // namespace cocpu_detail
 
 #endif  // COCPU_SCAN
-#endif  // METRALE_CUDA_ON_CPU_H
+#endif  // CUDA_ON_CPU_H

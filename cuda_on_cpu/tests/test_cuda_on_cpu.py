@@ -1,13 +1,16 @@
-"""The CUDA-on-CPU backend: shim semantics, error reporting, thread orders, ASan, caching.
+"""The CUDA-on-CPU shim: semantics, error reporting, thread orders, ASan, caching.
 
-Toy kernels live in tests/toy_kernels/*.cu; each is compiled as the package's dispatch
-code does it: the source with a `#line 1 "<path>"` directive in front.
+Toy kernels live in cuda_on_cpu/tests/toy_kernels/*.cu; each is compiled as a library
+built on the shim compiles a kernel: the source with a `#line 1 "<path>"` directive in
+front, so that errors name the real file and line. Nothing here imports metrale_attn
+(tests/test_layering.py checks it).
 """
 
 from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -19,9 +22,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from metrale_attn.cuda_on_cpu import CudaOnCpuCompileError, CudaOnCpuError, Module, abi, asan, build, compile_module
+from cuda_on_cpu import CudaOnCpuCompileError, CudaOnCpuError, Module, abi, asan, build, compile_module, environment
 
-from conftest import TOYS, toy_source
+TOYS = Path(__file__).parent / "toy_kernels"
+TOY_PATH = "cuda_on_cpu/tests/toy_kernels"
+"""How the toys' ``#line`` directives name them: from the repository root."""
 
 FULL = 0xFFFFFFFF
 
@@ -29,10 +34,15 @@ FULL = 0xFFFFFFFF
 @pytest.fixture(scope="module", autouse=True)
 def _private_cache(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("METRALE_ATTN_CACHE_DIR", str(tmp_path_factory.mktemp("cocpu-cache")))
+        mp.setenv("CUDA_ON_CPU_CACHE_DIR", str(tmp_path_factory.mktemp("cocpu-cache")))
         for var in ("METRALE_ATTN_CPU_ORDER", "METRALE_ATTN_CPU_FIBER", "METRALE_ATTN_CPU_STACK_KB"):
             mp.delenv(var, raising=False)
         yield
+
+
+def toy_source(name: str) -> str:
+    """toy_kernels/<name>.cu with a ``#line 1`` directive in front."""
+    return f'#line 1 "{TOY_PATH}/{name}.cu"\n' + (TOYS / f"{name}.cu").read_text()
 
 
 def toy(name: str, **kw):
@@ -40,7 +50,7 @@ def toy(name: str, **kw):
 
 
 def line_of(name: str, needle: str) -> int:
-    """1-based line of the first line of tests/toy_kernels/<name>.cu containing needle."""
+    """1-based line of the first line of toy_kernels/<name>.cu containing needle."""
     for i, text in enumerate((TOYS / f"{name}.cu").read_text().splitlines(), 1):
         if needle in text:
             return i
@@ -205,7 +215,7 @@ def test_a_barrier_that_one_thread_skips_is_reported_with_its_block_and_thread()
     msg = misuse_error("barrier_skipped", grid=(3, 2, 1), args=(np.zeros(64, np.float32), np.int32(37)))
     line = line_of("misuse", "__syncthreads();")
     assert "kernel 'barrier_skipped' block (0,0,0)" in msg
-    assert f"__syncthreads at tests/toy_kernels/misuse.cu:{line}" in msg
+    assert f"__syncthreads at {TOY_PATH}/misuse.cu:{line}" in msg
     assert "thread (37,0,0) has exited" in msg
 
 
@@ -245,7 +255,7 @@ def test_a_shuffle_reading_a_lane_outside_its_mask_is_an_error():
 
 def test_trap_is_reported_with_its_thread_and_line():
     msg = misuse_error("traps", block=(32, 1, 1))
-    assert f"__trap() at tests/toy_kernels/misuse.cu:{line_of('misuse', '__trap()')}" in msg
+    assert f"__trap() at {TOY_PATH}/misuse.cu:{line_of('misuse', '__trap()')}" in msg
     assert "thread (3,0,0)" in msg
 
 
@@ -394,7 +404,7 @@ def test_asan_reports_an_out_of_bounds_read_of_an_input_array_with_its_cu_line()
         mod.launch("read_past_input", (1, 1, 1), (64, 1, 1), 0, (x, out, np.int32(1)))
     msg = str(e.value)
     assert "heap-buffer-overflow" in msg
-    assert f"tests/toy_kernels/oob.cu:{line_of('oob', '= x[threadIdx.x + shift]')}" in msg
+    assert f"{TOY_PATH}/oob.cu:{line_of('oob', '= x[threadIdx.x + shift]')}" in msg
     assert "kernel 'read_past_input' block (0,0,0) thread (63,0,0)" in msg
 
 
@@ -405,7 +415,7 @@ def test_asan_reports_an_out_of_bounds_read_of_a_static_shared_array_with_its_cu
         mod.launch("read_past_shared", (1, 1, 1), (64, 1, 1), 0, (np.zeros(64, np.float32), np.int32(1)))
     msg = str(e.value)
     assert "global-buffer-overflow" in msg
-    assert f"tests/toy_kernels/oob.cu:{line_of('oob', '= s[threadIdx.x + shift]')}" in msg
+    assert f"{TOY_PATH}/oob.cu:{line_of('oob', '= s[threadIdx.x + shift]')}" in msg
 
 
 @needs_asan
@@ -414,7 +424,7 @@ def test_asan_reports_an_out_of_bounds_read_of_dynamic_shared_memory():
     with pytest.raises(CudaOnCpuError) as e:
         mod.launch("read_past_dynamic", (1, 1, 1), (64, 1, 1), 64 * 4, (np.zeros(64, np.float32), np.int32(1)))
     assert "heap-buffer-overflow" in str(e.value)
-    assert f"tests/toy_kernels/oob.cu:{line_of('oob', '= buf[threadIdx.x + shift]')}" in str(e.value)
+    assert f"{TOY_PATH}/oob.cu:{line_of('oob', '= buf[threadIdx.x + shift]')}" in str(e.value)
 
 
 @needs_asan
@@ -427,7 +437,7 @@ def test_an_unsymbolized_asan_report_gets_the_cu_line_from_addr2line(monkeypatch
                    (np.zeros(64, np.float32), np.zeros(64, np.float32), np.int32(1)))
     msg = str(e.value)
     assert "addr2line (" in msg
-    assert f"tests/toy_kernels/oob.cu:{line_of('oob', '= x[threadIdx.x + shift]')}" in msg
+    assert f"{TOY_PATH}/oob.cu:{line_of('oob', '= x[threadIdx.x + shift]')}" in msg
 
 
 @needs_asan
@@ -457,7 +467,7 @@ def test_an_in_process_stack_overflow_is_loud():
     toy("stack_overflow")  # compiled (and cached) here; the child only loads it
     code = (
         "import numpy as np\n"
-        "from metrale_attn.cuda_on_cpu import compile_module\n"
+        "from cuda_on_cpu import compile_module\n"
         f"src = {toy_source('stack_overflow')!r}\n"
         "mod = compile_module(src, name='stack_overflow')\n"
         "mod.launch('overflow_stack', (1, 1, 1), (32, 1, 1), 0, (np.zeros(32, np.float32),))\n"
@@ -535,7 +545,7 @@ def test_a_damaged_cached_library_is_rebuilt_instead_of_crashing_the_process(kin
     _damage(kind, good.path, good.path.with_suffix(".json"), toy("dynamic_shared"))
     code = (  # a fresh process, so only the disk cache is left; a crash must not take pytest with it
         "import numpy as np\n"
-        "from metrale_attn.cuda_on_cpu import build, compile_module\n"
+        "from cuda_on_cpu import build, compile_module\n"
         f"mod = compile_module({src!r}, name='damaged')\n"
         "x, out = np.ones(128, np.float32), np.zeros(1, np.float32)\n"
         "mod.launch('block_sum', (1, 1, 1), (128, 1, 1), 0, (x, out, np.int32(128)))\n"
@@ -577,7 +587,7 @@ def test_an_unwritable_cache_directory_falls_back_to_a_private_temporary_one_wit
     else:
         root = tmp_path / "a-file"
         root.write_text("")
-    monkeypatch.setenv("METRALE_ATTN_CACHE_DIR", str(root))
+    monkeypatch.setenv("CUDA_ON_CPU_CACHE_DIR", str(root / "cuda_on_cpu"))
     _fresh_process(monkeypatch)
     with pytest.warns(build.CacheFallbackWarning) as caught:
         mods = [toy("block_reduce"), toy("dynamic_shared")]
@@ -592,7 +602,7 @@ def test_a_cache_directory_that_fills_up_mid_build_falls_back_to_a_private_one_w
         tmp_path, monkeypatch):
     """No space left (or over quota) while a library is written: not a bare OSError without a
     path, but the same fallback as a read-only cache, the warning naming the directory."""
-    monkeypatch.setenv("METRALE_ATTN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CUDA_ON_CPU_CACHE_DIR", str(tmp_path))
     _fresh_process(monkeypatch)
     configured = build.environment.cache_dir()
     real = build._build
@@ -615,10 +625,10 @@ def test_a_cache_directory_that_fills_up_mid_build_falls_back_to_a_private_one_w
 @pytest.mark.parametrize("damage", ["truncated"])  # each case recompiles the runtime (~3 s): one stands for all
 def test_a_damaged_cached_runtime_object_is_rebuilt_rather_than_failing_every_later_link(damage, tmp_path,
                                                                                         monkeypatch):
-    monkeypatch.setenv("METRALE_ATTN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CUDA_ON_CPU_CACHE_DIR", str(tmp_path))
     _fresh_process(monkeypatch)
     toy("block_reduce")
-    objects = sorted(build.environment.cache_dir().glob("cuda_on_cpu_runtime-*.o"))
+    objects = sorted(build.environment.cache_dir().glob("runtime-*.o"))
     assert objects and all(obj.with_name(obj.name + ".json").exists() for obj in objects)
     obj = objects[0]
     if damage == "record missing":
@@ -632,8 +642,44 @@ def test_a_damaged_cached_runtime_object_is_rebuilt_rather_than_failing_every_la
     assert out[0] == 128 and obj.stat().st_size > 100
 
 
+def test_the_default_cache_directory_is_the_shims_own(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUDA_ON_CPU_CACHE_DIR", str(tmp_path / "set"))
+    assert environment.cache_dir() == tmp_path / "set"
+    monkeypatch.delenv("CUDA_ON_CPU_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert environment.cache_dir() == tmp_path / "xdg" / "cuda-on-cpu"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert environment.cache_dir() == Path.home() / ".cache" / "cuda-on-cpu"
+
+
+def test_a_library_built_on_the_shim_gives_its_own_cache_directory_setting_and_logger(tmp_path, monkeypatch, caplog):
+    """Its users then see one cache and one logger: builds, cache hits and fallbacks are logged
+    on its logger, and the fallback warning names the setting they change."""
+    theirs = logging.getLogger("a_library")
+    src = toy_source("block_reduce") + "\n// a library's\n"
+
+    def build_for_the_library(cache_dir: Path) -> Module:
+        _fresh_process(monkeypatch)
+        return compile_module(src, name="a_library", cache_dir=cache_dir, cache_setting="A_LIBRARY_CACHE",
+                              logger=theirs)
+
+    its_cache = environment.cache_dir()  # this module's, whose runtime objects are built already
+    monkeypatch.setenv("CUDA_ON_CPU_CACHE_DIR", str(tmp_path / "not-the-librarys"))
+    with caplog.at_level(logging.DEBUG, logger="a_library"):
+        mod = build_for_the_library(its_cache)
+        assert build_for_the_library(its_cache).path == mod.path
+    assert mod.path.parent == its_cache and not (tmp_path / "not-the-librarys").exists()
+    assert [r.getMessage().split()[0] for r in caplog.records if r.name == "a_library"] == ["compiled", "loaded"]
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with caplog.at_level(logging.WARNING, logger="a_library"), pytest.warns(build.CacheFallbackWarning) as caught:
+        build_for_the_library(blocker / "cache")
+    assert "(point A_LIBRARY_CACHE at a writable directory with space to keep them)" in str(caught[0].message)
+    assert [r.levelno for r in caplog.records if r.name == "a_library"][-1] == logging.WARNING
+
+
 def test_valid_libraries_in_a_read_only_cache_are_used_without_a_rebuild_or_a_warning(tmp_path, monkeypatch):
-    monkeypatch.setenv("METRALE_ATTN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CUDA_ON_CPU_CACHE_DIR", str(tmp_path))
     _fresh_process(monkeypatch)
     built = toy("block_reduce")
     _read_only(built.path.parent, monkeypatch)
@@ -656,7 +702,7 @@ def test_a_compile_error_names_the_cu_file_and_line():
     with pytest.raises(CudaOnCpuCompileError) as e:
         toy("compile_error")
     line = line_of("compile_error", "undeclared_identifier")
-    assert f"tests/toy_kernels/compile_error.cu:{line}" in str(e.value)
+    assert f"{TOY_PATH}/compile_error.cu:{line}" in str(e.value)
     assert "undeclared_identifier" in str(e.value)
 
 

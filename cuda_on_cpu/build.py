@@ -2,11 +2,12 @@
 
 One shared library per kernel variant: the kernel source, unchanged, prefixed with the
 shim header (``cuda_on_cpu.h``) and followed by a registration table of its
-``extern "C" __global__`` kernels (``declarations``), linked with the runtime
-(``cuda_on_cpu_runtime.cpp`` and, on x86-64, the hand-written fiber switch). Libraries
-are cached on disk, keyed by a hash of everything that goes into them, and memoized
-in-process. Threads may build different libraries at once (``CpuBackend.load_many``);
-one library builds once.
+``extern "C" __global__`` kernels (``declarations``), linked with the runtime objects
+(``runtime/*.cpp`` and, on x86-64, the hand-written fiber switch ``runtime/switch_x86_64.S``),
+which are compiled once per set of flags, concurrently, and cached beside the libraries.
+Libraries are cached on disk, keyed by a hash of everything that goes into them, and
+memoized in-process. Threads may build different libraries at once (a caller's pool of
+builds); one library builds once.
 
 A cached library is trusted only as far as its record proves: the ``.json`` beside each
 ``.so`` names the variant (module name and key) and the ``.so``'s size and SHA-256, and
@@ -37,6 +38,7 @@ import tempfile
 import threading
 import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from importlib import resources
 from pathlib import Path
@@ -49,14 +51,15 @@ from .errors import CudaOnCpuCompileError
 from .isolation import child_describe
 from .module import Module
 
-logger = logging.getLogger(__name__)
+_LOGGER = logging.getLogger(__name__)  # unless the caller names its own (compile_module)
 
 # Bumped whenever the generated code or the cache layout changes meaning.
 _FORMAT_VERSION = "cocpu-1"
 
 _HEADER = "cuda_on_cpu.h"
-_RUNTIME = "cuda_on_cpu_runtime.cpp"
-_SWITCH = "cuda_on_cpu_switch_x86_64.S"
+_RUNTIME_HEADER = "runtime/internal.h"
+_RUNTIME = ("runtime/launch.cpp", "runtime/scheduler.cpp", "runtime/ptx.cpp", "runtime/errors.cpp")
+_SWITCH = "runtime/switch_x86_64.S"
 
 # Every compiler invocation of this process (argv lists): tests check cache reuse with it.
 compiler_calls: list[list[str]] = []
@@ -75,7 +78,7 @@ class CacheFallbackWarning(RuntimeWarning):
     """The kernel cache directory cannot be written; this process builds into a temporary one."""
 
 
-def _writable_cache_dir(configured: Path) -> Path:
+def _writable_cache_dir(configured: Path, setting: str, logger: logging.Logger) -> Path:
     """``configured`` (created if need be) when this process can create files in it, else a
     private temporary directory for the rest of the process, with one warning per process.
 
@@ -91,22 +94,23 @@ def _writable_cache_dir(configured: Path) -> Path:
         os.unlink(probe)
         return configured
     except OSError as err:
-        return _fall_back(configured, err.strerror or str(err))
+        return _fall_back(configured, err.strerror or str(err), setting, logger)
 
 
-def _fall_back(configured: Path, why: str) -> Path:
+def _fall_back(configured: Path, why: str, setting: str, logger: logging.Logger) -> Path:
     """This process's private temporary directory in place of ``configured`` (created once,
-    removed at exit), with one warning per process naming both and why."""
+    removed at exit), with one warning per process naming both, why, and the ``setting``
+    that moves the cache."""
     global _FALLBACK_WARNED
     fallback = _FALLBACK_DIRS.get(configured)
     if fallback is None:
-        fallback = Path(tempfile.mkdtemp(prefix="metrale-attn-cuda_on_cpu-"))  # mode 0700
+        fallback = Path(tempfile.mkdtemp(prefix="cuda_on_cpu-"))  # mode 0700
         atexit.register(shutil.rmtree, fallback, ignore_errors=True)
         _FALLBACK_DIRS[configured] = fallback
     if not _FALLBACK_WARNED:
         _FALLBACK_WARNED = True
         message = (f"cannot write the CUDA-on-CPU kernel cache {configured} ({why}); this process builds its "
-                   f"kernels in {fallback} instead, removed at exit (point METRALE_ATTN_CACHE_DIR at a writable "
+                   f"kernels in {fallback} instead, removed at exit (point {setting} at a writable "
                    "directory with space to keep them)")
         logger.warning("%s", message)
         warnings.warn(message, CacheFallbackWarning, stacklevel=5)
@@ -188,30 +192,41 @@ def _atomic_write(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
+def _runtime_sources(fiber: str) -> tuple[str, ...]:
+    """The runtime's sources a library links, as objects: the switch only with the asm fiber."""
+    return _RUNTIME + ((_SWITCH,) if fiber == "asm" else ())
+
+
 def _runtime_objects(cxx: list[str], flags: list[str], fiber: str, src_dir: Path, out_dir: Path) -> list[Path]:
-    """The runtime (and switch) objects for these flags, compiled once and cached."""
+    """The runtime objects for these flags, compiled once and cached."""
     with _RUNTIME_LOCK:  # concurrent builds share the objects and their temporary names
         return _runtime_objects_locked(cxx, flags, fiber, src_dir, out_dir)
 
 
 def _runtime_objects_locked(cxx: list[str], flags: list[str], fiber: str, src_dir: Path, out_dir: Path) -> list[Path]:
-    objs = []
-    sources = [_RUNTIME] + ([_SWITCH] if fiber == "asm" else [])
-    for fname in sources:
+    objs, missing = [], []
+    for fname in _runtime_sources(fiber):
         h = hashlib.sha256()
         for part in (_FORMAT_VERSION, _compiler_version(cxx), shlex.join(cxx), shlex.join(flags),
-                     _resource_text(_HEADER), _resource_text(fname)):
+                     _resource_text(_HEADER), _resource_text(_RUNTIME_HEADER), _resource_text(fname)):
             h.update(part.encode() + b"\0")
-        obj = out_dir / f"{Path(fname).stem}-{h.hexdigest()[:20]}.o"
-        record = obj.with_name(f"{obj.name}.json")
-        if not _object_proves_itself(obj, record):  # missing, truncated or foreign: rebuilt
-            tmp = out_dir / f"{obj.name}.{os.getpid()}.tmp.o"
-            _run_compiler(cxx + flags + ["-I", str(src_dir), "-c", str(src_dir / fname), "-o", str(tmp)],
-                          f"compiling the CUDA-on-CPU runtime ({fname})")
-            data = tmp.read_bytes()
-            os.replace(tmp, obj)  # the object first, then the record that vouches for it
-            _atomic_write(record, json.dumps(_object_record(data)).encode())
+        obj = out_dir / f"runtime-{Path(fname).stem}-{h.hexdigest()[:20]}.o"
+        if not _object_proves_itself(obj):  # missing, truncated or foreign: rebuilt
+            missing.append((fname, obj))
         objs.append(obj)
+
+    def compile_object(fname: str, obj: Path) -> None:
+        tmp = out_dir / f"{obj.name}.{os.getpid()}.tmp.o"
+        _run_compiler(cxx + flags + ["-I", str(src_dir), "-c", str(src_dir / fname), "-o", str(tmp)],
+                      f"compiling the CUDA-on-CPU runtime ({fname})")
+        data = tmp.read_bytes()
+        os.replace(tmp, obj)  # the object first, then the record that vouches for it
+        _atomic_write(_object_record_path(obj), json.dumps(_object_record(data)).encode())
+
+    if missing:  # one compiler per object: a first build waits for the slowest, not the sum
+        with ThreadPoolExecutor(max_workers=len(missing), thread_name_prefix="cuda_on_cpu-runtime") as pool:
+            for done in [pool.submit(compile_object, fname, obj) for fname, obj in missing]:
+                done.result()
     return objs
 
 
@@ -219,17 +234,22 @@ def _object_record(data: bytes) -> dict:
     return dict(bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
 
 
-def _object_proves_itself(obj: Path, record: Path) -> bool:
+def _object_record_path(obj: Path) -> Path:
+    return obj.with_name(f"{obj.name}.json")
+
+
+def _object_proves_itself(obj: Path) -> bool:
     """Whether a cached runtime object has the size and SHA-256 its record gives (a
     damaged one would fail every later link with ``file too short`` until deleted)."""
     try:
-        return json.loads(record.read_text()) == _object_record(obj.read_bytes())
+        return json.loads(_object_record_path(obj).read_text()) == _object_record(obj.read_bytes())
     except (OSError, ValueError):
         return False
 
 
 def compile_module(source: str, *, name: str, defines: dict[str, int | str] | None = None,
-                   asan: bool = False) -> Module:
+                   asan: bool = False, cache_dir: Path | None = None,
+                   cache_setting: str = environment.CACHE_DIR, logger: logging.Logger = _LOGGER) -> Module:
     """Compile (or fetch from the caches) the CPU build of a complete CUDA C source.
 
     ``source`` must be self-contained (headers inlined; ``#line`` directives make compiler
@@ -237,6 +257,11 @@ def compile_module(source: str, *, name: str, defines: dict[str, int | str] | No
     ``<name>.cu``). ``defines`` become -D options. ``asan`` builds with AddressSanitizer;
     such a module always launches in a child process. Raises CudaOnCpuCompileError with
     the compiler's message.
+
+    A library built on the shim passes its own ``cache_dir`` (else ``environment.cache_dir()``),
+    the ``cache_setting`` its users change to move it (named by the warning when the
+    directory cannot be written) and its ``logger`` (each build, cache hit and fallback is
+    logged there), so that its users see one cache and one logger.
     """
     if not re.fullmatch(r"[A-Za-z0-9_.+-]+", name or ""):
         raise ValueError(f"module name {name!r} must be a plain file-name stem")
@@ -246,9 +271,8 @@ def compile_module(source: str, *, name: str, defines: dict[str, int | str] | No
     dflags = _define_flags(defines)
     h = hashlib.sha256()
     for part in (_FORMAT_VERSION, platform.machine(), _compiler_version(cxx), shlex.join(cxx),
-                 shlex.join(flags), shlex.join(dflags), name, source,
-                 _resource_text(_HEADER), _resource_text(_RUNTIME),
-                 _resource_text(_SWITCH) if fiber == "asm" else ""):
+                 shlex.join(flags), shlex.join(dflags), name, source, _resource_text(_HEADER),
+                 _resource_text(_RUNTIME_HEADER), *map(_resource_text, _runtime_sources(fiber))):
         h.update(part.encode() + b"\0")
     digest = h.hexdigest()
     with _MEMO_LOCK:
@@ -262,10 +286,10 @@ def compile_module(source: str, *, name: str, defines: dict[str, int | str] | No
                 return _MEMO[digest]
             stem = f"{name}-{digest[:20]}{'-asan' if asan else ''}"
             identity = {"name": name, "key": digest}
-            home = environment.cache_dir()
+            home = Path(cache_dir) if cache_dir is not None else environment.cache_dir()
             meta, where = _cached_meta(home, stem, identity), home
             if meta is None:
-                where = _writable_cache_dir(home)
+                where = _writable_cache_dir(home, cache_setting, logger)
                 meta = _cached_meta(where, stem, identity) if where != home else None
         if meta is not None:
             logger.debug("loaded %s for the CPU backend from the cache (hit: %s)", name, where / f"{stem}.so")
@@ -278,7 +302,7 @@ def compile_module(source: str, *, name: str, defines: dict[str, int | str] | No
                 if not _is_full(err) or where in _FALLBACK_DIRS.values():
                     raise
                 with _MEMO_LOCK:
-                    where = _fall_back(home, f"{os.strerror(errno.ENOSPC)}: {err}")
+                    where = _fall_back(home, f"{os.strerror(errno.ENOSPC)}: {err}", cache_setting, logger)
                 meta = _build(source, name, cxx, flags, dflags, fiber, asan, where / f"{stem}.so",
                               where / f"{stem}.json", identity)
             logger.debug("compiled %s for the CPU backend (%s) in %.2f s (cache miss: %s)", name, platform.machine(),

@@ -1,14 +1,16 @@
-"""Everything the CUDA-on-CPU backend reads from the environment, in one place.
+"""Everything the CUDA-on-CPU shim reads from the environment, in one place.
 
-  METRALE_ATTN_CACHE_DIR       cache root (else $XDG_CACHE_HOME/metrale-attn, else
-                               ~/.cache/metrale-attn); libraries go under cuda_on_cpu/
+  CUDA_ON_CPU_CACHE_DIR        where compiled libraries live when the caller names no
+                               directory (else $XDG_CACHE_HOME/cuda-on-cpu, else
+                               ~/.cache/cuda-on-cpu)
   CXX                          host compiler (default g++), may carry options
   METRALE_ATTN_CPU_ORDER       default thread-order policy for launch(order=None)
   METRALE_ATTN_CPU_FIBER       "asm" (default on x86-64) or "ucontext": the fiber switch
   METRALE_ATTN_CPU_STACK_KB    fiber stack size (default 256, ASan modules 1024)
 
 Each is read when it is needed (a build, a launch), never at import, so a test may set
-one with ``monkeypatch.setenv``.
+one with ``monkeypatch.setenv``. The three ``METRALE_ATTN_CPU_*`` names are those the shim
+had inside metrale-attn, where it began.
 """
 
 from __future__ import annotations
@@ -19,15 +21,20 @@ import re
 import shlex
 from pathlib import Path
 
-from ..cache import cache_root
-
 # Thread-order policies, as numbered by the runtime.
 POLICIES = {"default": 0, "reverse": 1, "shuffle": 2, "warp-ahead": 3}
 
 
+CACHE_DIR = "CUDA_ON_CPU_CACHE_DIR"
+
+
 def cache_dir() -> Path:
-    """Where compiled libraries live (created on demand)."""
-    return cache_root() / "cuda_on_cpu"
+    """Where compiled libraries live when the caller names no directory (created on demand)."""
+    configured = os.environ.get(CACHE_DIR)
+    if configured:
+        return Path(configured)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return Path(xdg, "cuda-on-cpu") if xdg else Path.home() / ".cache" / "cuda-on-cpu"
 
 
 def cxx() -> list[str]:
