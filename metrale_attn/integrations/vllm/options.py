@@ -17,8 +17,7 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-from ...attention import MAX_PAGE_SIZE
-from ...plan import HEAD_DIMS, MAX_Q_LEN
+from ...config import HEAD_DIMS, MAX_PAGE_SIZE, MAX_Q_LEN
 
 MODEL_DTYPES = {"torch.bfloat16": "bfloat16", "torch.float16": "float16"}
 """vLLM's activation dtypes we take, by ``str(torch dtype)``: our q and out."""
