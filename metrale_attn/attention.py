@@ -325,28 +325,38 @@ _OUT_NUMPY = {**dtypes.NUMPY_DTYPES, dtypes.FLOAT32: np.dtype(np.float32)}
 
 
 def _with_launchable_impl(config: LayerConfig, backend, chosen: bool) -> LayerConfig:
-    """``config``, or the same with ``impl="simt"`` where the ``mma`` kernels cannot serve it
-    on this backend and target: the device's tensor-core instructions disagree with the
-    emulation they were verified on (the known-answer self-test), or their shared memory
-    does not fit the target's. A fallback warns; it is refused when the layer asks for
-    something only ``mma`` serves, or (shared memory) when the caller chose ``mma``."""
+    """``launchable_config`` on this backend (its known-answer self-test runs here, once per
+    device), with a warning and a log line when it falls back."""
     if config.impl != "mma":
         return config
-    disagree = backend.verify_mma()
+    launchable, why = launchable_config(config, backend.verify_mma(), chosen)
+    if why:
+        _fall_back(why)
+    return launchable
+
+
+def launchable_config(config: LayerConfig, disagree, chosen: bool) -> tuple[LayerConfig, Optional[str]]:
+    """``(config, None)``, or the same with ``impl="simt"`` and why, where the ``mma`` kernels
+    cannot serve it: ``disagree`` (the instructions the device's known-answer self-test found
+    to differ from the emulation the kernels were verified on) is not empty, or their shared
+    memory does not fit the target's. Refused when the layer asks for something only ``mma``
+    serves, or (shared memory) when the caller chose ``mma`` (``chosen``). Pure: the caller
+    runs the self-test and reports the fallback (``precompile`` asks what each outcome of a
+    self-test it cannot run would compile)."""
+    if config.impl != "mma":
+        return config, None
     if disagree:  # never return bytes from instructions that differ from their emulation
         if config.mma_only:
             raise RuntimeError(f"this device's {', '.join(disagree)} disagree with the emulation the mma "
                                "kernels were verified on, and only they serve the features asked for")
-        _fall_back(f"this device's {', '.join(disagree)} disagree with the emulation the mma kernels were "
-                   "verified on")
-        return replace(config, impl="simt")
+        return replace(config, impl="simt"), (f"this device's {', '.join(disagree)} disagree with the emulation "
+                                              "the mma kernels were verified on")
     why = smem_refusal(config)
     if why:  # a kernel asking for more shared memory than the target has never launches
         if config.mma_only or chosen:
             raise ValueError(f"{why}: they cannot launch there (impl='simt' has no features and no e5m2)")
-        _fall_back(why)
-        return replace(config, impl="simt")
-    return config
+        return replace(config, impl="simt"), why
+    return config, None
 
 
 SLOW_COMPILE_S = 10.0

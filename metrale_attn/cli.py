@@ -1,18 +1,24 @@
-"""Command line: ``metrale-attn plan`` prints launch geometry, ``metrale-attn demo`` runs a batch."""
+"""Command line: ``metrale-attn plan`` prints launch geometry, ``metrale-attn precompile``
+compiles a model's kernels into the cache before serving, ``metrale-attn demo`` runs a batch."""
 
 from __future__ import annotations
 
 import argparse
 import os
 import sys
+import time
+from dataclasses import replace
+from pathlib import Path
 from typing import Optional, Sequence
 
-from dataclasses import replace
-
+from . import hf_config
+from .cache import cache_root
 from .config import ENV_IMPL, ModelShape, configure, impl_chosen
 from .kernels import smem_refusal
-from .plan import make_plan, workspace_for
+from .plan import LEGACY_MAX_DECODE_SEQS, make_plan, workspace_for
 from .policy import parse_gqa_pack
+from .precompile import (Layer, Options, PrecompileError, build, check_nvrtc, layers_of, needed_variants,
+                         target_for_arch)
 from .targets import TARGETS, get_target, resolve_defaults
 
 MODELS: dict[str, ModelShape] = {
@@ -99,6 +105,115 @@ def render_plan_table(args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
+def _float_above_zero(text: str) -> float:
+    """An argparse type: a finite float > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = None
+    if value is None or not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
+    return value
+
+
+def _names(text: str) -> list[str]:
+    """An argparse type: comma-separated names (``hopper,b200``)."""
+    names = [part.strip() for part in text.split(",") if part.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError(f"must be one or more comma-separated names, got {text!r}")
+    return names
+
+
+# -- precompile ----------------------------------------------------------------------------
+
+_SHAPE_FLAGS = (("q_heads", "--q-heads"), ("kv_heads", "--kv-heads"), ("head_dim", "--head-dim"))
+_FEATURE_FLAGS = (("window_left", "--window-left"), ("logits_soft_cap", "--logits-soft-cap"), ("sinks", "--sinks"))
+
+
+def _precompile_targets(args: argparse.Namespace) -> list:
+    """The targets of ``--target`` or ``--arch`` (exactly one of them)."""
+    if (args.target is None) == (args.arch is None):
+        raise ValueError("give the GPUs to compile for with --target (" + ", ".join(TARGETS) + ") or --arch "
+                         "(" + ", ".join(t.arch for t in TARGETS.values()) + "), one of the two")
+    if args.target is not None:
+        try:
+            return [get_target(name) for name in args.target]
+        except ValueError as err:
+            raise ValueError(f"--{err}") from None
+    return [target_for_arch(arch) for arch in args.arch]
+
+
+def _precompile_model(args: argparse.Namespace) -> tuple[list[Layer], list[str], Optional[str]]:
+    """The layer kinds, the lines describing the model, and the model's dtype (or None)."""
+    given = [flag for name, flag in _SHAPE_FLAGS + _FEATURE_FLAGS if getattr(args, name) not in (None, False)]
+    if args.hf_config is not None:
+        if given:
+            raise ValueError(f"--hf-config gives the shape and the features; drop {', '.join(given)} (or give the "
+                             "shape and features without --hf-config)")
+        model = hf_config.load(args.hf_config)
+        tp = args.tensor_parallel_size
+        layers = layers_of(model, tp)
+        lines = [f"model: {model.source} ({model.model_type or 'no model_type'}): {model.num_q_heads} q heads, "
+                 f"{model.num_kv_heads} KV heads, head_dim {model.head_dim}; one rank of {tp}: "
+                 f"{layers[0].num_q_heads} q heads, {layers[0].num_kv_heads} KV heads",
+                 "layer kinds: " + ", ".join(kind.describe() for kind in model.kinds)]
+        lines += [f"  from the config: {note}" for note in model.notes]
+        return layers, lines, model.dtype
+    if args.tensor_parallel_size != 1:
+        raise ValueError("--tensor-parallel-size splits --hf-config's heads; --q-heads and --kv-heads are already "
+                         "one rank's")
+    missing = [flag for name, flag in _SHAPE_FLAGS if getattr(args, name) is None]
+    if missing:
+        raise ValueError(f"give --hf-config or all of --q-heads, --kv-heads, --head-dim (missing {', '.join(missing)})")
+    window = -1 if args.window_left is None else args.window_left
+    layer = Layer("layer", args.q_heads, args.kv_heads, args.head_dim, window, args.logits_soft_cap, args.sinks)
+    features = [f"window_left {window}"] if window >= 0 else []
+    features += [f"logits_soft_cap {args.logits_soft_cap:g}"] if args.logits_soft_cap is not None else []
+    features += ["sinks"] if args.sinks else []
+    return [layer], [f"model: {args.q_heads} q heads, {args.kv_heads} KV heads, head_dim {args.head_dim} (one "
+                     f"rank's){'; ' + ', '.join(features) if features else ''}"], None
+
+
+def run_precompile(args: argparse.Namespace, out=print) -> int:
+    """``metrale-attn precompile``: plan every target (each refusal first), then compile."""
+    layers, lines, model_dtype = _precompile_model(args)
+    targets = _precompile_targets(args)
+    q_dtype = args.q_dtype or model_dtype or "bfloat16"
+    options = Options(q_dtype=q_dtype, kv_dtype=args.kv_dtype, max_batch=args.max_batch, max_q_len=args.max_q_len,
+                      out_dtype=args.out_dtype, page_size=args.page_size, splitk=args.splitk, gqa_pack=args.gqa_pack,
+                      impl=args.impl, heads_per_cta=args.heads_per_cta, max_decode_seqs=args.max_decode_seqs)
+    plans = [needed_variants(layers, target, options, sm_count=args.sm_count) for target in targets]
+    where = "--q-dtype" if args.q_dtype else ("the config's dtype" if model_dtype else "the default")
+    lines.append(f"dtypes: q {q_dtype} ({where}), KV {args.kv_dtype or q_dtype}"
+                 f"{'' if args.kv_dtype else ' (as q; --kv-dtype to change)'}; max_batch {args.max_batch}, "
+                 f"max_q_len {args.max_q_len}")
+    root = Path(args.cache_dir) if args.cache_dir else cache_root()
+    version = None if args.dry_run else check_nvrtc(t.arch for t in targets)
+    for line in lines:
+        out(line)
+    start, built = time.perf_counter(), []
+    for plan in plans:
+        target = plan.target
+        out(f"{target.arch}: {plan.defaults_line}")
+        for note in plan.notes:
+            out(f"  {note}")
+        if args.dry_run:
+            for needed in plan.needed:
+                out(f"  {needed.name}  [{needed.why}]")
+            continue
+        built += build(plan, root, on_built=lambda b: out(b.line()))
+    arches = ", ".join(t.arch for t in targets)
+    if args.dry_run:
+        out(f"would compile {sum(len(p.needed) for p in plans)} kernel(s) for {arches} (dry run: nothing compiled)")
+        return 0
+    misses = sum(not b.hit for b in built)
+    out(f"precompiled {len(built)} kernel(s) for {arches} with NVRTC {version} into {root / 'cubin'}: {misses} "
+        f"compiled, {len(built) - misses} already cached, {time.perf_counter() - start:.1f} s")
+    if args.cache_dir:
+        out(f"serve with METRALE_ATTN_CACHE_DIR={root} (the same CuPy and NVRTC) to find them")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="metrale-attn", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -121,6 +236,49 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--kv-dtype", default="bfloat16", help="the KV cache: bfloat16 (default), float16, fp8_e4m3 "
                       "or fp8_e5m2")
 
+    pre = sub.add_parser("precompile", help="compile every kernel a model needs for a GPU, without one, into the "
+                         "cache (or --cache-dir)", description="Compile every kernel variant DecodeAttention builds "
+                         "for a model's layers on a target, with NVRTC (no GPU needed), into the cubin cache a "
+                         "later construction finds. Safe to run from several processes at once.")
+    where = pre.add_argument_group("where")
+    where.add_argument("--target", type=_names, help="comma-separated: " + ", ".join(TARGETS))
+    where.add_argument("--arch", type=_names, help="comma-separated, instead of --target: "
+                       + ", ".join(t.arch for t in TARGETS.values()))
+    where.add_argument("--sm-count", type=_int_at_least(1), help="the GPU's SM count (default: the target's; "
+                       "the split-K policy reads it)")
+    where.add_argument("--cache-dir", help="the cache root to fill (what METRALE_ATTN_CACHE_DIR names at serving "
+                       "time; default: the package's cache)")
+    where.add_argument("--dry-run", action="store_true", help="list the kernels without compiling (needs no NVRTC)")
+    model = pre.add_argument_group("the model: --hf-config, or the shape and features of one layer kind")
+    model.add_argument("--hf-config", help="a Hugging Face config.json (heads, head dim, sliding windows, soft-cap, "
+                       "sinks, dtype)")
+    model.add_argument("--tensor-parallel-size", type=_int_at_least(1), default=1,
+                       help="ranks the config's heads are split over, as vLLM splits them (default 1)")
+    model.add_argument("--q-heads", type=_int_at_least(1), help="one rank's q heads")
+    model.add_argument("--kv-heads", type=_int_at_least(1), help="one rank's KV heads")
+    model.add_argument("--head-dim", type=_int_at_least(1))
+    model.add_argument("--window-left", type=_int_at_least(-1),
+                       help="sliding window: keys before the current one a token sees (-1: none, default)")
+    model.add_argument("--logits-soft-cap", type=_float_above_zero, help="the logits soft-cap (default none)")
+    model.add_argument("--sinks", action="store_true", help="attention sinks (run() takes sink logits)")
+    serve = pre.add_argument_group("how it is served (DecodeAttention's arguments)")
+    serve.add_argument("--q-dtype", help="q and out: bfloat16 or float16 (default: the config's dtype, else "
+                       "bfloat16)")
+    serve.add_argument("--kv-dtype", help="the KV cache: bfloat16, float16, fp8_e4m3 or fp8_e5m2 (default: q's)")
+    serve.add_argument("--out-dtype", help="float32 for fp32 outputs (default: q's)")
+    serve.add_argument("--page-size", type=_int_at_least(1), default=16, help="tokens per page (checked; no kernel "
+                       "depends on it)")
+    serve.add_argument("--max-batch", type=_int_at_least(1), default=256,
+                       help="the most sequences one call takes (vLLM: max_num_seqs; default 256)")
+    serve.add_argument("--max-q-len", type=_int_at_least(1), default=1,
+                       help="query tokens per sequence (1 + speculative tokens; default 1)")
+    serve.add_argument("--max-decode-seqs", type=_int_at_least(0), default=LEGACY_MAX_DECODE_SEQS,
+                       help="floor of legacy's reference batch (default %(default)s)")
+    serve.add_argument("--splitk", help="override: auto, legacy, off or a split count")
+    serve.add_argument("--gqa-pack", type=_on_off, help="override: on or off")
+    serve.add_argument("--impl", help="mma (default) or simt")
+    serve.add_argument("--heads-per-cta", type=int, help="override the rule: a divisor of the group size up to 16")
+
     demo = sub.add_parser("demo", help="run a mixed decode batch on the best backend and check it")
     demo.add_argument("--backend", choices=["cupy", "cpu"], help="default: cupy with a GPU, else cpu")
     demo.add_argument("--target", choices=sorted(TARGETS), help="default: detected, or hopper on the CPU")
@@ -134,10 +292,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.command == "plan":
             print(render_plan_table(args))
             return 0
+        if args.command == "precompile":
+            return run_precompile(args, out=lambda line: print(line, flush=True))
         from .demo import run_demo
 
         return run_demo(backend=args.backend, target=args.target, seed=args.seed)
-    except ValueError as err:
+    except (ValueError, TypeError, PrecompileError) as err:
         print(f"metrale-attn {args.command}: error: {err}", file=sys.stderr)
         return 2
 

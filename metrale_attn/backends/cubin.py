@@ -10,7 +10,9 @@ loaded, so the program handle CuPy created is valid there.
 
 A cached cubin is written with a sidecar ``<file>.json`` holding its size and
 SHA-256; ``read_cached`` accepts a file only when both match and its ELF tables lie
-inside it, so a truncated, empty or overwritten entry is rebuilt instead of loaded.
+inside it, so a truncated, empty or overwritten entry is rebuilt instead of loaded. A
+missing entry is built under its inter-process lock (``cache.build_lock``): ranks
+starting at once compile it once.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ import sys
 import tempfile
 import warnings
 from pathlib import Path
+
+from ..cache import build_lock
 
 logger = logging.getLogger(__name__)
 
@@ -256,20 +260,28 @@ def fallback_dir(unwritable: Path, err: OSError) -> Path:
     return _fallback_dir
 
 
-def cached_cubin(path: Path, build) -> Path:
+def cached_cubin(path: Path, build, what: str | None = None) -> Path:
     """The path of a whole cached cubin named ``path.name``: ``path`` itself when it
     holds one (validated); else ``build()``'s bytes written there, or, where that
-    directory cannot be written, into this process's private temporary directory."""
+    directory cannot be written, into this process's private temporary directory.
+
+    A miss builds under the entry's inter-process lock (``cache.build_lock``; ``what``
+    names it in the log), so processes missing the same entry at once build it once:
+    the others wait, then find it here. A hit takes no lock (a read-only cache a
+    container ships is read as it is)."""
     if read_cached(path) is not None:
         return path
     if _fallback_dir is not None and read_cached(_fallback_dir / path.name) is not None:
         return _fallback_dir / path.name
-    data = build()
-    check_cubin(data)
-    try:
-        write_cached(path, data)
-        return path
-    except OSError as err:
-        spare = fallback_dir(path.parent, err) / path.name
-        write_cached(spare, data)
-        return spare
+    with build_lock(path, what):
+        if read_cached(path) is not None:  # built by the process this one waited for
+            return path
+        data = build()
+        check_cubin(data)
+        try:
+            write_cached(path, data)
+            return path
+        except OSError as err:
+            spare = fallback_dir(path.parent, err) / path.name
+            write_cached(spare, data)
+            return spare

@@ -9,7 +9,8 @@ fast path relies on: a build neither CI nor the CPU backend ever runs.) Cubins a
 taken from NVRTC whole (``cubin.nvrtc_cubin``: CuPy's ``getCUBIN`` drops the last
 byte), cached on disk by a hash of source, options, architecture and NVRTC version
 with their size and SHA-256 beside them (a damaged entry is rebuilt, an unwritable
-cache directory gives way to a private temporary one), loaded with
+cache directory gives way to a private temporary one, a missing one is compiled once
+under its inter-process lock however many processes miss it at once), loaded with
 ``cupy.RawModule(path=...)`` and memoized per ``(device, variant)``.
 
 Launches go to the stream ``launch_stream`` picks: the one the caller names, else
@@ -27,6 +28,8 @@ import hashlib
 import logging
 import threading
 import time
+from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -87,17 +90,32 @@ def compile_cubin(variant: Variant, arch: str) -> bytes:
     return nvrtc_compile(variant, arch)[0]
 
 
-def cubin_path(variant: Variant, arch: str) -> str:
-    """The cached cubin of ``variant`` for ``arch``, compiled on a miss (no GPU needed).
-
-    An entry whose size, SHA-256 or ELF tables do not check out is rebuilt, never
-    loaded; where the cache directory cannot be written, the cubin goes to a private
-    temporary directory (one warning per process)."""
+def cubin_entry(variant: Variant, arch: str, root: Path | None = None) -> Path:
+    """Where the cubin of ``variant`` for ``arch`` is cached: ``<root>/cubin/<name>_<arch>_<key>.cubin``,
+    ``key`` a hash of the source, the options, the architecture and the NVRTC version (so
+    another NVRTC misses); ``root`` defaults to ``cache.cache_root()``. Needs NVRTC, not a GPU."""
     from cupy_backends.cuda.libs import nvrtc
 
     source, options = nvrtc_program(variant)
     key = hashlib.sha256(repr((source, options, arch, nvrtc.getVersion())).encode()).hexdigest()[:20]
-    path = cache_root() / "cubin" / f"{variant.name}_{arch}_{key}.cubin"
+    return (cache_root() if root is None else Path(root)) / "cubin" / f"{variant.name}_{arch}_{key}.cubin"
+
+
+class CubinLookup(NamedTuple):
+    """Where a cubin was found or put, and the seconds NVRTC took (None: a cache hit)."""
+
+    path: Path
+    compile_s: float | None
+
+
+def cubin_lookup(variant: Variant, arch: str, root: Path | None = None) -> CubinLookup:
+    """The cached cubin of ``variant`` for ``arch`` (``cubin_entry``), compiled on a miss
+    (no GPU needed) under the entry's inter-process lock.
+
+    An entry whose size, SHA-256 or ELF tables do not check out is rebuilt, never
+    loaded; where the cache directory cannot be written, the cubin goes to a private
+    temporary directory (one warning per process)."""
+    path = cubin_entry(variant, arch, root)
     built = []
 
     def build() -> bytes:
@@ -106,12 +124,17 @@ def cubin_path(variant: Variant, arch: str) -> str:
         built.append(time.perf_counter() - start)
         return data
 
-    found = cubin.cached_cubin(path, build)
+    found = cubin.cached_cubin(path, build, f"{variant.name} for {arch}")
     if built:
         logger.debug("compiled %s for %s with NVRTC in %.2f s (cache miss: %s)", variant.name, arch, built[0], found)
     else:
         logger.debug("loaded %s for %s from the cache (hit: %s)", variant.name, arch, found)
-    return str(found)
+    return CubinLookup(found, built[0] if built else None)
+
+
+def cubin_path(variant: Variant, arch: str) -> str:
+    """``cubin_lookup``'s path in the cache ``DecodeAttention`` uses (``cache.cache_root()``)."""
+    return str(cubin_lookup(variant, arch).path)
 
 
 class _StreamHandle:

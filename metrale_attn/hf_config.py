@@ -1,0 +1,304 @@
+"""What a Hugging Face ``config.json`` says about a model's attention layers (for ``precompile``).
+
+Pure: a parsed ``config.json`` in, an ``HFModel`` out (the whole model's heads, head dim,
+model dtype, and the kinds of attention layer it has, each with its count and features).
+Only keys whose meaning the real configs of Llama 3, Qwen 2/3, Mistral, Gemma 2/3 and
+gpt-oss pin down are read, with transformers' semantics; a key that changes attention in
+a way not mapped here is refused with its name, never ignored.
+
+=============================  ==============================================================
+key                            what it sets
+=============================  ==============================================================
+``text_config``                a multimodal model's language model: every key below is read
+                               from it (``torch_dtype``/``dtype`` and ``model_type`` from it,
+                               else from the top level)
+``num_attention_heads``        q heads (the whole model's; ``shard_heads`` splits them)
+``num_key_value_heads``        KV heads; absent or null: ``num_attention_heads``
+``head_dim``                   head dim; absent or null: ``hidden_size / num_attention_heads``
+``torch_dtype`` / ``dtype``    q dtype when ``bfloat16`` or ``float16`` (vLLM's ``--dtype auto``)
+``sliding_window``             ``window_left = sliding_window - 1`` on sliding layers (vLLM's
+                               convention: the window counts the current token); null: none
+``use_sliding_window``         false: no layer slides (Qwen 2/3), whatever ``sliding_window`` says
+``layer_types``                each layer's kind: ``full_attention`` or ``sliding_attention``
+``sliding_window_pattern``     layer ``i`` slides unless ``(i + 1) % pattern == 0`` (Gemma 3)
+``max_window_layers``          layers ``i >= max_window_layers`` slide (Qwen 2/3)
+``attn_logit_softcapping``     ``logits_soft_cap`` on every layer (Gemma 2); null or 0: none
+``model_type == "gpt_oss"``    ``sinks=True`` on every layer (learned per-head sinks)
+=============================  ==============================================================
+
+Where no ``layer_types`` is given, the layer kinds follow transformers' defaults in this
+order: ``sliding_window_pattern``, the model type's alternation (``ALTERNATING``: Gemma 2
+and gpt-oss slide on even layers), ``max_window_layers``, else every layer slides
+(Mistral 7B v0.1). A key a config omits takes its model type's transformers default where
+``MODEL_TYPE_DEFAULTS`` has one (Gemma 3's ``text_config`` omits ``head_dim`` 256, which is
+not ``hidden_size / num_attention_heads``). Refused: bidirectional attention, chunked local
+attention (``attention_chunk_size``, Llama 4), multi-head latent attention (``kv_lora_rank``,
+DeepSeek), and layer kinds other than the two above.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+FULL = "full_attention"
+SLIDING = "sliding_attention"
+LAYER_TYPES = (FULL, SLIDING)
+
+MODEL_DTYPES = {"bfloat16": "bfloat16", "float16": "float16"}
+"""``torch_dtype`` values that are our q dtype as they are (vLLM serves them as they are)."""
+
+MODEL_TYPE_DEFAULTS: dict[str, dict] = {
+    # transformers' Gemma2Config class defaults (configuration_gemma2.py).
+    "gemma2": {"num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "sliding_window": 4096,
+               "attn_logit_softcapping": 50.0},
+    # transformers' Gemma3TextConfig class defaults (configuration_gemma3.py): Gemma 3's
+    # text_config omits those equal to them (head_dim on every size; heads on the 4B).
+    "gemma3_text": {"num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "sliding_window": 4096,
+                    "sliding_window_pattern": 6},
+}
+"""A model type's defaults for the keys its ``config.json`` may omit (a saved config
+leaves out values equal to its class's defaults)."""
+MODEL_TYPE_DEFAULTS["gemma3"] = MODEL_TYPE_DEFAULTS["gemma3_text"]  # a text_config without its model_type
+
+ALTERNATING = {"gemma2": 2, "gpt_oss": 2}
+"""Model types whose layers alternate sliding and full attention when ``layer_types`` is
+absent: transformers' default ``"sliding_attention" if (i + 1) % 2 else "full_attention"``."""
+
+SINK_MODEL_TYPES = ("gpt_oss",)
+"""Model types with learned attention sinks (one logit per q head) on every layer."""
+
+REFUSED_KEYS = {
+    "use_bidirectional_attention": "bidirectional attention (an encoder) is not causal decode",
+    "attention_chunk_size": "chunked local attention (Llama 4) is not a sliding window; these kernels have none",
+    "kv_lora_rank": "multi-head latent attention (DeepSeek) is not served by these kernels",
+}
+"""Keys that, when set (not null, false or 0), change attention in a way the kernels do not serve."""
+
+
+class HFConfigError(ValueError):
+    """A ``config.json`` these rules cannot map, naming the key."""
+
+
+@dataclass(frozen=True)
+class LayerKind:
+    """One kind of attention layer: its name (``layer_types``' spelling), how many layers
+    of the model have it, and its features (``DecodeAttention``'s keyword arguments)."""
+
+    name: str
+    count: int
+    window_left: int = -1
+    logits_soft_cap: Optional[float] = None
+    sinks: bool = False
+
+    def describe(self) -> str:
+        """``21 sliding_attention (window_left 4095, logits_soft_cap 50)``."""
+        features = [f"window_left {self.window_left}"] if self.window_left >= 0 else []
+        features += [f"logits_soft_cap {self.logits_soft_cap:g}"] if self.logits_soft_cap is not None else []
+        features += ["sinks"] if self.sinks else []
+        return f"{self.count} {self.name}" + (f" ({', '.join(features)})" if features else "")
+
+
+@dataclass(frozen=True)
+class HFModel:
+    """A model's attention as its ``config.json`` says: the whole model's heads (before
+    tensor parallelism), the head dim, the model dtype (None: not one we serve as it is),
+    the layer kinds, and where each value came from (``notes``)."""
+
+    source: str
+    model_type: str
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: Optional[str]
+    kinds: tuple[LayerKind, ...]
+    notes: tuple[str, ...] = ()
+
+
+def load(path) -> HFModel:
+    """``from_dict`` of the JSON file at ``path`` (a ``config.json``)."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as err:
+        raise HFConfigError(f"--hf-config {path}: cannot read it ({err.strerror or err})") from None
+    try:
+        config = json.loads(text)
+    except ValueError as err:
+        raise HFConfigError(f"--hf-config {path}: not JSON ({err})") from None
+    return from_dict(config, source=str(path))
+
+
+def from_dict(config, source: str = "config.json") -> HFModel:
+    """The attention of the model ``config`` (a parsed ``config.json``) describes."""
+    if not isinstance(config, dict):
+        raise HFConfigError(f"{source}: a config.json holds a JSON object, got {type(config).__name__}")
+    text = config.get("text_config")
+    if text is not None and not isinstance(text, dict):
+        raise HFConfigError(f"{source}: text_config must be a JSON object, got {type(text).__name__}")
+    where = f"{source} text_config" if text else source
+    section = text or config
+    model_type = str(section.get("model_type") or config.get("model_type") or "")
+    notes: list[str] = []
+    defaults = MODEL_TYPE_DEFAULTS.get(model_type, {})
+
+    def value(key: str):
+        """The key's value, else the model type's default (noted), else None."""
+        if section.get(key) is not None:
+            return section[key]
+        if key in defaults:
+            notes.append(f"{key} {defaults[key]} ({model_type}'s default: the config omits it)")
+            return defaults[key]
+        return None
+
+    for key, why in REFUSED_KEYS.items():
+        if section.get(key):
+            raise HFConfigError(f"{where}: {key} = {section[key]!r}: {why}")
+    heads = _positive_int(where, "num_attention_heads", value("num_attention_heads"))
+    kv = value("num_key_value_heads")
+    kv_heads = heads if kv is None else _positive_int(where, "num_key_value_heads", kv)
+    head_dim = _head_dim(where, value("head_dim"), section.get("hidden_size"), heads, notes)
+    dtype = _dtype(section, config, notes)
+    kinds = _kinds(where, section, model_type, value, notes)
+    return HFModel(source, model_type, heads, kv_heads, head_dim, dtype, kinds, tuple(notes))
+
+
+def shard_heads(num_q_heads: int, num_kv_heads: int, tensor_parallel: int) -> tuple[int, int]:
+    """One rank's ``(q heads, KV heads)`` under tensor parallelism, as vLLM splits them: q
+    heads divide evenly; KV heads divide evenly when there are at least as many as ranks,
+    else each is replicated over ``tensor_parallel / num_kv_heads`` ranks (one per rank)."""
+    if num_q_heads % tensor_parallel:
+        raise HFConfigError(f"--tensor-parallel-size {tensor_parallel} must divide num_attention_heads "
+                            f"{num_q_heads}")
+    if num_kv_heads >= tensor_parallel:
+        if num_kv_heads % tensor_parallel:
+            raise HFConfigError(f"--tensor-parallel-size {tensor_parallel} must divide num_key_value_heads "
+                                f"{num_kv_heads} (or be a multiple of it)")
+        return num_q_heads // tensor_parallel, num_kv_heads // tensor_parallel
+    if tensor_parallel % num_kv_heads:
+        raise HFConfigError(f"--tensor-parallel-size {tensor_parallel} must be a multiple of num_key_value_heads "
+                            f"{num_kv_heads} (or divide it)")
+    return num_q_heads // tensor_parallel, 1
+
+
+# -- the pieces --------------------------------------------------------------------------
+
+
+def _positive_int(where: str, key: str, raw) -> int:
+    if raw is None:
+        raise HFConfigError(f"{where}: {key} is missing (give the shape with --q-heads, --kv-heads, --head-dim "
+                            "instead)")
+    if isinstance(raw, bool) or not isinstance(raw, int) or raw <= 0:
+        raise HFConfigError(f"{where}: {key} must be a positive integer, got {raw!r}")
+    return raw
+
+
+def _head_dim(where: str, raw, hidden_size, heads: int, notes: list) -> int:
+    if raw is not None:
+        return _positive_int(where, "head_dim", raw)
+    if hidden_size is None:
+        raise HFConfigError(f"{where}: head_dim is missing, and so is hidden_size to derive it from")
+    hidden = _positive_int(where, "hidden_size", hidden_size)
+    if hidden % heads:
+        raise HFConfigError(f"{where}: head_dim is missing and hidden_size {hidden} is not a multiple of "
+                            f"num_attention_heads {heads}")
+    notes.append(f"head_dim {hidden // heads} (hidden_size {hidden} / num_attention_heads {heads})")
+    return hidden // heads
+
+
+def _dtype(section: dict, config: dict, notes: list) -> Optional[str]:
+    for where in (section, config):
+        for key in ("torch_dtype", "dtype"):  # transformers >= 4.56 writes "dtype"
+            raw = where.get(key)
+            if raw is not None:
+                dtype = MODEL_DTYPES.get(str(raw))
+                if dtype is None:
+                    notes.append(f"{key} {raw} is not a dtype served as it is (bfloat16, float16)")
+                return dtype
+    return None
+
+
+def _kinds(where: str, section: dict, model_type: str, value, notes: list) -> tuple[LayerKind, ...]:
+    """The model's layer kinds with their counts and features."""
+    window = _window(where, section, value, notes)
+    layers = section.get("num_hidden_layers")
+    types = section.get("layer_types")
+    if types is not None:
+        if not isinstance(types, list) or not all(isinstance(t, str) for t in types) or not types:
+            raise HFConfigError(f"{where}: layer_types must be a non-empty list of strings")
+        unknown = sorted(set(types) - set(LAYER_TYPES))
+        if unknown:
+            raise HFConfigError(f"{where}: layer_types has {', '.join(map(repr, unknown))}; only "
+                                f"{' and '.join(LAYER_TYPES)} are mapped (give the shape and features explicitly)")
+        if SLIDING in types and window is None:
+            raise HFConfigError(f"{where}: layer_types has {SLIDING} layers but no sliding_window applies "
+                                "(null, or use_sliding_window false)")
+        counts = Counter(types)
+    elif window is None:
+        counts = Counter({FULL: layers if isinstance(layers, int) and layers > 0 else 1})
+    else:
+        counts = Counter(_sliding_pattern(where, section, model_type, value, layers, notes))
+    cap = _soft_cap(where, value("attn_logit_softcapping"))
+    sinks = model_type in SINK_MODEL_TYPES
+    if sinks:
+        notes.append(f"sinks on every layer (model_type {model_type}: learned per-head sinks)")
+    return tuple(LayerKind(name, counts[name], window - 1 if name == SLIDING else -1, cap, sinks)
+                 for name in (SLIDING, FULL) if counts[name])
+
+
+def _window(where: str, section: dict, value, notes: list) -> Optional[int]:
+    """``sliding_window`` (tokens, the current one included), or None when no layer slides."""
+    if section.get("use_sliding_window") is False:
+        if section.get("sliding_window") is not None:
+            notes.append(f"sliding_window {section['sliding_window']} unused (use_sliding_window false)")
+        return None
+    raw = value("sliding_window")
+    if raw is None:
+        return None
+    if isinstance(raw, bool) or not isinstance(raw, int) or raw < 1:
+        raise HFConfigError(f"{where}: sliding_window must be a positive integer (tokens, the current one "
+                            f"included) or null, got {raw!r}")
+    return raw
+
+
+def _sliding_pattern(where: str, section: dict, model_type: str, value, layers, notes: list) -> list[str]:
+    """Each layer's kind where ``layer_types`` is absent, as transformers derives it."""
+    pattern = value("sliding_window_pattern")
+    rule = None
+    if pattern is not None:
+        rule = f"sliding_window_pattern {pattern}"
+    elif model_type in ALTERNATING:
+        pattern, rule = ALTERNATING[model_type], f"model_type {model_type} alternates"
+    if pattern is not None:
+        if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
+            raise HFConfigError(f"{where}: sliding_window_pattern must be a positive integer, got {pattern!r}")
+        count = _layer_count(where, layers, rule)
+        notes.append(f"layer kinds from {rule}: layer i slides unless (i + 1) % {pattern} == 0")
+        return [SLIDING if (i + 1) % pattern else FULL for i in range(count)]
+    first = section.get("max_window_layers")
+    if first is not None:
+        if isinstance(first, bool) or not isinstance(first, int) or first < 0:
+            raise HFConfigError(f"{where}: max_window_layers must be a non-negative integer, got {first!r}")
+        count = _layer_count(where, layers, "max_window_layers")
+        notes.append(f"layer kinds from max_window_layers {first}: layers {first} and up slide")
+        return [SLIDING if i >= first else FULL for i in range(count)]
+    count = layers if isinstance(layers, int) and layers > 0 else 1
+    return [SLIDING] * count
+
+
+def _layer_count(where: str, layers, rule: str) -> int:
+    if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
+        raise HFConfigError(f"{where}: num_hidden_layers must be a positive integer to apply {rule}, got {layers!r}")
+    return layers
+
+
+def _soft_cap(where: str, raw) -> Optional[float]:
+    if raw is None or raw == 0:
+        return None
+    if isinstance(raw, bool) or not isinstance(raw, (int, float)) or not (raw > 0 and math.isfinite(raw)):
+        raise HFConfigError(f"{where}: attn_logit_softcapping must be a positive number (or null), got {raw!r}")
+    return float(raw)

@@ -1,0 +1,371 @@
+"""``metrale-attn precompile``: the kernels a model needs, compiled without a GPU into the cache a
+construction on a GPU then finds; a Hugging Face config mapped onto layer kinds; bad input refused
+with its name.
+
+The variant set is checked against what ``DecodeAttention`` itself loads (a backend that records
+its loads and pretends to be a GPU, so nothing compiles), both outcomes of the self-test included.
+Only two tests compile with NVRTC (three small kernels, then one), so the default run stays fast.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import re
+import shlex
+import sys
+import types
+import warnings
+
+import pytest
+
+from metrale_attn import DecodeAttention, hf_config
+from metrale_attn.backends import DeviceInfo
+from metrale_attn.backends.cpu_backend import CpuBackend
+from metrale_attn.cli import main
+from metrale_attn.kernels import SelfTest
+from metrale_attn.precompile import Layer, Options, PrecompileError, check_nvrtc, needed_variants
+from metrale_attn.targets import TARGETS
+
+CONFIGS = pathlib.Path(__file__).parent / "hf_configs"
+README = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+
+
+# -- the variant set is DecodeAttention's -------------------------------------------------
+
+
+class RecordingGpu(CpuBackend):
+    """A backend that says it is a GPU of ``capability`` and records what a construction
+    loads (the self-test, then the variants) without compiling anything; ``disagree`` is
+    what its self-test reports."""
+
+    def __init__(self, capability, sm_count, disagree=()):
+        super().__init__()
+        self.capability, self.sm_count, self.disagree, self.loaded = capability, sm_count, list(disagree), []
+
+    def device(self):
+        return DeviceInfo(0, self.capability, self.sm_count, "recording")
+
+    def verify_mma(self):
+        self.loaded.append(SelfTest().name)
+        return self.disagree
+
+    def load_many(self, variants):
+        variants = list(variants)
+        self.loaded += [v.name for v in variants]
+        return [object() for _ in variants]
+
+
+def constructed(layer: Layer, options: Options, capability, sm_count, disagree=()) -> set:
+    """What a ``DecodeAttention`` of ``layer`` loads on a GPU of ``capability`` whose self-test
+    reports ``disagree``; empty when the construction refuses."""
+    backend = RecordingGpu(capability, sm_count, disagree)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the fallbacks' warnings
+        try:
+            DecodeAttention(layer.num_q_heads, layer.num_kv_heads, layer.head_dim, options.page_size,
+                            q_dtype=options.q_dtype, kv_dtype=options.kv_dtype or options.q_dtype,
+                            max_batch=options.max_batch, backend=backend, splitk=options.splitk,
+                            gqa_pack=options.gqa_pack, impl=options.impl, heads_per_cta=options.heads_per_cta,
+                            max_q_len=options.max_q_len, out_dtype=options.out_dtype,
+                            window_left=layer.window_left, logits_soft_cap=layer.logits_soft_cap, sinks=layer.sinks)
+        except RuntimeError:  # a failed self-test and an mma-only feature: refused, nothing more loads
+            return set()
+    return set(backend.loaded)
+
+
+CASES = {
+    "plain, small": (Layer("layer", 4, 4, 64), Options(), "hopper"),
+    "llama 3 8b, fp8 cache, speculative": (Layer("layer", 32, 8, 128), Options(kv_dtype="fp8_e4m3", max_q_len=3),
+                                           "b200"),
+    "gemma 2 sliding, soft-cap (mma only)": (Layer("sliding", 8, 4, 256, 4095, 50.0), Options(), "hopper"),
+    "gpt-oss full, sinks": (Layer("full", 32, 4, 64, sinks=True), Options(), "b300"),
+    "legacy split-K, batch moves the arm": (Layer("layer", 32, 8, 128), Options(splitk="legacy", max_batch=64),
+                                            "hopper"),
+    "gqa pack armed": (Layer("layer", 24, 4, 256), Options(splitk="off", gqa_pack=True), "hopper"),
+    "pinned heads per cta": (Layer("layer", 32, 4, 128), Options(heads_per_cta=4), "hopper"),
+    "gb10 shared memory: simt": (Layer("layer", 4, 4, 64), Options(), "gb10"),
+    "simt chosen": (Layer("layer", 32, 8, 128), Options(impl="simt"), "hopper"),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_precompile_needs_exactly_what_a_construction_loads_whichever_way_its_self_test_goes(case):
+    layer, options, name = CASES[case]
+    target = TARGETS[name]
+    plan = needed_variants([layer], target, options, environ={})
+    agree = constructed(layer, options, target.compute_capability, target.sm_count)
+    disagree = constructed(layer, options, target.compute_capability, target.sm_count, ["mma.m16n8k16 bf16"])
+    assert agree  # a construction that agrees always builds
+    assert {n.name for n in plan.needed} == agree | disagree
+
+
+def test_the_simt_fallback_is_compiled_only_where_a_failed_self_test_falls_back_rather_than_refuses():
+    plain = needed_variants([Layer("layer", 4, 4, 64)], TARGETS["hopper"], environ={})
+    assert [n.why for n in plain.needed if n.name.startswith("paged_decode_")] == [
+        "simt fallback of layer, if the device fails the self-test"]
+    featured = needed_variants([Layer("layer", 4, 4, 64, window_left=127)], TARGETS["hopper"], environ={})
+    assert not [n for n in featured.needed if n.name.startswith("paged_decode_")]
+    assert featured.needed[0].name == "pd_selftest" and not featured.notes
+
+
+def test_the_environment_a_construction_reads_is_read_the_same_way():
+    layer = Layer("layer", 32, 8, 128)
+    by_env = needed_variants([layer], TARGETS["hopper"], environ={"METRALE_ATTN_DECODE_IMPL": "simt"})
+    assert {n.name for n in by_env.needed} == {"paged_decode_splitk_qbf16_kvbf16_hd128"}
+    legacy = needed_variants([layer], TARGETS["hopper"], environ={"METRALE_ATTN_DECODE_SPLITK": "legacy"})
+    assert legacy.defaults_line.endswith("(attn_decode_splitk from environment)")
+    assert "attn_decode_splitk=legacy" in legacy.defaults_line
+
+
+def test_layer_kinds_that_share_a_variant_compile_it_once_and_say_who_needs_it():
+    layers = [Layer("a", 32, 8, 128), Layer("b", 32, 8, 128)]
+    plan = needed_variants(layers, TARGETS["hopper"], environ={})
+    names = [n.name for n in plan.needed]
+    assert len(names) == len(set(names)) == 3
+    assert plan.needed[1].why == "a, b"
+
+
+# -- Hugging Face configs ---------------------------------------------------------------
+
+
+def kinds(name: str) -> list[tuple]:
+    model = hf_config.load(CONFIGS / name)
+    return [(k.name, k.count, k.window_left, k.logits_soft_cap, k.sinks) for k in model.kinds]
+
+
+def test_llama_3_8b_is_32_full_attention_layers_of_32_q_and_8_kv_heads_at_head_dim_128():
+    model = hf_config.load(CONFIGS / "llama-3-8b.json")
+    assert (model.model_type, model.num_q_heads, model.num_kv_heads, model.head_dim, model.dtype) == (
+        "llama", 32, 8, 128, "bfloat16")
+    assert kinds("llama-3-8b.json") == [("full_attention", 32, -1, None, False)]
+    assert "head_dim 128 (hidden_size 4096 / num_attention_heads 32)" in model.notes
+
+
+def test_qwen_configs_slide_nowhere_when_use_sliding_window_is_false_whatever_sliding_window_says():
+    assert kinds("qwen3-8b.json") == [("full_attention", 36, -1, None, False)]
+    assert hf_config.load(CONFIGS / "qwen3-8b.json").head_dim == 128  # its own head_dim key
+    assert kinds("qwen2-7b-instruct.json") == [("full_attention", 28, -1, None, False)]
+    assert "sliding_window 131072 unused (use_sliding_window false)" in hf_config.load(
+        CONFIGS / "qwen2-7b-instruct.json").notes
+
+
+def test_a_qwen_config_with_use_sliding_window_slides_from_max_window_layers_on():
+    config = json.loads((CONFIGS / "qwen2-7b-instruct.json").read_text())
+    config.update(use_sliding_window=True, sliding_window=4096, max_window_layers=20)
+    model = hf_config.from_dict(config)
+    assert [(k.name, k.count, k.window_left) for k in model.kinds] == [("sliding_attention", 8, 4095),
+                                                                      ("full_attention", 20, -1)]
+
+
+def test_mistral_v0_1_slides_on_every_layer_with_window_left_one_less_than_its_sliding_window():
+    assert kinds("mistral-7b-v0.1.json") == [("sliding_attention", 32, 4095, None, False)]
+
+
+def test_gemma_2_has_sliding_and_full_layers_both_soft_capped_and_no_served_dtype_of_its_own():
+    assert kinds("gemma-2-9b.json") == [("sliding_attention", 21, 4095, 50.0, False),
+                                        ("full_attention", 21, -1, 50.0, False)]
+    model = hf_config.load(CONFIGS / "gemma-2-9b.json")
+    assert (model.num_q_heads, model.num_kv_heads, model.head_dim, model.dtype) == (16, 8, 256, None)
+    assert "torch_dtype float32 is not a dtype served as it is (bfloat16, float16)" in model.notes
+
+
+def test_gpt_oss_has_sinks_on_its_sliding_and_its_full_layers():
+    assert kinds("gpt-oss-20b.json") == [("sliding_attention", 12, 127, None, True),
+                                         ("full_attention", 12, -1, None, True)]
+    model = hf_config.load(CONFIGS / "gpt-oss-20b.json")
+    assert (model.num_q_heads, model.num_kv_heads, model.head_dim) == (64, 8, 64)
+
+
+def test_gemma_3_reads_its_text_config_and_the_defaults_transformers_gives_the_keys_it_omits():
+    model = hf_config.load(CONFIGS / "gemma-3-12b-it.json")
+    assert (model.model_type, model.num_q_heads, model.num_kv_heads, model.head_dim, model.dtype) == (
+        "gemma3_text", 16, 8, 256, "bfloat16")  # head_dim 256, not hidden_size / heads = 240
+    assert kinds("gemma-3-12b-it.json") == [("sliding_attention", 40, 1023, None, False),
+                                            ("full_attention", 8, -1, None, False)]
+    assert "head_dim 256 (gemma3_text's default: the config omits it)" in model.notes
+
+
+def test_tensor_parallelism_splits_heads_as_vllm_does():
+    assert hf_config.shard_heads(64, 8, 8) == (8, 1)
+    assert hf_config.shard_heads(64, 8, 16) == (4, 1)  # KV heads replicated
+    with pytest.raises(ValueError, match="--tensor-parallel-size 3 must divide num_attention_heads 32"):
+        hf_config.shard_heads(32, 8, 3)
+    with pytest.raises(ValueError, match="--tensor-parallel-size 4 must divide num_key_value_heads 6"):
+        hf_config.shard_heads(24, 6, 4)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"num_attention_heads": None}, "num_attention_heads is missing"),
+    ({"num_attention_heads": "32"}, "num_attention_heads must be a positive integer, got '32'"),
+    ({"hidden_size": 4001}, "head_dim is missing and hidden_size 4001 is not a multiple of num_attention_heads 32"),
+    ({"layer_types": ["full_attention", "chunked_attention"]}, "layer_types has 'chunked_attention'; only"),
+    ({"layer_types": ["sliding_attention"]}, "layer_types has sliding_attention layers but no sliding_window"),
+    ({"attention_chunk_size": 8192}, "attention_chunk_size = 8192: chunked local attention"),
+    ({"sliding_window": 0}, "sliding_window must be a positive integer"),
+    ({"attn_logit_softcapping": -1}, "attn_logit_softcapping must be a positive number"),
+    ({"text_config": [1]}, "text_config must be a JSON object"),
+])
+def test_a_config_these_rules_cannot_map_is_refused_naming_the_key(change, message):
+    config = json.loads((CONFIGS / "llama-3-8b.json").read_text())
+    config.update(change)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        hf_config.from_dict(config)
+
+
+# -- the command line -------------------------------------------------------------------
+
+
+def precompile_cli(capsys, *argv) -> tuple[int, str, str]:
+    code = main(["precompile", *argv])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_the_command_prints_the_layer_kinds_it_found_and_each_kernel_it_would_compile(capsys):
+    code, out, _ = precompile_cli(capsys, "--target", "hopper", "--hf-config", str(CONFIGS / "gemma-2-9b.json"),
+                                  "--tensor-parallel-size", "2", "--dry-run")
+    assert code == 0
+    assert "16 q heads, 8 KV heads, head_dim 256; one rank of 2: 8 q heads, 4 KV heads" in out
+    assert ("layer kinds: 21 sliding_attention (window_left 4095, logits_soft_cap 50), 21 full_attention "
+            "(logits_soft_cap 50)") in out
+    assert "dtypes: q bfloat16 (the default), KV bfloat16" in out
+    assert "  decode_splitk_qbf16_kvbf16_hd256_r8_window_soft_cap  [sliding_attention]" in out
+    assert "  decode_splitk_qbf16_kvbf16_hd256_r8_soft_cap  [full_attention]" in out
+    assert out.rstrip().endswith("would compile 3 kernel(s) for sm_90 (dry run: nothing compiled)")
+
+
+HF_LLAMA = ("--hf-config", str(CONFIGS / "llama-3-8b.json"))
+SMALL = ("--q-heads", "4", "--kv-heads", "4", "--head-dim", "64")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (("--target", "a100", *SMALL), "--target must be one of hopper, b200, b300, gb10; got 'a100'"),
+    (SMALL, "give the GPUs to compile for with --target"),
+    (("--target", "hopper", "--arch", "sm_90", *SMALL), "give the GPUs to compile for with --target"),
+    (("--arch", "sm_89", *SMALL), "--arch must name a target's architecture"),
+    (("--target", "hopper", *HF_LLAMA, "--q-heads", "4"), "--hf-config gives the shape and the features; drop "
+                                                          "--q-heads"),
+    (("--target", "hopper", *HF_LLAMA, "--sinks"), "drop --sinks"),
+    (("--target", "hopper", "--q-heads", "4"), "missing --kv-heads, --head-dim"),
+    (("--target", "hopper", *SMALL, "--tensor-parallel-size", "2"), "--tensor-parallel-size splits --hf-config"),
+    (("--target", "hopper", *HF_LLAMA, "--tensor-parallel-size", "3"), "--tensor-parallel-size 3 must divide"),
+    (("--target", "hopper", "--hf-config", "/nonexistent/config.json"), "--hf-config /nonexistent/config.json: "
+                                                                        "cannot read it"),
+    (("--target", "hopper", "--q-heads", "4", "--kv-heads", "4", "--head-dim", "80"),
+     "head_dim must be one of (64, 128, 256), got 80"),
+    (("--target", "hopper", "--q-heads", "6", "--kv-heads", "4", "--head-dim", "64"),
+     "num_q_heads (6) must be a multiple of num_kv_heads (4)"),
+    (("--target", "hopper", *SMALL, "--kv-dtype", "int8"), "kv_dtype must be one of"),
+    (("--target", "hopper", *SMALL, "--max-q-len", "9"), "max_q_len must be an int in 1..8"),
+    (("--target", "hopper", *SMALL, "--page-size", "300"), "page_size must be an int in 1..256"),
+    (("--target", "hopper", *SMALL, "--splitk", "sometimes"), "splitk must be 'auto', 'legacy'"),
+    (("--target", "hopper", "--q-heads", "32", "--kv-heads", "8", "--head-dim", "128", "--heads-per-cta", "3"),
+     "heads_per_cta must divide the group size 4"),
+    (("--target", "gb10", *SMALL, "--impl", "mma"), "gb10 (sm_121) allows 101376: they cannot launch there"),
+])
+def test_bad_input_is_refused_with_the_argument_it_came_from(capsys, argv, message):
+    code, out, err = precompile_cli(capsys, *argv, "--dry-run")
+    assert code == 2 and not out
+    assert err.startswith("metrale-attn precompile: error: ") and message in err, err
+
+
+@pytest.mark.parametrize("flag, value", [("--window-left", "-2"), ("--logits-soft-cap", "0"), ("--q-heads", "0"),
+                                         ("--max-batch", "x"), ("--tensor-parallel-size", "0")])
+def test_a_malformed_number_is_refused_by_the_parser_naming_the_flag(capsys, flag, value):
+    with pytest.raises(SystemExit) as exit_:
+        main(["precompile", "--target", "hopper", *SMALL, flag, value])
+    assert exit_.value.code == 2 and f"argument {flag}" in capsys.readouterr().err
+
+
+def test_without_cupys_nvrtc_the_command_names_the_install_line(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "cupy_backends.cuda.libs.nvrtc", None)  # import fails, as without CuPy
+    code, out, err = precompile_cli(capsys, "--target", "hopper", *SMALL)
+    assert code == 2 and not out
+    assert "precompile compiles with NVRTC through CuPy, which is not installed" in err
+    assert "pip install 'metrale-attn[cuda12]' (or [cuda13])" in err
+    with pytest.raises(PrecompileError, match="pip install 'metrale-attn"):
+        check_nvrtc(["sm_90"])
+
+
+def test_an_nvrtc_too_old_for_the_architecture_is_refused_before_compiling(capsys, monkeypatch):
+    nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
+    monkeypatch.setattr(nvrtc, "getSupportedArchs", lambda: (80, 90))
+    code, _, err = precompile_cli(capsys, "--target", "hopper,b200", *SMALL)
+    assert code == 2 and "cannot compile for sm_100: pip install 'nvidia-cuda-nvrtc-cu12>=12.9'" in err
+
+
+def test_every_precompile_command_of_the_readme_parses():
+    from metrale_attn.cli import build_parser
+
+    commands = re.findall(r"^metrale-attn (precompile [^\n]*)$", README, re.M)
+    assert len(commands) >= 2
+    for command in commands:
+        args = build_parser().parse_args(shlex.split(command))
+        assert args.command == "precompile" and (args.target or args.arch)
+
+
+# -- compiling: into the cache a construction reads -------------------------------------
+
+
+def test_a_precompiled_cache_is_all_hits_the_second_time_and_a_gpu_construction_loads_it_without_compiling(
+        tmp_path, monkeypatch, capsys):
+    pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="NVRTC (cupy) is not installed")
+    from metrale_attn import precompile
+    from metrale_attn.backends import cupy_backend
+
+    code, out, _ = precompile_cli(capsys, "--target", "hopper", *SMALL, "--cache-dir", str(tmp_path))
+    assert code == 0
+    lines = out.splitlines()
+    assert [line.split()[0] for line in lines if line.startswith("  ")] == ["miss"] * 3
+    assert f"into {tmp_path / 'cubin'}: 3 compiled, 0 already cached" in lines[-2]
+    assert lines[-1] == f"serve with METRALE_ATTN_CACHE_DIR={tmp_path} (the same CuPy and NVRTC) to find them"
+
+    def no_compile(variant, arch):
+        raise AssertionError(f"compiled {variant.name} for {arch}: the cache should have had it")
+
+    monkeypatch.setattr(cupy_backend, "compile_cubin", no_compile)
+    layer = Layer("layer", 4, 4, 64)
+    again = precompile.precompile([layer], [TARGETS["hopper"]], cache_dir=tmp_path)
+    assert [b.hit for b in again] == [True] * 3
+
+    # What a construction on an H200 does (CupyBackend.load: its own cache key, the package's
+    # cache directory), minus the driver: every kernel found, none compiled, no lock taken.
+    for lock in tmp_path.glob("cubin/*.lock"):
+        lock.unlink()
+    monkeypatch.setenv("METRALE_ATTN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cupy_backend, "_MODULES", {})
+    loaded = []
+
+    class RawModule:
+        def __init__(self, path):
+            loaded.append(pathlib.Path(path))
+
+        def get_function(self, name):
+            return types.SimpleNamespace(max_dynamic_shared_size_bytes=0)
+
+    backend = cupy_backend.CupyBackend()
+    backend._cupy = types.SimpleNamespace(RawModule=RawModule)
+    backend.device = lambda: DeviceInfo(0, (9, 0), 132, "NVIDIA H200 (pretend)")
+    needed = needed_variants([layer], TARGETS["hopper"], environ={}).needed
+    backend.load_many(n.variant for n in needed)
+    assert sorted(loaded) == sorted(b.path for b in again)
+    assert not list(tmp_path.glob("cubin/*.lock"))  # a hit takes no lock: a read-only cache serves as it is
+
+
+def test_a_cache_directory_that_cannot_take_a_missing_kernel_is_an_error_not_a_silent_temporary_one(
+        tmp_path, monkeypatch, capsys):
+    pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="NVRTC (cupy) is not installed")
+    from conftest import nvrtc_build
+    from metrale_attn.backends import cubin, cupy_backend
+
+    monkeypatch.setattr(cubin, "_fallback_dir", None)
+    monkeypatch.setattr(cupy_backend, "compile_cubin", lambda v, a: nvrtc_build(v, a)[0])
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    with pytest.warns(RuntimeWarning, match="not writable"):
+        code, out, err = precompile_cli(capsys, "--target", "hopper", *SMALL, "--impl", "simt",
+                                        "--cache-dir", str(blocker / "cache"))
+    assert code == 2 and "  miss" not in out
+    assert f"error: cannot write the cache directory {blocker / 'cache' / 'cubin'}" in err
+    assert "give a writable --cache-dir" in err
