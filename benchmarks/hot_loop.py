@@ -51,7 +51,7 @@ class HotLoop:
 def hot_loop(variant: Variant) -> HotLoop:
     """``mma``: each warp consumes one stage of ``tile_tokens`` tokens per iteration from
     its ring of ``stages`` (a CTA's stage: 4 warps' worth). ``simt`` (``pd_attend`` in
-    pd_common.cuh): a thread owns ``VEC`` elements of the head dim, ``D / VEC`` threads a
+    simt/simt_core.cuh): a thread owns ``VEC`` elements of the head dim, ``D / VEC`` threads a
     row, so a warp covers ``R = 32 / (D / VEC)`` rows per load and an iteration takes
     ``R * UNROLL`` tokens; ``VEC`` and ``UNROLL`` are the arm file's ``constexpr``s."""
     itemsize = dtypes.NUMPY_DTYPES[variant.kv_dtype].itemsize

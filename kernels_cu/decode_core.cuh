@@ -1,5 +1,6 @@
 // decode_core.cuh: the tensor-core decode core of the "mma" implementation, shared by
-// its three arms (decode_unpacked.cu, decode_splitk.cu, decode_gqa_packed.cu).
+// its three arms through their one kernel, decode_entry.cuh (decode_unpacked.cu,
+// decode_splitk.cu, decode_gqa_packed.cu).
 //
 // What one CTA computes
 //   PD_THREADS threads (W = 4 warps) attend `rows` = heads_per_cta x q_len query rows of

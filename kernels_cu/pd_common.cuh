@@ -1,18 +1,21 @@
-// pd_common.cuh: shared pieces of the paged-decode attention kernels.
+// pd_common.cuh: what both attention implementations share: the "mma" tensor-core kernels
+// (decode_core.cuh, decode_entry.cuh) and the "simt" reference kernels (simt/), and the
+// split-K pieces of pd_splitk.cuh that serve both.
 //
 // What lives here
-//   * the required compile-time defines (checked with #error); the dtype codes and the
-//     exact bf16 / fp16 / fp8 <-> fp32 conversions are pd_convert.cuh's,
-//   * 16-byte (or 8-byte) vector loads of one thread's slice of a K/V/q row,
-//   * the online-softmax core `pd_attend<NH, VEC, UNROLL>` shared by the three arms
-//     (NH = query heads per CTA: 1 for unpacked and split-K, PD_GQA for the packed
-//     kernel), the warp/CTA combine of its partial states, and the output stores.
+//   * the required compile-time defines (checked with #error), the block sizes and the
+//     storage types of q/out and K/V; the dtype codes and the exact bf16 / fp16 / fp8 <->
+//     fp32 conversions are pd_convert.cuh's,
+//   * q's conversions to and from fp32, 16-byte (or 8-byte) vector loads,
+//   * what turns a finished state into outputs: its natural-log lse, its normalized
+//     output, and the 16-byte stores of an output span staged in shared memory.
+// Each implementation's own core lives with it: decode_core.cuh (mma), simt/simt_core.cuh.
 //
-// Units: every logit inside the kernels is in log2 units, x_t = qk_scale_log2 * (q . k_t)
-// with qk_scale_log2 = sm_scale * k_scale * log2(e) folded by the host, so the softmax
-// uses exp2f. A state (m, l, acc) means: m = max_t x_t, l = sum_t 2^(x_t - m),
-// acc[d] = sum_t 2^(x_t - m) * v_t[d] (v_t as stored, v_scale applied at the end; inside
-// the loop acc carries an extra power-of-two factor for fp16/fp8 KV, see pd_kv_slice).
+// Units: every logit inside the kernels is in log2 units, x_t = qk_scale * (q . k_t)
+// with qk_scale = sm_scale * k_scale * log2(e) folded by the host (the parameter
+// qk_scale of the mma kernels, qk_scale_log2 of the simt ones), so the softmax uses
+// exp2f. A state (M, L, O) means: M = max_t x_t, L = sum_t 2^(x_t - M),
+// O[d] = sum_t 2^(x_t - M) * v_t[d] (v_t as stored, v_scale applied at the end).
 //
 // Defines (all required, given by Python as -D):
 //   PD_HEAD_DIM  64 | 128 | 256
@@ -22,15 +25,12 @@
 // Defined here and read back by Python as plain `#define NAME <int>` lines:
 //   PD_THREADS (attention kernels' block size), PD_MERGE_THREADS (merge kernel).
 //
-// Dialect: no system headers, no cuda_bf16.h / cuda_fp16.h, static shared memory
-// declared in the kernels, warp intrinsics only in warp-converged code with the full
-// mask, no atomics, every reduction in a fixed order.
+// Dialect: no system headers, no cuda_bf16.h / cuda_fp16.h, warp intrinsics only in
+// warp-converged code with the full mask, no atomics, every reduction in a fixed order.
 //
-// Numerics note: the fp16 and fp8 -> fp32 conversions, and the hot loop's reading of
-// fp16/fp8 K and V as exact values times 2^-112 / 2^-120 (see "KV slices" below), work
-// on values that can be fp32 denormals; they are exact (resp. accurate to ~2^-29
-// absolute in q.k) only while denormals are preserved: NVRTC/nvcc default, so never
-// compile these sources with --use_fast_math or -ftz=true.
+// Numerics note: the fp16 and fp8 -> fp32 conversions work on values that can be fp32
+// denormals and are exact only while denormals are preserved (NVRTC/nvcc default; both
+// cores rely on it too), so never compile these sources with --use_fast_math or -ftz=true.
 
 #ifndef PD_COMMON_CUH
 #define PD_COMMON_CUH
@@ -93,95 +93,6 @@ __device__ __forceinline__ unsigned pd_float_to_q(float f) {
 }
 
 // ---------------------------------------------------------------------------------
-// KV slices in the hot loop: exact values times a power of two
-// ---------------------------------------------------------------------------------
-//
-// The exact fp16/fp8 conversions above cost ~8 integer operations per element, which
-// would make the fp8 loop integer-pipe bound on sm_90 (64 int ops/clk/SM). In the hot
-// loop the kernels instead read each K/V element as
-//     kv' = kv * 2^-BIAS   (BIAS = 112 for fp16, 120 for fp8; bit-exact, a reinterpretation)
-// which takes 2-3 integer operations (shift, arithmetic shift, mask): the fp16 or fp8
-// exponent field is placed on fp32's exponent field unchanged, so the value is read with
-// bias 127 instead of 15 (fp16, shift 112) or 7 (fp8 e4m3fn, shift 120), and the sign
-// lands on bit 31 through the arithmetic shift. Subnormals become fp32 denormals with
-// the same scaling, so the mapping is exact for every finite input. Inf/NaN (fp16
-// exponent 31, fp8 magnitude 0x7f) would not be: a SWAR test per 32-bit word spots them
-// and a rarely taken branch rewrites those elements as inf/NaN.
-// The scale is undone where it is cheap:
-//   * scores:  x_t = (sum_i q_i k'_i * 2^BIAS) * qk_scale_log2 -- one
-//     multiply per token; k' * q may be an fp32 denormal, whose absolute rounding error
-//     (2^-149 * 2^120 = 2^-29 in q.k units per operation) is negligible in a logit;
-//   * values:  acc'' = sum_t (p_t * 2^64) v'_t = acc * 2^(64 - BIAS),
-//     p_t <= 1 is scaled up by 2^64 once per token and head so that the products stay
-//     normal fp32 numbers (>= 2^-126 unless p_t v_t < 2^-70); the CTA combine multiplies
-//     the accumulator back by 2^(BIAS - 64) (exact, a power of two).
-// bf16 needs none of this (its fast path is one shift or mask per element, scale 1).
-//
-// All of this relies on fp32 denormals being preserved (no -ftz=true/--use_fast_math).
-#if PD_KV_DTYPE == PD_DTYPE_FP8_E4M3
-#define PD_KV_SCALED 1
-__device__ __forceinline__ float pd_k_unscale() { return __uint_as_float(0x7b800000u); }    // 2^120
-__device__ __forceinline__ float pd_p_scale() { return __uint_as_float(0x5f800000u); }      // 2^64
-__device__ __forceinline__ float pd_acc_unscale() { return __uint_as_float(0x5b800000u); }  // 2^56
-#elif PD_KV_DTYPE == PD_DTYPE_FP16
-#define PD_KV_SCALED 1
-__device__ __forceinline__ float pd_k_unscale() { return __uint_as_float(0x77800000u); }    // 2^112
-__device__ __forceinline__ float pd_p_scale() { return __uint_as_float(0x5f800000u); }      // 2^64
-__device__ __forceinline__ float pd_acc_unscale() { return __uint_as_float(0x57800000u); }  // 2^48
-#else
-#define PD_KV_SCALED 0
-#endif
-
-// The VEC elements of one row slice (NW words), as kv' = kv * 2^-BIAS.
-template <int NW, int VEC>
-__device__ __forceinline__ void pd_kv_slice(const unsigned (&w)[NW], float (&f)[VEC]) {
-#if PD_KV_DTYPE == PD_DTYPE_FP8_E4M3
-  static_assert(VEC == 4 * NW, "4 fp8 per word");
-  unsigned special = 0u;
-  PD_UNROLL
-  for (int j = 0; j < NW; ++j) {
-    // byte k moved to the top byte, then arithmetic >> 4: sign on bits 31..27, the
-    // 4 exponent bits on 26..23 (fp32 exponent field, high bits zero), mantissa 22..20.
-    f[4 * j + 0] = __uint_as_float((unsigned)((int)(w[j] << 24) >> 4) & 0x87f00000u);
-    f[4 * j + 1] = __uint_as_float((unsigned)((int)(w[j] << 16) >> 4) & 0x87f00000u);
-    f[4 * j + 2] = __uint_as_float((unsigned)((int)(w[j] << 8) >> 4) & 0x87f00000u);
-    f[4 * j + 3] = __uint_as_float((unsigned)((int)w[j] >> 4) & 0x87f00000u);
-    special |= (w[j] & 0x7f7f7f7fu) + 0x01010101u;  // a byte's bit 7 set iff magnitude 0x7f
-  }
-  if (special & 0x80808080u) {
-    PD_UNROLL
-    for (int i = 0; i < VEC; ++i)
-      if (((w[i >> 2] >> ((i & 3) * 8)) & 0x7fu) == 0x7fu) f[i] = __uint_as_float(0x7fc00000u);  // NaN
-  }
-#elif PD_KV_DTYPE == PD_DTYPE_FP16
-  static_assert(VEC == 2 * NW, "2 fp16 per word");
-  unsigned special = 0u;
-  PD_UNROLL
-  for (int j = 0; j < NW; ++j) {
-    // half moved to the top, arithmetic >> 3: sign on bits 31..28, the 5 exponent bits
-    // on 27..23, the 10 mantissa bits on 22..13.
-    f[2 * j + 0] = __uint_as_float((unsigned)((int)(w[j] << 16) >> 3) & 0x8fffe000u);
-    f[2 * j + 1] = __uint_as_float((unsigned)((int)w[j] >> 3) & 0x8fffe000u);
-    special |= (w[j] & 0x7c007c00u) + 0x04000400u;  // a half's bit 15 set iff exponent 31
-  }
-  if (special & 0x80008000u) {
-    PD_UNROLL
-    for (int i = 0; i < VEC; ++i) {
-      const unsigned h = (w[i >> 1] >> ((i & 1) * 16)) & 0xffffu;
-      if ((h & 0x7c00u) == 0x7c00u) f[i] = pd_fp16_to_float(h);  // inf or NaN: scale-free
-    }
-  }
-#else
-  static_assert(VEC == 2 * NW, "2 bf16 per word");
-  PD_UNROLL
-  for (int j = 0; j < NW; ++j) {
-    f[2 * j + 0] = __uint_as_float(w[j] << 16);
-    f[2 * j + 1] = __uint_as_float(w[j] & 0xffff0000u);
-  }
-#endif
-}
-
-// ---------------------------------------------------------------------------------
 // Vector loads (the caller guarantees 16-byte, resp. 8-byte, alignment)
 // ---------------------------------------------------------------------------------
 
@@ -195,261 +106,9 @@ __device__ __forceinline__ void pd_load_words(const void* p, unsigned (&w)[2]) {
   w[0] = t.x; w[1] = t.y;
 }
 
-// VEC consecutive q elements (VEC a multiple of 8: whole 16-byte chunks) -> fp32.
-template <int VEC>
-__device__ __forceinline__ void pd_load_q(const pd_q_t* p, float (&qf)[VEC]) {
-  static_assert(VEC % 8 == 0, "q slices are whole 16-byte chunks");
-  PD_UNROLL
-  for (int c = 0; c < VEC / 8; ++c) {
-    unsigned w[4];
-    pd_load_words(p + c * 8, w);
-    PD_UNROLL
-    for (int j = 0; j < 8; ++j) qf[c * 8 + j] = pd_q_to_float((w[j >> 1] >> ((j & 1) * 16)) & 0xffffu);
-  }
-}
-
 // ---------------------------------------------------------------------------------
-// The online-softmax core
+// From a state to outputs
 // ---------------------------------------------------------------------------------
-//
-// One CTA of PD_THREADS threads attends NH query heads (all reading the same KV head)
-// over the tokens [start, end) of one sequence.
-//
-// Thread mapping: a thread owns VEC consecutive elements of the head dim (its "slice"),
-// TPR = D / VEC threads cover a row, a warp covers R = 32 / TPR token rows per load
-// instruction. A warp-iteration ("tile") is TILE = R * UNROLL consecutive tokens:
-// token base + u * R + row for u in 0..UNROLL-1, so each load instruction reads R
-// consecutive tokens' rows, each a contiguous 16*TPR-byte segment. Warps take tiles
-// w, w + W, w + 2W, ... (W = PD_WARPS); the trip count depends only on the warp id, so
-// it is uniform across the warp and the shuffles inside the loop are converged.
-//
-// Page lookup: lane i of a warp resolves token base + i of the tile (one division, one
-// block-table load) and the UNROLL tokens of each thread are fetched from their lanes
-// with __shfl_sync; the lookup of the warp's next tile is issued before this tile's
-// K/V loads, so the block-table latency is off the critical path. Block-table entries
-// and K/V rows of tokens >= end are never read.
-//
-// Each thread keeps per head a running state (m, l, acc[VEC]) for its row group (acc
-// scaled by a power of two for fp16/fp8 KV, see pd_kv_slice; pd_cta_combine undoes it): the
-// lanes of one row hold identical m and l (the score reduction is a xor butterfly,
-// whose result is bitwise the same on every lane of the row) and disjoint acc slices.
-template <int NH, int VEC, int UNROLL>
-__device__ __forceinline__ void pd_attend(
-    const float (&q)[NH][VEC],
-    const pd_kv_t* __restrict__ k_lane,  // k_cache + kv_head * k_stride_head + slice * VEC
-    long long k_stride_page, long long k_stride_token,
-    const pd_kv_t* __restrict__ v_lane,  // v_cache + kv_head * v_stride_head + slice * VEC
-    long long v_stride_page, long long v_stride_token,
-    const int* __restrict__ bt_row,  // this sequence's block-table row
-    int page_size, int start, int end, float qk_scale_log2,
-    float (&m)[NH], float (&l)[NH], float (&acc)[NH][VEC]) {
-  constexpr int TPR = PD_HEAD_DIM / VEC;
-  constexpr int R = 32 / TPR;
-  constexpr int TILE = R * UNROLL;
-  constexpr int NW = VEC * (int)sizeof(pd_kv_t) / 4;  // 32-bit words per row slice
-  static_assert(TPR >= 1 && TPR <= 32 && (32 % TPR) == 0, "a row is a power-of-two part of a warp");
-  static_assert(NW == 4 || NW == 2, "row slices are 16- or 8-byte loads");
-  static_assert(TILE <= 32, "one lane resolves one token of the tile");
-
-  const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
-  const int row = lane / TPR;
-  const float neg_inf = pd_neg_inf();
-
-  PD_UNROLL
-  for (int h = 0; h < NH; ++h) {
-    m[h] = neg_inf;
-    l[h] = 0.f;
-    PD_UNROLL
-    for (int i = 0; i < VEC; ++i) acc[h][i] = 0.f;
-  }
-
-  const int n = end > start ? end - start : 0;
-  const int num_tiles = (n + TILE - 1) / TILE;
-
-  // Lane-parallel lookup of tile `t`: (page id, token offset in page) of token
-  // start + t * TILE + lane, or (0, 0) where that token does not exist.
-  int it = warp;
-  int pg = 0, ip = 0;
-  {
-    const int tok = start + it * TILE + lane;
-    if (it < num_tiles && lane < TILE && tok < end) {
-      const int pi = tok / page_size;
-      ip = tok - pi * page_size;
-      pg = bt_row[pi];
-    }
-  }
-
-  for (; it < num_tiles; it += PD_WARPS) {
-    const int cur_pg = pg, cur_ip = ip;
-    {  // prefetch the next tile's lookup
-      const int nit = it + PD_WARPS;
-      const int tok = start + nit * TILE + lane;
-      pg = 0;
-      ip = 0;
-      if (nit < num_tiles && lane < TILE && tok < end) {
-        const int pi = tok / page_size;
-        ip = tok - pi * page_size;
-        pg = bt_row[pi];
-      }
-    }
-    const int base = start + it * TILE;
-
-    // Issue all K and V loads of the tile before using any of them.
-    unsigned kw[UNROLL][NW], vw[UNROLL][NW];
-    bool valid[UNROLL];
-    PD_UNROLL
-    for (int u = 0; u < UNROLL; ++u) {
-      const int src = u * R + row;
-      const long long p = (long long)__shfl_sync(PD_FULL_MASK, cur_pg, src);
-      const long long o = (long long)__shfl_sync(PD_FULL_MASK, cur_ip, src);
-      valid[u] = base + src < end;
-      if (valid[u]) {
-        pd_load_words(k_lane + p * k_stride_page + o * k_stride_token, kw[u]);
-        pd_load_words(v_lane + p * v_stride_page + o * v_stride_token, vw[u]);
-      } else {  // masked token: nothing loaded, zeros (0 bits are +0.0 in every dtype)
-        PD_UNROLL
-        for (int j = 0; j < NW; ++j) { kw[u][j] = 0u; vw[u][j] = 0u; }
-      }
-    }
-
-    // -- scores: partial dot over the slice, xor-butterfly over the row's TPR lanes
-    float s[NH][UNROLL];
-    PD_UNROLL
-    for (int u = 0; u < UNROLL; ++u) {
-      float kf[VEC];  // k * 2^-BIAS
-      pd_kv_slice(kw[u], kf);
-      PD_UNROLL
-      for (int h = 0; h < NH; ++h) {
-        float d = 0.f;
-        PD_UNROLL
-        for (int i = 0; i < VEC; ++i) d = fmaf(q[h][i], kf[i], d);
-        PD_UNROLL
-        for (int off = TPR / 2; off >= 1; off >>= 1) d += __shfl_xor_sync(PD_FULL_MASK, d, off);
-#if PD_KV_SCALED
-        d *= pd_k_unscale();  // exact: undoes the 2^-BIAS of kf
-#endif
-        s[h][u] = valid[u] ? d * qk_scale_log2 : neg_inf;
-      }
-    }
-
-    // -- update m and l, rescale acc by alpha = 2^(m_old - m_new)
-    float p[NH][UNROLL];
-    PD_UNROLL
-    for (int h = 0; h < NH; ++h) {
-      float mx = m[h];
-      PD_UNROLL
-      for (int u = 0; u < UNROLL; ++u) mx = fmaxf(mx, s[h][u]);
-      // Nothing valid seen yet (mx = -inf): subtract 0 instead, so that
-      // -inf - -inf = NaN never happens; alpha and every p are then exp2f(-inf) = 0.
-      const float ms = (mx == neg_inf) ? 0.f : mx;
-      const float alpha = exp2f(m[h] - ms);
-      float ls = 0.f;
-      PD_UNROLL
-      for (int u = 0; u < UNROLL; ++u) {
-        p[h][u] = exp2f(s[h][u] - ms);
-        ls += p[h][u];
-      }
-      l[h] = fmaf(l[h], alpha, ls);
-      m[h] = mx;
-      PD_UNROLL
-      for (int i = 0; i < VEC; ++i) acc[h][i] *= alpha;
-    }
-
-    // -- acc += p * v, token by token (each V slice converted once for all heads)
-    PD_UNROLL
-    for (int u = 0; u < UNROLL; ++u) {
-      float vf[VEC];  // v * 2^-BIAS
-      pd_kv_slice(vw[u], vf);
-      PD_UNROLL
-      for (int h = 0; h < NH; ++h) {
-#if PD_KV_SCALED
-        const float pu = p[h][u] * pd_p_scale();  // exact (power of two), keeps p * v' normal
-#else
-        const float pu = p[h][u];
-#endif
-        PD_UNROLL
-        for (int i = 0; i < VEC; ++i) acc[h][i] = fmaf(pu, vf[i], acc[h][i]);
-      }
-    }
-  }
-}
-
-// Merge two states (m, l, acc) of the same head: the one of this lane and the one of
-// lane ^ off. Weights 2^(m_i - M); an empty state (m = -inf) gets weight 0 and, with
-// both empty, M is replaced by 0 so that -inf - -inf = NaN never happens.
-template <int NH, int VEC>
-__device__ __forceinline__ void pd_merge_xor(float (&m)[NH], float (&l)[NH], float (&acc)[NH][VEC], int off) {
-  const float neg_inf = pd_neg_inf();
-  PD_UNROLL
-  for (int h = 0; h < NH; ++h) {
-    const float mo = __shfl_xor_sync(PD_FULL_MASK, m[h], off);
-    const float lo = __shfl_xor_sync(PD_FULL_MASK, l[h], off);
-    const float mx = fmaxf(m[h], mo);
-    const float ms = (mx == neg_inf) ? 0.f : mx;
-    const float a = exp2f(m[h] - ms);
-    const float b = exp2f(mo - ms);
-    l[h] = fmaf(lo, b, l[h] * a);
-    PD_UNROLL
-    for (int i = 0; i < VEC; ++i) {
-      const float ao = __shfl_xor_sync(PD_FULL_MASK, acc[h][i], off);
-      acc[h][i] = fmaf(ao, b, acc[h][i] * a);
-    }
-    m[h] = mx;
-  }
-}
-
-// CTA combine, part 1: merge the R row groups of each warp (xor shuffles at distances
-// TPR, 2*TPR, .., 16: a fixed pairing), then lanes of row 0 write their warp's state to
-// shared memory: s_m[h * W + w], s_l[h * W + w], s_acc[(h * W + w) * D + d].
-// Ends with __syncthreads(); every thread of the CTA must call it.
-template <int NH, int VEC>
-__device__ __forceinline__ void pd_cta_publish(float (&m)[NH], float (&l)[NH], float (&acc)[NH][VEC],
-                                               float* s_m, float* s_l, float* s_acc) {
-  constexpr int TPR = PD_HEAD_DIM / VEC;
-  PD_UNROLL
-  for (int off = TPR; off < 32; off <<= 1) pd_merge_xor<NH, VEC>(m, l, acc, off);
-  const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
-  if (lane < TPR) {
-    PD_UNROLL
-    for (int h = 0; h < NH; ++h) {
-      if (lane == 0) {
-        s_m[h * PD_WARPS + warp] = m[h];
-        s_l[h * PD_WARPS + warp] = l[h];
-      }
-      PD_UNROLL
-      for (int i = 0; i < VEC; ++i) s_acc[(h * PD_WARPS + warp) * PD_HEAD_DIM + lane * VEC + i] = acc[h][i];
-    }
-  }
-  __syncthreads();
-}
-
-// CTA combine, part 2: the state of head h, dim d over all warps, in warp order
-// 0..W-1. M = max m_w (-inf when the CTA saw no token), L = sum l_w 2^(m_w - M),
-// O = sum acc_w[d] 2^(m_w - M). Thread j reading dim j of each warp row: no bank conflict.
-__device__ __forceinline__ void pd_cta_combine(const float* s_m, const float* s_l, const float* s_acc,
-                                               int h, int d, float& M, float& L, float& O) {
-  const float neg_inf = pd_neg_inf();
-  float mx = neg_inf;
-  PD_UNROLL
-  for (int w = 0; w < PD_WARPS; ++w) mx = fmaxf(mx, s_m[h * PD_WARPS + w]);
-  const float ms = (mx == neg_inf) ? 0.f : mx;  // all warps empty: avoid -inf - -inf
-  float lsum = 0.f, o = 0.f;
-  PD_UNROLL
-  for (int w = 0; w < PD_WARPS; ++w) {
-    const float wt = exp2f(s_m[h * PD_WARPS + w] - ms);  // empty warp: 2^-inf = 0, and l_w = acc_w = 0
-    lsum = fmaf(s_l[h * PD_WARPS + w], wt, lsum);
-    o = fmaf(s_acc[(h * PD_WARPS + w) * PD_HEAD_DIM + d], wt, o);
-  }
-  M = mx;
-  L = lsum;
-#if PD_KV_SCALED
-  O = o * pd_acc_unscale();  // exact: back from acc'' = acc * 2^(64 - BIAS) to acc
-#else
-  O = o;
-#endif
-}
 
 // Natural-log LSE of a state: ln(sum_t e^(s_t)) = ln 2 * (m + log2 l), -inf when empty.
 // Empty means L == 0 exactly (no token: every weight was 2^-inf = 0). Testing L != 0

@@ -1,23 +1,28 @@
 """Kernel sources and variants: what each backend compiles.
 
 Sources are read from ``kernels_cu/`` with ``importlib.resources`` (the directory
-ships inside the wheel as ``metrale_attn.kernels_cu``); ``#include "x.cuh"`` of a
-sibling header is inlined textually with ``#line`` directives, so both compilers
-see one self-contained string and their errors name the real file and line.
+ships inside the wheel as ``metrale_attn.kernels_cu``, its ``simt/`` folder too);
+``#include "x.cuh"`` names a header by its path under ``kernels_cu/`` (``pd_common.cuh``,
+``simt/simt_core.cuh``) and is inlined textually with ``#line`` directives, so both
+compilers see one self-contained string and their errors name the real file and line.
 Nothing is compiled here, and nothing at import time.
 
 Two implementations (``plan.IMPLS``) serve the same three arms (``plan.ARMS``):
 
-- ``mma`` (the default): one tensor-core core (``decode_core.cuh``): a CTA serves
-  ``heads_per_cta`` query heads of one KV head, K and V stream through cp.async
+- ``mma`` (the default): one tensor-core core (``decode_core.cuh``) under one kernel
+  (``decode_entry.cuh``, which each arm's ``decode_<arm>.cu`` names and selects): a CTA
+  serves ``heads_per_cta`` query heads of one KV head, K and V stream through cp.async
   rings in shared memory, QK^T and PV run on ``mma.sync``.
-- ``simt``: the first CUDA-core kernels (``pd_common.cuh``), one query head per CTA
+- ``simt``: the reference implementation, the first CUDA-core kernels
+  (``simt/simt_decode_<arm>.cu`` over ``simt/simt_core.cuh``), one query head per CTA
   (the packed arm: ``PD_GQA``). Kept selectable until a GPU has measured ``mma``.
+What both share is ``pd_common.cuh`` (and ``pd_splitk.cuh``, ``pd_convert.cuh``).
 
 What the Python side relies on that lives in the sources is read back from them:
 the constants (``PD_GQA``, ``PD_HDIM``, block sizes, dtype codes; ``PD_GQA``/``PD_HDIM``
 must equal the policy's constants) and each kernel's parameter list, which is the launch
-ABI (``kernel_params``): the dispatch passes arguments by name.
+ABI (``kernel_params``; the three ``mma`` attention kernels share one list): the dispatch
+passes arguments by name.
 """
 
 from __future__ import annotations
@@ -43,9 +48,9 @@ SOURCE_FILES = {
     ("mma", "unpacked"): "decode_unpacked.cu",
     ("mma", "splitk"): "decode_splitk.cu",
     ("mma", "gqa_packed"): "decode_gqa_packed.cu",
-    ("simt", "unpacked"): "paged_decode_unpacked.cu",
-    ("simt", "splitk"): "paged_decode_splitk.cu",
-    ("simt", "gqa_packed"): "paged_decode_gqa_packed.cu",
+    ("simt", "unpacked"): "simt/simt_decode_unpacked.cu",
+    ("simt", "splitk"): "simt/simt_decode_splitk.cu",
+    ("simt", "gqa_packed"): "simt/simt_decode_gqa_packed.cu",
 }
 """(impl, arm) -> the source that defines the kernels ``plan.KERNELS`` names."""
 
@@ -71,18 +76,38 @@ def _source_dir():
 
 @functools.cache
 def read_source(filename: str) -> str:
-    """The raw text of ``kernels_cu/<filename>``."""
+    """The raw text of ``kernels_cu/<filename>``; ``filename`` is a path under it with
+    ``/`` separators (``simt/simt_core.cuh``)."""
+    path = _source_dir()
+    for part in filename.split("/"):  # one level at a time: Python 3.10's Traversable joins one name
+        path = path / part
     try:
-        return (_source_dir() / filename).read_text(encoding="utf-8")
+        return path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise KernelSourceError(f"kernel source kernels_cu/{filename} not found") from None
 
 
+def source_names() -> tuple[str, ...]:
+    """Every ``.cu`` and ``.cuh`` file under ``kernels_cu/``, as ``read_source`` names
+    them (``decode_core.cuh``, ``simt/simt_core.cuh``), sorted."""
+    names, folders = [], [(_source_dir(), "")]
+    while folders:
+        folder, prefix = folders.pop()
+        for entry in folder.iterdir():
+            if entry.is_dir():
+                folders.append((entry, f"{prefix}{entry.name}/"))
+            elif entry.name.endswith((".cu", ".cuh")):
+                names.append(prefix + entry.name)
+    return tuple(sorted(names))
+
+
 def inline(filename: str, text: str | None = None, _seen: tuple[str, ...] = ()) -> str:
-    """``kernels_cu/<filename>`` with its sibling headers inlined, each part
-    preceded by a ``#line`` directive naming its real file. A header included
-    twice is inlined once (the sources' include guards make the rest empty).
-    ``text`` overrides the file's own contents (tests edit copies this way)."""
+    """``kernels_cu/<filename>`` with the headers it includes inlined, each part
+    preceded by a ``#line`` directive naming its real file. An include names a path
+    under ``kernels_cu/`` whatever folder the including file is in (as a compiler
+    given ``-I kernels_cu`` finds it). A header included twice is inlined once (the
+    sources' include guards make the rest empty). ``text`` overrides the file's own
+    contents (tests edit copies this way)."""
     return _inline(filename, text, _seen, set())
 
 
@@ -150,6 +175,9 @@ def check_pack_constants(text: str, filename: str) -> None:
 
 _KERNEL_DEF = re.compile(
     r'extern\s+"C"\s+__global__\s+void\s+(?:[A-Z_][A-Z0-9_]*\s*\([^)]*\)\s*)?(\w+)\s*\(([^)]*)\)\s*\{')
+_COMMENT = re.compile(r'//[^\n]*|/\*.*?\*/|("(?:\\.|[^"\\\n])*")', re.DOTALL)
+"""A comment (replaced by a space), or a string literal (kept: ``#line 1 "kernels_cu/..."``)."""
+_NAME_DEFINE = re.compile(r"^[ \t]*#[ \t]*define[ \t]+([A-Za-z_]\w*)[ \t]+([A-Za-z_]\w*)[ \t]*$", re.MULTILINE)
 
 SCALAR_TYPES = {"int": np.int32, "unsigned": np.uint32, "long long": np.int64, "float": np.float32}
 """C scalar types a kernel parameter may have, and the NumPy type the launcher passes."""
@@ -173,20 +201,33 @@ class Param:
 
 
 def parse_kernel_params(text: str) -> dict[str, tuple[Param, ...]]:
-    """``extern "C" __global__`` kernel name -> its parameters, from source text."""
+    """``extern "C" __global__`` kernel name -> its parameters, from source text
+    (comments ignored). A kernel whose name is a macro takes the identifier that
+    macro is ``#define``d as in the same text: the ``mma`` arms' one kernel of
+    ``decode_entry.cuh`` is ``PD_ENTRY``, which each arm's ``.cu`` defines before
+    including it, so the inlined source of an arm reads as that arm's kernel."""
+    text = _COMMENT.sub(lambda m: m.group(1) or " ", text)
+    defined: dict[str, list[str]] = {}
+    for macro, value in _NAME_DEFINE.findall(text):
+        defined.setdefault(macro, []).append(value)
     kernels = {}
     for match in _KERNEL_DEF.finditer(text):
+        name = match.group(1)
+        if name in defined:
+            if len(set(defined[name])) != 1:
+                raise KernelSourceError(f"the kernel name {name} is defined as {' and '.join(defined[name])}")
+            name = defined[name][0]
         params = []
         for decl in match.group(2).split(","):
             words = decl.replace("*", " * ").split()
             if len(words) < 2:
-                raise KernelSourceError(f"kernel {match.group(1)}: cannot read the parameter {decl.strip()!r}")
+                raise KernelSourceError(f"kernel {name}: cannot read the parameter {decl.strip()!r}")
             ctype = " ".join(w for w in words[:-1] if w not in ("const", "__restrict__"))
             if "*" not in ctype and ctype not in SCALAR_TYPES:
-                raise KernelSourceError(f"kernel {match.group(1)}: parameter {words[-1]} has type {ctype!r}, "
+                raise KernelSourceError(f"kernel {name}: parameter {words[-1]} has type {ctype!r}, "
                                         f"not a pointer or one of {', '.join(SCALAR_TYPES)}")
             params.append(Param(words[-1], ctype))
-        kernels[match.group(1)] = tuple(params)
+        kernels[name] = tuple(params)
     return kernels
 
 
@@ -291,7 +332,7 @@ class Variant:
     def name(self) -> str:
         dt = f"q{self.q_dtype}_kv{self.kv_dtype}_hd{self.head_dim}"
         if self.impl == "simt":
-            return f"paged_decode_{self.arm}_{dt}"
+            return f"simt_decode_{self.arm}_{dt}"
         return f"decode_{self.arm}_{dt}_r{ROW_TILE * self.row_tiles}" + "".join(
             f"_{f}" for f in FEATURES if f in self.features)
 

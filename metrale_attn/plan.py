@@ -27,9 +27,9 @@ KERNELS = {
     ("mma", "unpacked"): ("decode_unpacked",),
     ("mma", "splitk"): ("decode_splitk", "decode_splitk_merge"),
     ("mma", "gqa_packed"): ("decode_gqa_packed",),
-    ("simt", "unpacked"): ("paged_decode_unpacked",),
-    ("simt", "splitk"): ("paged_decode_splitk", "paged_decode_splitk_merge"),
-    ("simt", "gqa_packed"): ("paged_decode_gqa_packed",),
+    ("simt", "unpacked"): ("simt_decode_unpacked",),
+    ("simt", "splitk"): ("simt_decode_splitk", "simt_decode_splitk_merge"),
+    ("simt", "gqa_packed"): ("simt_decode_gqa_packed",),
 }
 """(impl, arm) -> the ``extern "C"`` kernels a plan launches, in order (their sources:
 ``kernels.SOURCE_FILES``; tests check that each source defines them)."""

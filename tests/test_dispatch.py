@@ -50,7 +50,7 @@ def test_arguments_override_the_environment(monkeypatch):
 
 
 @pytest.mark.parametrize("impl, kernels", [("mma", ["decode_splitk", "decode_splitk_merge"]),
-                                           ("simt", ["paged_decode_splitk", "paged_decode_splitk_merge"])])
+                                           ("simt", ["simt_decode_splitk", "simt_decode_splitk_merge"])])
 def test_a_split_run_launches_the_split_kernel_then_the_merge(impl, kernels):
     p = problem(seq_lens=(10, 300))
     be = CountingBackend()

@@ -159,7 +159,7 @@ def test_legacy_reads_the_configured_reference_batch_when_it_is_larger():
 
 def test_one_split_with_the_pack_armed_and_a_fitting_shape_takes_the_packed_arm():
     d = defaults("gb10", gqa_pack=True)
-    for impl, kernel in (("simt", "paged_decode_gqa_packed"), ("mma", "decode_gqa_packed")):
+    for impl, kernel in (("simt", "simt_decode_gqa_packed"), ("mma", "decode_gqa_packed")):
         plan = make_plan(layer_config(d, QWEN, max_batch=64, impl=impl), 8)
         assert (plan.arm, plan.launches[0].kernel, plan.launches[0].grid, plan.ctas, plan.heads_per_cta) == (
             "gqa_packed", kernel, (4, 8, 1), 32, policy.DECODE_GQA_PACK_WIDTH)

@@ -102,17 +102,17 @@ def test_precompile_needs_exactly_what_a_construction_loads_whichever_way_its_se
 
 def test_the_simt_fallback_is_compiled_only_where_a_failed_self_test_falls_back_rather_than_refuses():
     plain = needed_variants([Layer("layer", 4, 4, 64)], TARGETS["hopper"], environ={})
-    assert [n.why for n in plain.needed if n.name.startswith("paged_decode_")] == [
+    assert [n.why for n in plain.needed if n.name.startswith("simt_decode_")] == [
         "simt fallback of layer, if the device fails the self-test"]
     featured = needed_variants([Layer("layer", 4, 4, 64, window_left=127)], TARGETS["hopper"], environ={})
-    assert not [n for n in featured.needed if n.name.startswith("paged_decode_")]
+    assert not [n for n in featured.needed if n.name.startswith("simt_decode_")]
     assert featured.needed[0].name == "pd_selftest" and not featured.notes
 
 
 def test_the_environment_a_construction_reads_is_read_the_same_way():
     layer = Layer("layer", 32, 8, 128)
     by_env = needed_variants([layer], TARGETS["hopper"], environ={"METRALE_ATTN_DECODE_IMPL": "simt"})
-    assert {n.name for n in by_env.needed} == {"paged_decode_splitk_qbf16_kvbf16_hd128"}
+    assert {n.name for n in by_env.needed} == {"simt_decode_splitk_qbf16_kvbf16_hd128"}
     legacy = needed_variants([layer], TARGETS["hopper"], environ={"METRALE_ATTN_DECODE_SPLITK": "legacy"})
     assert legacy.defaults_line.endswith("(attn_decode_splitk from environment)")
     assert "attn_decode_splitk=legacy" in legacy.defaults_line

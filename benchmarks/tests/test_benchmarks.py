@@ -468,7 +468,7 @@ def test_the_l2_probe_parses_ncu_and_records_a_refusal(tmp_path, mode, status, p
         assert r["expected_l2_over_dram"] == r["group"] / r["heads_per_cta"]
         assert r["l2_over_dram"] == pytest.approx(r["expected_l2_over_dram"])
         assert r["dram_bytes"] == r["kv_bytes"] and r["time_us"] == pytest.approx(50.0)
-        assert r["kernel"] == ("paged_" if r["impl"] == "simt" else "") + "decode_" + r["arm"]
+        assert r["kernel"] == ("simt_" if r["impl"] == "simt" else "") + "decode_" + r["arm"]
         assert r["other_kernels"] == []  # the merges (and the mma self-test) are not profiled
         if mode == "ok":
             assert r["stalls"] == [["long_scoreboard", 7.5]] and r["issue_slots_pct"] == 25.5
@@ -480,9 +480,9 @@ def test_the_l2_probe_parses_ncu_and_records_a_refusal(tmp_path, mode, status, p
 
 def test_ncu_csv_parsing_scales_units_and_skips_noise():
     text = ('==PROF== Connected\n"ID","Kernel Name","dram__bytes_read.sum","gpu__time_duration.sum"\n'
-            '"","","Mbyte","usecond"\n"0","paged_decode_unpacked","1,073.74","250.5"\n==PROF== Disconnected\n')
+            '"","","Mbyte","usecond"\n"0","simt_decode_unpacked","1,073.74","250.5"\n==PROF== Disconnected\n')
     (k,) = l2_probe.parse_ncu_csv(text)
-    assert k["kernel"] == "paged_decode_unpacked" and k["dram__bytes_read.sum"] == pytest.approx(1.07374e9)
+    assert k["kernel"] == "simt_decode_unpacked" and k["dram__bytes_read.sum"] == pytest.approx(1.07374e9)
     assert k["gpu__time_duration.sum"] == pytest.approx(250.5e-6)
     assert l2_probe.parse_ncu_csv("==ERROR== nothing\n") == []
     assert l2_probe.unit_scale("Msector") == 1e6 and l2_probe.unit_scale("register/thread") == 1.0

@@ -177,7 +177,7 @@ def test_the_report_on_one_variant_writes_the_interface(tmp_path):
     out = tmp_path / "rows.json"
     done = subprocess.run(
         [sys.executable, "-m", "benchmarks.sass_model", "--json", str(out), "--arch", "sm_90",
-         "--variants", "paged_decode_unpacked_qbf16_kvbf16_hd128", "--shapes", "32/8/128"],
+         "--variants", "simt_decode_unpacked_qbf16_kvbf16_hd128", "--shapes", "32/8/128"],
         cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, "NVDISASM": NVDISASM})
     assert done.returncode == 0, done.stdout + done.stderr
     assert "NOT measured" in done.stdout and "| unpacked | 32/8/128 | bf16 | sm_90 | 1 |" in done.stdout
@@ -194,8 +194,8 @@ def test_the_report_on_one_variant_writes_the_interface(tmp_path):
     assert sum(r["mix"].values()) == r["loop"]["hot_path_instructions"]
     assert r["mix"]["ldg"] >= 8 and r["mix"]["fp32"] > 0 and r["mix"]["shfl"] > 0
     cubin_bytes, log = nvrtc_build(Variant("unpacked", 128, "bf16", "bf16", "simt"), "sm_90")
-    assert r["registers"] == sr.ptxas_resources(log, "paged_decode_unpacked")["registers"]
-    assert r["registers"] == cubin.kernel_register_counts(cubin_bytes)["paged_decode_unpacked"]
+    assert r["registers"] == sr.ptxas_resources(log, "simt_decode_unpacked")["registers"]
+    assert r["registers"] == cubin.kernel_register_counts(cubin_bytes)["simt_decode_unpacked"]
     assert r["spill_bytes"] == 0 and r["stack_frame_bytes"] == 0
     assert 1 <= r["ctas_per_sm"] <= 16 and r["warps_per_sm"] == 4 * r["ctas_per_sm"]
     assert 1 < r["kib_in_flight_per_sm"] < 200 and r["memory_waits_per_iter"] >= 1

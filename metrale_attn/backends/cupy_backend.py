@@ -43,7 +43,8 @@ DIALECT_PRELUDE = "#define DYNAMIC_SHARED(T, name) extern __shared__ __align__(1
 """How the shared dialect's dynamic shared memory reads on the GPU."""
 
 BASE_OPTIONS = ("-std=c++17", "-ftz=false")
-"""NVRTC's default, spelled out: the fp16/fp8 fast path needs fp32 denormals (pd_common.cuh)."""
+"""NVRTC's default, spelled out: the exact conversions and the simt fp16/fp8 fast path need fp32
+denormals (pd_common.cuh, simt/simt_core.cuh)."""
 
 
 def nvrtc_program(variant: Variant, text: str | None = None) -> tuple[str, tuple[str, ...]]:

@@ -1,7 +1,8 @@
-// paged_decode_gqa_packed.cu: paged-decode attention with the PD_GQA query heads of one
-// KV head packed into one CTA (GQA packing), head dim PD_HDIM only.
+// simt_decode_gqa_packed.cu: paged-decode attention on CUDA cores (impl "simt", the
+// reference implementation; see simt/README.md) with the PD_GQA query heads of one KV
+// head packed into one CTA (GQA packing), head dim PD_HDIM only.
 //
-// Computes the same function as paged_decode_unpacked.cu for the query heads
+// Computes the same function as simt_decode_unpacked.cu for the query heads
 // kv_head * PD_GQA + j, j = 0..PD_GQA-1 (so num_q_heads = num_kv_heads * PD_GQA), but
 // each K and V row of the KV head is read from memory ONCE for all PD_GQA heads:
 //   x_{j,t} = qk_scale_log2 * (q[s, kv*G + j] . k_t),
@@ -13,10 +14,10 @@
 // slice is also 8 dims, i.e. 8-byte loads, so that the PD_GQA q vectors and
 // accumulators stay at 8 floats each per thread and in registers), a warp covers one
 // token row per load instruction (32 lanes x 8 dims), warps interleave over 4-token
-// tiles (pd_attend in pd_common.cuh with NH = PD_GQA). The output of the PD_GQA
+// tiles (pd_attend in simt/simt_core.cuh with NH = PD_GQA). The output of the PD_GQA
 // heads is one contiguous span of PD_GQA * D elements, written as 16-byte stores.
 //
-// Layout: as paged_decode_unpacked.cu (strides in elements, NHD and HND alike).
+// Layout: as simt_decode_unpacked.cu (strides in elements, NHD and HND alike).
 // Defines: PD_HEAD_DIM (must equal PD_HDIM), PD_Q_DTYPE, PD_KV_DTYPE. PD_GQA and PD_HDIM
 // are defined here; Python reads them back from this text and refuses to load the
 // kernel when they differ from the policy's DECODE_GQA_PACK_WIDTH / _HEAD_DIM.
@@ -36,21 +37,17 @@
 // UNROLL x PD_GQA partial dots (~half the shuffles, one exp2f per lane), and a split-K
 // variant of the packed arm for small batches.
 
-#include "pd_common.cuh"
-
-#if PD_KV_DTYPE == PD_DTYPE_FP8_E5M2
-#error "the simt kernels do not read fp8 e5m2 caches (impl mma does)"
-#endif
+#include "simt/simt_core.cuh"
 
 #define PD_GQA 6
 #define PD_HDIM 256
 
 #if PD_HEAD_DIM != PD_HDIM
-#error "paged_decode_gqa_packed is compiled only for PD_HEAD_DIM == PD_HDIM (256)"
+#error "simt_decode_gqa_packed is compiled only for PD_HEAD_DIM == PD_HDIM (256)"
 #endif
 static_assert(PD_HEAD_DIM == PD_HDIM, "packed kernel head dim");
 
-extern "C" __global__ void PD_LAUNCH_BOUNDS(PD_THREADS, 2) paged_decode_gqa_packed(
+extern "C" __global__ void PD_LAUNCH_BOUNDS(PD_THREADS, 2) simt_decode_gqa_packed(
     const pd_q_t* __restrict__ q, long long q_stride_seq, long long q_stride_head,
     const pd_kv_t* __restrict__ k_cache, long long k_stride_page, long long k_stride_token,
     long long k_stride_head,

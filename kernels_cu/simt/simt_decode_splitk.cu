@@ -1,7 +1,8 @@
-// paged_decode_splitk.cu: paged-decode attention split along the KV sequence (split-K),
+// simt_decode_splitk.cu: paged-decode attention on CUDA cores (impl "simt", the
+// reference implementation; see simt/README.md) split along the KV sequence (split-K),
 // and the merge of the splits.
 //
-// paged_decode_splitk: grid (num_q_heads, num_splits, num_seqs), block PD_THREADS.
+// simt_decode_splitk: grid (num_q_heads, num_splits, num_seqs), block PD_THREADS.
 //   CTA (h, i, s) attends query head h of sequence s (kv head h / (num_q_heads /
 //   num_kv_heads)) over its split's tokens. The split length comes from the sequence's
 //   own length L only (never from the batch), floored at PD_MIN_KV_PER_SPLIT:
@@ -13,13 +14,13 @@
 //   An empty split writes o = 0, m = -inf, l = 0: every slot is always written, the
 //   workspace is never initialized by the host.
 //
-// paged_decode_splitk_merge: grid (num_q_heads, num_seqs), block PD_MERGE_THREADS.
+// simt_decode_splitk_merge: grid (num_q_heads, num_seqs), block PD_MERGE_THREADS.
 //   Combines the splits of (s, h) in the fixed order 0..n-1:
 //     M = max m_i; w_i = l_i 2^(m_i - M); L = sum w_i; out = sum w_i o_i / L;
 //     lse = (M + log2 L) ln 2 (natural log; lse may be null).
 //   M = -inf (no token at all, seq_len 0) gives out = 0 and lse = -inf.
 //
-// Layout: as paged_decode_unpacked.cu (strides in elements, NHD and HND alike);
+// Layout: as simt_decode_unpacked.cu (strides in elements, NHD and HND alike);
 // workspace [num_seqs, num_q_heads, num_splits, D + 2] fp32 (slots are not 16-byte
 // aligned, so they are written and read with scalar accesses).
 //
@@ -40,14 +41,10 @@
 // (needs a counter and atomics, which the determinism rules here exclude today), or
 // launch the merge with programmatic dependent launch to hide its launch latency.
 
-#include "pd_common.cuh"
-
-#if PD_KV_DTYPE == PD_DTYPE_FP8_E5M2
-#error "the simt kernels do not read fp8 e5m2 caches (impl mma does)"
-#endif
+#include "simt/simt_core.cuh"
 #include "pd_splitk.cuh"
 
-extern "C" __global__ void PD_LAUNCH_BOUNDS(PD_THREADS, 4) paged_decode_splitk(
+extern "C" __global__ void PD_LAUNCH_BOUNDS(PD_THREADS, 4) simt_decode_splitk(
     const pd_q_t* __restrict__ q, long long q_stride_seq, long long q_stride_head,
     const pd_kv_t* __restrict__ k_cache, long long k_stride_page, long long k_stride_token,
     long long k_stride_head,
@@ -96,7 +93,7 @@ extern "C" __global__ void PD_LAUNCH_BOUNDS(PD_THREADS, 4) paged_decode_splitk(
   }
 }
 
-extern "C" __global__ void PD_LAUNCH_BOUNDS(PD_MERGE_THREADS, 4) paged_decode_splitk_merge(
+extern "C" __global__ void PD_LAUNCH_BOUNDS(PD_MERGE_THREADS, 4) simt_decode_splitk_merge(
     const float* __restrict__ workspace, int num_splits,
     pd_q_t* __restrict__ out, float* __restrict__ lse) {
   __shared__ unsigned short s_out[PD_HEAD_DIM];

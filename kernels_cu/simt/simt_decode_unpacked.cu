@@ -1,4 +1,5 @@
-// paged_decode_unpacked.cu: paged-decode attention, one query head per CTA.
+// simt_decode_unpacked.cu: paged-decode attention on CUDA cores (impl "simt", the
+// reference implementation; see simt/README.md), one query head per CTA.
 //
 // Computes, for sequence s and query head h (kv head g = h / (num_q_heads / num_kv_heads)):
 //   x_t   = qk_scale_log2 * (q[s, h] . k_t)                 t < seq_lens[s]   (log2 units)
@@ -10,7 +11,7 @@
 // Grid (num_q_heads, num_seqs), block PD_THREADS (128 = 4 warps). Within the CTA each
 // thread owns a 16-byte slice of the head dim (VEC = 8 bf16/fp16 or 16 fp8 elements),
 // D / VEC threads cover a token row, warps interleave over tiles of 4 * (32 * VEC / D)
-// tokens (see pd_attend in pd_common.cuh); the 4 warp states are combined through
+// tokens (see pd_attend in simt/simt_core.cuh); the 4 warp states are combined through
 // static shared memory in warp order and the output row leaves as 16-byte stores.
 //
 // Layout: q [num_seqs, num_q_heads, D] and the caches addressed only through strides
@@ -37,13 +38,9 @@
 // precomputed 64-bit row offsets per lane, a second tile of loads in flight per warp for
 // low-occupancy shapes, and an L2 evict-first hint on K/V.
 
-#include "pd_common.cuh"
+#include "simt/simt_core.cuh"
 
-#if PD_KV_DTYPE == PD_DTYPE_FP8_E5M2
-#error "the simt kernels do not read fp8 e5m2 caches (impl mma does)"
-#endif
-
-extern "C" __global__ void PD_LAUNCH_BOUNDS(PD_THREADS, 4) paged_decode_unpacked(
+extern "C" __global__ void PD_LAUNCH_BOUNDS(PD_THREADS, 4) simt_decode_unpacked(
     const pd_q_t* __restrict__ q, long long q_stride_seq, long long q_stride_head,
     const pd_kv_t* __restrict__ k_cache, long long k_stride_page, long long k_stride_token,
     long long k_stride_head,
