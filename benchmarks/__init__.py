@@ -12,7 +12,7 @@ lowest first; a module imports only modules of lower rows
 - ``timing``: how a call is timed (one stream, CUDA graphs, CUDA events, L2 flush, median)
 - ``impls``: the kernel implementations measured, and building one with the mma self-test's verdict
 - ``data``: the tensors a GPU configuration runs on (the paged K/V pool, one configuration's case)
-- ``hot_loop``: what one iteration of a variant's K/V loop consumes (the SASS model's input)
+- ``hot_loop``: what one iteration of a spec's K/V loop consumes (the SASS model's input)
 - ``decode_loop_check``: the end-to-end step, ``examples/decode_loop.py`` on the device
 - ``host_overhead``: microseconds of Python per ``DecodeAttention.run``, kernels stubbed
 - ``cuda_on_cpu_speed``, ``cuda_on_cpu_ptx_speed``: the speed of the CPU backend's simulator

@@ -26,7 +26,7 @@ captures and times it exactly like ours.
   compiled by FlashInfer's JIT (nvcc) on first use, which takes minutes; that
   compile runs ahead of the benchmark in separate processes with a time cap
   (``python -m benchmarks.baselines flashinfer-prewarm``), and the benchmark only
-  runs the variants that compiled.
+  runs the specs that compiled.
 
 Every baseline works on the CPU too (except FlashInfer), which is how its wiring is
 tested without a GPU (``benchmarks/tests/test_benchmarks.py`` does not need PyTorch; a
@@ -190,7 +190,7 @@ def prepare_flex_paged(case: Case, *, compiled: bool = True) -> Callable[[], obj
 # -- FlashInfer ------------------------------------------------------------------
 
 
-def flashinfer_variant(num_q_heads: int, num_kv_heads: int, head_dim: int, kv_dtype: str) -> str:
+def flashinfer_spec(num_q_heads: int, num_kv_heads: int, head_dim: int, kv_dtype: str) -> str:
     """The name of the FlashInfer JIT module a shape needs (what the prewarm compiles)."""
     tc = (num_q_heads // num_kv_heads) not in FLASHINFER_DECODE_GROUP_SIZES
     return f"hd{head_dim}-kv{kv_dtype}-{'tensorcore' if tc else 'decode'}"
@@ -200,14 +200,14 @@ def prepare_flashinfer(case: Case, *, status: Optional[dict] = None) -> Callable
     """FlashInfer's batch decode on the same NHD pool (``status``: the prewarm's results, if any)."""
     import torch
 
-    variant = flashinfer_variant(case.num_q_heads, case.num_kv_heads, case.head_dim, case.kv_dtype)
+    spec = flashinfer_spec(case.num_q_heads, case.num_kv_heads, case.head_dim, case.kv_dtype)
     if status is not None:
-        entry = status.get("variants", {}).get(variant)
+        entry = status.get("specs", {}).get(spec)
         if entry is None:
-            raise Unavailable(status.get("import_error") or f"FlashInfer variant {variant} was not compiled ahead "
+            raise Unavailable(status.get("import_error") or f"FlashInfer spec {spec} was not compiled ahead "
                                                             "of the run")
         if entry.get("status") != "ok":
-            raise Unavailable(f"FlashInfer variant {variant}: JIT prewarm {entry.get('status')}: "
+            raise Unavailable(f"FlashInfer spec {spec}: JIT prewarm {entry.get('status')}: "
                               f"{entry.get('reason', '')}"[:400])
     try:
         import flashinfer
@@ -252,24 +252,24 @@ def flashinfer_prewarm(shapes: list[tuple[int, int, int]], kv_dtypes: list[str],
                        log_dir: Optional[str] = None, status_path: Optional[str] = None, min_late_s: float = 150.0,
                        command: Optional[Callable[..., list[str]]] = None, check_import: bool = True,
                        poll_s: float = 0.5) -> dict:
-    """Compile the FlashInfer variants a sweep needs, each in its own process group, within ``timeout_s``.
+    """Compile the FlashInfer specs a sweep needs, each in its own process group, within ``timeout_s``.
 
-    The CUDA-core decode variants (the Llama shapes, which the decisive configurations
-    compare against) start at once. The tensor-core variants (group sizes the decode
+    The CUDA-core decode specs (the Llama shapes, which the decisive configurations
+    compare against) start at once. The tensor-core specs (group sizes the decode
     kernel has no instance for, e.g. 6 at head dim 256: FlashInfer builds its prefill
     kernels for them, the longest builds) start only once those have finished, and only
     if at least ``min_late_s`` of the cap is left; otherwise they are dropped as unable
-    to build in time. ``status_path`` is rewritten whenever a variant starts, finishes
+    to build in time. ``status_path`` is rewritten whenever a spec starts, finishes
     or is dropped, so the sweep's late phase sees what is built so far.
 
-    Returns ``{"variants": {name: {status, seconds, reason}}, ...}``; a status is one of
+    Returns ``{"specs": {name: {status, seconds, reason}}, ...}``; a status is one of
     ``queued``, ``building``, ``ok``, ``failed``, ``timeout``, ``dropped``, ``unavailable``.
     """
     names: dict = {}
     for h, kv, d in shapes:
         for dt in kv_dtypes:
-            names.setdefault(flashinfer_variant(h, kv, d, dt), (h, kv, d, dt))
-    state = {"variants": {n: {"status": "queued"} for n in names}, "timeout_s": timeout_s, "running": True}
+            names.setdefault(flashinfer_spec(h, kv, d, dt), (h, kv, d, dt))
+    state = {"specs": {n: {"status": "queued"} for n in names}, "timeout_s": timeout_s, "running": True}
     t_start = time.monotonic()
 
     def save() -> None:
@@ -282,14 +282,14 @@ def flashinfer_prewarm(shapes: list[tuple[int, int, int]], kv_dtypes: list[str],
 
     if check_import:
         try:
-            import flashinfer  # noqa: F401  (import errors are the same for every variant)
+            import flashinfer  # noqa: F401  (import errors are the same for every spec)
         except Exception as err:
             reason = f"flashinfer does not import ({type(err).__name__}: {err})"[:400]
             state.update(import_error=reason, running=False)
-            state["variants"] = {n: {"status": "unavailable", "reason": reason} for n in names}
+            state["specs"] = {n: {"status": "unavailable", "reason": reason} for n in names}
             save()
             return state
-    if log_dir is None:  # the logs carry the reason a variant failed: keep them somewhere
+    if log_dir is None:  # the logs carry the reason a spec failed: keep them somewhere
         import tempfile
 
         log_dir = tempfile.mkdtemp(prefix="flashinfer_prewarm_")
@@ -302,27 +302,27 @@ def flashinfer_prewarm(shapes: list[tuple[int, int, int]], kv_dtypes: list[str],
         log = open(os.path.join(log_dir, f"flashinfer_{name}.log"), "w")
         proc = subprocess.Popen(command(*names[name]), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         running[name] = (proc, time.monotonic(), log)
-        state["variants"][name] = {"status": "building", "started_s": round(time.monotonic() - t_start, 1)}
+        state["specs"][name] = {"status": "building", "started_s": round(time.monotonic() - t_start, 1)}
 
     def finish(name: str, status: str, reason: str = "") -> None:
         proc, t0, log = running.pop(name)
         log.close()
         if status == "failed":
             reason += ": " + _last_line(log.name)
-        state["variants"][name] = {"status": status, "seconds": round(time.monotonic() - t0, 1), "reason": reason}
+        state["specs"][name] = {"status": status, "seconds": round(time.monotonic() - t0, 1), "reason": reason}
 
     try:
         for name in waves[0]:
             start(name)
         save()
         while running or waves[1]:
-            if not running:  # the decisive variants are done: the long builds, if they can still finish
+            if not running:  # the decisive specs are done: the long builds, if they can still finish
                 left = deadline - time.monotonic()
                 for name in waves[1]:
                     if left >= min_late_s:
                         start(name)
                     else:
-                        state["variants"][name] = {"status": "dropped", "reason": (
+                        state["specs"][name] = {"status": "dropped", "reason": (
                             f"cannot build in time: {max(left, 0):.0f} s of the {timeout_s:g} s cap left, a "
                             f"tensor-core build needs about {min_late_s:g} s")}
                 waves[1] = []
@@ -341,7 +341,7 @@ def flashinfer_prewarm(shapes: list[tuple[int, int, int]], kv_dtypes: list[str],
                     _kill_group(running[name][0])
                     finish(name, "timeout", f"JIT compile did not finish within {timeout_s:g} s")
                 for name in waves[1]:
-                    state["variants"][name] = {"status": "dropped", "reason": "the cap was reached first"}
+                    state["specs"][name] = {"status": "dropped", "reason": "the cap was reached first"}
                 waves[1] = []
                 changed = True
             if changed:
@@ -349,17 +349,17 @@ def flashinfer_prewarm(shapes: list[tuple[int, int, int]], kv_dtypes: list[str],
     finally:  # SIGTERM (the caller's cap) or an error: no nvcc may outlive the prewarm
         for name in list(running):
             _kill_group(running[name][0])
-            finish(name, "timeout", "the prewarm was stopped before this variant finished")
+            finish(name, "timeout", "the prewarm was stopped before this spec finished")
         state["running"] = False
         save()
     return state
 
 
-def pending_builds(status: dict, variants) -> list[str]:
-    """Of ``variants``, those a prewarm that is still running has yet to finish (queued or building)."""
+def pending_builds(status: dict, specs) -> list[str]:
+    """Of ``specs``, those a prewarm that is still running has yet to finish (queued or building)."""
     if not status.get("running"):
         return []
-    return [v for v in variants if status.get("variants", {}).get(v, {}).get("status") in ("queued", "building")]
+    return [v for v in specs if status.get("specs", {}).get(v, {}).get("status") in ("queued", "building")]
 
 
 def _warm_one_command(h: int, kv: int, d: int, dt: str) -> list[str]:
@@ -446,15 +446,15 @@ def _reference(case: Case):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    warm = sub.add_parser("flashinfer-prewarm", help="compile the FlashInfer variants a sweep needs, with a cap")
+    warm = sub.add_parser("flashinfer-prewarm", help="compile the FlashInfer specs a sweep needs, with a cap")
     warm.add_argument("--shapes", default="24/4/256,32/8/128,64/8/128", help="q/kv/head_dim, comma-separated")
     warm.add_argument("--kv-dtypes", default="bf16,fp8")
     warm.add_argument("--timeout-s", type=float, default=300.0)
-    warm.add_argument("--out", required=True, help="status JSON, rewritten as variants start and finish")
+    warm.add_argument("--out", required=True, help="status JSON, rewritten as specs start and finish")
     warm.add_argument("--min-late-s", type=float, default=150.0,
-                      help="start a tensor-core variant only with this much of the cap left")
+                      help="start a tensor-core spec only with this much of the cap left")
     warm.add_argument("--log-dir")
-    one = sub.add_parser("flashinfer-warm-one", help="(internal) compile one variant")
+    one = sub.add_parser("flashinfer-warm-one", help="(internal) compile one spec")
     one.add_argument("--q-heads", type=int, required=True)
     one.add_argument("--kv-heads", type=int, required=True)
     one.add_argument("--head-dim", type=int, required=True)
@@ -470,7 +470,7 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # runs the prewarm's cleanup
     status = flashinfer_prewarm(shapes, args.kv_dtypes.split(","), timeout_s=args.timeout_s, log_dir=args.log_dir,
                                 status_path=args.out, min_late_s=args.min_late_s)
-    for name, entry in status["variants"].items():
+    for name, entry in status["specs"].items():
         print(f"flashinfer {name}: {entry['status']} {entry.get('seconds', '')} {entry.get('reason', '')}")
     return 0
 

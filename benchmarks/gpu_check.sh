@@ -7,7 +7,7 @@
 #      goes on without FlashInfer
 #   1. metrale_attn imports from the checkout
 #   2. environment and the device-to-device copy bandwidth             (environment.py)
-#      then, in the background: FlashInfer's JIT (CPU, niced; decode variants first, the
+#      then, in the background: FlashInfer's JIT (CPU, niced; decode specs first, the
 #      tensor-core ones only if they can still finish), the static SASS model (CPU, niced;
 #      sass_model.py, when present) and compute-sanitizer memcheck / racecheck / initcheck
 #      on a small case of every arm (a refusal is recorded, not fatal)    (sanitize_cases.py)
@@ -161,7 +161,7 @@ FI_PID=''
 FI_STATUS=$WORK/flashinfer_status.json
 if [ "$PROFILE" = full ] && [ "$MODE" = gpu ]; then
   if [ -n "$NO_FLASHINFER" ]; then
-    printf '{"variants": {}, "import_error": "%s"}\n' "$(echo "$NO_FLASHINFER" | tr -d '"\\' | cut -c1-300)" >"$FI_STATUS"
+    printf '{"specs": {}, "import_error": "%s"}\n' "$(echo "$NO_FLASHINFER" | tr -d '"\\' | cut -c1-300)" >"$FI_STATUS"
   else
     mkdir -p "$WORK/flashinfer"
     # Niced: its nvcc jobs would otherwise starve the pytest workers; it gets the CPU they leave.

@@ -43,7 +43,7 @@ class StubLaunches(CpuBackend):
 
     always_check_indices = False
 
-    def load(self, variant):
+    def load(self, spec):
         class NoOp:
             def launch(self, launch):
                 pass

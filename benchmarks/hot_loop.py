@@ -1,9 +1,9 @@
-"""What one iteration of a variant's steady-state K/V loop consumes: the part of the static
+"""What one iteration of a spec's steady-state K/V loop consumes: the part of the static
 SASS model (``sass_model.py``) that is not in the SASS.
 
-``hot_loop(variant)`` is computed from the variant's public fields (arm, head dim, KV dtype,
+``hot_loop(spec)`` is computed from the spec's public fields (arm, head dim, KV dtype,
 implementation, ``tiling``, ``kernels``, ``max_rows``, ``shared_bytes``) and its source text:
-the ``mma`` loop is one stage of each warp's ``cp.async`` ring (``Variant.tiling``); the
+the ``mma`` loop is one stage of each warp's ``cp.async`` ring (``KernelSpec.tiling``); the
 ``simt`` loop is read off the arm file's ``constexpr int VEC``/``UNROLL`` (``read_constexpr``,
 with a small evaluator of C integer arithmetic). A new kernel implementation adds its case to
 ``hot_loop`` and the rest of the model needs no edit.
@@ -17,12 +17,12 @@ import re
 from dataclasses import dataclass
 
 from metrale_attn import dtypes, policy
-from metrale_attn.kernels import KernelSourceError, Variant, read_define, source_constants
+from metrale_attn.kernels import KernelSourceError, KernelSpec, read_define, source_constants
 
 
 @dataclass(frozen=True)
 class HotLoop:
-    """What the static SASS model must know about a variant beyond its SASS: the shape of
+    """What the static SASS model must know about a spec beyond its SASS: the shape of
     the CTA and what one iteration of one warp of the steady-state K/V loop consumes.
     Units: bytes, tokens, per CTA or per warp as named."""
 
@@ -48,33 +48,33 @@ class HotLoop:
 
 
 @functools.cache
-def hot_loop(variant: Variant) -> HotLoop:
+def hot_loop(spec: KernelSpec) -> HotLoop:
     """``mma``: each warp consumes one stage of ``tile_tokens`` tokens per iteration from
     its ring of ``stages`` (a CTA's stage: 4 warps' worth). ``simt`` (``pd_attend`` in
     simt/simt_core.cuh): a thread owns ``VEC`` elements of the head dim, ``D / VEC`` threads a
     row, so a warp covers ``R = 32 / (D / VEC)`` rows per load and an iteration takes
     ``R * UNROLL`` tokens; ``VEC`` and ``UNROLL`` are the arm file's ``constexpr``s."""
-    itemsize = dtypes.NUMPY_DTYPES[variant.kv_dtype].itemsize
+    itemsize = dtypes.NUMPY_DTYPES[spec.kv_dtype].itemsize
     warps = source_constants().threads // 32
-    if variant.tiling:
-        tokens = variant.tiling.tile_tokens
-        stage = tokens * variant.head_dim * itemsize * 2
-        packed = variant.arm == "gqa_packed"
-        return HotLoop(kernel=variant.kernels[0],
-                       heads_per_cta=policy.DECODE_GQA_PACK_WIDTH if packed else variant.max_rows,
+    if spec.tiling:
+        tokens = spec.tiling.tile_tokens
+        stage = tokens * spec.head_dim * itemsize * 2
+        packed = spec.arm == "gqa_packed"
+        return HotLoop(kernel=spec.kernels[0],
+                       heads_per_cta=policy.DECODE_GQA_PACK_WIDTH if packed else spec.max_rows,
                        warps_per_cta=warps, tokens_per_warp_iter=tokens, kv_bytes_per_warp_iter=stage,
-                       pipeline_stages=variant.tiling.stages, stage_bytes=warps * stage,
-                       dynamic_smem_bytes=variant.shared_bytes, grouped=not packed)
-    text = variant.source()
+                       pipeline_stages=spec.tiling.stages, stage_bytes=warps * stage,
+                       dynamic_smem_bytes=spec.shared_bytes, grouped=not packed)
+    text = spec.source()
     vec = read_constexpr(text, "VEC", kv_itemsize=itemsize)
     unroll = read_constexpr(text, "UNROLL", kv_itemsize=itemsize)
-    tokens = 32 // (variant.head_dim // vec) * unroll
+    tokens = 32 // (spec.head_dim // vec) * unroll
     return HotLoop(
-        kernel=variant.kernels[0],
-        heads_per_cta=read_define(text, "PD_GQA") if variant.arm == "gqa_packed" else 1,
+        kernel=spec.kernels[0],
+        heads_per_cta=read_define(text, "PD_GQA") if spec.arm == "gqa_packed" else 1,
         warps_per_cta=warps,
         tokens_per_warp_iter=tokens,
-        kv_bytes_per_warp_iter=tokens * variant.head_dim * itemsize * 2,
+        kv_bytes_per_warp_iter=tokens * spec.head_dim * itemsize * 2,
     )
 
 

@@ -31,7 +31,7 @@ SWEEP_IMPL = "mma"
 
 
 class FellBack(Exception):
-    """A forced ``mma`` variant built ``simt``: the device failed the self-test (no row is timed)."""
+    """A forced ``mma`` spec built ``simt``: the device failed the self-test (no row is timed)."""
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,7 @@ def selftest_record(built: Optional[Built], backend: str) -> dict:
     ``status`` ``ok`` (the mma rows are mma), ``fallback`` (they would be simt: not timed), or
     ``not run`` (nothing asked for mma)."""
     if built is None:
-        return {"status": "not run", "detail": "no mma variant was built"}
+        return {"status": "not run", "detail": "no mma spec was built"}
     if built.fell_back:
         return {"status": "fallback", "detail": built.fallback_reason(), "warnings": list(built.warnings)}
     where = ("CPU backend: the emulation is what the kernels are verified against" if backend == "cpu"

@@ -12,7 +12,7 @@ falls back to the committed ``benchmarks/results/sass_model.json`` (regenerate i
 Rows are joined by (implementation, arm, q_heads, kv_heads, head_dim, q_dtype,
 kv_dtype, heads_per_cta) on the device's architecture, the implementation and heads per
 CTA being what the measured plan ran (``plan.impl``, ``plan.heads_per_cta``). The report
-gives an mma variant on a shape at the largest heads per CTA its group allows (up to
+gives an mma spec on a shape at the largest heads per CTA its group allows (up to
 16), so an mma row at another ``heads_per_cta`` (the ``heads_per_cta`` sweep's, or the
 plan's choice at a small batch) has no prediction. A report row without ``impl`` is a
 simt row (the report named none before the mma kernels existed). A missing or
@@ -71,7 +71,7 @@ class Predictions:
 
     def lookup(self, *, impl: str, arm: str, q_heads: int, kv_heads: int, head_dim: int, q_dtype: str,
                kv_dtype: str, heads_per_cta: int) -> Optional[dict]:
-        """The prediction for one measured variant, or None."""
+        """The prediction for one measured spec, or None."""
         want = (impl, arm, int(q_heads), int(kv_heads), int(head_dim), KV_SPELLING.get(q_dtype, q_dtype),
                 KV_SPELLING.get(kv_dtype, kv_dtype), int(heads_per_cta))
         for r in self.rows:

@@ -285,7 +285,7 @@ def render_markdown(result: dict, plot_files: Optional[list[str]] = None, plot_n
     prewarm = result.get("flashinfer_prewarm")
     if prewarm:
         parts = [f"{k}: {v.get('status')} ({v.get('seconds', '-')} s) {v.get('reason', '')}".strip()
-                 for k, v in prewarm.get("variants", {}).items()]
+                 for k, v in prewarm.get("specs", {}).items()]
         if prewarm.get("import_error"):
             parts.append(prewarm["import_error"])
         out.append("- FlashInfer JIT prewarm: " + "; ".join(parts))
@@ -495,7 +495,7 @@ def _feature_sweep(result: dict) -> list[str]:
 
 
 def _predictions(result: dict) -> list[str]:
-    """Every timed row of ours beside the static SASS model's prediction for the same variant."""
+    """Every timed row of ours beside the static SASS model's prediction for the same spec."""
     model = result.get("sass_model") or {}
     rows = [r for r in result["rows"] if r["impl"] == "metrale" and _timed(r) and r.get("sweep") != "features"]
     with_pred = [r for r in rows if r.get("sass")]
@@ -503,7 +503,7 @@ def _predictions(result: dict) -> list[str]:
            f"Report: {model.get('source') or '-'}; {model.get('note', 'no prediction')}."]
     if not with_pred:
         return out + [""]
-    out += ["", "| configuration | variant | h/CTA | measured % copy | predicted ceiling % | measured / predicted | "
+    out += ["", "| configuration | spec | h/CTA | measured % copy | predicted ceiling % | measured / predicted | "
                 "binding | instr/KiB | KiB in flight/SM | regs | spill B |", "|" + " --- |" * 11]
     for r in with_pred:
         p = r["sass"]

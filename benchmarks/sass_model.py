@@ -1,10 +1,10 @@
-"""Static SASS report: what each kernel variant's steady-state loop costs, and the
+"""Static SASS report: what each kernel spec's steady-state loop costs, and the
 share of the H200's copy bandwidth that cost leaves room for. EVERY FIGURE IS MODELLED
 from the compiler's output and the assumption table below; nothing here is measured.
 
-For each variant and model shape the report
+For each spec and model shape the report
 
-1. compiles the variant with the backend's own NVRTC path
+1. compiles the spec with the backend's own NVRTC path
    (``cupy_backend.nvrtc_compile``, ptxas ``-v``) and disassembles the cubin with
    ``nvdisasm`` (PyPI ``nvidia-cuda-nvdisasm``; see ``find_nvdisasm``);
 2. finds the hot loop from the control-flow graph: basic blocks from labels and
@@ -18,23 +18,23 @@ For each variant and model shape the report
    head counted once: ``G / heads_per_cta`` CTAs read each row, so a CTA's count is
    multiplied by that), its instruction mix and the cost on each pipe;
 4. reads registers, spills and stack frame from ptxas's ``-v`` log, shared memory
-   (static from ptxas, dynamic from the variant), and computes CTAs and warps per SM;
+   (static from ptxas, dynamic from the spec), and computes CTAs and warps per SM;
 5. models the loads in flight: plain loads are in flight from issue to the first
    instruction that touches their destination registers (the scoreboard wait); the
    bytes outstanding at those waits, per SM at that occupancy, go into Little's law.
-   A variant that declares a ``cp.async``/TMA ring (``HotLoop.pipeline_stages``,
+   A spec that declares a ``cp.async``/TMA ring (``HotLoop.pipeline_stages``,
    ``stage_bytes``) has ``(stages - 1) * stage_bytes`` per CTA in flight instead;
 6. turns each resource into a ceiling in % of the copy bandwidth: issue, every pipe,
    shared-memory bandwidth, L2 bandwidth shared by the CTAs that read each row, and
    bytes in flight at two latencies. The lowest is ``ceiling_pct``, its name ``binding``.
 
-What the model needs beyond the SASS is a variant's ``HotLoop`` (``hot_loop.py``, computed
-from the variant's public fields and source text): the kernel holding the loop, heads per
+What the model needs beyond the SASS is a spec's ``HotLoop`` (``hot_loop.py``, computed
+from the spec's public fields and source text): the kernel holding the loop, heads per
 CTA, warps per CTA, tokens and K+V bytes one warp iteration consumes, pipeline stages and
 stage bytes, dynamic shared memory.
 
 Usage: ``python -m benchmarks.sass_model [--json PATH] [--arch sm_90 [sm_100]]
-[--variants NAME_OR_ARM ...] [--shapes 32/8/128 ...] [--kv-dtypes bf16 fp8]``.
+[--specs NAME_OR_ARM ...] [--shapes 32/8/128 ...] [--kv-dtypes bf16 fp8]``.
 The markdown table goes to stdout; ``--json`` writes the rows (a list of dicts).
 """
 
@@ -54,7 +54,7 @@ import tempfile
 from dataclasses import dataclass, field
 
 from metrale_attn import dtypes
-from metrale_attn.kernels import Variant, all_variants
+from metrale_attn.kernels import KernelSpec, all_specs
 from metrale_attn.config import max_rows_per_cta
 
 from .hot_loop import hot_loop
@@ -616,13 +616,13 @@ def occupancy(registers: int, smem_bytes: int, warps_per_cta: int) -> tuple[int,
 
 
 # ======================================================================================
-# One variant's SASS facts, then one row per model shape
+# One spec's SASS facts, then one row per model shape
 # ======================================================================================
 
 
 @dataclass
-class VariantFacts:
-    variant: Variant
+class SpecFacts:
+    spec: KernelSpec
     arch: str
     resources: dict[str, int]
     hot: HotPath | None
@@ -633,17 +633,17 @@ class VariantFacts:
     warp_iters_per_sass_iter: int
 
 
-def analyse(variant: Variant, arch: str, nvdisasm: str, build: tuple[bytes, str] | None = None) -> VariantFacts:
+def analyse(spec: KernelSpec, arch: str, nvdisasm: str, build: tuple[bytes, str] | None = None) -> SpecFacts:
     """Compile (or take ``build`` = ``(cubin, ptxas -v log)``), disassemble, find the hot loop."""
     if build is None:
         from metrale_attn.backends.cupy_backend import nvrtc_compile
 
-        build = nvrtc_compile(variant, arch, ptxas_verbose=True)
+        build = nvrtc_compile(spec, arch, ptxas_verbose=True)
     cubin, log = build
-    loop = hot_loop(variant)
+    loop = hot_loop(spec)
     functions = parse_functions(disassemble(cubin, nvdisasm))
     if loop.kernel not in functions:
-        raise RuntimeError(f"{loop.kernel} not in the disassembly of {variant.name} ({', '.join(functions)})")
+        raise RuntimeError(f"{loop.kernel} not in the disassembly of {spec.name} ({', '.join(functions)})")
     hot = find_hot_path(*functions[loop.kernel])
     resources = ptxas_resources(log, loop.kernel)
     ctas, limiter = occupancy(resources["registers"], resources["static_smem_bytes"] + loop.dynamic_smem_bytes,
@@ -652,29 +652,29 @@ def analyse(variant: Variant, arch: str, nvdisasm: str, build: tuple[bytes, str]
     vector_bytes = sum(global_load_bytes(i) for i in hot.instrs if _width_bytes(i) >= 8 or i.base == "LDGSTS") \
         if hot else 0
     iters = max(1, round(vector_bytes / loop.kv_bytes_per_warp_iter)) if vector_bytes else 1
-    return VariantFacts(variant, arch, resources, hot, in_flight, ctas, limiter, vector_bytes, iters)
+    return SpecFacts(spec, arch, resources, hot, in_flight, ctas, limiter, vector_bytes, iters)
 
 
 KV_SPELLING = {"bf16": "bf16", "fp16": "fp16", "fp8": "fp8_e4m3"}
 
 
 def heads_per_cta(loop, group: int) -> int:
-    """Heads per CTA on a shape: the variant's own, or for a grouped (mma) variant the
+    """Heads per CTA on a shape: the spec's own, or for a grouped (mma) spec the
     largest divisor of the group it can hold (the budgets are stated at that value)."""
     if not loop.grouped:
         return loop.heads_per_cta
     return max(h for h in range(1, loop.heads_per_cta + 1) if group % h == 0)
 
 
-def row(facts: VariantFacts, q_heads: int, kv_heads: int) -> dict:
-    """One report row: the variant's SASS facts scaled to a model shape, and the model."""
-    v, loop, hot = facts.variant, hot_loop(facts.variant), facts.hot
+def row(facts: SpecFacts, q_heads: int, kv_heads: int) -> dict:
+    """One report row: the spec's SASS facts scaled to a model shape, and the model."""
+    v, loop, hot = facts.spec, hot_loop(facts.spec), facts.hot
     group = q_heads // kv_heads
     hpc = heads_per_cta(loop, group)
     readers = group / hpc  # CTAs reading each K/V row
     res = facts.resources
     base = {
-        "arm": v.arm, "impl": v.impl, "variant": v.name, "kernel": loop.kernel, "arch": facts.arch,
+        "arm": v.arm, "impl": v.impl, "spec": v.name, "kernel": loop.kernel, "arch": facts.arch,
         "q_heads": q_heads, "kv_heads": kv_heads, "head_dim": v.head_dim,
         "q_dtype": v.q_dtype, "kv_dtype": KV_SPELLING[v.kv_dtype],
         "heads_per_cta": hpc, "group_size": group, "ctas_per_kv_row": readers,
@@ -749,12 +749,12 @@ DEFAULT_KV = ("bf16", "fp8")
 DEFAULT_Q = ("bf16",)
 
 
-def serves(variant: Variant, q_heads: int, kv_heads: int, head_dim: int) -> bool:
-    """A variant serves a shape at its head dim when its heads per CTA divide the group;
-    a grouped (mma) variant when it is the smallest whose capacity holds the group's
+def serves(spec: KernelSpec, q_heads: int, kv_heads: int, head_dim: int) -> bool:
+    """A spec serves a shape at its head dim when its heads per CTA divide the group;
+    a grouped (mma) spec when it is the smallest whose capacity holds the group's
     largest choice (one row tile for groups up to 8, two above)."""
-    loop, group = hot_loop(variant), q_heads // kv_heads
-    if variant.head_dim != head_dim:
+    loop, group = hot_loop(spec), q_heads // kv_heads
+    if spec.head_dim != head_dim:
         return False
     if not loop.grouped:
         return group % loop.heads_per_cta == 0
@@ -762,10 +762,10 @@ def serves(variant: Variant, q_heads: int, kv_heads: int, head_dim: int) -> bool
     return (best > 8) == (loop.heads_per_cta > 8)
 
 
-def select(patterns, shapes, kv_dtypes, q_dtypes) -> list[tuple[Variant, tuple[int, int, int]]]:
+def select(patterns, shapes, kv_dtypes, q_dtypes) -> list[tuple[KernelSpec, tuple[int, int, int]]]:
     chosen = []
     for shape in shapes:
-        for v in all_variants():
+        for v in all_specs():
             if v.kv_dtype not in kv_dtypes or v.q_dtype not in q_dtypes or not serves(v, *shape):
                 continue
             if v.features and not (patterns and any(fnmatch.fnmatch(v.name, p) for p in patterns)):
@@ -808,15 +808,15 @@ def markdown(rows: list[dict]) -> str:
             f"{_pct(c['latency_500ns'])} | {_pct(c['latency_800ns'])} | **{r['ceiling_pct']:.0f}** | {r['binding']} |")
     shown = [k for k in MIX_KEYS if any(r.get("mix", {}).get(k) for r in rows)]
     lines += ["", "Hot-path instruction mix per warp iteration (instructions; tokens and K+V bytes per iteration):",
-              "", "| variant | tokens | K+V B | path / body instr | " + " | ".join(shown) + " |",
+              "", "| spec | tokens | K+V B | path / body instr | " + " | ".join(shown) + " |",
               "|" + "---|" * (4 + len(shown))]
     seen = set()
     for r in rows:
-        if not r["loop_found"] or (r["variant"], r["arch"]) in seen:
+        if not r["loop_found"] or (r["spec"], r["arch"]) in seen:
             continue
-        seen.add((r["variant"], r["arch"]))
+        seen.add((r["spec"], r["arch"]))
         lp = r["loop"]
-        lines.append(f"| {r['variant']} ({r['arch']}) | {r['tokens_per_warp_iter'] * lp['warp_iters_per_sass_iter']} "
+        lines.append(f"| {r['spec']} ({r['arch']}) | {r['tokens_per_warp_iter'] * lp['warp_iters_per_sass_iter']} "
                      f"| {r['kv_bytes_per_warp_iter'] * lp['warp_iters_per_sass_iter']} | "
                      f"{lp['hot_path_instructions']} / {lp['converged_body_instructions']} | "
                      + " | ".join(str(r["mix"][k]) for k in shown) + " |")
@@ -838,8 +838,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--json", metavar="PATH", help="write the rows (a list of dicts) here")
     p.add_argument("--arch", nargs="+", default=["sm_90"], help="NVRTC architectures (default sm_90; sm_100 too)")
-    p.add_argument("--variants", nargs="+", default=[], metavar="NAME",
-                   help="variant names or arms, shell patterns allowed (default: all)")
+    p.add_argument("--specs", nargs="+", default=[], metavar="NAME",
+                   help="spec names or arms, shell patterns allowed (default: all)")
     p.add_argument("--shapes", nargs="+", type=_shape, default=list(DEFAULT_SHAPES), metavar="Q/KV/D",
                    help="model shapes q_heads/kv_heads/head_dim (default 32/8/128 64/8/128 24/4/256)")
     p.add_argument("--kv-dtypes", nargs="+", default=list(DEFAULT_KV), choices=dtypes.KV_DTYPES)
@@ -857,17 +857,17 @@ def main(argv=None) -> int:
     if nvdisasm is None:
         print("nvdisasm not found: pip install nvidia-cuda-nvdisasm (or set NVDISASM)", file=sys.stderr)
         return 2
-    chosen = select(args.variants, args.shapes, args.kv_dtypes, args.q_dtypes)
+    chosen = select(args.specs, args.shapes, args.kv_dtypes, args.q_dtypes)
     if not chosen:
-        print("no variant matches", file=sys.stderr)
+        print("no spec matches", file=sys.stderr)
         return 2
-    facts: dict[tuple[str, str], VariantFacts] = {}
+    facts: dict[tuple[str, str], SpecFacts] = {}
     rows = []
     for arch in args.arch:
-        for variant, (q_heads, kv_heads, _) in chosen:
-            key = (variant.name, arch)
+        for spec, (q_heads, kv_heads, _) in chosen:
+            key = (spec.name, arch)
             if key not in facts:
-                facts[key] = analyse(variant, arch, nvdisasm)
+                facts[key] = analyse(spec, arch, nvdisasm)
             rows.append(row(facts[key], q_heads, kv_heads))
     print(markdown(rows), end="")
     if args.json:

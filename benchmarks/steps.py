@@ -12,7 +12,7 @@ so that they are tested (``benchmarks/tests/test_benchmarks.py``) rather than tr
 - ``exit-code``: 0 when the run produced benchmark rows of ours, 1 when it did not (a run
   that measured nothing is a failed run, whatever else passed).
 - ``json-status``: ``status<TAB>detail`` of a step's own JSON (the L2 probe's).
-- ``flashinfer``: the JIT prewarm's status file: ``ok`` when a variant built, each variant's fate.
+- ``flashinfer``: the JIT prewarm's status file: ``ok`` when a spec built, each spec's fate.
 - ``selftest``: the mma self-test's record in the benchmark JSON: ``ok`` (the mma rows ran mma),
   ``FALLBACK`` (the device disagreed with the emulation: ``DecodeAttention`` built simt, the mma
   rows were not timed) or ``skipped`` (nothing was built).
@@ -104,17 +104,17 @@ def bench_verdict(rc: int, json_path: Optional[str]) -> tuple[str, str]:
 
 
 def flashinfer_verdict(path: str) -> tuple[str, str]:
-    """The JIT prewarm's status file: ``ok`` when a variant built, each variant's status and seconds."""
+    """The JIT prewarm's status file: ``ok`` when a spec built, each spec's status and seconds."""
     data = load_json(path)
     if data is None:
         return "FAIL", f"no prewarm status ({path})"
     if data.get("import_error"):
         return "skipped", data["import_error"]
-    variants = data.get("variants", {})
+    specs = data.get("specs", {})
     detail = "; ".join(f"{name} {v.get('status')}" + (f" {v['seconds']:.0f}s" if v.get("seconds") is not None else "")
-                       for name, v in variants.items())
-    built = any(v.get("status") == "ok" for v in variants.values())
-    return ("ok" if built else "FAIL"), detail or "no variant"
+                       for name, v in specs.items())
+    built = any(v.get("status") == "ok" for v in specs.values())
+    return ("ok" if built else "FAIL"), detail or "no spec"
 
 
 def selftest_verdict(json_path: Optional[str]) -> tuple[str, str]:

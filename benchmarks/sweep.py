@@ -21,14 +21,14 @@ What one row means (GPU):
   (``unpacked``: splitk off; ``splitk``: splitk auto; ``gqa_packed``: splitk off +
   gqa_pack on, where the shape fits; ``splitk:N``: pinned N splits), on each kernel
   implementation (``impl="simt"``, ``impl="mma"``), and the policy's default (flagged
-  ``default`` on the forced variant with the same geometry: arm, splits, implementation,
+  ``default`` on the forced spec with the same geometry: arm, splits, implementation,
   heads per CTA; or timed on its own). The ``heads_per_cta`` tier forces ``heads_per_cta=``
   on the mma kernels instead and marks the plan's choice; the ``features`` tier builds the
   mma kernels with one feature each (``sweep_plan.FEATURES``), checks each against the
   float64 reference with that feature (``reference.paged_decode`` on the host) and gives
   its time over the plain row's (``vs_plain``). A row's ``kernel_impl`` and
   ``heads_per_cta`` are what the plan of the built object runs: where the mma self-test
-  failed on the device (``DecodeAttention`` warned and built simt), a forced mma variant
+  failed on the device (``DecodeAttention`` warned and built simt), a forced mma spec
   is not timed but listed with status ``fallback`` and the warning.
   Arrays are PyTorch CUDA tensors (fp8 as ``torch.float8_e4m3fn``); ``run`` is given
   ``out`` so it allocates nothing.
@@ -53,7 +53,7 @@ What one row means (GPU):
 
 Time: ``--time-budget-s`` bounds the sweep. Ours runs job by job until
 ``--late-reserve-s`` is left, then the late phase times FlexAttention (one bf16
-configuration per shape, each compile under its own cap) and FlashInfer (the variants
+configuration per shape, each compile under its own cap) and FlashInfer (the specs
 its JIT built by then, after waiting for those still building while the budget allows)
 on the configurations already measured, in the same order; then ours resumes until the
 budget is spent. What was not reached is listed as not measured.
@@ -390,7 +390,7 @@ class Sweep:
             is_default = not matched and self.geometry(plan) == want
             matched |= is_default
             rows.append(self.measure_ours(job, case, attn, slot, plan, is_default))
-        if not matched:  # the policy's geometry is none of the forced variants': time it as its own row
+        if not matched:  # the policy's geometry is none of the forced specs': time it as its own row
             rows.append(self.measure_ours(job, case, default_attn, Slot("default"), default_plan, True))
         self.host_overhead(job)
         for name in job.baselines:
@@ -807,7 +807,7 @@ class GpuSweep(Sweep):
 
     def host_overhead(self, job: Job) -> None:
         """Python microseconds per call at batch 1 x 1k: eager ``run`` (no sync) and a graph launch,
-        for every variant built so far for this model and KV dtype (once per pair)."""
+        for every spec built so far for this model and KV dtype (once per pair)."""
         config = job.config
         iters = self.args.host_overhead_iters
         pair = (config.model, config.kv_dtype)
@@ -844,27 +844,27 @@ class GpuSweep(Sweep):
         from . import baselines
 
         status = self._load_flashinfer_status(None)
-        variant = baselines.flashinfer_variant(config.shape.num_q_heads, config.shape.num_kv_heads,
-                                               config.shape.head_dim, config.kv_dtype)
-        entry = status.get("variants", {}).get(variant)
+        spec = baselines.flashinfer_spec(config.shape.num_q_heads, config.shape.num_kv_heads,
+                                            config.shape.head_dim, config.kv_dtype)
+        entry = status.get("specs", {}).get(spec)
         if entry is None:
-            return status.get("import_error") or f"FlashInfer variant {variant} was not compiled ahead of the run"
+            return status.get("import_error") or f"FlashInfer spec {spec} was not compiled ahead of the run"
         if entry.get("status") != "ok":
-            return f"FlashInfer variant {variant}: JIT prewarm {entry.get('status')}: {entry.get('reason', '')}"[:400]
+            return f"FlashInfer spec {spec}: JIT prewarm {entry.get('status')}: {entry.get('reason', '')}"[:400]
         return None
 
     def wait_for_builds(self, name: str, configs: list[Config]) -> None:
-        """FlashInfer variants its JIT is still building when the late phase starts: the GPU has nothing
+        """FlashInfer specs its JIT is still building when the late phase starts: the GPU has nothing
         else left to do, so wait for them while the budget still leaves time to time every configuration."""
         from . import baselines
 
         if name != "flashinfer":
             return
-        variants = {baselines.flashinfer_variant(c.shape.num_q_heads, c.shape.num_kv_heads, c.shape.head_dim,
+        specs = {baselines.flashinfer_spec(c.shape.num_q_heads, c.shape.num_kv_heads, c.shape.head_dim,
                                                  c.kv_dtype) for c in configs}
         t0, said = time.monotonic(), False
         while self.left() > self.args.flashinfer_min_s * len(configs) + 5:
-            pending = baselines.pending_builds(self._load_flashinfer_status(None), sorted(variants))
+            pending = baselines.pending_builds(self._load_flashinfer_status(None), sorted(specs))
             if not pending:
                 break
             if not said:
@@ -927,7 +927,7 @@ class GpuSweep(Sweep):
 
     def _load_flashinfer_status(self, configs: Optional[list[Config]]) -> dict:
         """The prewarm's status: re-read from ``--flashinfer-status`` each time (the JIT runs beside
-        the sweep and writes it as variants finish); without that file, compiled here once."""
+        the sweep and writes it as specs finish); without that file, compiled here once."""
         from . import baselines
 
         args = self.args
@@ -936,7 +936,7 @@ class GpuSweep(Sweep):
                 with open(args.flashinfer_status) as f:
                     self.flashinfer_status = json.load(f)
             except (OSError, ValueError) as err:
-                self.flashinfer_status = {"variants": {}, "import_error": f"prewarm status unreadable: {err}"}
+                self.flashinfer_status = {"specs": {}, "import_error": f"prewarm status unreadable: {err}"}
             return self.flashinfer_status
         if self.flashinfer_status is None and configs is not None:
             shapes = sorted({(c.shape.num_q_heads, c.shape.num_kv_heads, c.shape.head_dim) for c in configs})
@@ -945,7 +945,7 @@ class GpuSweep(Sweep):
             self.flashinfer_status = baselines.flashinfer_prewarm(shapes, dtypes,
                                                                   timeout_s=args.flashinfer_jit_cap_s)
             self.flashinfer_status["elapsed_s"] = round(time.monotonic() - t0, 1)
-        return self.flashinfer_status or {"variants": {}}
+        return self.flashinfer_status or {"specs": {}}
 
 
 def _not_measured(result: dict, jobs: list[Job], reason: str) -> None:

@@ -143,7 +143,7 @@ class Job:
 
 @dataclass(frozen=True)
 class Slot:
-    """One timed variant of ours on a configuration: an arm (``default``: the policy's choice), an
+    """One timed spec of ours on a configuration: an arm (``default``: the policy's choice), an
     implementation forced (None: the default), a forced ``heads_per_cta`` (None: the plan's rule)
     and a feature of ``FEATURES`` (None: plain decode outside the features tier)."""
 
@@ -298,7 +298,7 @@ def plan_jobs(args) -> list[Job]:
 
 
 def slots_for(job: Job, arms: list[str]) -> list[Slot]:
-    """The variants of ours a job times: each forced arm on each implementation, (``hpc``) each
+    """The specs of ours a job times: each forced arm on each implementation, (``hpc``) each
     ``heads_per_cta`` on the mma kernels, or (``features``) each feature on them."""
     if job.kind == "hpc":
         return [Slot("default", SWEEP_IMPL, h) for h in job.hpc_values]

@@ -1,8 +1,8 @@
 """``DecodeAttention``: the object a serving loop builds once and calls every decode step.
 
 The story of one layer: construction checks the configuration once (``config``),
-resolves the target and policy, compiles (or loads cached) every kernel variant a call
-can reach (``kernels.variants_for``), and allocates or adopts the split-K workspace once
+resolves the target and policy, compiles (or loads cached) every kernel spec a call
+can reach (``kernels.specs_for``), and allocates or adopts the split-K workspace once
 (``workspace``). ``run`` hands the call's arguments to the binder (``binding``: checked
 by ``validation`` unless they are the buffers checked last time), and launches the
 plan's kernels under the workspace's lock. With ``out`` (and ``lse``) given it allocates
@@ -29,9 +29,9 @@ from . import dtypes
 from .backends import get_backend
 from .binding import CallBinder, kernel_abi
 from .config import ENV_IMPL, LayerConfig, configure, impl_chosen
-from .kernels import smem_refusal, source_constants, variants_for
+from .kernels import smem_refusal, source_constants, specs_for
 from .plan import LEGACY_MAX_DECODE_SEQS, DecodePlan, make_plan
-from .targets import resolve_defaults, target_for
+from .targets import resolve_target_policy, target_for
 from .validation import check_indices, check_sink_values
 from .workspace import WorkspaceGroup, adopt, allocate, layer_workspace, storage_guard
 
@@ -153,35 +153,35 @@ class DecodeAttention:
         **features,
     ) -> None:
         self.backend = get_backend(backend) if backend is None or isinstance(backend, str) else backend
-        defaults = resolve_defaults(target_for(self.backend.device(), target), splitk=splitk, gqa_pack=gqa_pack)
+        target_policy = resolve_target_policy(target_for(self.backend.device(), target), splitk=splitk, gqa_pack=gqa_pack)
         config = configure(num_q_heads, num_kv_heads, head_dim, page_size, q_dtype=q_dtype, kv_dtype=kv_dtype,
-                           max_batch=max_batch, defaults=defaults, kv_layout=kv_layout, sm_scale=sm_scale,
+                           max_batch=max_batch, target_policy=target_policy, kv_layout=kv_layout, sm_scale=sm_scale,
                            max_decode_seqs=max_decode_seqs, impl=impl, heads_per_cta=heads_per_cta, **features)
         self.config: LayerConfig = _with_launchable_impl(config, self.backend, impl_chosen(impl, os.environ.get(ENV_IMPL)))
         self.check_indices = check_indices or self.backend.always_check_indices
         self._device = self.backend.current_device()
 
         # The split-K workspace: this layer's own, or the caller's (which many layers may share).
-        self.workspace_spec = layer_workspace(self.config)
+        self.workspace_layout = layer_workspace(self.config)
         if workspace is None:
-            self.workspace = allocate(self.backend, self.config, self.workspace_spec)
+            self.workspace = allocate(self.backend, self.config, self.workspace_layout)
         else:
-            self.workspace = adopt(self.backend, workspace, self.config, self.workspace_spec, self._device)
+            self.workspace = adopt(self.backend, workspace, self.config, self.workspace_layout, self._device)
         # A caller's torch tensor can lose its memory under us (resize_(0), set_()): checked every call.
         self._workspace_guard = None if workspace is None else storage_guard(workspace, self.workspace_nbytes)
         info = self.backend.describe(self.workspace, "workspace")
         self._group = WorkspaceGroup.join(self._device, info.byte_range())
 
-        # Every variant a call can reach, compiled now, so that run() never compiles.
+        # Every spec a call can reach, compiled now, so that run() never compiles.
         self._plans: dict[tuple[int, int], DecodePlan] = {}
-        variants = variants_for(self.config)
-        with _said_while_slow(f"compiling {len(variants)} kernel variant(s) for {self.config.target.arch} "
-                              f"({', '.join(v.name for v in variants.values())})"):
-            modules = self.backend.load_many(variants.values())
-        abi = {kernel: params for variant in variants.values() for kernel, params in kernel_abi(variant).items()}
+        specs = specs_for(self.config)
+        with _said_while_slow(f"compiling {len(specs)} kernel spec(s) for {self.config.target.arch} "
+                              f"({', '.join(v.name for v in specs.values())})"):
+            modules = self.backend.load_many(specs.values())
+        abi = {kernel: params for spec in specs.values() for kernel, params in kernel_abi(spec).items()}
         constants = source_constants()
         self._binder = CallBinder(self.config, self.backend, self._device,
-                                  {key: (v, m) for (key, v), m in zip(variants.items(), modules)}, abi, self.plan,
+                                  {key: (v, m) for (key, v), m in zip(specs.items(), modules)}, abi, self.plan,
                                   self._group, self.backend.pointer(self.workspace, info),
                                   (constants.threads, constants.merge_threads))
         with _HANDLES_LOCK:
@@ -192,7 +192,7 @@ class DecodeAttention:
             logger.debug("DecodeAttention %d/%d/%d, page %d, %s, impl %s, max_batch %d: %s; batch 1: %s; batch %d: %s",
                          shape.num_q_heads, shape.num_kv_heads, shape.head_dim, self.config.page_size,
                          self.target_line(), self.config.impl, self.config.max_batch,
-                         ", ".join(v.name for v in variants.values()), self.plan(1).reason, self.config.max_batch,
+                         ", ".join(v.name for v in specs.values()), self.plan(1).reason, self.config.max_batch,
                          self.plan(self.config.max_batch).reason)
 
     def __getattr__(self, name: str):
@@ -204,11 +204,11 @@ class DecodeAttention:
 
     @property
     def workspace_nbytes(self) -> int:
-        """Bytes of split-K workspace this object needs (``workspace_spec``: slots x
+        """Bytes of split-K workspace this object needs (``workspace_layout``: slots x
         ``head_dim + 2`` fp32); a workspace passed to the constructor must hold at least
         this many (``policy.workspace_slots``, which reserves slots even for a pinned
         single split)."""
-        return self.workspace_spec.nbytes
+        return self.workspace_layout.nbytes
 
     @property
     def handle(self) -> int:
@@ -237,12 +237,12 @@ class DecodeAttention:
         plan = self._plans.get((num_seqs, q_len))
         if plan is None:
             plan = self._plans[num_seqs, q_len] = make_plan(self.config, num_seqs, q_len,
-                                                             workspace=self.workspace_spec)
+                                                             workspace=self.workspace_layout)
         return plan
 
     def target_line(self) -> str:
         """``target defaults (...): ...``, for logs and the CLI."""
-        return self.config.defaults.line()
+        return self.config.target_policy.line()
 
     def run(self, q, k_cache, v_cache, block_tables, seq_lens, *, k_scale: float = 1.0, v_scale: float = 1.0,
             out=None, return_lse: bool = False, lse=None, stream=None, sinks=None):

@@ -6,7 +6,7 @@ Each kernel's parameter list (names, order, C types) is read from its source
 and a parameter named after a ``LayerConfig`` field takes that field's value (``int
 window_left``), so a feature whose kernels read a configured value needs no entry here.
 A parameter that is neither fails ``kernel_abi`` (and the test that builds every
-variant's ABI) before anything launches.
+spec's ABI) before anything launches.
 
 ``CallBinder`` turns one call's arrays and scales into launches: it checks each array
 (``validation``) unless it is the buffer checked last time, and keeps one template of
@@ -76,14 +76,14 @@ def argument_source(name: str) -> Optional[str]:
     return "config" if name in _CONFIG_FIELDS else None
 
 
-def kernel_abi(variant) -> dict[str, tuple]:
-    """Per kernel of ``variant``: ``((parameter name, NumPy scalar type or None for a pointer), ...)``,
+def kernel_abi(spec) -> dict[str, tuple]:
+    """Per kernel of ``spec``: ``((parameter name, NumPy scalar type or None for a pointer), ...)``,
     refusing a parameter no value is bound to."""
     abi = {}
-    for kernel, params in kernel_params(variant).items():
+    for kernel, params in kernel_params(spec).items():
         unbound = [p.name for p in params if argument_source(p.name) is None]
         if unbound:
-            raise RuntimeError(f"kernel {kernel} ({variant.name}) declares {', '.join(unbound)}, which nothing binds: "
+            raise RuntimeError(f"kernel {kernel} ({spec.name}) declares {', '.join(unbound)}, which nothing binds: "
                                "name it after a LayerConfig field or add it to binding.ARGUMENTS")
         abi[kernel] = tuple((p.name, None if p.is_pointer else p.numpy_type) for p in params)
     return abi
@@ -140,7 +140,7 @@ _MAX_TEMPLATES = 64
 class CallBinder:
     """One layer's calls turned into launches.
 
-    ``modules``: ``(arm, row_tiles, multi_token) -> (variant, module)``; ``abi``: kernel ->
+    ``modules``: ``(arm, row_tiles, multi_token) -> (spec, module)``; ``abi``: kernel ->
     ``kernel_abi``; ``plan``: the layer's memoized ``plan(num_seqs, q_len)``; ``group``: the
     ``WorkspaceGroup`` (its byte range is what inputs may not overlap); ``block``: the
     attention kernels' and the merge's block sizes.
@@ -153,7 +153,7 @@ class CallBinder:
         self._workspace, self._block = workspace_pointer, block
         self._seen: list = [None] * len(ARRAY_ARGUMENTS)  # per argument: the last buffer checked (_Seen)
         self.last: Optional[BoundCall] = None  # the last validated call, reused for the same buffers and scales
-        self._templates: dict = {}  # (plan, scalars, strides) -> per kernel typed values and pointer slots
+        self._templates: dict = {}  # (plan, scalars, strides) -> per kernel typed values and where its pointers go
 
     def bind(self, arrays: tuple, k_scale, v_scale) -> BoundCall:
         """The launches of a call of ``arrays`` (``ARRAY_ARGUMENTS`` in order; ``sinks`` and
@@ -241,8 +241,8 @@ class CallBinder:
         source declares, by name.
 
         Built once per plan, scalars and strides as a template: each kernel's typed
-        values (NumPy scalars of the ABI's types) with a slot per array pointer; a call
-        with new buffers of the same strides only fills the slots."""
+        values (NumPy scalars of the ABI's types) with a hole per array pointer; a call
+        with new buffers of the same strides only fills the holes."""
         key = (id(plan), *scalars.values(), *[None if x is None else x.info.strides for x in seen])
         template = self._templates.get(key)
         if template is None:
@@ -250,19 +250,19 @@ class CallBinder:
                 self._templates.clear()
             template = self._templates[key] = self._template(plan, seen, scalars)
         launches = []
-        for module, kernel, grid, block, shared, values, slots in template:
+        for module, kernel, grid, block, shared, values, holes in template:
             values = values.copy()
-            for j, index in slots:
+            for j, index in holes:
                 values[j] = seen[index].pointer
             launches.append((module, Launch(kernel, grid, block, shared, tuple(values))))
         return tuple(launches)
 
     def _template(self, plan, seen: list, scalars: dict) -> tuple:
         """Per kernel of ``plan``: ``(module, kernel, grid, block, shared bytes, values,
-        slots)``; ``slots`` are ``(position, argument index)`` of the array pointers. Values
+        holes)``; ``holes`` are ``(position, argument index)`` of the array pointers. Values
         other than the arrays' pointers depend only on the plan, the scalars, the arrays'
         strides and the layer."""
-        variant, module = self._modules[plan.arm, plan.row_tiles, plan.q_len > 1]
+        spec, module = self._modules[plan.arm, plan.row_tiles, plan.q_len > 1]
         values_of = _Values(self.config, plan, seen, scalars, self._workspace, self.backend.pointer(None))
         index = {name: i for i, name in enumerate(ARRAY_ARGUMENTS) if seen[i] is not None}
         template = []
@@ -272,12 +272,12 @@ class CallBinder:
             for name, typ in abi:
                 value = ARGUMENTS[name](values_of) if name in ARGUMENTS else getattr(self.config, name)
                 values.append(value if typ is None else typ(value))
-            slots = tuple((j, index[name]) for j, (name, typ) in enumerate(abi) if typ is None and name in index)
-            for j, _ in slots:  # filled per call; the template keeps no array alive
+            holes = tuple((j, index[name]) for j, (name, typ) in enumerate(abi) if typ is None and name in index)
+            for j, _ in holes:  # filled per call; the template keeps no array alive
                 values[j] = None
             if i == 0:  # the attention kernel
-                block, shared = (self._block[0], 1, 1), variant.shared_bytes
+                block, shared = (self._block[0], 1, 1), spec.shared_bytes
             else:  # the merge
                 block, shared = (self._block[1], 1, 1), 0
-            template.append((module, grid.kernel, grid.grid, block, shared, values, slots))
+            template.append((module, grid.kernel, grid.grid, block, shared, values, holes))
         return tuple(template)

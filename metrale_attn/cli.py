@@ -17,9 +17,9 @@ from .config import ENV_IMPL, ModelShape, configure, impl_chosen
 from .kernels import smem_refusal
 from .plan import LEGACY_MAX_DECODE_SEQS, make_plan, workspace_for
 from .policy import parse_gqa_pack
-from .precompile import (Layer, Options, PrecompileError, build, check_nvrtc, layers_of, needed_variants,
+from .precompile import (Layer, Options, PrecompileError, build, check_nvrtc, layers_of, needed_specs,
                          target_for_arch)
-from .targets import TARGETS, get_target, resolve_defaults
+from .targets import TARGETS, get_target, resolve_target_policy
 
 MODELS: dict[str, ModelShape] = {
     "qwen3.8-27b": ModelShape(24, 4, 256),  # the GQA-pack width: 24 = 4 x 6 at head_dim 256
@@ -74,19 +74,19 @@ def _shape(args: argparse.Namespace) -> ModelShape:
 
 def render_plan_table(args: argparse.Namespace) -> str:
     """The target line and one row per batch size."""
-    defaults = resolve_defaults(get_target(args.target), splitk=args.splitk, gqa_pack=args.gqa_pack)
+    target_policy = resolve_target_policy(get_target(args.target), splitk=args.splitk, gqa_pack=args.gqa_pack)
     shape = _shape(args)
     max_batch = max(max(args.batch), 1) if args.max_batch is None else args.max_batch
-    workspace = workspace_for(defaults, shape, max_batch=max_batch, max_decode_seqs=args.max_decode_seqs)
+    workspace = workspace_for(target_policy, shape, max_batch=max_batch, max_decode_seqs=args.max_decode_seqs)
     # What the library would run: the flags, else the same environment variables it reads.
     config = configure(shape.num_q_heads, shape.num_kv_heads, shape.head_dim, 16, q_dtype=args.q_dtype,
-                       kv_dtype=args.kv_dtype, max_batch=max_batch, defaults=defaults,
+                       kv_dtype=args.kv_dtype, max_batch=max_batch, target_policy=target_policy,
                        max_decode_seqs=args.max_decode_seqs, impl=args.impl, heads_per_cta=args.heads_per_cta)
     if config.impl == "mma" and not impl_chosen(args.impl, os.environ.get(ENV_IMPL)) and smem_refusal(config):
         config = replace(config, impl="simt")  # as DecodeAttention falls back: no mma kernel fits the target
     impl = config.impl
     lines = [
-        defaults.line(),
+        target_policy.line(),
         f"model: q_heads={shape.num_q_heads} kv_heads={shape.num_kv_heads} head_dim={shape.head_dim} "
         f"max_batch={max_batch}; impl {impl}; workspace {workspace.slots} slots x {workspace.slot_floats} fp32 = "
         f"{workspace.nbytes} bytes",
@@ -100,7 +100,7 @@ def render_plan_table(args: argparse.Namespace) -> str:
         used = plan.slots_used * workspace.slot_floats * 4
         lines.append(
             f"{batch:>6}  {plan.arm:<10}  {plan.num_splits:>6}  {plan.heads_per_cta:>5}  {grids:<28}  "
-            f"{plan.ctas:>7}  {plan.waves(defaults.sm_count):>6.2f}  {used:>10}"
+            f"{plan.ctas:>7}  {plan.waves(target_policy.sm_count):>6.2f}  {used:>10}"
         )
     return "\n".join(lines)
 
@@ -182,7 +182,7 @@ def run_precompile(args: argparse.Namespace, out=print) -> int:
     options = Options(q_dtype=q_dtype, kv_dtype=args.kv_dtype, max_batch=args.max_batch, max_q_len=args.max_q_len,
                       out_dtype=args.out_dtype, page_size=args.page_size, splitk=args.splitk, gqa_pack=args.gqa_pack,
                       impl=args.impl, heads_per_cta=args.heads_per_cta, max_decode_seqs=args.max_decode_seqs)
-    plans = [needed_variants(layers, target, options, sm_count=args.sm_count) for target in targets]
+    plans = [needed_specs(layers, target, options, sm_count=args.sm_count) for target in targets]
     where = "--q-dtype" if args.q_dtype else ("the config's dtype" if model_dtype else "the default")
     lines.append(f"dtypes: q {q_dtype} ({where}), KV {args.kv_dtype or q_dtype}"
                  f"{'' if args.kv_dtype else ' (as q; --kv-dtype to change)'}; max_batch {args.max_batch}, "
@@ -237,7 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
                       "or fp8_e5m2")
 
     pre = sub.add_parser("precompile", help="compile every kernel a model needs for a GPU, without one, into the "
-                         "cache (or --cache-dir)", description="Compile every kernel variant DecodeAttention builds "
+                         "cache (or --cache-dir)", description="Compile every kernel spec DecodeAttention builds "
                          "for a model's layers on a target, with NVRTC (no GPU needed), into the cubin cache a "
                          "later construction finds. Safe to run from several processes at once.")
     where = pre.add_argument_group("where")

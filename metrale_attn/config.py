@@ -1,14 +1,14 @@
-"""One layer's configuration, validated once: what the plan, the variants and the launch read.
+"""One layer's configuration, validated once: what the plan, the specs and the launch read.
 
 ``configure`` turns the keyword arguments a caller gives ``DecodeAttention`` (shape,
 dtypes, layout, features, implementation, policy inputs) into a frozen ``LayerConfig``,
 refusing a bad value with the argument's name. Nothing below it checks those values
-again: ``plan.make_plan``, ``kernels.variants_for`` and the launch binding take the
+again: ``plan.make_plan``, ``kernels.specs_for`` and the launch binding take the
 config as true.
 
 A feature of the ``mma`` core is one entry of ``FEATURES``: its name, and the rule
 saying when a layer has it. The name is the feature's only spelling: the kernels
-compile it as ``-DPD_<NAME>=0|1`` (``PD_WINDOW``), variant names carry it as a suffix
+compile it as ``-DPD_<NAME>=0|1`` (``PD_WINDOW``), spec names carry it as a suffix
 (``..._window``), and a kernel parameter named after a ``LayerConfig`` field (``int
 window_left``) takes that field's value. docs/adding-a-kernel-feature.md walks through it.
 
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
 
 from . import dtypes, policy
-from .targets import Defaults
+from .targets import TargetPolicy
 
 HEAD_DIMS = (64, 128, 256)
 LAYOUTS = ("NHD", "HND")
@@ -92,7 +92,7 @@ class LayerConfig:
     q_dtype: str
     kv_dtype: str
     max_batch: int
-    defaults: Defaults
+    target_policy: TargetPolicy
     kv_layout: str = "NHD"
     out_dtype: Optional[str] = None  # None: q_dtype
     sm_scale: Optional[float] = None  # None: 1 / sqrt(head_dim)
@@ -115,7 +115,7 @@ class LayerConfig:
 
     @property
     def target(self):
-        return self.defaults.target
+        return self.target_policy.target
 
     @property
     def max_rows(self) -> int:
@@ -160,7 +160,7 @@ def configure(
     q_dtype,
     kv_dtype,
     max_batch: int,
-    defaults: Defaults,
+    target_policy: TargetPolicy,
     kv_layout: str = "NHD",
     out_dtype=None,
     sm_scale: Optional[float] = None,
@@ -178,7 +178,7 @@ def configure(
     strings or NumPy/ml_dtypes/torch dtypes, and ``impl``/``heads_per_cta`` fall back to
     ``METRALE_ATTN_DECODE_IMPL``/``METRALE_ATTN_DECODE_HEADS_PER_CTA`` (read from
     ``environ``, default ``os.environ``) when None. ``defaults``: the target and its resolved
-    policy (``targets.resolve_defaults``)."""
+    policy (``targets.resolve_target_policy``)."""
     env = os.environ if environ is None else environ
     shape = ModelShape(num_q_heads, num_kv_heads, head_dim)
     page_size = int_in("page_size", page_size, 1, MAX_PAGE_SIZE)
@@ -198,7 +198,7 @@ def configure(
     out_dtype = q_dtype if out_dtype is None else dtypes.canonical(out_dtype, argument="out_dtype",
                                                                    allowed=(q_dtype, dtypes.FLOAT32))
     impl = resolve_impl(impl, env.get(ENV_IMPL))
-    config = LayerConfig(shape, page_size, q_dtype, kv_dtype, max_batch, defaults, layout, out_dtype, sm_scale,
+    config = LayerConfig(shape, page_size, q_dtype, kv_dtype, max_batch, target_policy, layout, out_dtype, sm_scale,
                          max_decode_seqs, impl, None, max_q_len, window_left, logits_soft_cap, sinks)
     if config.impl == "simt" and config.mma_only:
         raise ValueError(f"impl='simt' has no {', '.join(config.mma_only)} (features: multi_token = max_q_len > 1, "

@@ -1,6 +1,6 @@
 """The element types q, out and the KV cache may have, and their spellings.
 
-One canonical short name per type (``bf16``, ``fp16``, ``fp8``), used in variant
+One canonical short name per type (``bf16``, ``fp16``, ``fp8``), used in spec
 names and mapped to the ``PD_DTYPE_*`` codes the kernels read. Users may spell a
 dtype as a string (``"bfloat16"``, ``"float16"``, ``"fp8_e4m3"``), a NumPy or
 ml_dtypes dtype, or a torch dtype.

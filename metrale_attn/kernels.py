@@ -1,4 +1,4 @@
-"""Kernel sources and variants: what each backend compiles.
+"""Kernel sources and specs: what each backend compiles.
 
 Sources are read from ``kernels_cu/`` with ``importlib.resources`` (the directory
 ships inside the wheel as ``metrale_attn.kernels_cu``, its ``simt/`` folder too);
@@ -232,13 +232,13 @@ def parse_kernel_params(text: str) -> dict[str, tuple[Param, ...]]:
 
 
 # ---------------------------------------------------------------------------------------
-# Variants
+# Specs
 # ---------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class Tiling:
-    """How an ``mma`` variant streams K and V: each of the 4 warps owns a ring of
+    """How an ``mma`` spec streams K and V: each of the 4 warps owns a ring of
     ``stages`` stages of ``tile_tokens`` tokens (K and V rows, 16 bytes of padding
     per row), and the launch gives ``smem_bytes`` of dynamic shared memory (the
     carve of ``decode_core.cuh``, which checks this number at compile time)."""
@@ -256,7 +256,7 @@ loads in flight, twice what Little's law asks of one SM at 4.3 TB/s and 800 ns."
 
 def mma_tiling(head_dim: int, q_dtype: str, kv_dtype: str, row_tiles: int,
                smem_limit: int = SMEM_LIMIT_BYTES) -> Tiling | None:
-    """The stage shape of an ``mma`` variant: 32-token stages where 32 rows of K and V
+    """The stage shape of an ``mma`` spec: 32-token stages where 32 rows of K and V
     fit ``STAGE_TARGET_BYTES``, else 16 (an MMA needs 16 tokens); 4 stages for stages
     of 4 KiB, else 3, or fewer when ``smem_limit`` says so; None when not even 2 fit."""
     row_bytes = head_dim * dtypes.NUMPY_DTYPES[kv_dtype].itemsize
@@ -273,7 +273,7 @@ def mma_tiling(head_dim: int, q_dtype: str, kv_dtype: str, row_tiles: int,
 
 
 def mma_smem_bytes(head_dim: int, q_dtype: str, kv_dtype: str) -> int:
-    """Dynamic shared memory the smallest ``mma`` variant of this shape and these dtypes
+    """Dynamic shared memory the smallest ``mma`` spec of this shape and these dtypes
     asks for (one row tile; the tiling is sized for sm_90's ``SMEM_LIMIT_BYTES``)."""
     return mma_tiling(head_dim, q_dtype, kv_dtype, 1).smem_bytes
 
@@ -289,7 +289,7 @@ def smem_refusal(config: LayerConfig) -> str | None:
 
 
 @dataclass(frozen=True)
-class Variant:
+class KernelSpec:
     """One compiled specialization. Its ``name`` carries every parameter and is the memo key.
 
     ``row_tiles`` (``mma`` only): query-row tiles of 8 the CTA holds, so it serves up
@@ -304,7 +304,7 @@ class Variant:
     impl: str = DEFAULT_IMPL
     row_tiles: int = 1
     features: frozenset = frozenset()
-    """``mma`` only: which of ``FEATURES`` this variant is compiled with (each a
+    """``mma`` only: which of ``FEATURES`` this spec is compiled with (each a
     specialization: the plain path compiles none of their code)."""
 
     def __post_init__(self) -> None:
@@ -346,16 +346,16 @@ class Variant:
 
     @property
     def max_rows(self) -> int:
-        """Query heads one CTA of this variant serves at most."""
+        """Query heads one CTA of this spec serves at most."""
         return ROW_TILE * self.row_tiles if self.impl == "mma" else 1
 
     @functools.cached_property
     def tiling(self) -> Tiling | None:
-        """The K/V stream of an ``mma`` variant (None for ``simt``)."""
+        """The K/V stream of an ``mma`` spec (None for ``simt``)."""
         if self.impl != "mma":
             return None
         tiling = mma_tiling(self.head_dim, self.q_dtype, self.kv_dtype, self.row_tiles)
-        assert tiling is not None, "every mma variant fits sm_90's shared memory"
+        assert tiling is not None, "every mma spec fits sm_90's shared memory"
         return tiling
 
     @property
@@ -389,7 +389,7 @@ class Variant:
 @dataclass(frozen=True)
 class SelfTest:
     """The known-answer test of the mma kernels' instructions (``kernels_cu/pd_selftest.cu``;
-    expected values in ``backends/selftest.py``). Builds like a variant."""
+    expected values in ``backends/selftest.py``). Builds like a spec."""
 
     name: str = "pd_selftest"
     filename: str = "pd_selftest.cu"
@@ -406,7 +406,7 @@ class SelfTest:
 @dataclass(frozen=True)
 class MergeStates:
     """The state-merge kernel (``kernels_cu/merge_states.cu``) for one pair of dtypes
-    (``bf16``, ``fp16`` or ``float32`` in and out). Builds like a variant."""
+    (``bf16``, ``fp16`` or ``float32`` in and out). Builds like a spec."""
 
     in_dtype: str
     out_dtype: str
@@ -431,21 +431,21 @@ class MergeStates:
 
 
 @functools.cache
-def kernel_params(variant: Variant) -> dict[str, tuple[Param, ...]]:
-    """The parameters of each kernel of ``variant``, read from its source: the ABI."""
-    found = parse_kernel_params(variant.source())
-    missing = [k for k in variant.kernels if k not in found]
+def kernel_params(spec: KernelSpec) -> dict[str, tuple[Param, ...]]:
+    """The parameters of each kernel of ``spec``, read from its source: the ABI."""
+    found = parse_kernel_params(spec.source())
+    missing = [k for k in spec.kernels if k not in found]
     if missing:
-        raise KernelSourceError(f"kernels_cu/{variant.filename} defines no kernel {', '.join(missing)}")
-    return {k: found[k] for k in variant.kernels}
+        raise KernelSourceError(f"kernels_cu/{spec.filename} defines no kernel {', '.join(missing)}")
+    return {k: found[k] for k in spec.kernels}
 
 
-def all_variants() -> list[Variant]:
-    """Every plain variant the dispatch can ask for, and the feature variants CI compiles:
+def all_specs() -> list[KernelSpec]:
+    """Every plain spec the dispatch can ask for, and the feature specs CI compiles:
     each feature alone on every mma arm (head dim 128, fp8 KV; the packed arm at 256),
     and all of them together on the heaviest (8 rows of head dim 256, 16 of 128)."""
     plain = [
-        Variant(arm, head_dim, q, kv, impl, row_tiles)
+        KernelSpec(arm, head_dim, q, kv, impl, row_tiles)
         for impl in IMPLS
         for arm in ARMS
         for head_dim in ((policy.DECODE_GQA_PACK_HEAD_DIM,) if arm == "gqa_packed" else HEAD_DIMS)
@@ -456,25 +456,25 @@ def all_variants() -> list[Variant]:
         if impl == "mma" or kv != dtypes.FP8_E5M2
     ]
     featured = [
-        Variant(arm, 256 if arm == "gqa_packed" else 128, dtypes.BF16, dtypes.FP8, "mma", 1, {feature})
+        KernelSpec(arm, 256 if arm == "gqa_packed" else 128, dtypes.BF16, dtypes.FP8, "mma", 1, {feature})
         for arm in ARMS
         for feature in FEATURES
         if not (arm == "gqa_packed" and feature == "multi_token")  # the packed arm serves one query token
     ]
-    every = [Variant(arm, d, dtypes.FP16, dtypes.BF16, "mma", rt, set(FEATURES))
+    every = [KernelSpec(arm, d, dtypes.FP16, dtypes.BF16, "mma", rt, set(FEATURES))
              for arm in ("unpacked", "splitk") for d, rt in ((256, 1), (128, 2))]
     return plain + featured + every
 
 
-def variants_for(config: LayerConfig) -> dict[tuple[str, int, bool], Variant]:
-    """Every variant a call of this layer can reach, by ``(arm, row_tiles, multi_token)``:
+def specs_for(config: LayerConfig) -> dict[tuple[str, int, bool], KernelSpec]:
+    """Every spec a call of this layer can reach, by ``(arm, row_tiles, multi_token)``:
     what ``DecodeAttention`` compiles at construction so that ``run`` never compiles.
 
     Legacy's split count only falls as the batch grows, so batch 1 and ``max_batch``
     bound the arms; the row tiles follow ``heads_per_cta x q_len``, which the plan's rule
     may set to any choice unless the config pins it; ``q_len > 1`` takes the
     multi-token specialization."""
-    variants: dict[tuple[str, int, bool], Variant] = {}
+    specs: dict[tuple[str, int, bool], KernelSpec] = {}
     for q_len in range(1, config.max_q_len + 1):
         for plan in (make_plan(config, 1, q_len), make_plan(config, config.max_batch, q_len)):
             if plan.impl == "simt" or plan.arm == "gqa_packed" or config.heads_per_cta is not None:
@@ -482,7 +482,7 @@ def variants_for(config: LayerConfig) -> dict[tuple[str, int, bool], Variant]:
             else:
                 rows = {h * q_len for h in heads_per_cta_choices(config.shape.group_size, q_len, config.max_rows)}
             for row_tiles in sorted({plan.row_tiles_for(r) for r in rows}):
-                variants.setdefault((plan.arm, row_tiles, q_len > 1), Variant(
+                specs.setdefault((plan.arm, row_tiles, q_len > 1), KernelSpec(
                     plan.arm, config.shape.head_dim, config.q_dtype, config.kv_dtype, plan.impl, row_tiles,
                     config.features_at(q_len)))
-    return variants
+    return specs

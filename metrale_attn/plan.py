@@ -3,7 +3,7 @@
 policy (rules) -> plan (this module: implementation, arm, split count, heads per
 CTA, grids, workspace) -> kernels (what to compile) -> launch (backends). A plan is
 frozen and cheap; ``DecodeAttention`` memoizes one per batch size. Dispatch rule:
-one split -> the GQA-packed kernel if armed and the shape fits, else the unpacked
+one split -> the GQA-packed kernel if the pack is on and the shape fits, else the unpacked
 kernel; more -> split-K, then merge. The split count comes from the launch policy
 alone; ``heads_per_cta`` from ``heads_per_cta_for``, which may read the batch
 because a head's bytes do not depend on which heads share its CTA. The rules and
@@ -18,7 +18,7 @@ from typing import Optional
 
 from . import policy
 from .config import DEFAULT_IMPL, ROW_TILE, LayerConfig, ModelShape, heads_per_cta_choices, max_rows_per_cta
-from .targets import Defaults
+from .targets import TargetPolicy
 
 ARMS = ("unpacked", "splitk", "gqa_packed")
 FP32_BYTES = 4
@@ -137,14 +137,14 @@ a serving loop may pass its configured decode batch instead."""
 
 
 def workspace_for(
-    defaults: Defaults, shape: ModelShape, *, max_batch: int, max_decode_seqs: int = LEGACY_MAX_DECODE_SEQS,
+    target_policy: TargetPolicy, shape: ModelShape, *, max_batch: int, max_decode_seqs: int = LEGACY_MAX_DECODE_SEQS,
     max_q_len: int = 1,
 ) -> Workspace:
     """The workspace ``DecodeAttention`` allocates once: ``workspace_slots`` with
     ``max_rows = max_batch x max_q_len`` (a query token of a multi-token call is a row of
     its own; legacy: ``sm_count`` slots, whatever the batch)."""
     ref = policy.split_ref_seqs(max_batch, max_decode_seqs)
-    slots = policy.workspace_slots(defaults.splitk, defaults.sm_count, shape.num_q_heads, max_batch * max_q_len, ref)
+    slots = policy.workspace_slots(target_policy.splitk, target_policy.sm_count, shape.num_q_heads, max_batch * max_q_len, ref)
     return Workspace(slots, shape.head_dim)
 
 
@@ -202,18 +202,18 @@ def make_plan(config: LayerConfig, num_seqs: int, q_len: int = 1, *, workspace: 
         raise ValueError(f"num_seqs must be an int in 0..max_batch={config.max_batch}, got {num_seqs!r}")
     if not 1 <= q_len <= config.max_q_len:
         raise ValueError(f"q_len must be in 1..max_q_len={config.max_q_len}, got {q_len!r}")
-    num_seqs, defaults, shape, impl = seqs, config.defaults, config.shape, config.impl
+    num_seqs, target_policy, shape, impl = seqs, config.target_policy, config.shape, config.impl
     if workspace is None:
-        workspace = workspace_for(defaults, shape, max_batch=config.max_batch, max_decode_seqs=config.max_decode_seqs,
+        workspace = workspace_for(target_policy, shape, max_batch=config.max_batch, max_decode_seqs=config.max_decode_seqs,
                                   max_q_len=config.max_q_len)
     max_decode_seqs, heads_per_cta = config.max_decode_seqs, config.heads_per_cta
-    sms, heads = defaults.sm_count, shape.num_q_heads
+    sms, heads = target_policy.sm_count, shape.num_q_heads
     ref = policy.split_ref_seqs(num_seqs, max_decode_seqs)
-    splits = policy.num_splits(defaults.splitk, sms, heads, ref)
-    why = _why_splits(defaults, heads, ref, splits)
+    splits = policy.num_splits(target_policy.splitk, sms, heads, ref)
+    why = _why_splits(target_policy, heads, ref, splits)
 
     pack_fits = policy.gqa_pack_shape_ok(shape.num_q_heads, shape.num_kv_heads, shape.head_dim) and q_len == 1
-    if splits == 1 and defaults.gqa_pack and pack_fits:
+    if splits == 1 and target_policy.gqa_pack and pack_fits:
         hpc, why_h = policy.DECODE_GQA_PACK_WIDTH, "the pack"
     elif impl == "simt":
         hpc, why_h = 1, "simt: one"
@@ -241,22 +241,22 @@ def make_plan(config: LayerConfig, num_seqs: int, q_len: int = 1, *, workspace: 
         return DecodePlan("splitk", num_seqs, splits, launches, workspace, needed, why + "; split-K then merge",
                           impl, hpc, q_len)
 
-    if defaults.gqa_pack and pack_fits:
+    if target_policy.gqa_pack and pack_fits:
         grid = KernelGrid(KERNELS[impl, "gqa_packed"][0], (shape.num_kv_heads, num_seqs, 1))
         assert grid.ctas == policy.gqa_pack_ctas(shape.num_kv_heads, num_seqs)
-        return DecodePlan("gqa_packed", num_seqs, 1, (grid,), workspace, 0, why + "; GQA pack armed and shape fits",
+        return DecodePlan("gqa_packed", num_seqs, 1, (grid,), workspace, 0, why + "; GQA pack on and shape fits",
                           impl, hpc, q_len)
-    if defaults.gqa_pack:
+    if target_policy.gqa_pack:
         why += (
-            f"; GQA pack armed but the shape does not fit (needs q_heads = kv_heads x "
+            f"; GQA pack on but the shape does not fit (needs q_heads = kv_heads x "
             f"{policy.DECODE_GQA_PACK_WIDTH} at head_dim {policy.DECODE_GQA_PACK_HEAD_DIM}, one query token)"
         )
     grid = KernelGrid(KERNELS[impl, "unpacked"][0], (ctas_x, num_seqs, 1))
     return DecodePlan("unpacked", num_seqs, 1, (grid,), workspace, 0, why + "; unpacked", impl, hpc, q_len)
 
 
-def _why_splits(defaults: Defaults, heads: int, ref: int, splits: int) -> str:
-    p, sms = defaults.splitk, defaults.sm_count
+def _why_splits(target_policy: TargetPolicy, heads: int, ref: int, splits: int) -> str:
+    p, sms = target_policy.splitk, target_policy.sm_count
     if p.kind == "auto":
         return (
             f"auto: ceil({policy.SPLITK_TARGET_WAVES} x {sms} SMs / {heads} q heads) "

@@ -268,9 +268,9 @@ def resolve_gqa_pack(declared: bool, env_raw: Optional[str]) -> bool:
 
 
 class GqaPackResolution(NamedTuple):
-    """The GQA gate as resolved: whether it is armed, and whether the environment said so."""
+    """The GQA gate as resolved: whether it is on, and whether the environment said so."""
 
-    armed: bool
+    on: bool
     from_env: bool
 
     @staticmethod
@@ -294,9 +294,9 @@ def gqa_pack_resolution(declared: bool = DECODE_GQA_PACK_DECLARED) -> GqaPackRes
 
 
 def gqa_pack_enabled(declared: bool = DECODE_GQA_PACK_DECLARED) -> bool:
-    """Whether the packed kernel is armed in this process: ``gqa_pack_resolution``'s
+    """Whether the packed kernel is on in this process: ``gqa_pack_resolution``'s
     value, resolved once (``gqa_pack_enabled.cache_clear()`` forgets it)."""
-    return gqa_pack_resolution(declared).armed
+    return gqa_pack_resolution(declared).on
 
 
 gqa_pack_enabled.cache_clear = gqa_pack_resolution.cache_clear

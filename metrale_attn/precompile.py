@@ -1,18 +1,18 @@
 """Compile before serving: every kernel a model's layers need, for a target, into the cubin cache.
 
-``needed_variants`` (pure) says what a ``DecodeAttention`` of each kind of layer compiles
+``needed_specs`` (pure) says what a ``DecodeAttention`` of each kind of layer compiles
 on a target, by asking the rules it runs: ``config.configure``, ``attention.launchable_config``
-(the simt fallback) and ``kernels.variants_for``. ``precompile`` compiles them with NVRTC
+(the simt fallback) and ``kernels.specs_for``. ``precompile`` compiles them with NVRTC
 (no GPU needed) through the CuPy backend's own lookup (``cupy_backend.cubin_lookup``: the
 same file names, under the same inter-process lock), so a construction on a GPU of that
 architecture, pointed at the same cache, finds every one: a cache hit.
 
 A construction on a GPU runs the ``mma`` known-answer self-test first (a kernel of its own,
 ``kernels.SelfTest``), and falls back to ``simt`` where the device disagrees. No device is
-here to run it, so both outcomes are compiled: the self-test kernel, the ``mma`` variants,
+here to run it, so both outcomes are compiled: the self-test kernel, the ``mma`` specs,
 and, where a failed self-test would make the layer fall back rather than refuse (no
-``mma``-only feature), the ``simt`` variants of that fallback. A target whose shared memory
-no ``mma`` variant fits (gb10) falls back the way a construction does, deterministically.
+``mma``-only feature), the ``simt`` specs of that fallback. A target whose shared memory
+no ``mma`` spec fits (gb10) falls back the way a construction does, deterministically.
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ from .attention import launchable_config
 from .cache import cache_root
 from .config import ENV_IMPL, configure, impl_chosen
 from .hf_config import HFModel, shard_heads
-from .kernels import SelfTest, variants_for
+from .kernels import SelfTest, specs_for
 from .plan import LEGACY_MAX_DECODE_SEQS
-from .targets import TARGETS, Target, resolve_defaults
+from .targets import TARGETS, Target, resolve_target_policy
 
 INSTALL = ("pip install 'metrale-attn[cuda12]' (or [cuda13]): the CuPy and NVRTC the serving machine uses, since "
            "the cache key includes the NVRTC version")
@@ -59,7 +59,7 @@ class Layer:
 @dataclass(frozen=True)
 class Options:
     """What every layer of the model shares: ``DecodeAttention``'s other keyword arguments
-    that decide its variants (``page_size`` decides none, and is only checked)."""
+    that decide its specs (``page_size`` decides none, and is only checked)."""
 
     q_dtype: str = "bfloat16"
     kv_dtype: Optional[str] = None  # None: q_dtype
@@ -78,12 +78,12 @@ class Options:
 class Needed:
     """A kernel to compile, and why: the layer kinds that need it, or the self-test."""
 
-    variant: object  # kernels.Variant or kernels.SelfTest
+    spec: object  # kernels.KernelSpec or kernels.SelfTest
     why: str
 
     @property
     def name(self) -> str:
-        return self.variant.name
+        return self.spec.name
 
 
 @dataclass(frozen=True)
@@ -130,7 +130,7 @@ def target_for_arch(arch: str) -> Target:
     raise ValueError(f"--arch must name a target's architecture: one of {known}; got {arch!r}")
 
 
-def needed_variants(layers: Sequence[Layer], target: Target, options: Options = Options(), *,
+def needed_specs(layers: Sequence[Layer], target: Target, options: Options = Options(), *,
                     sm_count: Optional[int] = None, environ=None) -> TargetPlan:
     """Every kernel a ``DecodeAttention`` of each of ``layers`` compiles on ``target`` (with
     ``sm_count`` SMs, default the table's; a GPU's own count is what a construction uses),
@@ -140,13 +140,13 @@ def needed_variants(layers: Sequence[Layer], target: Target, options: Options = 
     env = os.environ if environ is None else environ
     if sm_count is not None:
         target = replace(target, sm_count=sm_count)
-    defaults = resolve_defaults(target, splitk=options.splitk, gqa_pack=options.gqa_pack, environ=environ)
+    target_policy = resolve_target_policy(target, splitk=options.splitk, gqa_pack=options.gqa_pack, environ=environ)
     chosen = impl_chosen(options.impl, env.get(ENV_IMPL))
     found: dict[str, tuple[object, list[str]]] = {}
     notes: list[str] = []
 
-    def need(variant, why: str) -> None:
-        whys = found.setdefault(variant.name, (variant, []))[1]
+    def need(spec, why: str) -> None:
+        whys = found.setdefault(spec.name, (spec, []))[1]
         if why not in whys:
             whys.append(why)
 
@@ -154,7 +154,7 @@ def needed_variants(layers: Sequence[Layer], target: Target, options: Options = 
         try:
             config = configure(layer.num_q_heads, layer.num_kv_heads, layer.head_dim, options.page_size,
                                q_dtype=options.q_dtype, kv_dtype=options.kv_dtype or options.q_dtype,
-                               max_batch=options.max_batch, defaults=defaults, out_dtype=options.out_dtype,
+                               max_batch=options.max_batch, target_policy=target_policy, out_dtype=options.out_dtype,
                                max_decode_seqs=options.max_decode_seqs, impl=options.impl,
                                heads_per_cta=options.heads_per_cta, max_q_len=options.max_q_len,
                                window_left=layer.window_left, logits_soft_cap=layer.logits_soft_cap,
@@ -164,17 +164,17 @@ def needed_variants(layers: Sequence[Layer], target: Target, options: Options = 
             launchable, why = launchable_config(config, [], chosen)  # the self-test agrees
             if why:
                 notes.append(f"{layer.name}: {why}; using impl='simt' instead, as a construction there does")
-            for variant in variants_for(launchable).values():
-                need(variant, layer.name)
+            for spec in specs_for(launchable).values():
+                need(spec, layer.name)
             if launchable.impl == "mma" and not launchable.mma_only:  # it would fall back, not refuse
                 fallback, _ = launchable_config(config, ["(a failed self-test)"], chosen)
-                for variant in variants_for(fallback).values():
-                    need(variant, f"simt fallback of {layer.name}, if the device fails the self-test")
+                for spec in specs_for(fallback).values():
+                    need(spec, f"simt fallback of {layer.name}, if the device fails the self-test")
         except (ValueError, TypeError) as err:
             raise type(err)(f"{layer.name} ({layer.num_q_heads} q heads, {layer.num_kv_heads} KV heads, head_dim "
                             f"{layer.head_dim}) on {target.name}: {err}") from None
-    needed = tuple(Needed(variant, ", ".join(whys)) for variant, whys in found.values())
-    return TargetPlan(target, defaults.line(), needed, tuple(notes))
+    needed = tuple(Needed(spec, ", ".join(whys)) for spec, whys in found.values())
+    return TargetPlan(target, target_policy.line(), needed, tuple(notes))
 
 
 def check_nvrtc(arches: Iterable[str]) -> str:
@@ -211,7 +211,7 @@ def build(plan: TargetPlan, cache_dir: Optional[Path] = None,
     done = []
     for needed in plan.needed:
         start = time.perf_counter()
-        found = cubin_lookup(needed.variant, arch, root)
+        found = cubin_lookup(needed.spec, arch, root)
         if found.path.parent != root / "cubin":  # the lookup fell back to a private directory: gone at exit
             raise PrecompileError(f"cannot write the cache directory {root / 'cubin'} (the kernel went to "
                                   f"{found.path.parent} for this process only): give a writable --cache-dir")
@@ -228,9 +228,9 @@ def precompile(layers: Sequence[Layer], targets: Sequence[Target], options: Opti
     """Compile every kernel ``layers`` need on each of ``targets`` into ``cache_dir`` (default:
     the package's cache, where ``DecodeAttention`` looks), without a GPU. Returns what was
     built or found, in order; a second call finds them all (every one a hit). The steps are
-    ``needed_variants`` for every target (so any refusal comes first), ``check_nvrtc``, then
+    ``needed_specs`` for every target (so any refusal comes first), ``check_nvrtc``, then
     ``build`` each; ``metrale-attn precompile`` runs the same steps, printing between them."""
-    plans = [needed_variants(layers, t, options, sm_count=sm_count) for t in targets]  # every refusal first
+    plans = [needed_specs(layers, t, options, sm_count=sm_count) for t in targets]  # every refusal first
     check_nvrtc(t.arch for t in targets)
     return [built for plan in plans for built in build(plan, cache_dir, on_built)]
 

@@ -2,7 +2,7 @@
 
 A target names a GPU family. On a GPU the family comes from the device's compute
 capability and the SM count from the device; on the CPU backend the table's SM
-count stands in. ``resolve_defaults`` applies the one precedence rule: an explicit
+count stands in. ``resolve_target_policy`` applies the one precedence rule: an explicit
 argument, else a parseable environment value, else the target's declaration.
 """
 
@@ -87,7 +87,7 @@ def target_for(device, name: Optional[str]) -> Target:
 
 
 @dataclass(frozen=True)
-class Defaults:
+class TargetPolicy:
     """The policy a target runs with, and where each value came from.
 
     ``*_source`` is ``"declaration"``, ``"environment"`` or ``"argument"``.
@@ -119,13 +119,13 @@ class Defaults:
         return text + (f" ({', '.join(overridden)})" if overridden else "")
 
 
-def resolve_defaults(
+def resolve_target_policy(
     target: Target,
     *,
     splitk: Optional[str] = None,
     gqa_pack: Optional[bool] = None,
     environ: Optional[Mapping[str, str]] = None,
-) -> Defaults:
+) -> TargetPolicy:
     """Resolve the split-K policy and the GQA-pack gate for ``target``.
 
     ``splitk``/``gqa_pack`` are explicit overrides (a bad spelling is an error,
@@ -149,13 +149,13 @@ def resolve_defaults(
     if gqa_pack is not None:
         if not isinstance(gqa_pack, bool):
             raise TypeError(f"gqa_pack must be a bool or None, got {gqa_pack!r}")
-        armed, pack_source = gqa_pack, "argument"
+        on, pack_source = gqa_pack, "argument"
     else:
         # The process's gate is resolved once, value and source together, so the
         # target line reports what the dispatch uses even if the variable changes later.
         if environ is None:
-            armed, from_env = policy.gqa_pack_resolution(target.gqa_pack_declared)
+            on, from_env = policy.gqa_pack_resolution(target.gqa_pack_declared)
         else:
-            armed, from_env = policy.GqaPackResolution.of(target.gqa_pack_declared, environ.get(policy.ENV_GQA_PACK))
+            on, from_env = policy.GqaPackResolution.of(target.gqa_pack_declared, environ.get(policy.ENV_GQA_PACK))
         pack_source = "environment" if from_env else "declaration"
-    return Defaults(target, split_policy, split_source, armed, pack_source)
+    return TargetPolicy(target, split_policy, split_source, on, pack_source)

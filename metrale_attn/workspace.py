@@ -19,13 +19,13 @@ import numpy as np
 from .backends import get_backend
 from .config import MAX_Q_LEN, LayerConfig, ModelShape, int_in
 from .plan import LEGACY_MAX_DECODE_SEQS, Workspace, workspace_for
-from .targets import resolve_defaults, target_for
+from .targets import resolve_target_policy, target_for
 from .validation import aligned, overlap, writable
 
 
 def layer_workspace(config: LayerConfig) -> Workspace:
     """The workspace a layer needs: ``plan.workspace_for`` its policy, shape and rows."""
-    return workspace_for(config.defaults, config.shape, max_batch=config.max_batch,
+    return workspace_for(config.target_policy, config.shape, max_batch=config.max_batch,
                          max_decode_seqs=config.max_decode_seqs, max_q_len=config.max_q_len)
 
 
@@ -37,7 +37,7 @@ def allocate(backend, config: LayerConfig, spec: Workspace):
         raise MemoryError(
             f"cannot allocate the split-K workspace of {spec.nbytes} bytes ({spec.slots} slots x "
             f"{spec.slot_floats} fp32) for max_batch={config.max_batch}, {config.shape.num_q_heads} q heads and "
-            f"attn_decode_splitk={config.defaults.splitk.label()}: lower max_batch (the workspace grows "
+            f"attn_decode_splitk={config.target_policy.splitk.label()}: lower max_batch (the workspace grows "
             f"linearly with it) or pin fewer splits (splitk=)"
         ) from err
 
@@ -61,7 +61,7 @@ def adopt(backend, workspace, config: LayerConfig, spec: Workspace, device):
         raise ValueError(
             f"workspace too small: it has {nbytes} bytes, but this DecodeAttention needs {spec.nbytes} bytes "
             f"({spec.slots} slots x {spec.slot_floats} fp32 for max_batch={config.max_batch}, "
-            f"{config.shape.num_q_heads} q heads, attn_decode_splitk={config.defaults.splitk.label()}); size one "
+            f"{config.shape.num_q_heads} q heads, attn_decode_splitk={config.target_policy.splitk.label()}); size one "
             "for every layer shape with metrale_attn.workspace_bytes(...)")
     return workspace
 
@@ -138,8 +138,8 @@ def workspace_bytes(shapes, *, max_batch: int, backend=None, target: Optional[st
     max_batch = int_in("max_batch", max_batch, 1)
     max_decode_seqs = int_in("max_decode_seqs", max_decode_seqs, 0)
     max_q_len = int_in("max_q_len", max_q_len, 1, MAX_Q_LEN)
-    defaults = resolve_defaults(target_for(be.device(), target), splitk=splitk, gqa_pack=None)
-    sizes = [workspace_for(defaults, s if isinstance(s, ModelShape) else ModelShape(*s), max_batch=max_batch,
+    target_policy = resolve_target_policy(target_for(be.device(), target), splitk=splitk, gqa_pack=None)
+    sizes = [workspace_for(target_policy, s if isinstance(s, ModelShape) else ModelShape(*s), max_batch=max_batch,
                            max_decode_seqs=max_decode_seqs, max_q_len=max_q_len).nbytes for s in shapes]
     if not sizes:
         raise ValueError("shapes must name at least one (num_q_heads, num_kv_heads, head_dim)")

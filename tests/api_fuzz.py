@@ -46,7 +46,7 @@ cpu_backend._CpuModule.launch = _counting_launch
 KV_DTYPES = {"bf16": ml_dtypes.bfloat16, "fp16": np.float16, "fp8_e4m3": ml_dtypes.float8_e4m3fn,
              "fp8_e5m2": ml_dtypes.float8_e5m2}
 PROFILES = {
-    # The default run's sample: few distinct kernel variants (cached builds), every argument's
+    # The default run's sample: few distinct kernel specs (cached builds), every argument's
     # invalid spellings.
     "default": dict(head_dims=[64], heads=[(4, 2), (2, 2), (4, 1)], kv=["bf16", "fp8_e4m3"], q=["bf16"],
                     q_lens=[1, 2]),

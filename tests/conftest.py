@@ -17,7 +17,7 @@ from metrale_attn import DecodeAttention, kernels, policy, tolerance
 from metrale_attn.backends.cpu_backend import CpuBackend
 from metrale_attn.problems import Problem, make_problem
 from metrale_attn.config import LayerConfig, ModelShape
-from metrale_attn.targets import TARGETS, Defaults
+from metrale_attn.targets import TARGETS, TargetPolicy
 
 TOYS = Path(__file__).parent / "toy_kernels"
 
@@ -77,10 +77,10 @@ ARM_OPTIONS = {
 }
 
 
-def layer_config(defaults: Defaults, shape: ModelShape, *, max_batch: int, page_size: int = 16, q_dtype="bf16",
+def layer_config(target_policy: TargetPolicy, shape: ModelShape, *, max_batch: int, page_size: int = 16, q_dtype="bf16",
                  kv_dtype="bf16", **fields) -> LayerConfig:
     """A ``LayerConfig`` for plan tests (its fields taken as valid, as ``configure`` leaves them)."""
-    return LayerConfig(shape, page_size, q_dtype, kv_dtype, max_batch, defaults, **fields)
+    return LayerConfig(shape, page_size, q_dtype, kv_dtype, max_batch, target_policy, **fields)
 
 
 def problem(*, seed=0, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16, seq_lens=(0, 1, 37),
@@ -124,91 +124,91 @@ ARCHES = tuple(sorted({t.arch for t in TARGETS.values()} | {"sm_120"}, key=lambd
 """Every target's architecture, and sm_120 (consumer Blackwell), which the build bar names too
 (docs/architecture.md)."""
 
-SPOT_VARIANTS = (
-    kernels.Variant("unpacked", 256, "fp16", "bf16", "mma", 1, set(kernels.FEATURES)),  # most registers
-    kernels.Variant("splitk", 256, "fp16", "bf16", "mma", 1),
-    kernels.Variant("unpacked", 128, "fp16", "bf16", "mma", 2, set(kernels.FEATURES)),
-    kernels.Variant("unpacked", 128, "bf16", "fp8", "mma"),
-    kernels.Variant("splitk", 64, "fp16", "fp8", "mma"),  # 4-stage rings
-    kernels.Variant("gqa_packed", 256, "bf16", "fp8", "mma"),
-    kernels.Variant("unpacked", 128, "bf16", "fp8", "simt"),
-    kernels.Variant("splitk", 256, "fp16", "fp16", "simt"),
-    kernels.Variant("gqa_packed", 256, "bf16", "bf16", "simt"),
+SPOT_SPECS = (
+    kernels.KernelSpec("unpacked", 256, "fp16", "bf16", "mma", 1, set(kernels.FEATURES)),  # most registers
+    kernels.KernelSpec("splitk", 256, "fp16", "bf16", "mma", 1),
+    kernels.KernelSpec("unpacked", 128, "fp16", "bf16", "mma", 2, set(kernels.FEATURES)),
+    kernels.KernelSpec("unpacked", 128, "bf16", "fp8", "mma"),
+    kernels.KernelSpec("splitk", 64, "fp16", "fp8", "mma"),  # 4-stage rings
+    kernels.KernelSpec("gqa_packed", 256, "bf16", "fp8", "mma"),
+    kernels.KernelSpec("unpacked", 128, "bf16", "fp8", "simt"),
+    kernels.KernelSpec("splitk", 256, "fp16", "fp16", "simt"),
+    kernels.KernelSpec("gqa_packed", 256, "bf16", "bf16", "simt"),
 )
-"""The variants the default run also compiles for every other architecture (the heaviest of
+"""The specs the default run also compiles for every other architecture (the heaviest of
 each implementation and arm); the whole matrix is behind the ``slow`` marker."""
 
 
 FAMILY_HEADS = ("sm_90", "sm_100", "sm_120")
-"""The first architecture of each family: the default run compiles every spot variant for
+"""The first architecture of each family: the default run compiles every spot spec for
 these, and the two heaviest for the rest (sm_103, sm_121 differ from their family's head
 in a few instructions' availability, not in the kernels' code paths)."""
 
 
 def _sm90_sample() -> set:
-    """One plain variant per (impl, arm, head_dim, kv dtype, row tiles), the first in
-    ``all_variants`` order: the q dtype changes only q's conversion, which the spot
-    variants and the slow matrix cover."""
+    """One plain spec per (impl, arm, head_dim, kv dtype, row tiles), the first in
+    ``all_specs`` order: the q dtype changes only q's conversion, which the spot
+    specs and the slow matrix cover."""
     sample = {}
-    for v in kernels.all_variants():
+    for v in kernels.all_specs():
         if not v.features:
             sample.setdefault((v.impl, v.arm, v.head_dim, v.kv_dtype, v.row_tiles), v)
     return set(sample.values())
 
 
 def arch_matrix():
-    """``(variant, arch)`` test parameters: a sample of the plain variants for sm_90
-    (``_sm90_sample``), the spot variants (feature-bearing ones among them) for each
+    """``(spec, arch)`` test parameters: a sample of the plain specs for sm_90
+    (``_sm90_sample``), the spot specs (feature-bearing ones among them) for each
     family's first architecture and the two heaviest for the others, the rest marked
     ``slow`` (``.ci/run`` runs them)."""
     params, sample = [], _sm90_sample()
     for arch in ARCHES:
-        for v in kernels.all_variants():
-            spot = v in (SPOT_VARIANTS if arch in FAMILY_HEADS else SPOT_VARIANTS[:2])
+        for v in kernels.all_specs():
+            spot = v in (SPOT_SPECS if arch in FAMILY_HEADS else SPOT_SPECS[:2])
             slow = not (spot or (arch == "sm_90" and v in sample))
             params.append(pytest.param(v, arch, id=f"{v.name}-{arch}", marks=[pytest.mark.slow] if slow else []))
     return params
 
 
-def variant_matrix():
-    """Every variant as a test parameter, the sm_90 column of ``arch_matrix``."""
+def spec_matrix():
+    """Every spec as a test parameter, the sm_90 column of ``arch_matrix``."""
     return [pytest.param(p.values[0], id=p.values[0].name, marks=p.marks) for p in arch_matrix()
             if p.values[1] == "sm_90"]
 
 
-def nvrtc_build(variant, arch: str):
-    """``(cubin, ptxas -v log)`` of ``variant`` for ``arch`` through the backend's own NVRTC
+def nvrtc_build(spec, arch: str):
+    """``(cubin, ptxas -v log)`` of ``spec`` for ``arch`` through the backend's own NVRTC
     path, compiled once per test session (several test files inspect the same builds)."""
-    return _nvrtc_build(variant, arch)[:2]
+    return _nvrtc_build(spec, arch)[:2]
 
 
-def nvrtc_ptx(variant, arch: str = "sm_90") -> str:
+def nvrtc_ptx(spec, arch: str = "sm_90") -> str:
     """The PTX of the same compile as ``nvrtc_build``."""
-    ptx = _nvrtc_build(variant, arch)[2]
+    ptx = _nvrtc_build(spec, arch)[2]
     return ptx.decode() if isinstance(ptx, bytes) else ptx
 
 
 @functools.cache
-def _nvrtc_build(variant, arch: str):
-    future = _PREBUILDS.pop((variant, arch), None)
+def _nvrtc_build(spec, arch: str):
+    future = _PREBUILDS.pop((spec, arch), None)
     if future is not None and not future.cancel():  # running or done in a worker: wait for it
         return future.result()
-    return _nvrtc_compile(variant, arch)
+    return _nvrtc_compile(spec, arch)
 
 
-def _nvrtc_compile(variant, arch: str):
+def _nvrtc_compile(spec, arch: str):
     from metrale_attn.backends.cupy_backend import nvrtc_compile
 
-    return nvrtc_compile(variant, arch, ptxas_verbose=True, with_ptx=True)  # as the workers do
+    return nvrtc_compile(spec, arch, ptxas_verbose=True, with_ptx=True)  # as the workers do
 
 
 _PREBUILDS: dict = {}
-"""``(variant, arch)`` -> the future of its NVRTC build in a worker process."""
+"""``(spec, arch)`` -> the future of its NVRTC build in a worker process."""
 
 
 def pytest_collection_finish(session):
     """Start the NVRTC builds the selected tests will inspect (every ``arch_matrix`` and
-    ``variant_matrix`` parameter) in worker processes, one core short of all, so they
+    ``spec_matrix`` parameter) in worker processes, one core short of all, so they
     overlap the tests before them; ``_nvrtc_build`` takes a build from its worker, or does
     it itself when no worker has started it yet (the workers take them from the last, so
     the two meet in the middle). Only where CuPy's NVRTC is installed, and not inside a
@@ -216,19 +216,19 @@ def pytest_collection_finish(session):
     wanted = {}
     for item in session.items:
         params = getattr(getattr(item, "callspec", None), "params", {})
-        if isinstance(params.get("variant"), kernels.Variant):
-            wanted.setdefault((params["variant"], params.get("arch", "sm_90")), None)
+        if isinstance(params.get("spec"), kernels.KernelSpec):
+            wanted.setdefault((params["spec"], params.get("arch", "sm_90")), None)
     workers = (os.cpu_count() or 1) - 1
     if not wanted or not workers or _nvrtc_missing() or os.environ.get("PYTEST_XDIST_WORKER"):
-        return  # under pytest-xdist the workers are the parallelism (each would prebuild every variant)
+        return  # under pytest-xdist the workers are the parallelism (each would prebuild every spec)
     from metrale_attn.backends.cupy_backend import nvrtc_compile
 
     # spawn, not fork: the parent may hold CuPy's and the test threads' state; the task is a
     # partial of a package function, so the workers never import this file.
     compile_one = functools.partial(nvrtc_compile, ptxas_verbose=True, with_ptx=True)
     pool = ProcessPoolExecutor(max_workers=min(workers, len(wanted)), mp_context=multiprocessing.get_context("spawn"))
-    for variant, arch in reversed(wanted):  # the workers from the last, the tests from the first
-        _PREBUILDS[variant, arch] = pool.submit(compile_one, variant, arch)
+    for spec, arch in reversed(wanted):  # the workers from the last, the tests from the first
+        _PREBUILDS[spec, arch] = pool.submit(compile_one, spec, arch)
     session.config.add_cleanup(lambda: pool.shutdown(wait=True, cancel_futures=True))
 
 
@@ -241,7 +241,7 @@ def _nvrtc_missing() -> bool:
 
 
 class CountingBackend(CpuBackend):
-    """A CPU backend that records every variant it loads and every launch (and so proves a
+    """A CPU backend that records every spec it loads and every launch (and so proves a
     refusal launched nothing)."""
 
     def __init__(self):
@@ -249,9 +249,9 @@ class CountingBackend(CpuBackend):
         self.launches = []
         self.loaded = []
 
-    def load(self, variant):
-        self.loaded.append(variant.name)
-        module, record = super().load(variant), self.launches
+    def load(self, spec):
+        self.loaded.append(spec.name)
+        module, record = super().load(spec), self.launches
 
         class Counting:
             def launch(self, launch):

@@ -18,10 +18,10 @@ import pytest
 
 from metrale_attn import cache
 from metrale_attn.backends import cubin
-from metrale_attn.kernels import Variant
+from metrale_attn.kernels import KernelSpec
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-SIMT = Variant("splitk", 64, "bf16", "bf16", "simt")  # the cheapest kernel to compile (~0.4 s)
+SIMT = KernelSpec("splitk", 64, "bf16", "bf16", "simt")  # the cheapest kernel to compile (~0.4 s)
 
 
 def python(code: str, *args) -> subprocess.Popen:
@@ -49,9 +49,9 @@ RANK = """
     precompile.check_nvrtc(["sm_90"])  # load NVRTC before the start, so the ranks meet at the lock
     compile_cubin = cupy_backend.compile_cubin
 
-    def slow(variant, arch):
+    def slow(spec, arch):
         time.sleep(1.0)  # hold the lock long enough that every other rank meets it
-        return compile_cubin(variant, arch)
+        return compile_cubin(spec, arch)
 
     cupy_backend.compile_cubin = slow
     pathlib.Path(sys.argv[3]).write_text("ready")

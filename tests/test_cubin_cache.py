@@ -15,7 +15,7 @@ from conftest import ARCHES, arch_matrix, nvrtc_build
 
 from benchmarks.sass_model import find_nvdisasm
 from metrale_attn.backends import cubin
-from metrale_attn.kernels import Variant, all_variants
+from metrale_attn.kernels import KernelSpec, all_specs
 from metrale_attn.plan import ARMS
 
 pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="NVRTC (cupy) is not installed")
@@ -23,9 +23,9 @@ pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="NVRTC (cupy) is not
 from metrale_attn.backends import cupy_backend  # noqa: E402  (needs cupy)
 
 
-@pytest.mark.parametrize("variant, arch", arch_matrix())
-def test_every_compiled_cubin_is_a_complete_elf_file(variant, arch, monkeypatch):
-    data, _ = nvrtc_build(variant, arch)
+@pytest.mark.parametrize("spec, arch", arch_matrix())
+def test_every_compiled_cubin_is_a_complete_elf_file(spec, arch, monkeypatch):
+    data, _ = nvrtc_build(spec, arch)
     assert data[:4] == cubin.ELF_MAGIC
     # Section and program header tables, sections and segments all end inside the file,
     # and the file is exactly as long as its header says.
@@ -50,23 +50,23 @@ def test_the_cubin_is_read_from_the_nvrtc_library_cupy_loaded():
 
 def test_without_cupys_nvrtc_library_the_header_restores_the_stripped_byte(monkeypatch):
     """The fallback: where the library cannot be found, the ELF header gives the size."""
-    variant = Variant("gqa_packed", 256, "fp16", "fp8")
+    spec = KernelSpec("gqa_packed", 256, "fp16", "fp8")
     monkeypatch.setattr(cubin, "_loaded_nvrtc_paths", lambda: [])
     monkeypatch.setattr(cubin, "_warned_restore", False)
     cubin._cupy_nvrtc_library.cache_clear()
     try:
         with pytest.warns(RuntimeWarning, match="expected one loaded NVRTC"):
-            data, _ = cupy_backend.nvrtc_compile(variant, "sm_90")
+            data, _ = cupy_backend.nvrtc_compile(spec, "sm_90")
     finally:
         cubin._cupy_nvrtc_library.cache_clear()
-    assert data == nvrtc_build(variant, "sm_90")[0]
+    assert data == nvrtc_build(spec, "sm_90")[0]
 
 
 def test_registers_recorded_in_the_cubin_match_ptxas():
-    variant = Variant("splitk", 128, "bf16", "fp8")
-    data, log = nvrtc_build(variant, "sm_90")
+    spec = KernelSpec("splitk", 128, "bf16", "fp8")
+    data, log = nvrtc_build(spec, "sm_90")
     counts = cubin.kernel_register_counts(data)
-    assert set(counts) == set(variant.kernels)
+    assert set(counts) == set(spec.kernels)
     for kernel, registers in counts.items():
         assert f"Compiling entry function '{kernel}'" in log
         section = log.split(f"Compiling entry function '{kernel}'")[1]
@@ -81,14 +81,14 @@ def test_nvdisasm_accepts_the_cached_cubins_unpatched(arch, tmp_path, monkeypatc
     monkeypatch.setenv("METRALE_ATTN_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(cupy_backend, "compile_cubin", lambda v, a: nvrtc_build(v, a)[0])
     for arm in ARMS:
-        variant = next(v for v in all_variants() if v.arm == arm)
-        path = cupy_backend.cubin_path(variant, arch)
+        spec = next(v for v in all_specs() if v.arm == arm)
+        path = cupy_backend.cubin_path(spec, arch)
         done = subprocess.run([nvdisasm, "-c", "-ndf", path], capture_output=True, text=True, timeout=60)
         assert done.returncode == 0, done.stderr
-        assert all(f"{kernel}:" in done.stdout for kernel in variant.kernels), done.stderr
+        assert all(f"{kernel}:" in done.stdout for kernel in spec.kernels), done.stderr
 
 
-VARIANT = Variant("unpacked", 64, "fp16", "fp8")
+VARIANT = KernelSpec("unpacked", 64, "fp16", "fp8")
 
 
 @pytest.fixture
@@ -139,7 +139,7 @@ def test_an_unwritable_cache_directory_falls_back_to_a_private_temporary_one(cou
     monkeypatch.setenv("METRALE_ATTN_CACHE_DIR", str(blocker / "cache"))  # mkdir fails, even for root
     with pytest.warns(RuntimeWarning, match="not writable") as warned:
         first = pathlib.Path(cupy_backend.cubin_path(VARIANT, "sm_90"))
-        other = pathlib.Path(cupy_backend.cubin_path(Variant("splitk", 64, "bf16", "bf16"), "sm_90"))
+        other = pathlib.Path(cupy_backend.cubin_path(KernelSpec("splitk", 64, "bf16", "bf16"), "sm_90"))
         again = pathlib.Path(cupy_backend.cubin_path(VARIANT, "sm_90"))
     (warning,) = [str(w.message) for w in warned if "not writable" in str(w.message)]
     assert first == again and first.parent == other.parent

@@ -19,13 +19,13 @@ def test_the_environment_pins_the_split_count_exactly_as_the_seed_says(monkeypat
     monkeypatch.setenv("METRALE_ATTN_DECODE_SPLITK", "OFF")
     assert decoder(p).plan(1).arm == "unpacked"
     monkeypatch.setenv("METRALE_ATTN_DECODE_SPLITK", "legacy")
-    assert decoder(p).plan(1).num_splits == 132 // 4 and decoder(p).defaults.splitk.kind == "legacy"
+    assert decoder(p).plan(1).num_splits == 132 // 4 and decoder(p).target_policy.splitk.kind == "legacy"
 
 
 def test_an_unparseable_environment_value_keeps_the_targets_declaration(monkeypatch):
     monkeypatch.setenv("METRALE_ATTN_DECODE_SPLITK", "many")
     attn = decoder(problem(seq_lens=(10,)))
-    assert attn.defaults.splitk.label() == "auto" and attn.plan(1).num_splits == 16  # 2*132/4 capped
+    assert attn.target_policy.splitk.label() == "auto" and attn.plan(1).num_splits == 16  # 2*132/4 capped
 
 
 def test_the_gqa_pack_environment_arms_the_packed_kernel_on_the_one_split_arm(monkeypatch):

@@ -59,7 +59,7 @@ def test_the_cupy_backend_describes_its_device_by_name_and_the_target_takes_its_
     assert device.compute_capability == (props["major"], props["minor"])
     assert device.sm_count == props["multiProcessorCount"]
     attn = decoder(problem(), backend="cupy", target="hopper")
-    assert attn.defaults.sm_count == device.sm_count
+    assert attn.target_policy.sm_count == device.sm_count
 
 @pytest.mark.parametrize("impl, arm, kv, q, head_dim, layout, page_size", list(_cases()))
 def test_every_arm_on_the_gpu_is_within_one_ulp_and_matches_the_cpu_backend(impl, arm, kv, q, head_dim, layout,

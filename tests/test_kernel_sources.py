@@ -5,14 +5,14 @@ import pathlib
 import re
 
 import pytest
-from conftest import ARCHES, arch_matrix, nvrtc_build, nvrtc_ptx, variant_matrix
+from conftest import ARCHES, arch_matrix, nvrtc_build, nvrtc_ptx, spec_matrix
 
 from metrale_attn import policy
 from metrale_attn.kernels import (
     SOURCE_FILES,
     KernelSourceError,
-    Variant,
-    all_variants,
+    KernelSpec,
+    all_specs,
     inline,
     kernel_params,
     parse_kernel_params,
@@ -42,7 +42,7 @@ needs_nvrtc = pytest.mark.skipif(not _importable("cupy_backends.cuda.libs.nvrtc"
 
 
 def test_headers_are_inlined_with_line_directives_naming_the_real_files():
-    text = Variant("splitk", 128, "bf16", "fp8").source()
+    text = KernelSpec("splitk", 128, "bf16", "fp8").source()
     assert '#include "' not in text
     assert text.startswith('#line 1 "kernels_cu/decode_splitk.cu"')
     for header in ("decode_entry.cuh", "decode_core.cuh", "pd_common.cuh", "pd_ptx.cuh", "pd_splitk.cuh"):
@@ -59,7 +59,7 @@ def test_the_line_after_an_include_is_numbered_as_in_the_original_file():
 
 
 def test_the_packed_source_declares_the_pack_width_and_head_dim_the_dispatch_uses():
-    text = Variant("gqa_packed", 256, "bf16", "bf16").source()
+    text = KernelSpec("gqa_packed", 256, "bf16", "bf16").source()
     assert read_define(text, "PD_GQA") == policy.DECODE_GQA_PACK_WIDTH
     assert read_define(text, "PD_HDIM") == policy.DECODE_GQA_PACK_HEAD_DIM
 
@@ -71,7 +71,7 @@ def test_a_packed_source_whose_defines_disagree_with_the_policy_is_refused(defin
         edited = re.sub(rf"(#define {define}) \d+", rf"\1 {value}", original)
         assert edited != original
         with pytest.raises(KernelSourceError, match=f"{define} {value}"):
-            Variant("gqa_packed", 256, "bf16", "bf16", impl).source(edited)
+            KernelSpec("gqa_packed", 256, "bf16", "bf16", impl).source(edited)
 
 
 def test_a_packed_source_without_the_define_is_refused():
@@ -79,7 +79,7 @@ def test_a_packed_source_without_the_define_is_refused():
         original = read_source(SOURCE_FILES[impl, "gqa_packed"])
         edited = re.sub(r"#define PD_GQA \d+", "", original)
         with pytest.raises(KernelSourceError, match="PD_GQA"):
-            Variant("gqa_packed", 256, "bf16", "bf16", impl).source(edited)
+            KernelSpec("gqa_packed", 256, "bf16", "bf16", impl).source(edited)
 
 
 def test_block_sizes_and_dtype_codes_are_read_from_the_common_header():
@@ -89,11 +89,11 @@ def test_block_sizes_and_dtype_codes_are_read_from_the_common_header():
 
 
 def test_variant_names_carry_every_specialization_parameter():
-    assert Variant("splitk", 128, "bf16", "fp8", "simt").name == "simt_decode_splitk_qbf16_kvfp8_hd128"
-    assert Variant("splitk", 128, "bf16", "fp8", "mma", 2).name == "decode_splitk_qbf16_kvfp8_hd128_r16"
-    assert Variant("unpacked", 64, "fp16", "fp8e5m2", features={"sinks", "multi_token"}).name == \
+    assert KernelSpec("splitk", 128, "bf16", "fp8", "simt").name == "simt_decode_splitk_qbf16_kvfp8_hd128"
+    assert KernelSpec("splitk", 128, "bf16", "fp8", "mma", 2).name == "decode_splitk_qbf16_kvfp8_hd128_r16"
+    assert KernelSpec("unpacked", 64, "fp16", "fp8e5m2", features={"sinks", "multi_token"}).name == \
         "decode_unpacked_qfp16_kvfp8e5m2_hd64_r8_multi_token_sinks"
-    names = [v.name for v in all_variants()]
+    names = [v.name for v in all_specs()]
     simt = 3 * 2 * 3 + 3 * 2 * 3 + 1 * 2 * 3  # three KV dtypes (no e5m2)
     mma = 2 * (5 * 2 * 4) + 1 * 2 * 4  # four KV dtypes; unpacked and split-K at 1 or 2 row tiles (hd256: 1)
     featured = 3 * 5 - 1 + 4  # each feature alone per arm (the packed arm has no multi-token), all of them 4 times
@@ -102,7 +102,7 @@ def test_variant_names_carry_every_specialization_parameter():
 
 def test_the_packed_variant_exists_only_at_its_head_dim():
     with pytest.raises(ValueError, match="head_dim"):
-        Variant("gqa_packed", 128, "bf16", "bf16")
+        KernelSpec("gqa_packed", 128, "bf16", "bf16")
 
 
 def test_every_kernel_an_arm_launches_is_defined_in_its_source():
@@ -117,9 +117,9 @@ def test_the_dispatch_passes_every_parameter_every_kernel_declares():
     so a parameter it does not know is caught here; pointers are exactly the arrays."""
     from metrale_attn.binding import POINTER_ARGUMENTS, argument_source, kernel_abi
 
-    for variant in all_variants():
-        kernel_abi(variant)  # refuses a parameter nothing binds
-        for kernel, params in kernel_params(variant).items():
+    for spec in all_specs():
+        kernel_abi(spec)  # refuses a parameter nothing binds
+        for kernel, params in kernel_params(spec).items():
             unknown = [p.name for p in params if argument_source(p.name) is None]
             assert not unknown, (kernel, unknown)
             for p in params:
@@ -129,7 +129,7 @@ def test_the_dispatch_passes_every_parameter_every_kernel_declares():
 def test_the_three_mma_attention_kernels_take_the_one_parameter_list_of_decode_entry():
     """decode_entry.cuh spells the list once; each arm's .cu only names its kernel (PD_ENTRY)
     and its arm, and the ABI of every arm is read from that one description."""
-    lists = {arm: kernel_params(Variant(arm, 256, "bf16", "fp8"))[KERNELS["mma", arm][0]] for arm in ARMS}
+    lists = {arm: kernel_params(KernelSpec(arm, 256, "bf16", "fp8"))[KERNELS["mma", arm][0]] for arm in ARMS}
     assert lists["unpacked"] == lists["splitk"] == lists["gqa_packed"]
     assert parse_kernel_params(read_source("decode_entry.cuh")) == {"PD_ENTRY": lists["unpacked"]}
     for arm in ARMS:  # the .cu itself declares no attention kernel (split-K: only its merge)
@@ -162,11 +162,11 @@ def test_ci_compiles_every_targets_architecture():
 
 
 def test_the_host_sizes_the_shared_memory_exactly_as_the_core_carves_it():
-    """decode_core.cuh static_asserts SMEM_BYTES == PD_SMEM_BYTES; a compile of a variant
+    """decode_core.cuh static_asserts SMEM_BYTES == PD_SMEM_BYTES; a compile of a spec
     with a wrong PD_SMEM_BYTES must fail there."""
     from metrale_attn.backends.cupy_backend import nvrtc_compile
 
-    v = Variant("unpacked", 64, "bf16", "bf16")
+    v = KernelSpec("unpacked", 64, "bf16", "bf16")
     wrong = type("Wrong", (), {"name": v.name, "source": v.source, "kernels": v.kernels,
                                "defines": lambda self: dict(v.defines(), PD_SMEM_BYTES=v.shared_bytes + 16)})()
     with pytest.raises(RuntimeError, match="sized the dynamic shared memory differently"):
@@ -177,30 +177,30 @@ nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="NVRTC (cupy
 
 
 @needs_nvrtc
-@pytest.mark.parametrize("variant, arch", arch_matrix())
-def test_every_variant_compiles_through_nvrtc_with_no_stack_frame_and_no_spills(variant, arch):
+@pytest.mark.parametrize("spec, arch", arch_matrix())
+def test_every_variant_compiles_through_nvrtc_with_no_stack_frame_and_no_spills(spec, arch):
     """No stack frame means every register array is indexed by constants and nothing spilled."""
-    cubin, log = nvrtc_build(variant, arch)
+    cubin, log = nvrtc_build(spec, arch)
     assert len(cubin) > 1000
     frames = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log)
-    assert len(frames) == len(variant.kernels), log
+    assert len(frames) == len(spec.kernels), log
     assert all(f == ("0", "0", "0") for f in frames), log
 
 
 @needs_nvrtc
-@pytest.mark.parametrize("variant", variant_matrix())
-def test_k_and_v_rows_are_read_with_vector_loads_and_nothing_touches_local_memory(variant):
-    ptx = nvrtc_ptx(variant)
+@pytest.mark.parametrize("spec", spec_matrix())
+def test_k_and_v_rows_are_read_with_vector_loads_and_nothing_touches_local_memory(spec):
+    ptx = nvrtc_ptx(spec)
     assert not re.search(r"\b(ld|st)\.local\b", ptx)
-    if variant.impl == "mma":  # K/V through 16-byte async copies, tensor cores, hardware fp8 conversion
+    if spec.impl == "mma":  # K/V through 16-byte async copies, tensor cores, hardware fp8 conversion
         for instruction in ("cp.async.cg.shared.global", "ldmatrix.sync.aligned.m8n8.x4.trans", "movmatrix",
                             "mma.sync.aligned.m16n8k16"):
             assert instruction in ptx, instruction
-        assert ("cvt.rn.f16x2.e4m3x2" in ptx) == (variant.kv_dtype == "fp8")
+        assert ("cvt.rn.f16x2.e4m3x2" in ptx) == (spec.kv_dtype == "fp8")
         return
     # simt: 16-byte loads everywhere but the packed fp8 kernel, which reads 8 bytes per
     # thread so that its 6 q vectors and 6 accumulators stay in registers.
-    vector = "v2" if (variant.arm, variant.kv_dtype) == ("gqa_packed", "fp8") else "v4"
+    vector = "v2" if (spec.arm, spec.kv_dtype) == ("gqa_packed", "fp8") else "v4"
     assert re.search(rf"ld\.global\.nc\.{vector}\.u32", ptx)
 
 
@@ -209,14 +209,14 @@ def test_the_gpu_build_keeps_fp32_denormals_and_is_the_one_ci_compiles(monkeypat
     """CuPy's RawModule would append -ftz=true; the backend compiles its own cubin instead."""
     from metrale_attn.backends import cupy_backend
 
-    _, options = cupy_backend.nvrtc_program(Variant("splitk", 128, "bf16", "fp8"))
+    _, options = cupy_backend.nvrtc_program(KernelSpec("splitk", 128, "bf16", "fp8"))
     assert "-ftz=false" in options and not any("ftz=true" in o or "fast_math" in o for o in options)
     monkeypatch.setenv("METRALE_ATTN_CACHE_DIR", str(tmp_path))
     calls = []
     real = cupy_backend.compile_cubin
     monkeypatch.setattr(cupy_backend, "compile_cubin", lambda v, a: calls.append(a) or real(v, a))
-    first = cupy_backend.cubin_path(Variant("unpacked", 64, "fp16", "fp8"), "sm_90")
-    again = cupy_backend.cubin_path(Variant("unpacked", 64, "fp16", "fp8"), "sm_90")
+    first = cupy_backend.cubin_path(KernelSpec("unpacked", 64, "fp16", "fp8"), "sm_90")
+    again = cupy_backend.cubin_path(KernelSpec("unpacked", 64, "fp16", "fp8"), "sm_90")
     assert first == again and calls == ["sm_90"]
     assert pathlib.Path(first).read_bytes()[:4] == b"\x7fELF"
 
@@ -224,12 +224,12 @@ def test_the_gpu_build_keeps_fp32_denormals_and_is_the_one_ci_compiles(monkeypat
 def test_plans_launch_exactly_the_kernels_their_arm_compiles():
     from metrale_attn.cli import MODELS
     from metrale_attn.plan import make_plan
-    from metrale_attn.targets import get_target, resolve_defaults
+    from metrale_attn.targets import get_target, resolve_target_policy
 
     from conftest import layer_config
 
     for options in (dict(splitk="4"), dict(splitk="off"), dict(splitk="off", gqa_pack=True)):
-        defaults = resolve_defaults(get_target("hopper"), environ={}, **options)
+        target_policy = resolve_target_policy(get_target("hopper"), environ={}, **options)
         for impl in IMPLS:
-            plan = make_plan(layer_config(defaults, MODELS["qwen3.8-27b"], max_batch=2, impl=impl), 2)
-            assert tuple(g.kernel for g in plan.launches) == Variant(plan.arm, 256, "bf16", "bf16", impl).kernels
+            plan = make_plan(layer_config(target_policy, MODELS["qwen3.8-27b"], max_batch=2, impl=impl), 2)
+            assert tuple(g.kernel for g in plan.launches) == KernelSpec(plan.arm, 256, "bf16", "bf16", impl).kernels

@@ -1,4 +1,4 @@
-"""What the package says under the ``metrale_attn`` logger: each compile (variant, where, seconds,
+"""What the package says under the ``metrale_attn`` logger: each compile (spec, where, seconds,
 cache hit or miss), each fallback (simt, a cache directory it cannot use), the plan chosen at
 construction (DEBUG), and a compile that is taking long, while it runs (INFO)."""
 
@@ -20,7 +20,7 @@ P = problem(seed=31, seq_lens=(5, 40), num_q_heads=4, num_kv_heads=2)
 
 
 def stand_in(name: str):
-    """What ``CpuBackend.load`` reads of a variant (its name, source and defines), for a one-line kernel."""
+    """What ``CpuBackend.load`` reads of a spec (its name, source and defines), for a one-line kernel."""
     source = f'extern "C" __global__ void {name}(float* out) {{ out[threadIdx.x] = 1.0f; }}\n'
     return types.SimpleNamespace(name=name, source=lambda: source, defines=dict)
 
@@ -50,16 +50,16 @@ def test_each_cpu_compile_logs_its_variant_seconds_and_whether_the_cache_had_it(
 
 def test_a_compile_still_running_after_the_threshold_says_so_while_it_runs(monkeypatch, caplog):
     class SlowBuilds(CpuBackend):
-        def load_many(self, variants):
+        def load_many(self, specs):
             time.sleep(0.3)
-            return super().load_many(variants)
+            return super().load_many(specs)
 
     monkeypatch.setattr(attention, "SLOW_COMPILE_S", 0.05)
     with caplog.at_level(logging.INFO, logger="metrale_attn"):
         decoder(P, backend=SlowBuilds())
     infos = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
-    assert infos[0].startswith("still compiling 1 kernel variant(s) for sm_90 (decode_splitk_")
-    assert infos[-1].startswith("done compiling 1 kernel variant(s)")
+    assert infos[0].startswith("still compiling 1 kernel spec(s) for sm_90 (decode_splitk_")
+    assert infos[-1].startswith("done compiling 1 kernel spec(s)")
 
 
 def test_a_fallback_to_simt_is_logged_as_well_as_warned(caplog):

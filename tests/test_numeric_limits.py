@@ -251,8 +251,8 @@ class SinkWritingBackend(CpuBackend):
         super().__init__()
         self.sinks, self.values = sinks, np.asarray(values, np.float32)
 
-    def load(self, variant):
-        module, backend = super().load(variant), self
+    def load(self, spec):
+        module, backend = super().load(spec), self
 
         class Writing:
             def launch(self, launch):

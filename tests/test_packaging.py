@@ -83,7 +83,7 @@ def test_the_shim_builds_and_launches_from_a_non_editable_install(wheel, tmp_pat
         "import cuda_on_cpu, metrale_attn\n"
         "from metrale_attn import kernels\n"
         f"assert all(m.__file__.startswith({str(site)!r}) for m in (cuda_on_cpu, metrale_attn))\n"
-        "assert 'pd_ptx.cuh' in kernels.Variant('unpacked', 128, 'bf16', 'fp8', 'mma').source()\n"
+        "assert 'pd_ptx.cuh' in kernels.KernelSpec('unpacked', 128, 'bf16', 'fp8', 'mma').source()\n"
         "src = 'extern \"C\" __global__ void ones(float* out) { out[threadIdx.x] = 1.0f; }'\n"
         "out = np.zeros(32, np.float32)\n"
         "cuda_on_cpu.compile_module(src, name='from_the_wheel').launch('ones', 1, 32, 0, (out,), isolate=True)\n"

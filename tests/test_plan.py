@@ -1,4 +1,4 @@
-"""Targets, resolved defaults, launch plans and the plan CLI."""
+"""Targets, resolved target policies, launch plans and the plan CLI."""
 
 import subprocess
 import sys
@@ -12,15 +12,15 @@ from metrale_attn.config import (IMPLS, ModelShape, configure, heads_per_cta_cho
                                  resolve_impl)
 from metrale_attn.plan import Workspace, WorkspaceTooSmall, heads_per_cta_for, make_plan, workspace_for
 from metrale_attn.policy import SplitkPolicy
-from metrale_attn.targets import TARGETS, detect_target, get_target, resolve_defaults
+from metrale_attn.targets import TARGETS, detect_target, get_target, resolve_target_policy
 
 from conftest import layer_config
 
 NO_ENV: dict = {}
 
 
-def defaults(name, **overrides):
-    return resolve_defaults(get_target(name), environ=overrides.pop("environ", NO_ENV), **overrides)
+def target_policy(name, **overrides):
+    return resolve_target_policy(get_target(name), environ=overrides.pop("environ", NO_ENV), **overrides)
 
 
 def test_the_four_targets_declare_their_sm_counts_architectures_and_policies():
@@ -34,7 +34,7 @@ def test_the_four_targets_declare_their_sm_counts_architectures_and_policies():
 
 
 def test_a_target_that_declares_no_policy_gets_legacy():
-    assert defaults("gb10").splitk == SplitkPolicy.LEGACY
+    assert target_policy("gb10").splitk == SplitkPolicy.LEGACY
 
 
 def test_detection_maps_a_compute_capability_to_its_target_with_the_devices_sm_count():
@@ -56,14 +56,14 @@ def test_an_unknown_target_name_lists_the_known_ones():
 
 
 def test_the_target_line_says_the_policy_the_gate_and_the_sm_count():
-    assert defaults("b200").line() == (
+    assert target_policy("b200").line() == (
         "target defaults (b200: B200): attn_decode_splitk=auto gqa_pack=off sm_count=148"
     )
 
 
 def test_the_target_line_says_which_values_came_from_the_environment():
     env = {"METRALE_ATTN_DECODE_SPLITK": "4", "METRALE_ATTN_DECODE_GQA_PACK": "on"}
-    d = defaults("hopper", environ=env)
+    d = target_policy("hopper", environ=env)
     assert (d.splitk, d.gqa_pack) == (SplitkPolicy.pinned(4), True)
     assert d.line().endswith(
         "attn_decode_splitk=4 gqa_pack=on sm_count=132 "
@@ -73,21 +73,21 @@ def test_the_target_line_says_which_values_came_from_the_environment():
 
 def test_unparseable_environment_values_keep_the_declaration():
     env = {"METRALE_ATTN_DECODE_SPLITK": "lots", "METRALE_ATTN_DECODE_GQA_PACK": "perhaps"}
-    d = defaults("hopper", environ=env)
+    d = target_policy("hopper", environ=env)
     assert (d.splitk, d.splitk_source, d.gqa_pack, d.gqa_pack_source) == (
         SplitkPolicy.AUTO, "declaration", False, "declaration")
 
 
 def test_explicit_arguments_override_the_environment():
     env = {"METRALE_ATTN_DECODE_SPLITK": "4", "METRALE_ATTN_DECODE_GQA_PACK": "on"}
-    d = defaults("hopper", environ=env, splitk="legacy", gqa_pack=False)
+    d = target_policy("hopper", environ=env, splitk="legacy", gqa_pack=False)
     assert (d.splitk, d.gqa_pack, d.splitk_source, d.gqa_pack_source) == (
         SplitkPolicy.LEGACY, False, "argument", "argument")
 
 
 def test_an_explicit_splitk_spelling_that_does_not_parse_is_an_error_not_ignored():
     with pytest.raises(ValueError, match="splitk"):
-        defaults("hopper", splitk="lots")
+        target_policy("hopper", splitk="lots")
 
 
 def test_the_process_environment_is_read_when_no_mapping_is_given(monkeypatch):
@@ -95,7 +95,7 @@ def test_the_process_environment_is_read_when_no_mapping_is_given(monkeypatch):
     policy.gqa_pack_enabled.cache_clear()
     monkeypatch.setenv("METRALE_ATTN_DECODE_GQA_PACK", "yes")
     try:
-        d = resolve_defaults(get_target("hopper"))
+        d = resolve_target_policy(get_target("hopper"))
         assert (d.splitk, d.gqa_pack) == (SplitkPolicy.LEGACY, True)
     finally:
         policy.gqa_pack_enabled.cache_clear()
@@ -105,13 +105,13 @@ def test_the_target_line_reports_the_gqa_pack_source_resolved_with_its_value(mon
     """The gate is resolved once per process; its reported source must be that resolution's,
     not a fresh read of an environment that changed after first use."""
     monkeypatch.delenv("METRALE_ATTN_DECODE_GQA_PACK", raising=False)
-    first = resolve_defaults(get_target("hopper"))
+    first = resolve_target_policy(get_target("hopper"))
     monkeypatch.setenv("METRALE_ATTN_DECODE_GQA_PACK", "on")
-    later = resolve_defaults(get_target("hopper"))
+    later = resolve_target_policy(get_target("hopper"))
     assert (later.gqa_pack, later.gqa_pack_source) == (first.gqa_pack, first.gqa_pack_source) == (False, "declaration")
     assert later.line() == first.line() and "gqa_pack from" not in later.line()
     policy.gqa_pack_enabled.cache_clear()  # a new process: the environment is read again, value and source
-    fresh = resolve_defaults(get_target("hopper"))
+    fresh = resolve_target_policy(get_target("hopper"))
     assert (fresh.gqa_pack, fresh.gqa_pack_source) == (True, "environment") and policy.gqa_pack_enabled() is True
 
 
@@ -128,7 +128,7 @@ LLAMA70 = MODELS["llama-3-70b"]
      ("hopper", LLAMA8, 9), ("b200", LLAMA8, 10), ("hopper", LLAMA70, 5), ("b300", LLAMA70, 5)],
 )
 def test_auto_plans_split_the_same_way_for_every_batch_with_exact_cta_counts(target, shape, splits):
-    d = defaults(target)
+    d = target_policy(target)
     for batch in (1, 8, 64, 256):
         for impl in IMPLS:
             plan = make_plan(layer_config(d, shape, max_batch=256, impl=impl), batch)
@@ -142,7 +142,7 @@ def test_auto_plans_split_the_same_way_for_every_batch_with_exact_cta_counts(tar
 
 
 def test_gb10_legacy_plans_move_with_the_batch():
-    d = defaults("gb10")
+    d = target_policy("gb10")
     rows = [(b, make_plan(layer_config(d, QWEN, max_batch=64, impl="simt"), b)) for b in (1, 2, 8)]
     assert [(b, p.arm, p.num_splits, p.ctas) for b, p in rows] == [
         (1, "splitk", 2, 48), (2, "unpacked", 1, 48), (8, "unpacked", 1, 192)]
@@ -153,12 +153,12 @@ def test_gb10_legacy_plans_move_with_the_batch():
 
 
 def test_legacy_reads_the_configured_reference_batch_when_it_is_larger():
-    d = defaults("gb10")
+    d = target_policy("gb10")
     assert make_plan(layer_config(d, QWEN, max_batch=64, max_decode_seqs=4), 1).num_splits == 1
 
 
-def test_one_split_with_the_pack_armed_and_a_fitting_shape_takes_the_packed_arm():
-    d = defaults("gb10", gqa_pack=True)
+def test_one_split_with_the_pack_on_and_a_fitting_shape_takes_the_packed_arm():
+    d = target_policy("gb10", gqa_pack=True)
     for impl, kernel in (("simt", "simt_decode_gqa_packed"), ("mma", "decode_gqa_packed")):
         plan = make_plan(layer_config(d, QWEN, max_batch=64, impl=impl), 8)
         assert (plan.arm, plan.launches[0].kernel, plan.launches[0].grid, plan.ctas, plan.heads_per_cta) == (
@@ -167,27 +167,27 @@ def test_one_split_with_the_pack_armed_and_a_fitting_shape_takes_the_packed_arm(
 
 
 def test_the_packed_arm_is_never_used_under_split_k():
-    d = defaults("hopper", gqa_pack=True)
+    d = target_policy("hopper", gqa_pack=True)
     assert make_plan(layer_config(d, QWEN, max_batch=64), 8).arm == "splitk"
-    assert make_plan(layer_config(defaults("hopper", gqa_pack=True, splitk="off"), QWEN, max_batch=64), 8).arm == "gqa_packed"
+    assert make_plan(layer_config(target_policy("hopper", gqa_pack=True, splitk="off"), QWEN, max_batch=64), 8).arm == "gqa_packed"
 
 
-def test_an_armed_pack_with_a_shape_that_does_not_fit_keeps_the_unpacked_kernel_and_says_why():
-    plan = make_plan(layer_config(defaults("hopper", gqa_pack=True, splitk="off"), LLAMA8, max_batch=64, impl="simt"), 8)
+def test_a_pack_that_is_on_with_a_shape_that_does_not_fit_keeps_the_unpacked_kernel_and_says_why():
+    plan = make_plan(layer_config(target_policy("hopper", gqa_pack=True, splitk="off"), LLAMA8, max_batch=64, impl="simt"), 8)
     assert plan.arm == "unpacked" and plan.launches[0].grid == (32, 8, 1)
     assert "does not fit" in plan.reason
 
 
 def test_the_workspace_is_sized_once_for_max_batch():
-    ws = workspace_for(defaults("hopper"), QWEN, max_batch=256)
+    ws = workspace_for(target_policy("hopper"), QWEN, max_batch=256)
     assert (ws.slots, ws.slot_floats, ws.nbytes) == (256 * 24 * 11, 258, 256 * 24 * 11 * 258 * 4)
-    assert workspace_for(defaults("gb10"), QWEN, max_batch=256).slots == 48
+    assert workspace_for(target_policy("gb10"), QWEN, max_batch=256).slots == 48
 
 
 def test_a_call_whose_geometry_exceeds_the_workspace_is_refused_naming_both_sizes():
-    small = workspace_for(defaults("hopper", splitk="legacy"), QWEN, max_batch=64)  # 132 slots
+    small = workspace_for(target_policy("hopper", splitk="legacy"), QWEN, max_batch=64)  # 132 slots
     with pytest.raises(WorkspaceTooSmall) as err:
-        make_plan(layer_config(defaults("hopper"), QWEN, max_batch=64), 2, workspace=small)
+        make_plan(layer_config(target_policy("hopper"), QWEN, max_batch=64), 2, workspace=small)
     message = str(err.value)
     assert "528 slots" in message and "132 slots" in message
     assert str(2 * 24 * 11 * 258 * 4) in message and str(132 * 258 * 4) in message
@@ -195,11 +195,11 @@ def test_a_call_whose_geometry_exceeds_the_workspace_is_refused_naming_both_size
 
 def test_a_batch_wider_than_max_batch_is_refused():
     with pytest.raises(ValueError, match="max_batch=8"):
-        make_plan(layer_config(defaults("hopper"), QWEN, max_batch=8), 9)
+        make_plan(layer_config(target_policy("hopper"), QWEN, max_batch=8), 9)
 
 
 def test_an_empty_batch_plans_zero_ctas():
-    plan = make_plan(layer_config(defaults("hopper"), QWEN, max_batch=8), 0)
+    plan = make_plan(layer_config(target_policy("hopper"), QWEN, max_batch=8), 0)
     assert plan.ctas == 0 and plan.slots_used == 0
 
 
@@ -317,14 +317,14 @@ def test_heads_per_cta_choices_are_the_divisors_of_the_group_up_to_sixteen():
 
 def test_at_head_dim_256_a_cta_holds_eight_rows_so_nothing_spills():
     shape = ModelShape(32, 2, 256)
-    assert make_plan(layer_config(defaults("hopper"), shape, max_batch=64), 64).heads_per_cta == 8
+    assert make_plan(layer_config(target_policy("hopper"), shape, max_batch=64), 64).heads_per_cta == 8
     with pytest.raises(ValueError, match="head_dim 256"):
-        configure(*astuple(shape), 16, q_dtype="bf16", kv_dtype="bf16", max_batch=64, defaults=defaults("hopper"),
+        configure(*astuple(shape), 16, q_dtype="bf16", kv_dtype="bf16", max_batch=64, target_policy=target_policy("hopper"),
                   heads_per_cta=16)
 
 
 def test_the_split_count_and_the_workspace_never_read_heads_per_cta():
-    d = defaults("hopper")
+    d = target_policy("hopper")
     for batch in (1, 3, 64):
         plans = [make_plan(layer_config(d, LLAMA70, max_batch=64, heads_per_cta=h), batch) for h in heads_per_cta_choices(8)]
         assert {p.num_splits for p in plans} == {5}
@@ -333,16 +333,16 @@ def test_the_split_count_and_the_workspace_never_read_heads_per_cta():
 
 
 def test_a_heads_per_cta_override_wins_over_the_rule_and_shows_in_the_reason():
-    plan = make_plan(layer_config(defaults("hopper"), LLAMA8, max_batch=8, heads_per_cta=1), 1)
+    plan = make_plan(layer_config(target_policy("hopper"), LLAMA8, max_batch=8, heads_per_cta=1), 1)
     assert plan.heads_per_cta == 1 and plan.launches[0].grid == (32, 9, 1) and "override" in plan.reason
-    assert "rule" in make_plan(layer_config(defaults("hopper"), LLAMA8, max_batch=8), 1).reason
+    assert "rule" in make_plan(layer_config(target_policy("hopper"), LLAMA8, max_batch=8), 1).reason
 
 
 def test_sixteen_heads_per_cta_need_the_second_row_tile():
     shape = ModelShape(32, 2, 128)
-    assert make_plan(layer_config(defaults("hopper"), shape, max_batch=64), 64).heads_per_cta == 16
-    assert make_plan(layer_config(defaults("hopper"), shape, max_batch=64), 64).row_tiles == 2
-    assert make_plan(layer_config(defaults("hopper"), shape, max_batch=64, heads_per_cta=8), 64).row_tiles == 1
+    assert make_plan(layer_config(target_policy("hopper"), shape, max_batch=64), 64).heads_per_cta == 16
+    assert make_plan(layer_config(target_policy("hopper"), shape, max_batch=64), 64).row_tiles == 2
+    assert make_plan(layer_config(target_policy("hopper"), shape, max_batch=64, heads_per_cta=8), 64).row_tiles == 1
 
 
 @pytest.mark.parametrize("value, env, match", [

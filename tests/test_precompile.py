@@ -2,7 +2,7 @@
 construction on a GPU then finds; a Hugging Face config mapped onto layer kinds; bad input refused
 with its name.
 
-The variant set is checked against what ``DecodeAttention`` itself loads (a backend that records
+The spec set is checked against what ``DecodeAttention`` itself loads (a backend that records
 its loads and pretends to be a GPU, so nothing compiles), both outcomes of the self-test included.
 Only two tests compile with NVRTC (three small kernels, then one), so the default run stays fast.
 """
@@ -24,19 +24,19 @@ from metrale_attn.backends import DeviceInfo
 from metrale_attn.backends.cpu_backend import CpuBackend
 from metrale_attn.cli import main
 from metrale_attn.kernels import SelfTest
-from metrale_attn.precompile import Layer, Options, PrecompileError, check_nvrtc, needed_variants
+from metrale_attn.precompile import Layer, Options, PrecompileError, check_nvrtc, needed_specs
 from metrale_attn.targets import TARGETS
 
 CONFIGS = pathlib.Path(__file__).parent / "hf_configs"
 README = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
 
 
-# -- the variant set is DecodeAttention's -------------------------------------------------
+# -- the spec set is DecodeAttention's -------------------------------------------------
 
 
 class RecordingGpu(CpuBackend):
     """A backend that says it is a GPU of ``capability`` and records what a construction
-    loads (the self-test, then the variants) without compiling anything; ``disagree`` is
+    loads (the self-test, then the specs) without compiling anything; ``disagree`` is
     what its self-test reports."""
 
     def __init__(self, capability, sm_count, disagree=()):
@@ -50,10 +50,10 @@ class RecordingGpu(CpuBackend):
         self.loaded.append(SelfTest().name)
         return self.disagree
 
-    def load_many(self, variants):
-        variants = list(variants)
-        self.loaded += [v.name for v in variants]
-        return [object() for _ in variants]
+    def load_many(self, specs):
+        specs = list(specs)
+        self.loaded += [v.name for v in specs]
+        return [object() for _ in specs]
 
 
 def constructed(layer: Layer, options: Options, capability, sm_count, disagree=()) -> set:
@@ -82,7 +82,7 @@ CASES = {
     "gpt-oss full, sinks": (Layer("full", 32, 4, 64, sinks=True), Options(), "b300"),
     "legacy split-K, batch moves the arm": (Layer("layer", 32, 8, 128), Options(splitk="legacy", max_batch=64),
                                             "hopper"),
-    "gqa pack armed": (Layer("layer", 24, 4, 256), Options(splitk="off", gqa_pack=True), "hopper"),
+    "gqa pack on": (Layer("layer", 24, 4, 256), Options(splitk="off", gqa_pack=True), "hopper"),
     "pinned heads per cta": (Layer("layer", 32, 4, 128), Options(heads_per_cta=4), "hopper"),
     "gb10 shared memory: simt": (Layer("layer", 4, 4, 64), Options(), "gb10"),
     "simt chosen": (Layer("layer", 32, 8, 128), Options(impl="simt"), "hopper"),
@@ -93,7 +93,7 @@ CASES = {
 def test_precompile_needs_exactly_what_a_construction_loads_whichever_way_its_self_test_goes(case):
     layer, options, name = CASES[case]
     target = TARGETS[name]
-    plan = needed_variants([layer], target, options, environ={})
+    plan = needed_specs([layer], target, options, environ={})
     agree = constructed(layer, options, target.compute_capability, target.sm_count)
     disagree = constructed(layer, options, target.compute_capability, target.sm_count, ["mma.m16n8k16 bf16"])
     assert agree  # a construction that agrees always builds
@@ -101,26 +101,26 @@ def test_precompile_needs_exactly_what_a_construction_loads_whichever_way_its_se
 
 
 def test_the_simt_fallback_is_compiled_only_where_a_failed_self_test_falls_back_rather_than_refuses():
-    plain = needed_variants([Layer("layer", 4, 4, 64)], TARGETS["hopper"], environ={})
+    plain = needed_specs([Layer("layer", 4, 4, 64)], TARGETS["hopper"], environ={})
     assert [n.why for n in plain.needed if n.name.startswith("simt_decode_")] == [
         "simt fallback of layer, if the device fails the self-test"]
-    featured = needed_variants([Layer("layer", 4, 4, 64, window_left=127)], TARGETS["hopper"], environ={})
+    featured = needed_specs([Layer("layer", 4, 4, 64, window_left=127)], TARGETS["hopper"], environ={})
     assert not [n for n in featured.needed if n.name.startswith("simt_decode_")]
     assert featured.needed[0].name == "pd_selftest" and not featured.notes
 
 
 def test_the_environment_a_construction_reads_is_read_the_same_way():
     layer = Layer("layer", 32, 8, 128)
-    by_env = needed_variants([layer], TARGETS["hopper"], environ={"METRALE_ATTN_DECODE_IMPL": "simt"})
+    by_env = needed_specs([layer], TARGETS["hopper"], environ={"METRALE_ATTN_DECODE_IMPL": "simt"})
     assert {n.name for n in by_env.needed} == {"simt_decode_splitk_qbf16_kvbf16_hd128"}
-    legacy = needed_variants([layer], TARGETS["hopper"], environ={"METRALE_ATTN_DECODE_SPLITK": "legacy"})
+    legacy = needed_specs([layer], TARGETS["hopper"], environ={"METRALE_ATTN_DECODE_SPLITK": "legacy"})
     assert legacy.defaults_line.endswith("(attn_decode_splitk from environment)")
     assert "attn_decode_splitk=legacy" in legacy.defaults_line
 
 
 def test_layer_kinds_that_share_a_variant_compile_it_once_and_say_who_needs_it():
     layers = [Layer("a", 32, 8, 128), Layer("b", 32, 8, 128)]
-    plan = needed_variants(layers, TARGETS["hopper"], environ={})
+    plan = needed_specs(layers, TARGETS["hopper"], environ={})
     names = [n.name for n in plan.needed]
     assert len(names) == len(set(names)) == 3
     assert plan.needed[1].why == "a, b"
@@ -321,8 +321,8 @@ def test_a_precompiled_cache_is_all_hits_the_second_time_and_a_gpu_construction_
     assert f"into {tmp_path / 'cubin'}: 3 compiled, 0 already cached" in lines[-2]
     assert lines[-1] == f"serve with METRALE_ATTN_CACHE_DIR={tmp_path} (the same CuPy and NVRTC) to find them"
 
-    def no_compile(variant, arch):
-        raise AssertionError(f"compiled {variant.name} for {arch}: the cache should have had it")
+    def no_compile(spec, arch):
+        raise AssertionError(f"compiled {spec.name} for {arch}: the cache should have had it")
 
     monkeypatch.setattr(cupy_backend, "compile_cubin", no_compile)
     layer = Layer("layer", 4, 4, 64)
@@ -347,8 +347,8 @@ def test_a_precompiled_cache_is_all_hits_the_second_time_and_a_gpu_construction_
     backend = cupy_backend.CupyBackend()
     backend._cupy = types.SimpleNamespace(RawModule=RawModule)
     backend.device = lambda: DeviceInfo(0, (9, 0), 132, "NVIDIA H200 (pretend)")
-    needed = needed_variants([layer], TARGETS["hopper"], environ={}).needed
-    backend.load_many(n.variant for n in needed)
+    needed = needed_specs([layer], TARGETS["hopper"], environ={}).needed
+    backend.load_many(n.spec for n in needed)
     assert sorted(loaded) == sorted(b.path for b in again)
     assert not list(tmp_path.glob("cubin/*.lock"))  # a hit takes no lock: a read-only cache serves as it is
 

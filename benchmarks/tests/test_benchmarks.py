@@ -134,14 +134,14 @@ def test_gpu_check_cpu_dry_run_writes_every_output(tmp_path):
     assert all(b["status"] == "not run" for b in result["baselines"].values())
     # The SASS model's prediction beside each row: by implementation, arm, shape, dtypes and heads per CTA (what
     # the plan ran), sm_90 only. The mma split-K plan serves 2 heads per CTA at batch 2: not in the report.
-    by_variant = {(r["kv_dtype"], r["arm"], r["kernel_impl"]): r for r in ours if r["tier"].startswith("decisive")}
-    assert by_variant[("bf16", "unpacked", "simt")]["sass"]["ceiling_pct"] == 41.0
-    assert by_variant[("bf16", "gqa_packed", "simt")]["sass"]["ceiling_pct"] == 60.0
-    assert by_variant[("bf16", "gqa_packed", "mma")]["sass"]["ceiling_pct"] == 97.0
-    assert by_variant[("bf16", "splitk", "mma")]["heads_per_cta"] == 2 and by_variant[("bf16", "splitk", "mma")][
+    by_spec = {(r["kv_dtype"], r["arm"], r["kernel_impl"]): r for r in ours if r["tier"].startswith("decisive")}
+    assert by_spec[("bf16", "unpacked", "simt")]["sass"]["ceiling_pct"] == 41.0
+    assert by_spec[("bf16", "gqa_packed", "simt")]["sass"]["ceiling_pct"] == 60.0
+    assert by_spec[("bf16", "gqa_packed", "mma")]["sass"]["ceiling_pct"] == 97.0
+    assert by_spec[("bf16", "splitk", "mma")]["heads_per_cta"] == 2 and by_spec[("bf16", "splitk", "mma")][
         "sass"] is None
-    assert by_variant[("fp8", "unpacked", "simt")]["sass"]["binding"] == "alu"
-    assert by_variant[("fp8", "splitk", "simt")]["sass"] is None
+    assert by_spec[("fp8", "unpacked", "simt")]["sass"]["binding"] == "alu"
+    assert by_spec[("fp8", "splitk", "simt")]["sass"] is None
     assert result["sass_model"]["rows"] == 7
     assert result["l2_probe"]["status"] == "absent"
     md = (out / json_name.replace(".json", ".md")).read_text()
@@ -290,10 +290,10 @@ def test_bench_verdict_and_exit_code(tmp_path):
     assert steps.main(["exit-code", "--json", str(empty)]) == 1 and steps.main(["exit-code", "--json", str(full)]) == 0
     assert steps.main(["exit-code"]) == 1
     fi = tmp_path / "fi.json"
-    fi.write_text(json.dumps({"variants": {"hd128-kvbf16-decode": {"status": "ok", "seconds": 95.2},
+    fi.write_text(json.dumps({"specs": {"hd128-kvbf16-decode": {"status": "ok", "seconds": 95.2},
                                            "hd256-kvbf16-tensorcore": {"status": "dropped"}}}))
     assert steps.flashinfer_verdict(str(fi)) == ("ok", "hd128-kvbf16-decode ok 95s; hd256-kvbf16-tensorcore dropped")
-    fi.write_text(json.dumps({"variants": {}, "import_error": "wheel install failed"}))
+    fi.write_text(json.dumps({"specs": {}, "import_error": "wheel install failed"}))
     assert steps.flashinfer_verdict(str(fi)) == ("skipped", "wheel install failed")
 
 
@@ -506,23 +506,23 @@ def test_flashinfer_prewarm_builds_the_decode_variants_first_and_drops_what_cann
     state = baselines.flashinfer_prewarm(shapes, ["bf16", "fp8"], timeout_s=30, log_dir=str(tmp_path),
                                          status_path=str(status), min_late_s=1000, command=_fake_build(0.1),
                                          check_import=False, poll_s=0.05)
-    v = state["variants"]
+    v = state["specs"]
     assert v["hd128-kvbf16-decode"]["status"] == v["hd128-kvfp8-decode"]["status"] == "ok"
     assert v["hd256-kvbf16-tensorcore"]["status"] == "dropped" and "cannot build in time" in \
         v["hd256-kvbf16-tensorcore"]["reason"]
     assert json.loads(status.read_text())["running"] is False
     state = baselines.flashinfer_prewarm(shapes, ["bf16"], timeout_s=30, log_dir=str(tmp_path), min_late_s=0,
                                          command=_fake_build(0.1), check_import=False, poll_s=0.05)
-    v = state["variants"]
+    v = state["specs"]
     assert v["hd256-kvbf16-tensorcore"]["status"] == "ok"
     state = baselines.flashinfer_prewarm([(32, 8, 128)], ["bf16"], timeout_s=0.3, log_dir=str(tmp_path),
                                          command=_fake_build(30), check_import=False, poll_s=0.05)
-    assert state["variants"]["hd128-kvbf16-decode"]["status"] == "timeout"
+    assert state["specs"]["hd128-kvbf16-decode"]["status"] == "timeout"
     state = baselines.flashinfer_prewarm([(32, 8, 128)], ["bf16"], timeout_s=30, log_dir=str(tmp_path),
                                          command=_fake_build(0, rc=2), check_import=False, poll_s=0.05)
-    assert state["variants"]["hd128-kvbf16-decode"]["status"] == "failed"
+    assert state["specs"]["hd128-kvbf16-decode"]["status"] == "failed"
     # What the sweep's late phase waits for: only what a running prewarm has not finished.
-    running = {"running": True, "variants": {"a": {"status": "building"}, "b": {"status": "ok"},
+    running = {"running": True, "specs": {"a": {"status": "building"}, "b": {"status": "ok"},
                                              "c": {"status": "queued"}}}
     assert baselines.pending_builds(running, ["a", "b", "c", "d"]) == ["a", "c"]
     assert baselines.pending_builds(dict(running, running=False), ["a", "c"]) == []
@@ -560,15 +560,15 @@ def test_the_committed_sass_model_predicts_every_decisive_variant_of_both_implem
     sequence: 8 KV heads x 4 / h CTAs, h = 1 to cover half the SMs) has none."""
     from metrale_attn.config import LayerConfig
     from metrale_attn.plan import make_plan
-    from metrale_attn.targets import get_target, resolve_defaults
+    from metrale_attn.targets import get_target, resolve_target_policy
 
     p = predictions.Predictions.load(os.path.join(BENCH, "results", "sass_model.json"), "sm_90")
     decisive, missing = [j for j in _planned() if j.tier.startswith("decisive")], []
     for job in decisive:
         c = job.config
         for slot in sweep_plan.slots_for(job, list(sweep_plan.DEFAULT_ARMS)):
-            defaults = resolve_defaults(get_target("hopper"), environ={}, **sweep_plan.arm_options(slot.arm))
-            plan = make_plan(LayerConfig(c.shape, 16, "bf16", c.kv_dtype, c.batch, defaults, impl=slot.impl), c.batch)
+            target_policy = resolve_target_policy(get_target("hopper"), environ={}, **sweep_plan.arm_options(slot.arm))
+            plan = make_plan(LayerConfig(c.shape, 16, "bf16", c.kv_dtype, c.batch, target_policy, impl=slot.impl), c.batch)
             found = p.lookup(impl=plan.impl, arm=plan.arm, q_heads=c.shape.num_q_heads,
                              kv_heads=c.shape.num_kv_heads, head_dim=c.shape.head_dim, q_dtype="bf16",
                              kv_dtype=c.kv_dtype, heads_per_cta=plan.heads_per_cta)
@@ -824,7 +824,7 @@ def test_gpu_sweep_control_flow_with_fakes_on_the_cpu(tmp_path):
     env_json.write_text(json.dumps({"mode": "gpu", "device": {"name": "FAKE"}, "device_label": "FAKE",
                                     "copy_bandwidth": {"tb_per_s": 0.01, "method": "fake"}}))
     status = tmp_path / "fi.json"
-    status.write_text(json.dumps({"variants": {}, "import_error": "not compiled in this test"}))
+    status.write_text(json.dumps({"specs": {}, "import_error": "not compiled in this test"}))
     out = tmp_path / "out"
     done = subprocess.run(
         [sys.executable, str(driver), REPO, "--env-json", str(env_json), "--out-dir", str(out),

@@ -1,41 +1,41 @@
-"""benchmarks/hot_loop.py: a variant's steady-state K/V loop, described from its public fields and
+"""benchmarks/hot_loop.py: a spec's steady-state K/V loop, described from its public fields and
 the sources' own constants."""
 
 import pytest
 
 from benchmarks.hot_loop import hot_loop, read_constexpr
-from metrale_attn.kernels import KernelSourceError, Variant, source_constants
+from metrale_attn.kernels import KernelSourceError, KernelSpec, source_constants
 
 
-@pytest.mark.parametrize("variant, vec, tokens, kv_bytes, heads", [
-    (Variant("unpacked", 128, "bf16", "bf16", "simt"), 8, 8, 4096, 1),     # 16 threads a row, 2 rows x UNROLL 4
-    (Variant("splitk", 64, "fp16", "fp8", "simt"), 16, 32, 4096, 1),       # 4 threads a row, 8 rows x 4
-    (Variant("unpacked", 256, "bf16", "fp16", "simt"), 8, 4, 4096, 1),     # a row per warp
-    (Variant("gqa_packed", 256, "bf16", "fp8", "simt"), 8, 4, 2048, 6),    # 8-byte fp8 slices, 6 heads per CTA
-], ids=lambda x: x.name if isinstance(x, Variant) else None)
-def test_the_hot_loop_is_described_from_the_sources_own_constants(variant, vec, tokens, kv_bytes, heads):
-    itemsize = 1 if variant.kv_dtype == "fp8" else 2
-    assert read_constexpr(variant.source(), "VEC", kv_itemsize=itemsize) == vec
-    assert read_constexpr(variant.source(), "UNROLL", kv_itemsize=itemsize) == 4
-    loop = hot_loop(variant)
+@pytest.mark.parametrize("spec, vec, tokens, kv_bytes, heads", [
+    (KernelSpec("unpacked", 128, "bf16", "bf16", "simt"), 8, 8, 4096, 1),     # 16 threads a row, 2 rows x UNROLL 4
+    (KernelSpec("splitk", 64, "fp16", "fp8", "simt"), 16, 32, 4096, 1),       # 4 threads a row, 8 rows x 4
+    (KernelSpec("unpacked", 256, "bf16", "fp16", "simt"), 8, 4, 4096, 1),     # a row per warp
+    (KernelSpec("gqa_packed", 256, "bf16", "fp8", "simt"), 8, 4, 2048, 6),    # 8-byte fp8 slices, 6 heads per CTA
+], ids=lambda x: x.name if isinstance(x, KernelSpec) else None)
+def test_the_hot_loop_is_described_from_the_sources_own_constants(spec, vec, tokens, kv_bytes, heads):
+    itemsize = 1 if spec.kv_dtype == "fp8" else 2
+    assert read_constexpr(spec.source(), "VEC", kv_itemsize=itemsize) == vec
+    assert read_constexpr(spec.source(), "UNROLL", kv_itemsize=itemsize) == 4
+    loop = hot_loop(spec)
     assert (loop.tokens_per_warp_iter, loop.kv_bytes_per_warp_iter, loop.heads_per_cta) == (tokens, kv_bytes, heads)
-    assert loop.kernel == variant.kernels[0] and loop.warps_per_cta == source_constants().threads // 32
+    assert loop.kernel == spec.kernels[0] and loop.warps_per_cta == source_constants().threads // 32
     assert (loop.pipeline_stages, loop.stage_bytes, loop.dynamic_smem_bytes) == (0, 0, 0)  # plain loads
 
 
-@pytest.mark.parametrize("variant, tokens, stages, heads", [
-    (Variant("unpacked", 128, "bf16", "bf16"), 16, 3, 8),   # 16 x 256-byte rows of K and V: 8 KiB a stage
-    (Variant("splitk", 128, "bf16", "fp8", row_tiles=2), 32, 3, 16),
-    (Variant("unpacked", 64, "fp16", "fp8"), 32, 4, 8),     # 4 KiB stages: one deeper
-    (Variant("gqa_packed", 256, "fp16", "bf16"), 16, 3, 6),
-], ids=lambda x: x.name if isinstance(x, Variant) else None)
-def test_the_mma_hot_loop_is_one_stage_of_each_warps_ring(variant, tokens, stages, heads):
-    loop, tiling = hot_loop(variant), variant.tiling
-    row = variant.head_dim * (1 if variant.kv_dtype == "fp8" else 2)
+@pytest.mark.parametrize("spec, tokens, stages, heads", [
+    (KernelSpec("unpacked", 128, "bf16", "bf16"), 16, 3, 8),   # 16 x 256-byte rows of K and V: 8 KiB a stage
+    (KernelSpec("splitk", 128, "bf16", "fp8", row_tiles=2), 32, 3, 16),
+    (KernelSpec("unpacked", 64, "fp16", "fp8"), 32, 4, 8),     # 4 KiB stages: one deeper
+    (KernelSpec("gqa_packed", 256, "fp16", "bf16"), 16, 3, 6),
+], ids=lambda x: x.name if isinstance(x, KernelSpec) else None)
+def test_the_mma_hot_loop_is_one_stage_of_each_warps_ring(spec, tokens, stages, heads):
+    loop, tiling = hot_loop(spec), spec.tiling
+    row = spec.head_dim * (1 if spec.kv_dtype == "fp8" else 2)
     assert (tiling.tile_tokens, tiling.stages, loop.heads_per_cta) == (tokens, stages, heads)
     assert loop.kv_bytes_per_warp_iter == 2 * tokens * row and loop.stage_bytes == 4 * 2 * tokens * row
-    assert loop.pipeline_stages == stages and loop.dynamic_smem_bytes == variant.shared_bytes > 48 * 1024
-    assert loop.grouped == (variant.arm != "gqa_packed")
+    assert loop.pipeline_stages == stages and loop.dynamic_smem_bytes == spec.shared_bytes > 48 * 1024
+    assert loop.grouped == (spec.arm != "gqa_packed")
 
 
 def test_a_constexpr_the_loader_cannot_evaluate_is_refused():

@@ -1,8 +1,8 @@
 """benchmarks/sass_model.py: the static SASS model, without a GPU.
 
 The CFG machinery is checked on small hand-written listings (nested loops, a divergent
-fallback, a rare detour, two memory waits); the real report runs on one variant end to
-end and on one variant per arm to check its loop bytes against the kernel sources.
+fallback, a rare detour, two memory waits); the real report runs on one spec end to
+end and on one spec per arm to check its loop bytes against the kernel sources.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import pytest
 from benchmarks import sass_model as sr
 from benchmarks.hot_loop import hot_loop
 from metrale_attn.backends import cubin
-from metrale_attn.kernels import Variant
+from metrale_attn.kernels import KernelSpec
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -143,33 +143,33 @@ NVDISASM = sr.find_nvdisasm()
 needs_nvdisasm = pytest.mark.skipif(NVDISASM is None, reason="nvdisasm not found (pip install nvidia-cuda-nvdisasm)")
 
 
-def nvrtc_build(variant, arch: str):
-    """``(cubin, ptxas -v log)`` of ``variant`` for ``arch`` through the backend's own NVRTC path, as
+def nvrtc_build(spec, arch: str):
+    """``(cubin, ptxas -v log)`` of ``spec`` for ``arch`` through the backend's own NVRTC path, as
     the report compiles it."""
     from metrale_attn.backends.cupy_backend import nvrtc_compile
 
-    return nvrtc_compile(variant, arch, ptxas_verbose=True)
+    return nvrtc_compile(spec, arch, ptxas_verbose=True)
 
 
 @needs_nvdisasm
-@pytest.mark.parametrize("variant", [Variant("unpacked", 64, "fp16", "bf16", "simt"),
-                                     Variant("splitk", 128, "bf16", "fp8", "simt"),
-                                     Variant("unpacked", 256, "bf16", "fp16", "simt"),
-                                     Variant("gqa_packed", 256, "bf16", "bf16", "simt"),
-                                     Variant("gqa_packed", 256, "fp16", "fp8", "simt"),
-                                     Variant("unpacked", 64, "fp16", "bf16"), Variant("splitk", 128, "bf16", "fp8"),
-                                     Variant("gqa_packed", 256, "fp16", "fp8")], ids=lambda v: v.name)
-def test_the_loop_the_report_finds_loads_the_bytes_the_source_declares(variant):
-    facts = sr.analyse(variant, "sm_90", NVDISASM, build=nvrtc_build(variant, "sm_90"))
+@pytest.mark.parametrize("spec", [KernelSpec("unpacked", 64, "fp16", "bf16", "simt"),
+                                     KernelSpec("splitk", 128, "bf16", "fp8", "simt"),
+                                     KernelSpec("unpacked", 256, "bf16", "fp16", "simt"),
+                                     KernelSpec("gqa_packed", 256, "bf16", "bf16", "simt"),
+                                     KernelSpec("gqa_packed", 256, "fp16", "fp8", "simt"),
+                                     KernelSpec("unpacked", 64, "fp16", "bf16"), KernelSpec("splitk", 128, "bf16", "fp8"),
+                                     KernelSpec("gqa_packed", 256, "fp16", "fp8")], ids=lambda v: v.name)
+def test_the_loop_the_report_finds_loads_the_bytes_the_source_declares(spec):
+    facts = sr.analyse(spec, "sm_90", NVDISASM, build=nvrtc_build(spec, "sm_90"))
     assert facts.hot is not None
     assert facts.warp_iters_per_sass_iter == 1
-    assert facts.sass_kv_bytes_per_iter == hot_loop(variant).kv_bytes_per_warp_iter
+    assert facts.sass_kv_bytes_per_iter == hot_loop(spec).kv_bytes_per_warp_iter
     vector_loads = [i for i in facts.hot.instrs if sr.global_load_bytes(i) and sr._width_bytes(i) >= 8]
-    if variant.impl == "simt":  # every K and V load of the tile is on the path: 2 per UNROLL step
+    if spec.impl == "simt":  # every K and V load of the tile is on the path: 2 per UNROLL step
         assert len(vector_loads) == 2 * 4
     else:  # one 16-byte cp.async per lane per K and per V row chunk of the stage
-        row_bytes = variant.head_dim * (1 if variant.kv_dtype == "fp8" else 2)
-        assert [i.base for i in vector_loads] == ["LDGSTS"] * (2 * variant.tiling.tile_tokens * row_bytes // 16 // 32)
+        row_bytes = spec.head_dim * (1 if spec.kv_dtype == "fp8" else 2)
+        assert [i.base for i in vector_loads] == ["LDGSTS"] * (2 * spec.tiling.tile_tokens * row_bytes // 16 // 32)
 
 
 @needs_nvdisasm
@@ -177,7 +177,7 @@ def test_the_report_on_one_variant_writes_the_interface(tmp_path):
     out = tmp_path / "rows.json"
     done = subprocess.run(
         [sys.executable, "-m", "benchmarks.sass_model", "--json", str(out), "--arch", "sm_90",
-         "--variants", "simt_decode_unpacked_qbf16_kvbf16_hd128", "--shapes", "32/8/128"],
+         "--specs", "simt_decode_unpacked_qbf16_kvbf16_hd128", "--shapes", "32/8/128"],
         cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, "NVDISASM": NVDISASM})
     assert done.returncode == 0, done.stdout + done.stderr
     assert "NOT measured" in done.stdout and "| unpacked | 32/8/128 | bf16 | sm_90 | 1 |" in done.stdout
@@ -193,7 +193,7 @@ def test_the_report_on_one_variant_writes_the_interface(tmp_path):
     assert r["instr_per_kib"] == pytest.approx(4 * r["instr_per_kib_per_cta"])
     assert sum(r["mix"].values()) == r["loop"]["hot_path_instructions"]
     assert r["mix"]["ldg"] >= 8 and r["mix"]["fp32"] > 0 and r["mix"]["shfl"] > 0
-    cubin_bytes, log = nvrtc_build(Variant("unpacked", 128, "bf16", "bf16", "simt"), "sm_90")
+    cubin_bytes, log = nvrtc_build(KernelSpec("unpacked", 128, "bf16", "bf16", "simt"), "sm_90")
     assert r["registers"] == sr.ptxas_resources(log, "simt_decode_unpacked")["registers"]
     assert r["registers"] == cubin.kernel_register_counts(cubin_bytes)["simt_decode_unpacked"]
     assert r["spill_bytes"] == 0 and r["stack_frame_bytes"] == 0

@@ -30,7 +30,7 @@
 // ~2.5 (fp16) or ~3.5 (fp8) integer ops per element on conversion (see pd_kv_slice) plus
 // one FMA, and ~20 integer ops per token on the 64-bit row address: bf16 leaves the SM
 // issue slots mostly idle, fp8 uses an estimated ~60-80% of the integer pipe at HBM
-// speed, so fp8 is the variant most at risk of being ALU-bound. Limits: one CTA per
+// speed, so fp8 is the spec most at risk of being ALU-bound. Limits: one CTA per
 // (head, seq) means few CTAs at small batch (that is what split-K is for); the q heads
 // of one GQA group each re-read the same KV rows (served by L2 when they run together,
 // which adjacent blockIdx.x makes likely). Next steps: hardware fp8->f16x2 conversion

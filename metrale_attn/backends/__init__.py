@@ -89,11 +89,11 @@ class Backend(Protocol):
     def device(self) -> Optional[DeviceInfo]:
         """The current GPU, or None (no GPU: the target's table stands in)."""
 
-    def load_many(self, variants) -> list:
-        """``[load(v) for v in variants]``, in order; a backend may build them concurrently."""
+    def load_many(self, specs) -> list:
+        """``[load(v) for v in specs]``, in order; a backend may build them concurrently."""
 
-    def load(self, variant) -> Module:
-        """Compile (or fetch from cache) one kernel variant."""
+    def load(self, spec) -> Module:
+        """Compile (or fetch from cache) one kernel spec."""
 
     def describe(self, array, argument: str) -> ArrayInfo:
         """Pointer, shape, strides and dtype of an array this backend can launch on."""

@@ -22,7 +22,7 @@ from typing import Optional
 import numpy as np
 
 from ..cache import CACHE_DIR, cache_root
-from ..kernels import Variant
+from ..kernels import KernelSpec
 from . import ArrayInfo, Launch
 
 logger = logging.getLogger(__name__)
@@ -47,20 +47,20 @@ class CpuBackend:
         self.order = order
         self.asan = asan
 
-    def load_many(self, variants) -> list:
-        """The modules of ``variants``, in order, built concurrently (one host compiler per
-        core): a first construction builds several variants, each a compiler run."""
-        variants = list(variants)
-        workers = min(len(variants), os.cpu_count() or 1)
+    def load_many(self, specs) -> list:
+        """The modules of ``specs``, in order, built concurrently (one host compiler per
+        core): a first construction builds several specs, each a compiler run."""
+        specs = list(specs)
+        workers = min(len(specs), os.cpu_count() or 1)
         if workers < 2:
-            return [self.load(v) for v in variants]
+            return [self.load(v) for v in specs]
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="metrale-attn-build") as pool:
-            return list(pool.map(self.load, variants))
+            return list(pool.map(self.load, specs))
 
-    def load(self, variant: Variant) -> _CpuModule:
+    def load(self, spec: KernelSpec) -> _CpuModule:
         from cuda_on_cpu import compile_module  # not at import: ``import metrale_attn`` stays light
 
-        module = compile_module(variant.source(), name=variant.name, defines=variant.defines(), asan=self.asan,
+        module = compile_module(spec.source(), name=spec.name, defines=spec.defines(), asan=self.asan,
                                 cache_dir=cache_root() / "cuda_on_cpu", cache_setting=CACHE_DIR, logger=logger)
         return _CpuModule(module, self.order)
 

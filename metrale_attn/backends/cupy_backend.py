@@ -11,7 +11,7 @@ byte), cached on disk by a hash of source, options, architecture and NVRTC versi
 with their size and SHA-256 beside them (a damaged entry is rebuilt, an unwritable
 cache directory gives way to a private temporary one, a missing one is compiled once
 under its inter-process lock however many processes miss it at once), loaded with
-``cupy.RawModule(path=...)`` and memoized per ``(device, variant)``.
+``cupy.RawModule(path=...)`` and memoized per ``(device, spec)``.
 
 Launches go to the stream ``launch_stream`` picks: the one the caller names, else
 PyTorch's current stream when the inputs are torch tensors (so a decode step joins
@@ -34,7 +34,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ..cache import cache_root
-from ..kernels import Variant
+from ..kernels import KernelSpec
 from . import ArrayInfo, DeviceInfo, Launch, cubin
 
 logger = logging.getLogger(__name__)
@@ -47,24 +47,24 @@ BASE_OPTIONS = ("-std=c++17", "-ftz=false")
 denormals (pd_common.cuh, simt/simt_core.cuh)."""
 
 
-def nvrtc_program(variant: Variant, text: str | None = None) -> tuple[str, tuple[str, ...]]:
-    """``(source, options)`` NVRTC compiles for ``variant``; no ``-arch`` (the caller adds it)."""
-    options = BASE_OPTIONS + tuple(f"-D{k}={v}" for k, v in sorted(variant.defines().items()))
-    return DIALECT_PRELUDE + variant.source(text), options
+def nvrtc_program(spec: KernelSpec, text: str | None = None) -> tuple[str, tuple[str, ...]]:
+    """``(source, options)`` NVRTC compiles for ``spec``; no ``-arch`` (the caller adds it)."""
+    options = BASE_OPTIONS + tuple(f"-D{k}={v}" for k, v in sorted(spec.defines().items()))
+    return DIALECT_PRELUDE + spec.source(text), options
 
 
-def nvrtc_compile(variant: Variant, arch: str, *, ptxas_verbose: bool = False, with_ptx: bool = False):
-    """Compile ``variant`` with NVRTC, no GPU needed: ``arch="sm_90"`` gives a cubin,
+def nvrtc_compile(spec: KernelSpec, arch: str, *, ptxas_verbose: bool = False, with_ptx: bool = False):
+    """Compile ``spec`` with NVRTC, no GPU needed: ``arch="sm_90"`` gives a cubin,
     ``"compute_90"`` PTX. Returns ``(binary, log)``; with ``ptxas_verbose`` the log
     holds ptxas's registers, stack frame and spills per kernel; with ``with_ptx``,
     ``(binary, log, ptx)`` (the PTX the cubin was assembled from, from the same compile)."""
-    source, options = nvrtc_program(variant)
-    return nvrtc_compile_source(source, variant.name, arch, options, ptxas_verbose=ptxas_verbose, with_ptx=with_ptx)
+    source, options = nvrtc_program(spec)
+    return nvrtc_compile_source(source, spec.name, arch, options, ptxas_verbose=ptxas_verbose, with_ptx=with_ptx)
 
 
 def nvrtc_compile_source(source: str, name: str, arch: str, options: tuple[str, ...] = BASE_OPTIONS, *,
                          ptxas_verbose: bool = False, with_ptx: bool = False):
-    """``nvrtc_compile`` for a complete source (headers inlined) that is not a variant: the toy
+    """``nvrtc_compile`` for a complete source (headers inlined) that is not a spec: the toy
     kernels of the tests. ``options`` exclude ``-arch``; the dialect prelude is the caller's."""
     from cupy_backends.cuda.libs import nvrtc
 
@@ -86,20 +86,20 @@ def nvrtc_compile_source(source: str, name: str, arch: str, options: tuple[str, 
         nvrtc.destroyProgram(program)
 
 
-def compile_cubin(variant: Variant, arch: str) -> bytes:
-    """Compile ``variant`` for ``arch`` (``"sm_90"``) with NVRTC, no GPU needed."""
-    return nvrtc_compile(variant, arch)[0]
+def compile_cubin(spec: KernelSpec, arch: str) -> bytes:
+    """Compile ``spec`` for ``arch`` (``"sm_90"``) with NVRTC, no GPU needed."""
+    return nvrtc_compile(spec, arch)[0]
 
 
-def cubin_entry(variant: Variant, arch: str, root: Path | None = None) -> Path:
-    """Where the cubin of ``variant`` for ``arch`` is cached: ``<root>/cubin/<name>_<arch>_<key>.cubin``,
+def cubin_entry(spec: KernelSpec, arch: str, root: Path | None = None) -> Path:
+    """Where the cubin of ``spec`` for ``arch`` is cached: ``<root>/cubin/<name>_<arch>_<key>.cubin``,
     ``key`` a hash of the source, the options, the architecture and the NVRTC version (so
     another NVRTC misses); ``root`` defaults to ``cache.cache_root()``. Needs NVRTC, not a GPU."""
     from cupy_backends.cuda.libs import nvrtc
 
-    source, options = nvrtc_program(variant)
+    source, options = nvrtc_program(spec)
     key = hashlib.sha256(repr((source, options, arch, nvrtc.getVersion())).encode()).hexdigest()[:20]
-    return (cache_root() if root is None else Path(root)) / "cubin" / f"{variant.name}_{arch}_{key}.cubin"
+    return (cache_root() if root is None else Path(root)) / "cubin" / f"{spec.name}_{arch}_{key}.cubin"
 
 
 class CubinLookup(NamedTuple):
@@ -109,33 +109,33 @@ class CubinLookup(NamedTuple):
     compile_s: float | None
 
 
-def cubin_lookup(variant: Variant, arch: str, root: Path | None = None) -> CubinLookup:
-    """The cached cubin of ``variant`` for ``arch`` (``cubin_entry``), compiled on a miss
+def cubin_lookup(spec: KernelSpec, arch: str, root: Path | None = None) -> CubinLookup:
+    """The cached cubin of ``spec`` for ``arch`` (``cubin_entry``), compiled on a miss
     (no GPU needed) under the entry's inter-process lock.
 
     An entry whose size, SHA-256 or ELF tables do not check out is rebuilt, never
     loaded; where the cache directory cannot be written, the cubin goes to a private
     temporary directory (one warning per process)."""
-    path = cubin_entry(variant, arch, root)
+    path = cubin_entry(spec, arch, root)
     built = []
 
     def build() -> bytes:
         start = time.perf_counter()
-        data = compile_cubin(variant, arch)
+        data = compile_cubin(spec, arch)
         built.append(time.perf_counter() - start)
         return data
 
-    found = cubin.cached_cubin(path, build, f"{variant.name} for {arch}")
+    found = cubin.cached_cubin(path, build, f"{spec.name} for {arch}")
     if built:
-        logger.debug("compiled %s for %s with NVRTC in %.2f s (cache miss: %s)", variant.name, arch, built[0], found)
+        logger.debug("compiled %s for %s with NVRTC in %.2f s (cache miss: %s)", spec.name, arch, built[0], found)
     else:
-        logger.debug("loaded %s for %s from the cache (hit: %s)", variant.name, arch, found)
+        logger.debug("loaded %s for %s from the cache (hit: %s)", spec.name, arch, found)
     return CubinLookup(found, built[0] if built else None)
 
 
-def cubin_path(variant: Variant, arch: str) -> str:
+def cubin_path(spec: KernelSpec, arch: str) -> str:
     """``cubin_lookup``'s path in the cache ``DecodeAttention`` uses (``cache.cache_root()``)."""
-    return str(cubin_lookup(variant, arch).path)
+    return str(cubin_lookup(spec, arch).path)
 
 
 class _StreamHandle:
@@ -151,10 +151,10 @@ class _StreamHandle:
 _DLPACK_CUDA = (2, 13)  # kDLCUDA, kDLCUDAManaged
 _VERIFIED: dict[int, list[str]] = {}  # device ordinal -> what the known-answer test found
 _MODULES: dict[tuple[int, str], _CupyModule] = {}
-"""``(device ordinal, variant name)`` -> the loaded module. Per process, not per backend:
+"""``(device ordinal, spec name)`` -> the loaded module. Per process, not per backend:
 ``get_backend`` makes a backend per ``DecodeAttention``, and every layer of a model would
 otherwise load its own copy of the same cubin into the device's context. Bounded by
-construction: devices x variants."""
+construction: devices x specs."""
 MAX_EXTERNAL_STREAMS = 64
 """Raw stream handles one backend keeps a CuPy wrapper for (see ``launch_stream``)."""
 _TORCH_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
@@ -197,20 +197,20 @@ class CupyBackend:
         name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
         return DeviceInfo(dev.id, (props["major"], props["minor"]), props["multiProcessorCount"], name)
 
-    def load_many(self, variants) -> list:
+    def load_many(self, specs) -> list:
         """One after another, on the caller's thread: a module loads into the current
         device's context, which another thread would not share."""
-        return [self.load(v) for v in variants]
+        return [self.load(v) for v in specs]
 
-    def load(self, variant: Variant) -> _CupyModule:
+    def load(self, spec: KernelSpec) -> _CupyModule:
         device = self.device()
-        key = (device.ordinal, variant.name)
+        key = (device.ordinal, spec.name)
         module = _MODULES.get(key)
         if module is None:
-            raw = self._cupy.RawModule(path=cubin_path(variant, "sm_{}{}".format(*device.compute_capability)))
-            functions = {k: raw.get_function(k) for k in variant.kernels}
-            if variant.shared_bytes:  # past 48 KiB a kernel must opt in to its dynamic shared memory
-                functions[variant.kernels[0]].max_dynamic_shared_size_bytes = variant.shared_bytes
+            raw = self._cupy.RawModule(path=cubin_path(spec, "sm_{}{}".format(*device.compute_capability)))
+            functions = {k: raw.get_function(k) for k in spec.kernels}
+            if spec.shared_bytes:  # past 48 KiB a kernel must opt in to its dynamic shared memory
+                functions[spec.kernels[0]].max_dynamic_shared_size_bytes = spec.shared_bytes
             module = _CupyModule(functions)
             _MODULES[key] = module
         return module

@@ -56,7 +56,7 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from ... import policy
 from ...serving import ModelAttention
-from ...targets import DEFAULT_TARGET, detect_target, get_target, resolve_defaults
+from ...targets import DEFAULT_TARGET, detect_target, get_target, resolve_target_policy
 from . import BACKEND_NAME, options
 
 logger = init_logger(__name__)
@@ -218,7 +218,7 @@ def _splitk_policy() -> policy.SplitkPolicy:
             target = detect_target((found.major, found.minor), 1)
         except ValueError:  # not one of ours: refused by supports_compute_capability
             target = get_target(DEFAULT_TARGET)
-    return resolve_defaults(target).splitk
+    return resolve_target_policy(target).splitk
 
 
 # -- metadata ------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ REFUSED_KV_CACHE_DTYPES = {
 }
 
 SUPPORTED_CAPABILITIES = {(9, 0): "hopper", (10, 0): "b200", (10, 3): "b300"}
-"""Compute capabilities whose every kernel variant launches, and their targets. sm_120/121
+"""Compute capabilities whose every kernel spec launches, and their targets. sm_120/121
 (RTX 50xx, RTX PRO 6000, GB10) are not among them: the tensor-core kernels' shared memory
 exceeds those GPUs' 99 KiB per block."""
 
