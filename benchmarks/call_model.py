@@ -383,9 +383,9 @@ its exact time, the step's rest carried into its next phase."""
 
 def simulate(call: Call, plan: DecodePlan, k: KernelTiming, lockstep: bool = False) -> CallPrediction:
     """The call on 132 SMs (module docstring). Each CTA's prologue round trips take the
-    DRAM latency of the moment plus a spread over half the short-to-long latency range
-    (``_spread``): what keeps co-resident CTAs from staying in lockstep; ``lockstep`` drops
-    the spread (every prologue on an SM coincides: the pessimistic bound)."""
+    DRAM latency of the moment plus a spread (``prologue_spread`` of half the short-to-long
+    latency range, ``_spread``): what keeps co-resident CTAs out of lockstep; ``lockstep``
+    drops it (then the prologues of co-resident CTAs coincide)."""
     sms, slots_per_sm = int(a("sm_count")), k.ctas_per_sm
     clock = a("clock_ghz") * 1e9
     cap = a("hbm_copy_tb_s") * 1e12 / clock  # HBM bytes per cycle
@@ -398,7 +398,7 @@ def simulate(call: Call, plan: DecodePlan, k: KernelTiming, lockstep: bool = Fal
     sm_unit = max(c1.sm_busy.values(), default=0.0)
     lo_ns, hi_ns = a("latency_short_ns"), a("latency_long_ns")
     shares = k.stall_shares(bt_miss)
-    half_range = (cycles_of_ns(hi_ns) - cycles_of_ns(lo_ns)) / 2
+    half_range = a("prologue_spread") * (cycles_of_ns(hi_ns) - cycles_of_ns(lo_ns)) / 2
 
     def dram(u: float) -> float:
         return cycles_of_ns(lo_ns + min(max(u, 0), 1) * (hi_ns - lo_ns))

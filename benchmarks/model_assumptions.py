@@ -93,6 +93,11 @@ ASSUMPTIONS: dict[str, Assumption] = {
                                   "in a call misses to DRAM (the benchmark flushes L2 before every timed call, "
                                   "benchmarks/timing.py); the warps of one CTA and the CTAs of the other KV heads "
                                   "reading the same sector at the same time all wait for that miss"),
+    "prologue_spread": Assumption(1.0, "x half the DRAM latency range", "a CTA's prologue round trips take the DRAM "
+                                  "latency of the moment plus up to +-(this x half the latency_short_ns to "
+                                  "latency_long_ns range), +-150 ns (a fixed sequence over the CTAs): an assumption "
+                                  "standing in for the variation that keeps co-resident CTAs out of lockstep on a real "
+                                  "GPU; the report also gives every call without it (lockstep)"),
     "rare_path_probability": Assumption(0.0, "per iteration", "a data-dependent detour (the simt fp8/fp16 inf/NaN "
                                         "fix-ups) is taken with this probability: a KV cache holds no inf or NaN "
                                         "in normal serving"),
