@@ -13,11 +13,15 @@ lowest first; a module imports only modules of lower rows
 - ``impls``: the kernel implementations measured, and building one with the mma self-test's verdict
 - ``data``: the tensors a GPU configuration runs on (the paged K/V pool, one configuration's case)
 - ``hot_loop``: what one iteration of a spec's K/V loop consumes (the SASS model's input)
+- ``model_assumptions``: the SASS model's assumption table (clocks, rates, latencies, limits, cap; each sourced)
 - ``decode_loop_check``: the end-to-end step, ``examples/decode_loop.py`` on the device
 - ``host_overhead``: microseconds of Python per ``DecodeAttention.run``, kernels stubbed
 - ``cuda_on_cpu_speed``, ``cuda_on_cpu_ptx_speed``: the speed of the CPU backend's simulator
 - ``baselines``: PyTorch SDPA, FlexAttention and FlashInfer on the same data; FlashInfer's JIT prewarm
 - ``sweep_plan``: what the sweep runs and in which order (tiers, profiles, slots)
+- ``sass``: SASS as the model reads it (instructions, CFG, loops, divergence, the steady-state tile)
+- ``warp_chain``: one warp's per-tile dependency chain (a scoreboard) and the levers' SASS rewrites
+- ``call_model``: one decode call on 132 SMs from the plan's grid: time, % of copy, the binding limit
 - ``sass_model``: the static SASS model and its report (no GPU; every figure modelled)
 - ``l2_probe``: ncu's L2 and DRAM counters on one small configuration per arm and implementation
 - ``sanitize_cases``: one small checked decode per arm and implementation, for compute-sanitizer

@@ -176,7 +176,7 @@ fi
 SASS_PID=''
 SASS_JSON=${SASS_MODEL_JSON:-}
 if [ -z "$SASS_JSON" ] && [ -f benchmarks/sass_model.py ] && { [ "$MODE" = gpu ] || [ "${SASS_REPORT:-0}" = 1 ]; }; then
-  timeout "${SASS_REPORT_CAP_S:-150}" nice -n 10 "$PY" -m benchmarks.sass_model --json "$WORK/sass_model.json" \
+  timeout "${SASS_REPORT_CAP_S:-150}" nice -n 10 "$PY" -m benchmarks.sass_model --levers none --json "$WORK/sass_model.json" \
     </dev/null >"$WORK/sass_report.md" 2>"$WORK/sass_report.err" &
   SASS_PID=$!
 fi

@@ -504,13 +504,16 @@ def _predictions(result: dict) -> list[str]:
     if not with_pred:
         return out + [""]
     out += ["", "| configuration | spec | h/CTA | measured % copy | predicted ceiling % | measured / predicted | "
-                "binding | instr/KiB | KiB in flight/SM | regs | spill B |", "|" + " --- |" * 11]
+                "binding | call model % (binding) | measured / call model | instr/KiB | KiB in flight/SM | regs | "
+                "spill B |", "|" + " --- |" * 13]
     for r in with_pred:
         p = r["sass"]
         ratio = f"{r['pred_ratio']:.2f}" if r.get("pred_ratio") is not None else "-"
+        call = "-" if p.get("predicted_pct") is None else f"{p['predicted_pct']:.0f} ({p.get('predicted_binding')})"
+        cratio = f"{r['call_ratio']:.2f}" if r.get("call_ratio") is not None else "-"
         out.append(f"| {r['model']} {r['kv_dtype']} b{r['batch']} {_ctx(r['context'])} | {r.get('arm_label') or r['arm']}"
                    f" | {r.get('heads_per_cta', '-')} | {_fmt_pct(r.get('pct_of_copy'))} | {_num(p.get('ceiling_pct'))}"
-                   f" | {ratio} | {p.get('binding', '-')} | {_num(p.get('instr_per_kib'))} | "
+                   f" | {ratio} | {p.get('binding', '-')} | {call} | {cratio} | {_num(p.get('instr_per_kib'))} | "
                    f"{_num(p.get('kib_in_flight_per_sm'))} | {_num(p.get('registers'))} | {_num(p.get('spill_bytes'))} |")
     missing = len(rows) - len(with_pred)
     if missing:

@@ -91,7 +91,7 @@ from metrale_attn import DecodeAttention, problems, reference, tolerance
 
 from . import environment, impls, report
 from .data import GpuPool
-from .predictions import Predictions, arch_digits
+from .predictions import Predictions, arch_digits, call_ratio
 from .predictions import ratio as prediction_ratio
 from .steps import load_json
 from .sweep_plan import (ARM_OPTIONS, BASELINE_NAMES, DEFAULT_ARMS, LATE_BASELINES, MODELS, PROFILES,  # noqa: F401
@@ -463,8 +463,9 @@ class Sweep:
         prediction = self.predictions.lookup(
             arm=plan.arm, q_heads=config.shape.num_q_heads, kv_heads=config.shape.num_kv_heads,
             head_dim=config.shape.head_dim, q_dtype="bf16", kv_dtype=config.kv_dtype,
-            heads_per_cta=plan.heads_per_cta, impl=plan.impl)
-        row.update(sass=prediction, pred_ratio=prediction_ratio(row.get("pct_of_copy"), prediction))
+            heads_per_cta=plan.heads_per_cta, impl=plan.impl, batch=config.batch, context=config.context)
+        row.update(sass=prediction, pred_ratio=prediction_ratio(row.get("pct_of_copy"), prediction),
+                   call_ratio=call_ratio(row.get("pct_of_copy"), prediction))
         return row
 
     # -- the late phase: FlexAttention and FlashInfer, after ours --------------------

@@ -9,10 +9,12 @@ PACKAGE = ROOT / "benchmarks"
 
 # Lower layers first; a module may import only modules of lower layers (and metrale_attn).
 LAYERS = [
-    {"__init__", "steps", "predictions", "environment", "timing", "impls", "data", "hot_loop",
+    {"__init__", "steps", "predictions", "environment", "timing", "impls", "data", "hot_loop", "model_assumptions",
      "decode_loop_check", "host_overhead", "cuda_on_cpu_speed", "cuda_on_cpu_ptx_speed"},
-    {"baselines", "sweep_plan", "sass_model"},
-    {"l2_probe", "sanitize_cases"},
+    {"baselines", "sweep_plan", "sass"},
+    {"warp_chain"},
+    {"call_model"},
+    {"sass_model", "l2_probe", "sanitize_cases"},
     {"report"},
     {"sweep", "summary"},
 ]

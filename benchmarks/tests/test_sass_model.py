@@ -109,7 +109,8 @@ def test_occupancy_follows_registers_and_shared_memory():
 
 def test_every_assumption_names_its_source_and_the_table_prints():
     assert all(x.source and x.unit for x in sr.ASSUMPTIONS.values())
-    for key in ("sm_count", "clock_ghz", "hbm_copy_tb_s", "l2_tb_s", "latency_short_ns", "latency_long_ns"):
+    for key in ("sm_count", "clock_ghz", "hbm_copy_tb_s", "l2_tb_s", "latency_short_ns", "latency_long_ns",
+                "lat_alu", "lat_xu", "lat_hmma", "lat_shared", "lat_mio", "lat_l2_hit", "launch", "bt_sector_bytes"):
         assert key in sr.ASSUMPTIONS
     assert "gpu-l2-cache/h200.txt" in sr.ASSUMPTIONS["l2_tb_s"].source
     done = subprocess.run([sys.executable, "-m", "benchmarks.sass_model", "--assumptions"], cwd=REPO,
@@ -177,11 +178,14 @@ def test_the_report_on_one_variant_writes_the_interface(tmp_path):
     out = tmp_path / "rows.json"
     done = subprocess.run(
         [sys.executable, "-m", "benchmarks.sass_model", "--json", str(out), "--arch", "sm_90",
-         "--specs", "simt_decode_unpacked_qbf16_kvbf16_hd128", "--shapes", "32/8/128"],
+         "--specs", "simt_decode_unpacked_qbf16_kvbf16_hd128", "--shapes", "32/8/128", "--calls", "none"],
         cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, "NVDISASM": NVDISASM})
     assert done.returncode == 0, done.stdout + done.stderr
     assert "NOT measured" in done.stdout and "| unpacked | 32/8/128 | bf16 | sm_90 | 1 |" in done.stdout
-    (r,) = json.loads(out.read_text())
+    report = json.loads(out.read_text())
+    assert report["format"] == "sass_model/2" and report["modelled"] and report["calls"] == []
+    assert set(report["smem_fit"]) >= {"sm_90", "sm_120"} and "lat_hmma" in report["assumptions"]
+    (r,) = report["rows"]
     for key in ("arm", "q_heads", "kv_heads", "head_dim", "q_dtype", "kv_dtype", "arch", "heads_per_cta",
                 "instr_per_kib", "kib_in_flight_per_sm", "registers", "spill_bytes", "ceiling_pct", "binding", "mix"):
         assert key in r, key
@@ -202,3 +206,7 @@ def test_the_report_on_one_variant_writes_the_interface(tmp_path):
     assert 0 < r["ceiling_pct"] <= 100 and r["binding"] in r["ceilings"]
     assert r["ceiling_pct"] == min(r["ceilings"].values())
     assert r["ceilings"]["l2"] == pytest.approx(100 * 9.8 / 4.3 / 4)
+    # the per-tile chain: plain loads, so the chain waits for DRAM; no lane-divergent block left out
+    assert r["loop"]["hot_path_instructions"] >= r["loop"]["fewest_path_instructions"]
+    assert r["chain_cycles_per_tile"] > r["issue_cycles_per_tile"] and r["chain_stalls_per_tile"]["memory"] > 0
+    assert r["launch_bounds"] == [128, 4] and r["warps_per_scheduler"] == r["ctas_per_sm"]

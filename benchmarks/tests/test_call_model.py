@@ -1,0 +1,171 @@
+"""benchmarks/call_model.py: the plan's grid on 132 SMs, the waves and fixed costs, the % of copy
+and its losses; the shared-memory fit per target; the report reproducing its committed JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks import call_model as cm
+from benchmarks import sass_model as sr
+from benchmarks import warp_chain as wc
+from benchmarks.model_assumptions import a, cycles_of_ns
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+COMMITTED = os.path.join(REPO, "benchmarks", "results", "sass_model.json")
+
+
+def test_llama3_8b_at_batch_1_x_32k_is_72_ctas_of_3641_tokens_and_at_batch_64_x_4k_17_waves_of_456():
+    one = cm.Call(32, 8, 128, "bf16", 1, 32768)
+    plan = cm.plan_for(one)
+    # auto: ceil(2 x 132 / 32) = 9 splits; h = 4 (8 KV heads x 9 splits = 72 >= 66 CTAs)
+    assert (plan.arm, plan.num_splits, plan.heads_per_cta, plan.launches[0].grid) == ("splitk", 9, 4, (8, 9, 1))
+    assert cm.variant_for(one, plan).name == "decode_splitk_qbf16_kvbf16_hd128_r8"
+    assert cm.split_range(32768, 0, 9) == (0, 3641) and cm.split_range(32768, 8, 9) == (29128, 32768)
+    # 3641 tokens from position 0: tiles 0..227 of 16, warp w takes k = w mod 4: 57 each; split 1 starts
+    # mid-tile (3641 = 227 x 16 + 9) and spans 229 tiles: one warp takes 58
+    assert cm.warp_tiles(0, 3641, 16, 4) == [57, 57, 57, 57]
+    assert cm.warp_tiles(3641, 7282, 16, 4) == [57, 57, 57, 58]
+    assert cm.warp_tiles(5, 5, 16, 4) == [0, 0, 0, 0]
+    batch = cm.Call(32, 8, 128, "bf16", 64, 4096)
+    plan = cm.plan_for(batch)
+    assert plan.launches[0].ctas == 8 * 9 * 64 == 4608 and plan.launches[1].ctas == 32 * 64
+    assert cm.split_range(4096, 0, 9) == (0, 456)  # ceil(4096 / 9) = 456 >= 256
+    assert plan.launches[0].ctas / (132 * 2) == pytest.approx(17.45, abs=0.01)  # waves at 2 CTAs per SM
+    # 64/8/128 at batch 1: 5 splits; h = 8 gives 40 CTAs, so h = 4 (80): each row read by 2 CTAs
+    assert cm.plan_for(cm.Call(64, 8, 128, "bf16", 1, 32768)).heads_per_cta == 4
+
+
+def test_a_block_table_sector_is_missed_once_per_round_of_warps_that_reads_it():
+    assert cm.bt_miss_probability(16, 16, 4) == 0.5   # 4 entries of 4 B a round: a 32-byte sector in 2 rounds
+    assert cm.bt_miss_probability(32, 16, 4) == 1.0   # 32-token tiles on 16-token pages: 8 entries a round
+    assert cm.bt_miss_probability(16, 16, 8) == 1.0
+    assert cm.bt_miss_probability(16, 256, 4) == 0.5  # one entry a tile however large the page
+
+
+def fake_kernel(chain_cycles: float, issue: float = 10.0, ctas_per_sm: int = 2) -> cm.KernelTiming:
+    chain = wc.Chain(chain_cycles, int(issue), {}, {}, {})
+    chains = {(ns, bt): chain for ns in (a("latency_short_ns"), a("latency_long_ns")) for bt in ("l2", "dram")}
+    return cm.KernelTiming("fake", 16, 8192, 4, ctas_per_sm, "shared memory", 0, 4, chains, 0, 0)
+
+
+def test_one_partial_wave_takes_a_launch_the_slowest_cta_and_the_merge():
+    call = cm.Call(32, 8, 128, "bf16", 1, 32768)
+    plan = cm.plan_for(call)
+    k = cm.with_rows(fake_kernel(100_000.0), plan)  # so slow that HBM never binds
+    p = cm.simulate(call, plan, k, lockstep=True)
+    assert (p.ctas, p.tiles_per_warp) == (72, 58) and p.waves == pytest.approx(72 / 264)
+    # every CTA starts at once on an idle memory system: 3 DRAM round trips at the short latency
+    prologue = 3 * cycles_of_ns(a("latency_short_ns")) + a("bar_sync")
+    epilogue = 2 * a("bar_sync") + 4 * 128 / 128 * (a("lat_shared") + a("lat_xu") + 2 * a("lat_alu"))
+    kernel = prologue + 58 * 100_000.0 + epilogue
+    total = a("launch") + kernel + p.merge
+    assert p.epilogue == pytest.approx(epilogue)
+    assert p.time_us == pytest.approx(total / (a("clock_ghz") * 1e3), rel=1e-9)
+    cap = a("hbm_copy_tb_s") * 1e12 / (a("clock_ghz") * 1e9)
+    assert p.pct == pytest.approx(100 * call.kv_bytes / cap / total, rel=1e-9)
+    # every point lost is accounted for, and 60 of 132 SMs idle is most of it
+    assert sum(p.losses.values()) == pytest.approx(100 - p.pct, abs=0.05)
+    assert p.losses["grid fill"] > p.losses["fixed costs"] and p.binding in ("grid fill", "chain latency")
+
+
+def test_a_fast_kernel_at_a_large_batch_is_held_to_the_copy_bandwidth_and_loses_only_fixed_costs():
+    call = cm.Call(32, 8, 128, "bf16", 64, 4096)
+    plan = cm.plan_for(call)
+    p = cm.simulate(call, plan, cm.with_rows(fake_kernel(500.0), plan))  # 8 warps x 8 KiB / 500 cycles: 4x the share
+    assert 85 < p.pct < 100
+    assert sum(p.losses.values()) == pytest.approx(100 - p.pct, abs=0.05)
+    assert p.losses["chain latency"] == pytest.approx(0, abs=0.5) and p.losses["issue"] == pytest.approx(0, abs=0.5)
+    slow = cm.simulate(call, plan, cm.with_rows(fake_kernel(5000.0), plan))
+    assert slow.pct < p.pct and slow.binding == "chain latency"
+
+
+def test_every_mma_variant_fits_a_block_on_sm90_sm100_sm103_and_only_head_dim_64_fp8_fits_on_sm120_sm121():
+    fit = sr.smem_fit()
+    assert set(fit) == {"sm_90", "sm_100", "sm_103", "sm_120", "sm_121"}
+    for arch in ("sm_90", "sm_100", "sm_103"):
+        assert fit[arch]["limit_bytes"] == 227 * 1024 and not fit[arch]["do_not_fit"]
+    for arch in ("sm_120", "sm_121"):
+        assert fit[arch]["limit_bytes"] == 101376
+        fits = {v.name for v in sr.all_specs() if v.impl == "mma"} - {m["spec"] for m in fit[arch]["do_not_fit"]}
+        assert fits and all("_hd64_" in name and "kvfp8" in name for name in fits)
+        assert min(m["bytes"] for m in fit[arch]["do_not_fit"]) > 101376
+
+
+def test_the_levers_name_what_they_change_and_today_changes_nothing():
+    assert cm.LEVERS[0] == cm.Levers() and cm.LEVERS[0].rewrite([]) == ([], {})
+    names = [lv.name for lv in cm.LEVERS]
+    assert len(set(names)) == len(names) and names[-1] == "all of the above"
+
+
+# -------------------------------------------------------------------------------------
+# The real kernels
+# -------------------------------------------------------------------------------------
+
+pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="NVRTC (cupy) is not installed")
+NVDISASM = sr.find_nvdisasm()
+needs_nvdisasm = pytest.mark.skipif(NVDISASM is None, reason="nvdisasm not found (pip install nvidia-cuda-nvdisasm)")
+
+
+@needs_nvdisasm
+def test_the_report_reproduces_its_committed_json_for_llama3_8b_bf16(tmp_path):
+    with open(COMMITTED) as f:
+        committed = json.load(f)
+    if committed.get("toolchain") != sr.toolchain(NVDISASM):
+        pytest.skip(f"the committed report came from {committed.get('toolchain')}, this is {sr.toolchain(NVDISASM)}")
+    out = tmp_path / "report.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.sass_model", "--json", str(out), "--specs",
+         "decode_splitk_qbf16_kvbf16_hd128_r8", "--shapes", "32/8/128", "--kv-dtypes", "bf16", "--levers", "none"],
+        cwd=REPO, capture_output=True, text=True, timeout=600, env={**os.environ, "NVDISASM": NVDISASM})
+    assert done.returncode == 0, done.stdout + done.stderr
+    fresh = json.loads(out.read_text())
+    assert "MODELLED" in done.stdout and "Predicted % of H200 copy bandwidth" in done.stdout
+
+    def key(r):
+        return r["spec"], r["q_heads"], r["kv_heads"], r["kv_dtype"]
+
+    old_rows = {key(r): r for r in committed["rows"]}
+    for r in fresh["rows"]:
+        old = old_rows[key(r)]
+        for field in ("instr_per_kib", "chain_cycles_per_tile", "chain_cycles_bt_dram", "issue_cycles_per_tile",
+                      "ctas_per_sm", "registers", "ceiling_pct"):
+            assert r[field] == pytest.approx(old[field], rel=1e-6), field
+    old_calls = {(c["call"], c["lever"]): c for c in committed["calls"]}
+    assert len(fresh["calls"]) == 3
+    for c in fresh["calls"]:
+        old = old_calls[(c["call"], c["lever"])]
+        for field in ("predicted_pct", "predicted_pct_lockstep", "time_us", "ctas", "binding", "chain_cycles_per_tile"):
+            assert c[field] == (pytest.approx(old[field], rel=1e-6) if isinstance(old[field], float) else old[field])
+
+
+def test_a_measured_call_gets_the_call_models_prediction_where_the_report_predicted_that_call(tmp_path):
+    from benchmarks import predictions
+
+    row = dict(impl="mma", arm="splitk", q_heads=32, kv_heads=8, head_dim=128, q_dtype="bf16", kv_dtype="fp8_e4m3",
+               arch="sm_90", heads_per_cta=4, instr_per_kib=86.0, kib_in_flight_per_sm=128.0, registers=128,
+               spill_bytes=0, ceiling_pct=100.0, binding="hbm")
+    call = {**row, "batch": 1, "context": 32768, "lever": "today", "predicted_pct": 40.0, "binding": "grid fill"}
+    other = {**call, "lever": "persistent CTAs", "predicted_pct": 41.0}
+    path = tmp_path / "report.json"
+    path.write_text(json.dumps({"format": "sass_model/2", "rows": [row], "calls": [other, call]}))
+    p = predictions.Predictions.load(str(path), "sm_90")
+    key = dict(impl="mma", arm="splitk", q_heads=32, kv_heads=8, head_dim=128, q_dtype="bf16", kv_dtype="fp8",
+               heads_per_cta=4)
+    found = p.lookup(**key, batch=1, context=32768)
+    assert found["ceiling_pct"] == 100.0 and found["predicted_pct"] == 40.0
+    assert found["predicted_binding"] == "grid fill"
+    assert "predicted_pct" not in p.lookup(**key)  # no call asked for: the spec's row alone
+    assert "predicted_pct" not in p.lookup(**key, batch=64, context=4096)  # a call the report did not model
+    assert predictions.call_ratio(30.0, found) == pytest.approx(0.75)
+    # the committed report predicts the decisive calls the sweep measures on the default plan
+    committed = predictions.Predictions.load(COMMITTED, "sm_90")
+    for batch, context, kv in ((64, 4096, "bf16"), (1, 32768, "fp8")):
+        plan = cm.plan_for(cm.Call(32, 8, 128, kv, batch, context))
+        got = committed.lookup(impl=plan.impl, arm=plan.arm, q_heads=32, kv_heads=8, head_dim=128, q_dtype="bf16",
+                               kv_dtype=kv, heads_per_cta=plan.heads_per_cta, batch=batch, context=context)
+        assert got and 0 < got["predicted_pct"] <= 100 and got["predicted_binding"]
