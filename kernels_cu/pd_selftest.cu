@@ -51,8 +51,13 @@ extern "C" __global__ void pd_selftest(const unsigned short* __restrict__ mat_bf
     w[4 + k] = t[k];
   }
   w[8] = pd_movmatrix_trans(a[0]);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 890
+  // No fp8 cvt before sm_89; the mma kernels read no fp8 cache there (kernels.mma_refusal).
+  for (int k = 0; k < 4; ++k) w[9 + k] = 0u;
+#else
   for (int k = 0; k < 4; ++k)
     w[9 + k] = pd_cvt_f16x2_e4m3x2((unsigned short)(bytes[lane * 8 + 2 * k] | (bytes[lane * 8 + 2 * k + 1] << 8)));
+#endif
   w[13] = pd_prmt(a[0], a[1], 0x3120u + (unsigned)lane);
   w[14] = reinterpret_cast<const unsigned*>(s_bytes)[lane & 3];
   const float x = (float)lane * 1.00390625f, y = -(float)lane / 3.0f;

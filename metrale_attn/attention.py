@@ -20,7 +20,6 @@ import threading
 import time
 import warnings
 import weakref
-from dataclasses import replace
 from typing import Optional
 
 import numpy as np
@@ -29,7 +28,7 @@ from . import dtypes
 from .backends import get_backend
 from .binding import CallBinder, kernel_abi
 from .config import ENV_IMPL, LayerConfig, configure, impl_chosen
-from .kernels import smem_refusal, source_constants, specs_for
+from .kernels import launchable_config, source_constants, specs_for
 from .plan import LEGACY_MAX_DECODE_SEQS, DecodePlan, make_plan
 from .targets import resolve_target_policy, target_for
 from .validation import check_indices, check_sink_values
@@ -333,30 +332,6 @@ def _with_launchable_impl(config: LayerConfig, backend, chosen: bool) -> LayerCo
     if why:
         _fall_back(why)
     return launchable
-
-
-def launchable_config(config: LayerConfig, disagree, chosen: bool) -> tuple[LayerConfig, Optional[str]]:
-    """``(config, None)``, or the same with ``impl="simt"`` and why, where the ``mma`` kernels
-    cannot serve it: ``disagree`` (the instructions the device's known-answer self-test found
-    to differ from the emulation the kernels were verified on) is not empty, or their shared
-    memory does not fit the target's. Refused when the layer asks for something only ``mma``
-    serves, or (shared memory) when the caller chose ``mma`` (``chosen``). Pure: the caller
-    runs the self-test and reports the fallback (``precompile`` asks what each outcome of a
-    self-test it cannot run would compile)."""
-    if config.impl != "mma":
-        return config, None
-    if disagree:  # never return bytes from instructions that differ from their emulation
-        if config.mma_only:
-            raise RuntimeError(f"this device's {', '.join(disagree)} disagree with the emulation the mma "
-                               "kernels were verified on, and only they serve the features asked for")
-        return replace(config, impl="simt"), (f"this device's {', '.join(disagree)} disagree with the emulation "
-                                              "the mma kernels were verified on")
-    why = smem_refusal(config)
-    if why:  # a kernel asking for more shared memory than the target has never launches
-        if config.mma_only or chosen:
-            raise ValueError(f"{why}: they cannot launch there (impl='simt' has no features and no e5m2)")
-        return replace(config, impl="simt"), why
-    return config, None
 
 
 SLOW_COMPILE_S = 10.0

@@ -7,14 +7,13 @@ import argparse
 import os
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Optional, Sequence
 
 from . import hf_config
 from .cache import cache_root
 from .config import ENV_IMPL, ModelShape, configure, impl_chosen
-from .kernels import smem_refusal
+from .kernels import launchable_config
 from .plan import LEGACY_MAX_DECODE_SEQS, make_plan, workspace_for
 from .policy import parse_gqa_pack
 from .precompile import (Layer, Options, PrecompileError, build, check_nvrtc, layers_of, needed_specs,
@@ -82,8 +81,8 @@ def render_plan_table(args: argparse.Namespace) -> str:
     config = configure(shape.num_q_heads, shape.num_kv_heads, shape.head_dim, 16, q_dtype=args.q_dtype,
                        kv_dtype=args.kv_dtype, max_batch=max_batch, target_policy=target_policy,
                        max_decode_seqs=args.max_decode_seqs, impl=args.impl, heads_per_cta=args.heads_per_cta)
-    if config.impl == "mma" and not impl_chosen(args.impl, os.environ.get(ENV_IMPL)) and smem_refusal(config):
-        config = replace(config, impl="simt")  # as DecodeAttention falls back: no mma kernel fits the target
+    # As DecodeAttention falls back where the target cannot run the mma kernels (no self-test here).
+    config, _ = launchable_config(config, [], impl_chosen(args.impl, os.environ.get(ENV_IMPL)))
     impl = config.impl
     lines = [
         target_policy.line(),

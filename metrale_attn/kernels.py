@@ -31,7 +31,7 @@ import functools
 import importlib.resources
 import pathlib
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -39,6 +39,7 @@ from . import dtypes, policy
 from .config import (DEFAULT_IMPL, FEATURES, HEAD_DIMS, IMPLS, ROW_TILE, LayerConfig, feature_define,
                      heads_per_cta_choices, max_rows_per_cta)
 from .plan import ARMS, KERNELS, make_plan
+from .targets import FP8_CVT_CAPABILITY
 
 SOURCE_PACKAGE = "metrale_attn.kernels_cu"
 COMMON_HEADER = "pd_common.cuh"
@@ -278,14 +279,44 @@ def mma_smem_bytes(head_dim: int, q_dtype: str, kv_dtype: str) -> int:
     return mma_tiling(head_dim, q_dtype, kv_dtype, 1).smem_bytes
 
 
-def smem_refusal(config: LayerConfig) -> str | None:
-    """Why the ``mma`` kernels of this layer cannot launch on its target (they ask for more
-    dynamic shared memory per block than it allows), or None when they fit."""
-    need, target = mma_smem_bytes(config.shape.head_dim, config.q_dtype, config.kv_dtype), config.target
-    if need <= target.smem_per_block:
-        return None
-    return (f"the mma kernels of this shape ask for {need} bytes of shared memory per block; "
-            f"{target.name} ({target.arch}) allows {target.smem_per_block}")
+def mma_refusal(config: LayerConfig) -> str | None:
+    """Why the ``mma`` kernels of this layer cannot run on its target, or None when they can:
+    its fp8 cache needs the fp8 ``cvt`` the target lacks (sm_80, sm_86; the ``simt``
+    kernels convert in software), or they ask for more dynamic shared memory per block than
+    the target allows."""
+    target = config.target
+    if config.kv_dtype in dtypes.FP8_KINDS and not target.converts_fp8:
+        return (f"the mma kernels read fp8 caches with PTX's fp8 cvt, which {target.name} ({target.arch}) lacks "
+                f"(sm_89 and later have it)")
+    need = mma_smem_bytes(config.shape.head_dim, config.q_dtype, config.kv_dtype)
+    if need > target.smem_per_block:
+        return (f"the mma kernels of this shape ask for {need} bytes of shared memory per block; "
+                f"{target.name} ({target.arch}) allows {target.smem_per_block}")
+    return None
+
+
+def launchable_config(config: LayerConfig, disagree, chosen: bool) -> tuple[LayerConfig, str | None]:
+    """``(config, None)``, or the same with ``impl="simt"`` and why, where the ``mma`` kernels
+    cannot serve it: ``disagree`` (the instructions the device's known-answer self-test found
+    to differ from the emulation the kernels were verified on) is not empty, or the target
+    cannot run them (``mma_refusal``). Refused when the layer asks for something only
+    ``mma`` serves, or (the target) when the caller chose ``mma`` (``chosen``). Pure: the
+    caller runs the self-test and reports the fallback (``precompile`` asks what each outcome
+    of a self-test it cannot run would compile)."""
+    if config.impl != "mma":
+        return config, None
+    if disagree:  # never return bytes from instructions that differ from their emulation
+        if config.mma_only:
+            raise RuntimeError(f"this device's {', '.join(disagree)} disagree with the emulation the mma "
+                               "kernels were verified on, and only they serve the features asked for")
+        return replace(config, impl="simt"), (f"this device's {', '.join(disagree)} disagree with the emulation "
+                                              "the mma kernels were verified on")
+    why = mma_refusal(config)
+    if why:  # a kernel the target cannot run never launches
+        if config.mma_only or chosen:
+            raise ValueError(f"{why}: they cannot launch there (impl='simt' has no features and no e5m2)")
+        return replace(config, impl="simt"), why
+    return config, None
 
 
 @dataclass(frozen=True)
@@ -335,6 +366,12 @@ class KernelSpec:
             return f"simt_decode_{self.arm}_{dt}"
         return f"decode_{self.arm}_{dt}_r{ROW_TILE * self.row_tiles}" + "".join(
             f"_{f}" for f in FEATURES if f in self.features)
+
+    def builds_for(self, arch: str) -> bool:
+        """Whether this spec compiles for ``arch`` (``sm_XY``): the ``mma`` core reads fp8
+        caches with the fp8 ``cvt`` of sm_89 and later (``targets.FP8_CVT_CAPABILITY``)."""
+        fp8_cvt = int(arch.removeprefix("sm_")) >= 10 * FP8_CVT_CAPABILITY[0] + FP8_CVT_CAPABILITY[1]
+        return fp8_cvt or self.impl != "mma" or self.kv_dtype not in dtypes.FP8_KINDS
 
     @property
     def filename(self) -> str:

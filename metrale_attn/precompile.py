@@ -1,7 +1,7 @@
 """Compile before serving: every kernel a model's layers need, for a target, into the cubin cache.
 
 ``needed_specs`` (pure) says what a ``DecodeAttention`` of each kind of layer compiles
-on a target, by asking the rules it runs: ``config.configure``, ``attention.launchable_config``
+on a target, by asking the rules it runs: ``config.configure``, ``kernels.launchable_config``
 (the simt fallback) and ``kernels.specs_for``. ``precompile`` compiles them with NVRTC
 (no GPU needed) through the CuPy backend's own lookup (``cupy_backend.cubin_lookup``: the
 same file names, under the same inter-process lock), so a construction on a GPU of that
@@ -24,11 +24,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Iterable, Optional, Sequence
 
-from .attention import launchable_config
 from .cache import cache_root
 from .config import ENV_IMPL, configure, impl_chosen
 from .hf_config import HFModel, shard_heads
-from .kernels import SelfTest, specs_for
+from .kernels import SelfTest, launchable_config, specs_for
 from .plan import LEGACY_MAX_DECODE_SEQS
 from .targets import TARGETS, Target, resolve_target_policy
 

@@ -37,14 +37,32 @@ class Target:
         major, minor = self.compute_capability
         return f"sm_{major}{minor}"
 
+    @property
+    def converts_fp8(self) -> bool:
+        """Whether the target has the fp8 -> f16x2 ``cvt`` the ``mma`` core reads fp8 caches
+        with (PTX ``cvt.rn.f16x2.e4m3x2``: sm_89 and later)."""
+        return tuple(self.compute_capability) >= FP8_CVT_CAPABILITY
+
+
+FP8_CVT_CAPABILITY = (8, 9)
+"""The first compute capability with PTX's fp8 conversions (``cvt.rn.f16x2.e4m3x2``)."""
 
 TARGETS: dict[str, Target] = {
     t.name: t
     for t in (
+        # The launch policy's own targets: Hopper and Blackwell.
         Target("hopper", "H100/H200", 132, (9, 0), "auto", 227 * 1024),
         Target("b200", "B200", 148, (10, 0), "auto", 227 * 1024),
         Target("b300", "B300", 148, (10, 3), "auto", 227 * 1024),
         Target("gb10", "GB10", 48, (12, 1), None, 99 * 1024),
+        # Every other family a user has, one target per compute capability (a device of the
+        # family brings its own SM count): Ampere, Ada, consumer Blackwell. Shared memory per
+        # block is each architecture's opt-in maximum (CUDA C++ Programming Guide, "Compute
+        # Capabilities"); they declare the batch-invariant policy.
+        Target("a100", "A100/A30", 108, (8, 0), "auto", 163 * 1024),
+        Target("a10", "A10/A40/RTX A6000/RTX 3090", 72, (8, 6), "auto", 99 * 1024),
+        Target("l40s", "L40S/L4/RTX 6000 Ada/RTX 4090", 142, (8, 9), "auto", 99 * 1024),
+        Target("rtx5090", "RTX 5090/RTX PRO 6000", 170, (12, 0), "auto", 99 * 1024),
     )
 }
 DEFAULT_TARGET = "hopper"

@@ -25,12 +25,25 @@ def target_policy(name, **overrides):
 
 def test_the_four_targets_declare_their_sm_counts_architectures_and_policies():
     table = {t.name: (t.sm_count, t.arch, t.splitk_declared, t.gqa_pack_declared) for t in TARGETS.values()}
-    assert table == {
+    assert {name: table[name] for name in ("hopper", "b200", "b300", "gb10")} == {
         "hopper": (132, "sm_90", "auto", False),
         "b200": (148, "sm_100", "auto", False),
         "b300": (148, "sm_103", "auto", False),
         "gb10": (48, "sm_121", None, False),
     }
+
+
+def test_ampere_ada_and_consumer_blackwell_are_targets_with_their_shared_memory_and_fp8_conversion():
+    table = {t.name: (t.sm_count, t.arch, t.splitk_declared, t.smem_per_block, t.converts_fp8)
+             for t in TARGETS.values()}
+    assert {name: table[name] for name in ("a100", "a10", "l40s", "rtx5090")} == {
+        "a100": (108, "sm_80", "auto", 163 * 1024, False),
+        "a10": (72, "sm_86", "auto", 99 * 1024, False),
+        "l40s": (142, "sm_89", "auto", 99 * 1024, True),
+        "rtx5090": (170, "sm_120", "auto", 99 * 1024, True),
+    }
+    assert len({t.compute_capability for t in TARGETS.values()}) == len(TARGETS)  # detection is one-to-one
+    assert detect_target((8, 6), 84).name == "a10" and detect_target((12, 0), 188).sm_count == 188
 
 
 def test_a_target_that_declares_no_policy_gets_legacy():
@@ -45,14 +58,14 @@ def test_detection_maps_a_compute_capability_to_its_target_with_the_devices_sm_c
 
 def test_an_unknown_compute_capability_is_an_error_naming_the_known_targets_and_the_way_out():
     with pytest.raises(ValueError) as err:
-        detect_target((8, 0), 108)
+        detect_target((7, 5), 40)
     message = str(err.value)
-    assert "8.0" in message and "hopper" in message and "gb10" in message and "target=" in message
+    assert "7.5" in message and "hopper" in message and "gb10" in message and "target=" in message
 
 
 def test_an_unknown_target_name_lists_the_known_ones():
-    with pytest.raises(ValueError, match="hopper, b200, b300, gb10"):
-        get_target("a100")
+    with pytest.raises(ValueError, match="hopper, b200, b300, gb10, a100, a10, l40s, rtx5090"):
+        get_target("v100")
 
 
 def test_the_target_line_says_the_policy_the_gate_and_the_sm_count():

@@ -240,10 +240,10 @@ SMALL = ("--q-heads", "4", "--kv-heads", "4", "--head-dim", "64")
 
 
 @pytest.mark.parametrize("argv, message", [
-    (("--target", "a100", *SMALL), "--target must be one of hopper, b200, b300, gb10; got 'a100'"),
+    (("--target", "v100", *SMALL), "--target must be one of hopper, b200, b300, gb10, a100, a10, l40s, rtx5090; got 'v100'"),
     (SMALL, "give the GPUs to compile for with --target"),
     (("--target", "hopper", "--arch", "sm_90", *SMALL), "give the GPUs to compile for with --target"),
-    (("--arch", "sm_89", *SMALL), "--arch must name a target's architecture"),
+    (("--arch", "sm_75", *SMALL), "--arch must name a target's architecture"),
     (("--target", "hopper", *HF_LLAMA, "--q-heads", "4"), "--hf-config gives the shape and the features; drop "
                                                           "--q-heads"),
     (("--target", "hopper", *HF_LLAMA, "--sinks"), "drop --sinks"),

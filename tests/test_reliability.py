@@ -285,3 +285,37 @@ def test_a_target_whose_shared_memory_the_mma_kernels_exceed_runs_simt_with_a_wa
         with pytest.raises(ValueError, match="allows 101376: they cannot launch there"):
             decoder(p, target="gb10", **options)
     assert decoder(p, target="hopper").impl == "mma"
+
+
+def test_an_fp8_cache_on_a_target_without_the_fp8_conversion_runs_simt_or_is_refused():
+    """The mma core reads fp8 with PTX's fp8 cvt (sm_89 on): on a100 (sm_80) and a10 (sm_86) an
+    fp8 e4m3 cache runs the simt kernels, which convert in software, saying so; an e5m2 cache
+    (simt has none), a feature, or impl="mma" asked for is refused; a bf16 cache keeps mma."""
+    p = problem(seed=29, seq_lens=(5, 40), num_q_heads=4, num_kv_heads=2, kv_dtype="fp8")
+    for target, arch in (("a100", "sm_80"), ("a10", "sm_86")):
+        with pytest.warns(RuntimeWarning, match=rf"fp8 cvt, which {target} \({arch}\) lacks.*using impl='simt'"):
+            attn = decoder(p, target=target)
+        assert attn.impl == "simt"
+        check_against_reference(p, *run_poisoned(attn, p))
+        for options in (dict(impl="mma"), dict(window_left=8)):
+            with pytest.raises(ValueError, match=rf"{target} \({arch}\) lacks .*they cannot launch there"):
+                decoder(p, target=target, **options)
+    e5m2 = problem(seed=29, seq_lens=(5,), num_q_heads=4, num_kv_heads=2, kv_dtype="fp8_e5m2")
+    with pytest.raises(ValueError, match="lacks"):
+        decoder(e5m2, target="a100")
+    assert decoder(problem(seed=29, seq_lens=(5,), num_q_heads=4, num_kv_heads=2), target="a100").impl == "mma"
+
+
+def test_the_self_test_does_not_ask_a_device_without_the_fp8_conversion_for_it():
+    """Before sm_89 the self-test kernel leaves the fp8 cvt words out (the mma kernels read no
+    fp8 cache there), and their comparison is skipped; everything else is still compared."""
+    from metrale_attn.backends import selftest
+
+    want_w, want_f = selftest.expected(selftest.inputs())
+    words = want_w.copy()
+    cvt = [j for j, (name, _) in enumerate(selftest.FIELDS) if name.startswith("cvt.rn.f16x2.e4m3x2")]
+    words[:, cvt] = 0
+    assert selftest.disagreements(words, want_f, fp8=False) == []
+    assert selftest.disagreements(words, want_f) == ["cvt.rn.f16x2.e4m3x2"]
+    words[:, 0] ^= 1
+    assert selftest.disagreements(words, want_f, fp8=False) == ["ldmatrix.x4"]
