@@ -28,13 +28,15 @@ def _fresh_gqa_gate():
 @pytest.fixture(params=BACKENDS)
 def backend(request) -> str:
     """The backend a case runs on: ``"cpu"`` always, and ``"cupy"``, marked ``gpu`` and skipped
-    without a CUDA device (support.backends). A test whose cases differ between the two, or a
-    hypothesis test (whose health check refuses function-scoped fixtures), parametrizes
-    ``backend`` itself."""
+    without a CUDA device (support.backends); pass it to ``decoder``, and ``run_poisoned``
+    moves the arrays. A test whose cases differ between the two parametrizes ``backend``
+    itself (``on_backends``). The hypothesis fuzz tests take none: hypothesis refuses a
+    function-scoped fixture, and a parameter would re-draw their derandomized examples."""
     return request.param
 
 
 @pytest.fixture
 def counting_backend() -> CountingBackend:
-    """A CPU backend that records what it loads and launches (support.problems.CountingBackend)."""
+    """A CPU backend that records what it loads and launches (support.problems.CountingBackend);
+    a test that needs two fresh ones builds them itself."""
     return CountingBackend()
