@@ -11,8 +11,8 @@
 #      tensor-core ones only if they can still finish), the static SASS model (CPU, niced;
 #      sass_model.py, when present) and compute-sanitizer memcheck / racecheck / initcheck
 #      on a small case of every arm (a refusal is recorded, not fatal)    (sanitize_cases.py)
-#   3. the GPU tests: pytest -m gpu tests/test_gpu.py; nothing passed is FAIL; the
-#      sanitizers are then waited for (bounded)
+#   3. the GPU tests: pytest -m gpu tests/ (the device runs of the backend-parametrized cases
+#      and tests/test_gpu.py); nothing passed is FAIL; the sanitizers are then waited for (bounded)
 #   4. the L2 probe: ncu (--clock-control none) on one small configuration per arm and
 #      kernel implementation; absence or refusal recorded                  (l2_probe.py)
 #   5. the sweep, with what the deadline leaves: the decisive configurations first (bf16,
@@ -224,16 +224,17 @@ if [ "$PROFILE" != quick ]; then
   if [ "$MODE" = gpu ] && "$PY" -c "import xdist.plugin" >/dev/null 2>&1; then
     XDIST=(-p xdist.plugin -n "${PYTEST_WORKERS:-6}")
   fi
-  say "pytest -m gpu tests/test_gpu.py ${XDIST[*]} (cap ${PT_CAP}s)"
-  timeout -k 10 "$PT_CAP" "$PY" -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider -rfE \
+  say "pytest -m gpu tests/ ${XDIST[*]} (cap ${PT_CAP}s)"
+  # Every test file is collected (a module that fails to import costs its own tests, not the run's).
+  timeout -k 10 "$PT_CAP" "$PY" -m pytest -q -m gpu tests/ -p no:cacheprovider -rfE --continue-on-collection-errors \
     "${XDIST[@]}" >"$WORK/pytest_gpu.log" 2>&1
   rc=$?
   if [ ${#XDIST[@]} -gt 0 ] && { [ $rc -eq 3 ] || [ $rc -eq 4 ]; }; then
     # xdist could not start its workers: run serially in the time left.
     say "pytest with xdist failed to start (rc=$rc); running serially"
     mv "$WORK/pytest_gpu.log" "$WORK/pytest_gpu_xdist.log"
-    timeout -k 10 "$(clamp $(( PT_CAP - $(since "$t") )) 10 "$PT_CAP")" "$PY" -m pytest -q -m gpu tests/test_gpu.py \
-      -p no:cacheprovider -rfE >"$WORK/pytest_gpu.log" 2>&1
+    timeout -k 10 "$(clamp $(( PT_CAP - $(since "$t") )) 10 "$PT_CAP")" "$PY" -m pytest -q -m gpu tests/ \
+      -p no:cacheprovider -rfE --continue-on-collection-errors >"$WORK/pytest_gpu.log" 2>&1
     rc=$?
   fi
   out=$(verdict pytest --rc "$rc" --log "$WORK/pytest_gpu.log" --mode "$MODE")

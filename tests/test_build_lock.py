@@ -115,7 +115,7 @@ def test_a_lock_held_by_a_process_that_is_then_killed_does_not_block_the_next_on
 
 def _whole_cubin() -> bytes:
     pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="NVRTC (cupy) is not installed")
-    from conftest import nvrtc_build
+    from support.builds import nvrtc_build
 
     return nvrtc_build(SIMT, "sm_90")[0]
 

@@ -10,7 +10,7 @@ import pytest
 from metrale_attn.attention import StreamReuseWarning
 from metrale_attn.backends.cpu_backend import CpuBackend
 
-from conftest import check_against_reference, decoder, problem
+from support.problems import check_against_reference, decoder, problem
 
 
 def test_threads_sharing_one_object_get_the_bytes_each_call_gets_alone():

@@ -11,7 +11,7 @@ import pathlib
 import subprocess
 
 import pytest
-from conftest import ARCHES, arch_matrix, nvrtc_build
+from support.builds import ARCHES, arch_matrix, nvrtc_build
 
 from benchmarks.sass_model import find_nvdisasm
 from metrale_attn.backends import cubin

@@ -1,4 +1,6 @@
-"""Every arm, dtype, head dim and layout on the CPU backend, byte-compared with the float64 reference."""
+"""Every arm, dtype, head dim and layout, byte-compared with the float64 reference, on the CPU
+backend and, through the ``backend`` fixture, on a CUDA device (``-m gpu``; there the grid
+takes every page size, the CPU's takes them in turn)."""
 
 from __future__ import annotations
 
@@ -14,7 +16,8 @@ from metrale_attn import reference
 from metrale_attn.config import IMPLS
 from metrale_attn.policy import PD_MIN_KV_PER_SPLIT
 
-from conftest import ARM_OPTIONS, CountingBackend, check_against_reference, decoder, problem, run_poisoned
+from support.backends import on_backends
+from support.problems import ARM_OPTIONS, check_against_reference, decoder, problem, run_poisoned
 
 KV_DTYPES = ("bf16", "fp16", "fp8")
 Q_DTYPES = ("bf16", "fp16")
@@ -23,6 +26,7 @@ PAGE_SIZES = (1, 16, 7)
 
 
 def _grid(impls=IMPLS):
+    """The CPU backend's cases: every combination once, the page sizes taken in turn."""
     cases = []
     for impl in impls:
         for arm in ARM_OPTIONS:
@@ -33,17 +37,30 @@ def _grid(impls=IMPLS):
     return cases
 
 
+def _device_grid():
+    """The device's cases: every combination at every page size (the simt kernels at 16), and
+    fp8 e5m2 caches on mma."""
+    for impl in IMPLS:
+        for arm in ARM_OPTIONS:
+            kvs = KV_DTYPES + (("fp8_e5m2",) if impl == "mma" else ())
+            for kv, q, d, layout in itertools.product(kvs, Q_DTYPES, (256,) if arm == "gqa_packed" else (64, 128, 256),
+                                                      LAYOUTS):
+                for page_size in PAGE_SIZES if impl == "mma" else (16,):
+                    yield pytest.param(impl, arm, kv, q, d, layout, page_size,
+                                       id=f"{impl}-{arm}-kv{kv}-q{q}-hd{d}-{layout}-p{page_size}")
+
+
 def _heads(arm):
     return dict(num_q_heads=6, num_kv_heads=1) if arm == "gqa_packed" else dict(num_q_heads=4, num_kv_heads=2)
 
 
-@pytest.mark.parametrize("impl, arm, kv, q, head_dim, layout, page_size", _grid())
-def test_every_arm_dtype_head_dim_and_layout_is_within_one_ulp_of_the_reference(impl, arm, kv, q, head_dim, layout,
-                                                                                 page_size):
+@pytest.mark.parametrize("backend, impl, arm, kv, q, head_dim, layout, page_size", on_backends(_grid(), _device_grid()))
+def test_every_arm_dtype_head_dim_and_layout_is_within_one_ulp_of_the_reference(backend, impl, arm, kv, q, head_dim,
+                                                                                 layout, page_size):
     seq_lens = (0, 1, 2 * page_size + 1, 300)
     p = problem(seed=head_dim + page_size, head_dim=head_dim, page_size=page_size, seq_lens=seq_lens, kv_dtype=kv,
                 q_dtype=q, layout=layout, share_prefix_pages=1, **_heads(arm))
-    attn = decoder(p, impl=impl, **ARM_OPTIONS[arm])
+    attn = decoder(p, backend=backend, impl=impl, **ARM_OPTIONS[arm])
     assert (attn.plan(len(seq_lens)).arm, attn.plan(len(seq_lens)).impl) == (arm, impl)
     out, lse = run_poisoned(attn, p)
     check_against_reference(p, out, lse)
@@ -60,27 +77,27 @@ EDGE_LENGTHS = {
 @pytest.mark.parametrize("arm", list(ARM_OPTIONS))
 @pytest.mark.parametrize("page_size", sorted(EDGE_LENGTHS))
 @pytest.mark.parametrize("kv", ["bf16", "fp8"])
-def test_edge_lengths_at_page_and_split_boundaries_match_the_reference(impl, arm, page_size, kv):
+def test_edge_lengths_at_page_and_split_boundaries_match_the_reference(backend, impl, arm, page_size, kv):
     head_dim = 256 if arm == "gqa_packed" else 128
     p = problem(seed=page_size, head_dim=head_dim, page_size=page_size, seq_lens=EDGE_LENGTHS[page_size],
                 kv_dtype=kv, **_heads(arm))
-    out, lse = run_poisoned(decoder(p, impl=impl, **ARM_OPTIONS[arm]), p)
+    out, lse = run_poisoned(decoder(p, backend=backend, impl=impl, **ARM_OPTIONS[arm]), p)
     check_against_reference(p, out, lse)
 
 
-def test_more_splits_than_pages_leaves_empty_splits_that_merge_without_nan():
+def test_more_splits_than_pages_leaves_empty_splits_that_merge_without_nan(backend):
     p = problem(page_size=16, seq_lens=(1, 5, 40), head_dim=128)
-    attn = decoder(p, splitk="16")
+    attn = decoder(p, backend=backend, splitk="16")
     assert attn.plan(3).num_splits == 16
     out, lse = run_poisoned(attn, p)
     check_against_reference(p, out, lse)
 
 
-def test_a_sequence_of_thousands_of_pages_matches_the_reference():
+def test_a_sequence_of_thousands_of_pages_matches_the_reference(backend):
     p = problem(page_size=1, seq_lens=(4099,), head_dim=64, kv_dtype="fp8")
     for impl in IMPLS:
         for arm in ("unpacked", "splitk"):
-            out, lse = run_poisoned(decoder(p, impl=impl, **ARM_OPTIONS[arm]), p)
+            out, lse = run_poisoned(decoder(p, backend=backend, impl=impl, **ARM_OPTIONS[arm]), p)
             check_against_reference(p, out, lse)
 
 
@@ -100,9 +117,9 @@ def test_the_split_k_workspace_holds_the_reference_partials():
     assert lengths == [PD_MIN_KV_PER_SPLIT, PD_MIN_KV_PER_SPLIT, 700 - 2 * PD_MIN_KV_PER_SPLIT, 0, 0]
 
 
-def test_sm_scale_and_kv_scales_are_applied():
+def test_sm_scale_and_kv_scales_are_applied(backend):
     p = problem(page_size=16, seq_lens=(50, 300), head_dim=64, kv_dtype="fp16", k_scale=0.5, v_scale=3.0)
-    out, lse = run_poisoned(decoder(p, sm_scale=0.3, splitk="3"), p)
+    out, lse = run_poisoned(decoder(p, backend=backend, sm_scale=0.3, splitk="3"), p)
     check_against_reference(p, out, lse, sm_scale=0.3)
 
 
@@ -134,13 +151,12 @@ def test_fp8_caches_given_as_uint8_bits_give_the_same_bytes():
 
 
 @pytest.mark.parametrize("arm", list(ARM_OPTIONS))
-def test_an_empty_batch_launches_nothing_and_returns_empty_outputs(arm):
+def test_an_empty_batch_launches_nothing_and_returns_empty_outputs(arm, counting_backend):
     p = problem(seq_lens=(5,), head_dim=256 if arm == "gqa_packed" else 64, **_heads(arm))
-    be = CountingBackend()
-    attn = decoder(p, backend=be, **ARM_OPTIONS[arm])
+    attn = decoder(p, backend=counting_backend, **ARM_OPTIONS[arm])
     out, lse = attn.run(p.q[:0], p.k_cache, p.v_cache, p.block_tables[:0], p.seq_lens[:0], return_lse=True)
     assert out.shape == (0,) + p.q.shape[1:] and lse.shape == (0, p.q.shape[1])
-    assert be.launches == []
+    assert counting_backend.launches == []
 
 
 @pytest.mark.parametrize("impl", IMPLS)

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 
 from metrale_attn import DecodeAttention
-from metrale_attn.backends import cuda_available
+from metrale_attn.backends import cuda_available, get_backend
 from metrale_attn.backends.cpu_backend import CpuBackend
 
-from conftest import CountingBackend, check_against_reference, decoder, problem, run_poisoned
+from support.problems import CountingBackend, check_against_reference, decoder, problem, run_poisoned
 
 
 def test_the_environment_pins_the_split_count_exactly_as_the_seed_says(monkeypatch):
@@ -51,11 +51,10 @@ def test_arguments_override_the_environment(monkeypatch):
 
 @pytest.mark.parametrize("impl, kernels", [("mma", ["decode_splitk", "decode_splitk_merge"]),
                                            ("simt", ["simt_decode_splitk", "simt_decode_splitk_merge"])])
-def test_a_split_run_launches_the_split_kernel_then_the_merge(impl, kernels):
+def test_a_split_run_launches_the_split_kernel_then_the_merge(impl, kernels, counting_backend):
     p = problem(seq_lens=(10, 300))
-    be = CountingBackend()
-    run_poisoned(decoder(p, backend=be, splitk="3", impl=impl), p)
-    assert be.launches == kernels
+    run_poisoned(decoder(p, backend=counting_backend, splitk="3", impl=impl), p)
+    assert counting_backend.launches == kernels
 
 
 # -- refusals ---------------------------------------------------------------
@@ -313,11 +312,11 @@ def test_a_device_whose_instructions_disagree_with_their_emulation_falls_back_to
         decoder(p, backend=_DisagreeingDevice(), sinks=True)
 
 
-def test_the_known_answer_test_agrees_with_the_cpu_emulation():
+def test_the_known_answer_test_agrees_with_the_cpu_emulation(backend):
     """On a GPU the same test decides whether the mma kernels are trusted (backends/selftest.py)."""
     from metrale_attn.backends import selftest
 
-    assert selftest.run(CpuBackend()) == []
+    assert selftest.run(get_backend(backend)) == []
 
 
 def test_the_known_answer_test_names_the_instruction_whose_bits_differ():

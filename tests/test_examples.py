@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import import_torch
+from support.optional import import_torch
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 

@@ -1,6 +1,7 @@
 """What today's models need from decode, on the mma core: attention sinks, a sliding window,
 the logits soft-cap, multi-token decode, fp8 e5m2 caches; each against the float64
-reference under the one bar, batch-invariant, and refused where a kernel cannot serve it."""
+reference under the one bar, batch-invariant, and refused where a kernel cannot serve it.
+The cases that take the ``backend`` fixture run on a CUDA device too (``-m gpu``)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from metrale_attn.backends.cpu_backend import CpuBackend
 from metrale_attn.config import heads_per_cta_choices
 from metrale_attn.problems import Problem
 
-from conftest import CountingBackend, decoder, problem
+from support.problems import CountingBackend, decoder, problem, run_poisoned
 
 SPLIT = {"unpacked": dict(splitk="off"), "splitk": dict(splitk="3")}
 ARMS = dict(SPLIT, gqa_packed=dict(splitk="off", gqa_pack=True))
@@ -29,14 +30,8 @@ def _heads(arm):
 
 
 def _run(attn, p: Problem, q=None, sinks=None, out_dtype=None):
-    """(out, lse) of a run with both poisoned first; q may be multi-token."""
-    q = p.q if q is None else q
-    rows = q.shape[:-1]
-    out = np.full(q.shape, np.nan, dtype=out_dtype or q.dtype)
-    lse = np.full(rows, np.nan, dtype=np.float32)
-    attn.run(q, p.k_cache, p.v_cache, p.block_tables, p.seq_lens, k_scale=p.k_scale, v_scale=p.v_scale,
-             out=out, lse=lse, sinks=sinks)
-    return out, lse
+    """(out, lse) of a run with both poisoned first, on attn's backend; q may be multi-token."""
+    return run_poisoned(attn, p, q=q, sinks=sinks, out_dtype=out_dtype)
 
 
 def _check(p: Problem, out, lse, q=None, v_absmax=None, **features):
@@ -56,39 +51,39 @@ def _sinks(num_q_heads, seed=0):
 
 @pytest.mark.parametrize("arm", list(ARMS))
 @pytest.mark.parametrize("kv, q", [("bf16", "bf16"), ("fp8", "bf16"), ("fp16", "fp16"), ("bf16", "fp16")])
-def test_sinks_join_the_denominator_on_every_arm_and_the_lse_includes_them(arm, kv, q):
+def test_sinks_join_the_denominator_on_every_arm_and_the_lse_includes_them(backend, arm, kv, q):
     p = problem(seed=3, page_size=7, seq_lens=(0, 1, 40, 700), kv_dtype=kv, q_dtype=q, **_heads(arm))
     sinks = _sinks(p.q.shape[1])
-    attn = decoder(p, sinks=True, **ARMS[arm])
+    attn = decoder(p, backend=backend, sinks=True, **ARMS[arm])
     assert attn.plan(4).arm == arm
     out, lse = _run(attn, p, sinks=sinks)
     _check(p, out, lse, sinks=sinks)
     assert np.all(lse[0] == sinks)  # an empty sequence: only the sink's e^sink is in the denominator
 
 
-def test_a_sink_of_minus_infinity_gives_the_bytes_of_no_sink_and_a_huge_one_silences_the_head():
+def test_a_sink_of_minus_infinity_gives_the_bytes_of_no_sink_and_a_huge_one_silences_the_head(backend):
     p = problem(seed=4, page_size=16, seq_lens=(300, 5), num_q_heads=8, num_kv_heads=2)
     for options in SPLIT.values():
-        plain = _run(decoder(p, **options), p)
-        none = _run(decoder(p, sinks=True, **options), p, sinks=np.full(8, -np.inf, np.float32))
+        plain = _run(decoder(p, backend=backend, **options), p)
+        none = _run(decoder(p, backend=backend, sinks=True, **options), p, sinks=np.full(8, -np.inf, np.float32))
         assert plain[0].tobytes() == none[0].tobytes() and plain[1].tobytes() == none[1].tobytes()
         huge = np.full(8, 80.0, np.float32)
-        out, lse = _run(decoder(p, sinks=True, **options), p, sinks=huge)
+        out, lse = _run(decoder(p, backend=backend, sinks=True, **options), p, sinks=huge)
         _check(p, out, lse, sinks=huge)
         assert np.abs(out.astype(np.float32)).max() < 1e-20 and np.allclose(lse, 80.0)
 
 
-def test_with_sinks_a_heads_bytes_do_not_depend_on_heads_per_cta_or_on_the_batch():
+def test_with_sinks_a_heads_bytes_do_not_depend_on_heads_per_cta_or_on_the_batch(backend):
     p = problem(seed=5, page_size=5, seq_lens=(333, 0, 20), num_q_heads=8, num_kv_heads=1, kv_dtype="fp8")
     sinks = _sinks(8, 1)
     first = None
     for h in heads_per_cta_choices(8):
-        out, lse = _run(decoder(p, sinks=True, heads_per_cta=h, splitk="auto"), p, sinks=sinks)
+        out, lse = _run(decoder(p, backend=backend, sinks=True, heads_per_cta=h, splitk="auto"), p, sinks=sinks)
         first = first or (out.tobytes(), lse.tobytes())
         assert (out.tobytes(), lse.tobytes()) == first, h
     alone = Problem(p.q[:1], p.k_cache, p.v_cache, p.block_tables[:1], p.seq_lens[:1], p.k_scale, p.v_scale,
                     p.kv_layout)
-    out, _ = _run(decoder(alone, sinks=True, splitk="auto"), alone, sinks=sinks)
+    out, _ = _run(decoder(alone, backend=backend, sinks=True, splitk="auto"), alone, sinks=sinks)
     assert out[0].tobytes() == np.frombuffer(first[0], p.q.dtype).reshape(p.q.shape)[0].tobytes()
 
 
@@ -97,11 +92,11 @@ def test_with_sinks_a_heads_bytes_do_not_depend_on_heads_per_cta_or_on_the_batch
 
 @pytest.mark.parametrize("arm", list(SPLIT))
 @pytest.mark.parametrize("window", [0, 1, 15, 16, 255, 256, 300, 5000])
-def test_a_sliding_window_attends_to_the_last_window_left_plus_one_keys(arm, window):
+def test_a_sliding_window_attends_to_the_last_window_left_plus_one_keys(backend, arm, window):
     """Windows of 0 keys back, across page (16) and split (256, and 3 splits of >= 256)
     boundaries, and wider than every sequence."""
     p = problem(seed=window, page_size=16, seq_lens=(0, 1, 17, 290, 1100), kv_dtype="fp8", q_dtype="fp16")
-    attn = decoder(p, window_left=window, **SPLIT[arm])
+    attn = decoder(p, backend=backend, window_left=window, **SPLIT[arm])
     out, lse = _run(attn, p)
     _check(p, out, lse, window_left=window)
 
@@ -118,14 +113,15 @@ def test_pages_before_every_window_may_be_freed_and_are_never_read():
         _run(decoder(freed), freed)  # without the window every page is needed
 
 
-def test_with_a_window_the_split_count_still_comes_from_the_policy_and_bytes_from_the_sequence_alone():
+def test_with_a_window_the_split_count_still_comes_from_the_policy_and_bytes_from_the_sequence_alone(backend):
     p = problem(seed=9, page_size=3, seq_lens=(2000, 40, 900), num_q_heads=8, num_kv_heads=2)
-    attn = decoder(p, window_left=600, splitk="auto")
-    assert attn.plan(3).num_splits == decoder(p, splitk="auto").plan(3).num_splits
+    attn = decoder(p, backend=backend, window_left=600, splitk="auto")
+    assert attn.plan(3).num_splits == decoder(p, backend=backend, splitk="auto").plan(3).num_splits
     out, _ = _run(attn, p)
     alone = Problem(p.q[2:], p.k_cache, p.v_cache, p.block_tables[2:], p.seq_lens[2:], p.k_scale, p.v_scale,
                     p.kv_layout)
-    assert _run(decoder(alone, window_left=600, splitk="auto"), alone)[0][0].tobytes() == out[2].tobytes()
+    alone_out, _ = _run(decoder(alone, backend=backend, window_left=600, splitk="auto"), alone)
+    assert alone_out[0].tobytes() == out[2].tobytes()
 
 
 # -- logits soft-cap -----------------------------------------------------------------------
@@ -133,19 +129,19 @@ def test_with_a_window_the_split_count_still_comes_from_the_policy_and_bytes_fro
 
 @pytest.mark.parametrize("arm", list(ARMS))
 @pytest.mark.parametrize("cap", [50.0, 5.0, 0.5])
-def test_the_logits_soft_cap_matches_the_reference_even_with_huge_logits(arm, cap):
+def test_the_logits_soft_cap_matches_the_reference_even_with_huge_logits(backend, arm, cap):
     p = problem(seed=10, page_size=16, seq_lens=(1, 77, 600), kv_dtype="bf16", **_heads(arm))
     huge = (p.q.astype(np.float32) * 40).astype(p.q.dtype)  # logits of hundreds: capped to +-cap
     big = Problem(huge, p.k_cache, p.v_cache, p.block_tables, p.seq_lens, p.k_scale, p.v_scale, p.kv_layout)
-    out, lse = _run(decoder(big, logits_soft_cap=cap, **ARMS[arm]), big)
+    out, lse = _run(decoder(big, backend=backend, logits_soft_cap=cap, **ARMS[arm]), big)
     _check(big, out, lse, logits_soft_cap=cap)
 
 
-def test_soft_cap_and_sinks_and_a_window_together_match_the_reference():
+def test_soft_cap_and_sinks_and_a_window_together_match_the_reference(backend):
     p = problem(seed=11, page_size=7, seq_lens=(0, 10, 500), num_q_heads=8, num_kv_heads=2, kv_dtype="fp16")
     sinks = _sinks(8, 2)
     for options in SPLIT.values():
-        attn = decoder(p, logits_soft_cap=20.0, sinks=True, window_left=130, **options)
+        attn = decoder(p, backend=backend, logits_soft_cap=20.0, sinks=True, window_left=130, **options)
         out, lse = _run(attn, p, sinks=sinks)
         _check(p, out, lse, logits_soft_cap=20.0, sinks=sinks, window_left=130)
 
@@ -160,25 +156,25 @@ def _multi_q(p: Problem, q_len: int, seed=0) -> np.ndarray:
 
 @pytest.mark.parametrize("arm", list(SPLIT))
 @pytest.mark.parametrize("q_len", [1, 2, 3, 8])
-def test_multi_token_decode_attends_causally_and_matches_the_reference(arm, q_len):
+def test_multi_token_decode_attends_causally_and_matches_the_reference(backend, arm, q_len):
     p = problem(seed=q_len, page_size=5, seq_lens=(2, 9, 300, 1100), num_q_heads=4, num_kv_heads=2, kv_dtype="fp8")
     q = _multi_q(p, q_len)
-    attn = decoder(p, max_q_len=8, **SPLIT[arm])
+    attn = decoder(p, backend=backend, max_q_len=8, **SPLIT[arm])
     out, lse = _run(attn, p, q=q)
     _check(p, out, lse, q=q)
     assert np.all(np.isneginf(lse[0, : max(q_len - 2, 0)]))  # q_len > seq_len: tokens that see nothing
 
 
 @pytest.mark.parametrize("arm", list(SPLIT))
-def test_a_query_tokens_bytes_are_those_of_one_token_decode_on_its_own_prefix(arm):
+def test_a_query_tokens_bytes_are_those_of_one_token_decode_on_its_own_prefix(backend, arm):
     """Token i of a q_len call on L keys is a q_len = 1 call on the first L - q_len + 1 + i
     keys: speculative verification gives exactly the bytes of sequential decode."""
     L, q_len = 700, 5
     p = problem(seed=12, page_size=16, seq_lens=(L,), num_q_heads=8, num_kv_heads=2, kv_dtype="bf16")
     q = _multi_q(p, q_len, 1)
-    attn = decoder(p, max_q_len=q_len, **SPLIT[arm])
+    attn = decoder(p, backend=backend, max_q_len=q_len, **SPLIT[arm])
     out, lse = _run(attn, p, q=q)
-    one = decoder(p, **SPLIT[arm])
+    one = decoder(p, backend=backend, **SPLIT[arm])
     for i in range(q_len):
         prefix = Problem(q[:, i], p.k_cache, p.v_cache, p.block_tables, np.array([L - q_len + 1 + i], np.int32),
                          p.k_scale, p.v_scale, p.kv_layout)
@@ -186,28 +182,28 @@ def test_a_query_tokens_bytes_are_those_of_one_token_decode_on_its_own_prefix(ar
         assert out[:, i].tobytes() == o1.tobytes() and lse[:, i].tobytes() == l1.tobytes(), i
 
 
-def test_multi_token_rows_give_identical_bytes_for_every_heads_per_cta_and_batch_position():
+def test_multi_token_rows_give_identical_bytes_for_every_heads_per_cta_and_batch_position(backend):
     p = problem(seed=13, page_size=7, seq_lens=(400, 30, 0), num_q_heads=8, num_kv_heads=1, kv_dtype="fp16",
                 q_dtype="bf16")
     q = _multi_q(p, 2, 2)
     first = None
     for h in heads_per_cta_choices(8, 2):
-        out, lse = _run(decoder(p, max_q_len=2, heads_per_cta=h, splitk="auto"), p, q=q)
+        out, lse = _run(decoder(p, backend=backend, max_q_len=2, heads_per_cta=h, splitk="auto"), p, q=q)
         first = first or (out.tobytes(), lse.tobytes())
         assert (out.tobytes(), lse.tobytes()) == first, h
     rows = [2, 0, 1]
     shuffled = Problem(p.q[rows], p.k_cache, p.v_cache, p.block_tables[rows], p.seq_lens[rows], p.k_scale,
                        p.v_scale, p.kv_layout)
-    out, _ = _run(decoder(shuffled, max_q_len=2, splitk="auto"), shuffled, q=q[rows])
+    out, _ = _run(decoder(shuffled, backend=backend, max_q_len=2, splitk="auto"), shuffled, q=q[rows])
     assert out[1].tobytes() == np.frombuffer(first[0], q.dtype).reshape(q.shape)[0].tobytes()
 
 
-def test_multi_token_decode_with_a_window_and_sinks_matches_the_reference():
+def test_multi_token_decode_with_a_window_and_sinks_matches_the_reference(backend):
     p = problem(seed=14, page_size=16, seq_lens=(50, 520), num_q_heads=4, num_kv_heads=1, kv_dtype="bf16",
                 q_dtype="fp16")
     q, sinks = _multi_q(p, 4, 3), _sinks(4, 3)
     for options in SPLIT.values():
-        attn = decoder(p, max_q_len=4, window_left=33, sinks=True, **options)
+        attn = decoder(p, backend=backend, max_q_len=4, window_left=33, sinks=True, **options)
         out, lse = _run(attn, p, q=q, sinks=sinks)
         _check(p, out, lse, q=q, window_left=33, sinks=sinks)
 
@@ -225,10 +221,10 @@ def test_the_plan_of_a_multi_token_call_keeps_heads_times_tokens_within_two_row_
 
 @pytest.mark.parametrize("arm", list(ARMS))
 @pytest.mark.parametrize("q", ["bf16", "fp16"])
-def test_an_fp8_e5m2_cache_matches_the_reference_on_every_arm(arm, q):
+def test_an_fp8_e5m2_cache_matches_the_reference_on_every_arm(backend, arm, q):
     p = problem(seed=15, page_size=16, seq_lens=(0, 3, 333), kv_dtype="fp8_e5m2", q_dtype=q, layout="HND",
                 **_heads(arm))
-    out, lse = _run(decoder(p, **ARMS[arm]), p)
+    out, lse = _run(decoder(p, backend=backend, **ARMS[arm]), p)
     _check(p, out, lse)
 
 
@@ -247,13 +243,13 @@ def test_e5m2_bits_given_as_uint8_give_the_same_bytes():
 
 
 @pytest.mark.parametrize("arm", list(ARMS))
-def test_fp32_outputs_are_within_fp32_rounding_of_the_reference(arm):
+def test_fp32_outputs_are_within_fp32_rounding_of_the_reference(backend, arm):
     p = problem(seed=17, page_size=16, seq_lens=(0, 5, 600), kv_dtype="fp8", **_heads(arm))
-    out, lse = _run(decoder(p, out_dtype="float32", **ARMS[arm]), p, out_dtype=np.float32)
+    out, lse = _run(decoder(p, backend=backend, out_dtype="float32", **ARMS[arm]), p, out_dtype=np.float32)
     ref, ref_lse = p.reference(return_lse=True)
     assert out.dtype == np.float32
     np.testing.assert_allclose(out, ref, rtol=2e-6, atol=2e-6 * p.v_absmax())
-    bf16 = _run(decoder(p, **ARMS[arm]), p)[0]
+    bf16 = _run(decoder(p, backend=backend, **ARMS[arm]), p)[0]
     assert tolerance.ulp_distance(out.astype(p.q.dtype), bf16).max() <= 1
 
 

@@ -1,53 +1,31 @@
-"""The same cases on a CUDA device through CuPy; skipped cleanly where there is none."""
+"""What only a CUDA device has, through CuPy; skipped cleanly where there is none. The
+correctness cases (every arm, dtype, head dim, layout and page size, heads_per_cta bytes, the
+packed arm, the features, merge_states, batch invariance, the known-answer self-test) are the
+CPU tests' own, run on the device by the ``backend`` fixture (conftest.py) from their files;
+``pytest -m gpu tests/`` selects those runs and this file. Here: the device's description; the
+device against the CPU backend (decode, merge_states); every feature at once on multi-token
+rows (the CPU suite meets that combination in its fuzz only); torch CUDA tensors and the custom
+op, CUDA graphs, streams, the benchmark timer; the PTX toys on the device."""
 
 from __future__ import annotations
-
-import itertools
 
 import numpy as np
 import pytest
 
 from metrale_attn import tolerance
-from metrale_attn.backends import DeviceInfo, cuda_available, get_backend
+from metrale_attn.backends import DeviceInfo, get_backend
+from metrale_attn.config import IMPLS
 from metrale_attn.problems import Problem
 
-import ptx_toys
-from conftest import ARM_OPTIONS, check_against_reference, decoder, problem, run_poisoned
+from support import ptx_toys
+from support.backends import ON_GPU, device_array
+from support.problems import ARM_OPTIONS, check_against_reference, decoder, problem, run_poisoned
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not cuda_available(), reason="no CUDA device")]
-
-
-def _device(a):
-    import cupy
-
-    return cupy.asarray(a.view(np.uint8) if a.dtype.itemsize == 1 else a)
-
-
-def run_gpu(attn, p, *, lse=True):
-    import cupy
-
-    n, h, d = p.q.shape
-    out = cupy.asarray(np.full((n, h, d), np.nan, dtype=p.q.dtype))  # poisoned; built on the host
-    lse_buf = cupy.asarray(np.full((n, h), np.nan, dtype=np.float32))
-    attn.run(_device(p.q), _device(p.k_cache), _device(p.v_cache), _device(p.block_tables), _device(p.seq_lens),
-             k_scale=p.k_scale, v_scale=p.v_scale, out=out, lse=lse_buf)
-    return cupy.asnumpy(out), cupy.asnumpy(lse_buf)
-
-
-def _cases():
-    for impl in ("mma", "simt"):
-        for arm in ARM_OPTIONS:
-            kvs = ("bf16", "fp16", "fp8") + (("fp8_e5m2",) if impl == "mma" else ())
-            for kv, q, d, layout in itertools.product(kvs, ("bf16", "fp16"),
-                                                      (256,) if arm == "gqa_packed" else (64, 128, 256), ("NHD", "HND")):
-                for page_size in (1, 16, 7) if impl == "mma" else (16,):  # simt: the previous kernels, kept for now
-                    yield pytest.param(impl, arm, kv, q, d, layout, page_size,
-                                       id=f"{impl}-{arm}-kv{kv}-q{q}-hd{d}-{layout}-p{page_size}")
+pytestmark = list(ON_GPU)
 
 
 def _heads(arm):
     return dict(num_q_heads=24, num_kv_heads=4) if arm == "gqa_packed" else dict(num_q_heads=8, num_kv_heads=2)
-
 
 
 def test_the_cupy_backend_describes_its_device_by_name_and_the_target_takes_its_sm_count():
@@ -61,36 +39,58 @@ def test_the_cupy_backend_describes_its_device_by_name_and_the_target_takes_its_
     attn = decoder(problem(), backend="cupy", target="hopper")
     assert attn.target_policy.sm_count == device.sm_count
 
-@pytest.mark.parametrize("impl, arm, kv, q, head_dim, layout, page_size", list(_cases()))
-def test_every_arm_on_the_gpu_is_within_one_ulp_and_matches_the_cpu_backend(impl, arm, kv, q, head_dim, layout,
-                                                                            page_size):
+
+def _cross_checks():
+    for impl in IMPLS:
+        for arm in ARM_OPTIONS:
+            for kv in ("bf16", "fp16", "fp8") + (("fp8_e5m2",) if impl == "mma" else ()):
+                yield pytest.param(impl, arm, kv, id=f"{impl}-{arm}-kv{kv}")
+
+
+@pytest.mark.parametrize("impl, arm, kv", list(_cross_checks()))
+def test_every_arm_on_the_gpu_is_within_one_ulp_and_matches_the_cpu_backend(impl, arm, kv):
+    page_size, head_dim = 16, 256 if arm == "gqa_packed" else 128
     lengths = (0, 1, page_size, 2 * page_size + 1, 300, 2049)
-    p = problem(seed=head_dim, head_dim=head_dim, page_size=page_size, seq_lens=lengths, kv_dtype=kv, q_dtype=q,
-                layout=layout, share_prefix_pages=1, **_heads(arm))
+    p = problem(seed=head_dim, head_dim=head_dim, page_size=page_size, seq_lens=lengths, kv_dtype=kv, q_dtype="bf16",
+                layout="NHD", share_prefix_pages=1, **_heads(arm))
     gpu = decoder(p, backend="cupy", impl=impl, **ARM_OPTIONS[arm])
     assert (gpu.plan(len(lengths)).arm, gpu.plan(len(lengths)).impl) == (arm, impl)
-    out, lse = run_gpu(gpu, p)
+    out, lse = run_poisoned(gpu, p)
     check_against_reference(p, out, lse)
-    if page_size == 16 and layout == "NHD" and head_dim == (256 if arm == "gqa_packed" else 128) and q == "bf16":
-        cpu_out, _ = run_poisoned(decoder(p, backend="cpu", impl=impl, **ARM_OPTIONS[arm]), p)
-        # each within 1 ulp of the reference; downstream of an MMA the two may round apart
-        assert tolerance.ulp_distance(out, cpu_out).max() <= (1 if impl == "simt" else 2)
+    cpu_out, _ = run_poisoned(decoder(p, backend="cpu", impl=impl, **ARM_OPTIONS[arm]), p)
+    # each within 1 ulp of the reference; downstream of an MMA the two may round apart
+    assert tolerance.ulp_distance(out, cpu_out).max() <= (1 if impl == "simt" else 2)
 
 
-@pytest.mark.parametrize("splitk", ["auto", "4"])
-def test_gpu_bytes_do_not_depend_on_the_batch(splitk):
-    p = problem(seed=1, page_size=16, seq_lens=(4000, 3, 0, 1500, 257, 64, 999, 16), head_dim=128, num_q_heads=32,
-                num_kv_heads=8, kv_dtype="fp8")
-    attn = decoder(p, backend="cupy", splitk=splitk, max_batch=8)
-    full, _ = run_gpu(attn, p)
-    for target in range(8):
-        rows = [target] + [r for r in range(8) if r != target][:target]
-        sub = Problem(p.q[rows], p.k_cache, p.v_cache, p.block_tables[rows], p.seq_lens[rows], p.k_scale,
-                      p.v_scale, p.kv_layout)
-        out, _ = run_gpu(attn, sub)
-        assert out[0].tobytes() == full[target].tobytes()
-    for _ in range(3):
-        assert run_gpu(attn, p)[0].tobytes() == full.tobytes()
+@pytest.mark.parametrize("options", [dict(splitk="off"), dict(splitk="auto")], ids=["unpacked", "splitk"])
+def test_the_features_on_the_gpu_match_the_reference(options):
+    """Every feature at once on multi-token rows: the CPU suite meets this combination only in
+    its fuzz (test_features.py), which stays on the CPU (a backend parameter would re-draw its
+    examples)."""
+    p = problem(seed=23, page_size=16, seq_lens=(0, 5, 700, 2100), num_q_heads=8, num_kv_heads=2, head_dim=128,
+                kv_dtype="fp8")
+    sinks = np.random.default_rng(0).normal(0, 2, 8).astype(np.float32)
+    q = np.random.default_rng(1).standard_normal((4, 3, 8, 128)).astype(p.q.dtype)
+    attn = decoder(p, backend="cupy", max_q_len=3, window_left=300, logits_soft_cap=30.0, sinks=True, **options)
+    out, lse = run_poisoned(attn, p, q=q, sinks=sinks)
+    ref, ref_lse = p.reference(return_lse=True, q=q, window_left=300, logits_soft_cap=30.0, sinks=sinks)
+    tolerance.assert_close_to_reference(out, ref, v_absmax=p.v_absmax())
+    np.testing.assert_allclose(lse, ref_lse, rtol=2e-6, atol=2e-6)
+
+
+def test_merge_states_on_the_gpu_gives_the_cpu_backends_state_within_fp32_rounding():
+    import cupy
+
+    from metrale_attn import merge_states
+
+    rng = np.random.default_rng(2)
+    v_a, v_b = (rng.standard_normal((16, 8, 128)).astype(np.float32) for _ in range(2))
+    s_a, s_b = (rng.normal(0, 2, (16, 8)).astype(np.float32) for _ in range(2))
+    s_a[0] = -np.inf
+    gpu = merge_states(*(cupy.asarray(x) for x in (v_a, s_a, v_b, s_b)))
+    cpu = merge_states(v_a, s_a, v_b, s_b)
+    np.testing.assert_allclose(cupy.asnumpy(gpu[0]), cpu[0], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(cupy.asnumpy(gpu[1]), cpu[1], rtol=1e-6, atol=1e-6)
 
 
 def _torch_inputs(torch, p):
@@ -137,7 +137,7 @@ def test_a_captured_cuda_graph_replays_with_seq_lens_changed_in_place():
 
     p = problem(seed=4, page_size=16, seq_lens=(600, 40, 1), head_dim=128, num_q_heads=8, num_kv_heads=2)
     attn = decoder(p, backend="cupy", splitk="auto")
-    q, k, v, bt, sl = (_device(a) for a in (p.q, p.k_cache, p.v_cache, p.block_tables, p.seq_lens))
+    q, k, v, bt, sl = (device_array(a) for a in (p.q, p.k_cache, p.v_cache, p.block_tables, p.seq_lens))
     out = cupy.empty(p.q.shape, dtype=p.q.dtype)
     lse = cupy.empty(p.q.shape[:2], dtype=np.float32)
     attn.run(q, k, v, bt, sl, out=out, lse=lse)  # warm up outside capture
@@ -181,7 +181,7 @@ def test_the_benchmark_timer_captures_torch_inputs_on_its_own_stream(impl):
 
 
 # ---------------------------------------------------------------------------------------
-# kernels_cu/pd_ptx.cuh on the device, against its CPU emulation (tests/ptx_toys.py): bit for
+# kernels_cu/pd_ptx.cuh on the device, against its CPU emulation (tests/support/ptx_toys.py): bit for
 # bit for ldmatrix, movmatrix, cp.async, cvt and prmt; within fp32 rounding for the MMA, whose
 # summation order and rounding the PTX ISA leaves open.
 # ---------------------------------------------------------------------------------------
@@ -290,7 +290,7 @@ def test_a_second_stream_while_the_first_is_busy_warns_and_capture_on_one_stream
 
     p = problem(seed=8, page_size=16, seq_lens=(600, 40), head_dim=128, num_q_heads=8, num_kv_heads=2)
     attn = decoder(p, backend="cupy", splitk="4")
-    args = [_device(x) for x in (p.q, p.k_cache, p.v_cache, p.block_tables, p.seq_lens)]
+    args = [device_array(x) for x in (p.q, p.k_cache, p.v_cache, p.block_tables, p.seq_lens)]
     out = cupy.empty(p.q.shape, dtype=p.q.dtype)
     lse = cupy.empty(p.q.shape[:2], dtype=np.float32)
     spin = cupy.RawKernel(
@@ -315,77 +315,6 @@ def test_a_second_stream_while_the_first_is_busy_warns_and_capture_on_one_stream
     graph.launch(a)
     a.synchronize()
     check_against_reference(p, cupy.asnumpy(out), cupy.asnumpy(lse))
-
-
-# ---------------------------------------------------------------------------------------
-# The mma core on the device: the known-answer test, bytes independent of heads_per_cta
-# (this rests on the tensor core computing each column of an MMA from that column
-# alone), the packed arm, and the features of issue 12.
-# ---------------------------------------------------------------------------------------
-
-
-def test_the_device_passes_the_known_answer_test_of_the_mma_instructions():
-    from metrale_attn.backends.cupy_backend import CupyBackend
-
-    assert CupyBackend().verify_mma() == []
-
-
-@pytest.mark.parametrize("arm", ["unpacked", "splitk"])
-@pytest.mark.parametrize("kv, q", [("bf16", "bf16"), ("fp8", "bf16"), ("fp16", "fp16"), ("bf16", "fp16")])
-def test_gpu_bytes_do_not_depend_on_heads_per_cta(arm, kv, q):
-    from metrale_attn.config import heads_per_cta_choices
-
-    p = problem(seed=21, page_size=16, seq_lens=(0, 77, 3000, 513), num_q_heads=16, num_kv_heads=2, head_dim=128,
-                kv_dtype=kv, q_dtype=q)
-    options = dict(splitk="off") if arm == "unpacked" else dict(splitk="auto")
-    first = None
-    for h in heads_per_cta_choices(8):
-        out, lse = run_gpu(decoder(p, backend="cupy", heads_per_cta=h, **options), p)
-        if first is None:
-            check_against_reference(p, out, lse)
-            first = (out.tobytes(), lse.tobytes())
-        assert (out.tobytes(), lse.tobytes()) == first, h
-
-
-def test_the_gpu_packed_arm_gives_the_bytes_of_the_unpacked_arm_at_six_heads_per_cta():
-    p = problem(seed=22, page_size=16, seq_lens=(1, 400, 2500), num_q_heads=24, num_kv_heads=4, head_dim=256,
-                kv_dtype="fp8")
-    packed = run_gpu(decoder(p, backend="cupy", splitk="off", gqa_pack=True), p)
-    unpacked = run_gpu(decoder(p, backend="cupy", splitk="off", heads_per_cta=6), p)
-    assert packed[0].tobytes() == unpacked[0].tobytes() and packed[1].tobytes() == unpacked[1].tobytes()
-
-
-@pytest.mark.parametrize("options", [dict(splitk="off"), dict(splitk="auto")], ids=["unpacked", "splitk"])
-def test_the_features_on_the_gpu_match_the_reference(options):
-    import cupy
-
-    p = problem(seed=23, page_size=16, seq_lens=(0, 5, 700, 2100), num_q_heads=8, num_kv_heads=2, head_dim=128,
-                kv_dtype="fp8")
-    sinks = np.random.default_rng(0).normal(0, 2, 8).astype(np.float32)
-    q = np.random.default_rng(1).standard_normal((4, 3, 8, 128)).astype(p.q.dtype)
-    attn = decoder(p, backend="cupy", max_q_len=3, window_left=300, logits_soft_cap=30.0, sinks=True, **options)
-    out = cupy.asarray(np.full(q.shape, np.nan, q.dtype))
-    lse = cupy.asarray(np.full(q.shape[:-1], np.nan, np.float32))
-    attn.run(_device(q), _device(p.k_cache), _device(p.v_cache), _device(p.block_tables), _device(p.seq_lens),
-             k_scale=p.k_scale, v_scale=p.v_scale, out=out, lse=lse, sinks=cupy.asarray(sinks))
-    ref, ref_lse = p.reference(return_lse=True, q=q, window_left=300, logits_soft_cap=30.0, sinks=sinks)
-    tolerance.assert_close_to_reference(cupy.asnumpy(out), ref, v_absmax=p.v_absmax())
-    np.testing.assert_allclose(cupy.asnumpy(lse), ref_lse, rtol=2e-6, atol=2e-6)
-
-
-def test_merge_states_on_the_gpu_gives_the_cpu_backends_state_within_fp32_rounding():
-    import cupy
-
-    from metrale_attn import merge_states
-
-    rng = np.random.default_rng(2)
-    v_a, v_b = (rng.standard_normal((16, 8, 128)).astype(np.float32) for _ in range(2))
-    s_a, s_b = (rng.normal(0, 2, (16, 8)).astype(np.float32) for _ in range(2))
-    s_a[0] = -np.inf
-    gpu = merge_states(*(cupy.asarray(x) for x in (v_a, s_a, v_b, s_b)))
-    cpu = merge_states(v_a, s_a, v_b, s_b)
-    np.testing.assert_allclose(cupy.asnumpy(gpu[0]), cpu[0], rtol=1e-6, atol=1e-6)
-    np.testing.assert_allclose(cupy.asnumpy(gpu[1]), cpu[1], rtol=1e-6, atol=1e-6)
 
 
 # ---------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import CountingBackend, check_against_reference, decoder, problem
+from support.problems import check_against_reference, decoder, problem
 
 P = problem(seq_lens=(5, 40), head_dim=64, page_size=16)
 
@@ -19,16 +19,15 @@ def _outputs():
     return np.full(P.q.shape, np.nan, P.q.dtype), np.full(P.q.shape[:2], np.nan, np.float32)
 
 
-def test_repeated_calls_with_the_same_buffers_reuse_the_validated_launches_and_stay_correct():
-    be = CountingBackend()
-    attn = decoder(P, backend=be, splitk="3")
+def test_repeated_calls_with_the_same_buffers_reuse_the_validated_launches_and_stay_correct(counting_backend):
+    attn = decoder(P, backend=counting_backend, splitk="3")
     out, lse = _outputs()
     attn.run(*_args(), out=out, lse=lse)
     first = attn._binder.last
     out[:] = np.nan
     attn.run(*_args(), out=out, lse=lse)
     assert attn._binder.last is first  # nothing was validated again
-    assert be.launches == ["decode_splitk", "decode_splitk_merge"] * 2
+    assert counting_backend.launches == ["decode_splitk", "decode_splitk_merge"] * 2
     check_against_reference(P, out, lse)
 
 
@@ -94,7 +93,7 @@ def test_a_changed_scale_reaches_the_kernel():
 
 
 def test_a_torch_tensor_whose_storage_was_swapped_in_place_is_checked_again():
-    from conftest import import_torch
+    from support.optional import import_torch
 
     torch = import_torch()
     from metrale_attn.torch_op import from_numpy, to_numpy

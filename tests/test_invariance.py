@@ -1,4 +1,5 @@
-"""Batch invariance: under auto and pinned policies a sequence's bytes never depend on its company."""
+"""Batch invariance: under auto and pinned policies a sequence's bytes never depend on its company,
+on either backend (the ``backend`` fixture), and under every thread order of the CPU backend."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from metrale_attn import tolerance
 from metrale_attn.problems import Problem
 from metrale_attn.backends.cpu_backend import CpuBackend
 
-from conftest import check_against_reference, decoder, problem, run_poisoned
+from support.problems import check_against_reference, decoder, problem, run_poisoned
 
 LENGTHS = (700, 3, 0, 1500, 257, 64, 999, 16)
 
@@ -27,8 +28,8 @@ def batch():
 
 
 @pytest.mark.parametrize("splitk", ["auto", "4", "off"])
-def test_a_sequence_gives_identical_bytes_alone_in_any_batch_at_any_position_and_on_repeats(batch, splitk):
-    attn = decoder(batch, max_batch=len(LENGTHS), splitk=splitk)
+def test_a_sequence_gives_identical_bytes_alone_in_any_batch_at_any_position_and_on_repeats(backend, batch, splitk):
+    attn = decoder(batch, backend=backend, max_batch=len(LENGTHS), splitk=splitk)
     full, full_lse = run_poisoned(attn, batch)
     check_against_reference(batch, full, full_lse)
     for target in range(len(LENGTHS)):

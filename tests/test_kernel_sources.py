@@ -5,7 +5,7 @@ import pathlib
 import re
 
 import pytest
-from conftest import ARCHES, arch_matrix, nvrtc_build, nvrtc_ptx, spec_matrix
+from support.builds import ARCHES, arch_matrix, nvrtc_build, nvrtc_ptx, spec_matrix
 
 from metrale_attn import policy
 from metrale_attn.kernels import (
@@ -226,7 +226,7 @@ def test_plans_launch_exactly_the_kernels_their_arm_compiles():
     from metrale_attn.plan import make_plan
     from metrale_attn.targets import get_target, resolve_target_policy
 
-    from conftest import layer_config
+    from support.problems import layer_config
 
     for options in (dict(splitk="4"), dict(splitk="off"), dict(splitk="off", gqa_pack=True)):
         target_policy = resolve_target_policy(get_target("hopper"), environ={}, **options)

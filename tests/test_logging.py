@@ -14,7 +14,7 @@ from cuda_on_cpu import build
 from metrale_attn import attention
 from metrale_attn.backends.cpu_backend import CpuBackend
 
-from conftest import decoder, problem
+from support.problems import decoder, problem
 
 P = problem(seed=31, seq_lens=(5, 40), num_q_heads=4, num_kv_heads=2)
 

@@ -1,5 +1,6 @@
 """merge_states: two attention states of the same queries over disjoint keys merge into the
-state of their union, deterministically, exactly for empty states, on the CPU backend."""
+state of their union, deterministically, exactly for empty states, on the CPU backend and
+(the ``backend`` fixture, ``-m gpu``) on a CUDA device."""
 
 from __future__ import annotations
 
@@ -10,62 +11,66 @@ import pytest
 from metrale_attn import merge_states, reference, tolerance
 from metrale_attn.problems import Problem
 
-from conftest import decoder, problem
+from support.backends import to_backend, to_host
+from support.problems import decoder, problem, run_poisoned
 
 
-def _part(p: Problem, block_tables, seq_lens, **options):
+def _part(p: Problem, block_tables, seq_lens, backend="cpu", **options):
     """fp32 out and lse of attending the keys block_tables/seq_lens describe."""
     sub = Problem(p.q, p.k_cache, p.v_cache, block_tables, seq_lens, p.k_scale, p.v_scale, p.kv_layout)
-    out = np.full(p.q.shape, np.nan, np.float32)
-    lse = np.full(p.q.shape[:-1], np.nan, np.float32)
-    decoder(sub, out_dtype="float32", **options).run(sub.q, sub.k_cache, sub.v_cache, sub.block_tables,
-                                                      sub.seq_lens, k_scale=p.k_scale, v_scale=p.v_scale, out=out,
-                                                      lse=lse)
-    return out, lse
+    return run_poisoned(decoder(sub, backend=backend, out_dtype="float32", **options), sub, out_dtype=np.float32)
+
+
+def _merge(backend, v_a, s_a, v_b, s_b, out=None, lse=None):
+    """``merge_states`` of NumPy states on ``backend`` (it follows the arrays: on the device
+    they are copies, and so are the results brought back)."""
+    put = lambda x: to_backend(backend, x)  # noqa: E731
+    merged = merge_states(put(v_a), put(s_a), put(v_b), put(s_b), out=put(out), lse=put(lse))
+    return to_host(merged[0]), to_host(merged[1])
 
 
 @pytest.mark.parametrize("options", [dict(splitk="off"), dict(splitk="3")], ids=["unpacked", "splitk"])
 @pytest.mark.parametrize("kv", ["bf16", "fp8"])
-def test_a_prefix_and_a_suffix_merged_equal_attention_over_the_whole_within_the_bar(options, kv):
+def test_a_prefix_and_a_suffix_merged_equal_attention_over_the_whole_within_the_bar(backend, options, kv):
     page, prefix_pages = 16, 5
     p = problem(seed=1, page_size=page, seq_lens=(80, 81, 300, 1000), num_q_heads=8, num_kv_heads=2, kv_dtype=kv)
     prefix = prefix_pages * page
-    head = _part(p, p.block_tables, np.minimum(p.seq_lens, prefix).astype(np.int32), **options)
+    head = _part(p, p.block_tables, np.minimum(p.seq_lens, prefix).astype(np.int32), backend, **options)
     tail = _part(p, np.ascontiguousarray(p.block_tables[:, prefix_pages:]),
-                 np.maximum(p.seq_lens - prefix, 0).astype(np.int32), **options)
+                 np.maximum(p.seq_lens - prefix, 0).astype(np.int32), backend, **options)
     merged = np.full(p.q.shape, np.nan, p.q.dtype)
     merged_lse = np.full(p.q.shape[:-1], np.nan, np.float32)
-    merge_states(head[0], head[1], tail[0], tail[1], out=merged, lse=merged_lse)
+    merged, merged_lse = _merge(backend, head[0], head[1], tail[0], tail[1], out=merged, lse=merged_lse)
     ref, ref_lse = p.reference(return_lse=True)
     tolerance.assert_close_to_reference(merged, ref, v_absmax=p.v_absmax())
     np.testing.assert_allclose(merged_lse, ref_lse, rtol=2e-6)
     assert np.all(np.isneginf(tail[1][0]))  # the 80-token sequence has no suffix: an empty state
 
 
-def test_an_empty_state_leaves_the_other_bit_for_bit_and_two_give_zeros_and_minus_infinity():
+def test_an_empty_state_leaves_the_other_bit_for_bit_and_two_give_zeros_and_minus_infinity(backend):
     rng = np.random.default_rng(2)
     v = rng.standard_normal((3, 4, 64)).astype(np.float32)
     s = rng.standard_normal((3, 4)).astype(np.float32)
     garbage = np.full_like(v, np.nan)  # an empty state's v is never read
     empty = np.full_like(s, -np.inf)
-    out, lse = merge_states(v, s, garbage, empty)
+    out, lse = _merge(backend, v, s, garbage, empty)
     assert out.tobytes() == v.tobytes() and lse.tobytes() == s.tobytes()
-    out, lse = merge_states(garbage, empty, v, s)
+    out, lse = _merge(backend, garbage, empty, v, s)
     assert out.tobytes() == v.tobytes() and lse.tobytes() == s.tobytes()
-    out, lse = merge_states(garbage, empty, garbage.copy(), empty.copy())
+    out, lse = _merge(backend, garbage, empty, garbage.copy(), empty.copy())
     assert np.all(out == 0) and np.all(np.isneginf(lse))
 
 
 @pytest.mark.parametrize("in_dtype, out_dtype", [(np.float32, np.float32), (ml_dtypes.bfloat16, ml_dtypes.bfloat16),
                                                  (np.float16, np.float32), (np.float32, np.float16)])
-def test_the_merge_is_deterministic_and_matches_the_float64_merge(in_dtype, out_dtype):
+def test_the_merge_is_deterministic_and_matches_the_float64_merge(backend, in_dtype, out_dtype):
     rng = np.random.default_rng(3)
     v_a, v_b = (rng.standard_normal((5, 2, 8, 128)).astype(in_dtype) for _ in range(2))
     s_a, s_b = (rng.normal(0, 3, (5, 2, 8)).astype(np.float32) for _ in range(2))
     s_a[0, 0, :3] = -np.inf
     out = np.empty(v_a.shape, out_dtype)
-    first = merge_states(v_a, s_a, v_b, s_b, out=out)
-    again = merge_states(v_a, s_a, v_b, s_b, out=np.empty(v_a.shape, out_dtype))
+    first = _merge(backend, v_a, s_a, v_b, s_b, out=out)
+    again = _merge(backend, v_a, s_a, v_b, s_b, out=np.empty(v_a.shape, out_dtype))
     assert first[0].tobytes() == again[0].tobytes() and first[1].tobytes() == again[1].tobytes()
     ref, ref_lse = reference.merge_states(v_a, s_a, v_b, s_b)
     if out_dtype == np.float32:

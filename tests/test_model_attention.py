@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import import_torch, problem
+from support.optional import import_torch
+from support.problems import problem
 
 torch = import_torch()
 

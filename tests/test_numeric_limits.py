@@ -16,7 +16,7 @@ from metrale_attn import kernels, reference, tolerance
 from metrale_attn.backends.cpu_backend import CpuBackend
 from metrale_attn.problems import Problem, make_problem
 
-from conftest import decoder, problem
+from support.problems import decoder, problem
 
 INT32_MAX = 2**31 - 1
 

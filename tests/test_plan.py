@@ -14,7 +14,7 @@ from metrale_attn.plan import Workspace, WorkspaceTooSmall, heads_per_cta_for, m
 from metrale_attn.policy import SplitkPolicy
 from metrale_attn.targets import TARGETS, detect_target, get_target, resolve_target_policy
 
-from conftest import layer_config
+from support.problems import layer_config
 
 NO_ENV: dict = {}
 

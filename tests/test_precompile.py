@@ -356,7 +356,7 @@ def test_a_precompiled_cache_is_all_hits_the_second_time_and_a_gpu_construction_
 def test_a_cache_directory_that_cannot_take_a_missing_kernel_is_an_error_not_a_silent_temporary_one(
         tmp_path, monkeypatch, capsys):
     pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="NVRTC (cupy) is not installed")
-    from conftest import nvrtc_build
+    from support.builds import nvrtc_build
     from metrale_attn.backends import cubin, cupy_backend
 
     monkeypatch.setattr(cubin, "_fallback_dir", None)

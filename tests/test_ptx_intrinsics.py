@@ -1,7 +1,7 @@
 """kernels_cu/pd_ptx.cuh on the CPU backend: every intrinsic against the PTX ISA (and CuTe),
 exactly; the planted bugs a pipeline can have must fail; the header builds under NVRTC.
 
-The toy kernels are tests/toy_kernels/ptx_*.cu (see ptx_toys.py); test_gpu.py runs the same
+The toy kernels are tests/toy_kernels/ptx_*.cu (see support/ptx_toys.py); test_gpu.py runs the same
 ones on a device and compares them with this emulation.
 """
 
@@ -13,11 +13,11 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from conftest import TOYS, toy_source
 from cuda_on_cpu import CudaOnCpuError
 from cuda_on_cpu.asan import libasan_path
 from metrale_attn import kernels
-from ptx_toys import (
+
+from support.ptx_toys import (
     ALL_16_BIT,
     BF16_NAN,
     COPY_KERNELS,
@@ -30,6 +30,7 @@ from ptx_toys import (
     MISUSE,
     MUST_HAVE_LANDED,
     POISON,
+    TOYS,
     CpuRunner,
     copy_case,
     fixed_order_mma,
@@ -51,6 +52,7 @@ from ptx_toys import (
     run_mma_regs,
     run_movmatrix,
     run_pipelined_copy,
+    toy_source,
 )
 
 CPU = CpuRunner()

@@ -12,7 +12,7 @@ import pytest
 from metrale_attn import reference, tolerance
 from metrale_attn.cli import main
 
-from conftest import import_torch
+from support.optional import import_torch
 
 README = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
 

@@ -17,7 +17,8 @@ from metrale_attn import DecodeAttention, merge_states, tolerance
 from metrale_attn.backends import cpu_backend
 import metrale_attn.backends as backends
 
-from conftest import check_against_reference, decoder, import_torch, problem, run_poisoned
+from support.optional import import_torch
+from support.problems import check_against_reference, decoder, problem, run_poisoned
 
 P = problem(seed=21, seq_lens=(0, 1, 37, 300), num_q_heads=8, num_kv_heads=2)
 

@@ -11,7 +11,7 @@ from metrale_attn import DecodeAttention
 from metrale_attn.problems import GARBAGE_PAGE_ID, Problem
 from metrale_attn.backends.cpu_backend import CpuBackend
 
-from conftest import check_against_reference, decoder, problem, run_poisoned
+from support.problems import check_against_reference, decoder, problem, run_poisoned
 
 BUCKET = 8
 

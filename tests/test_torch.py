@@ -7,7 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import check_against_reference, decoder, import_torch, problem
+from support.optional import import_torch
+from support.problems import check_against_reference, decoder, problem
 
 torch = import_torch()
 from metrale_attn.torch_op import from_numpy, to_numpy  # noqa: E402  (after torch: this imports it)

@@ -11,7 +11,8 @@ import pytest
 
 from metrale_attn import DecodeAttention
 
-from conftest import check_against_reference, decoder, import_torch, problem
+from support.optional import import_torch
+from support.problems import check_against_reference, decoder, problem
 
 torch = import_torch()
 from metrale_attn.torch_op import decode, from_numpy, to_numpy  # noqa: E402

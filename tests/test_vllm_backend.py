@@ -14,7 +14,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from conftest import import_vllm
+from support.optional import import_vllm
 
 vllm = import_vllm()
 

@@ -10,7 +10,8 @@ import pytest
 
 from metrale_attn import DecodeAttention, workspace_bytes
 
-from conftest import check_against_reference, decoder, import_torch, problem, run_poisoned
+from support.optional import import_torch
+from support.problems import check_against_reference, decoder, problem, run_poisoned
 
 SHAPES = [(4, 2, 64), (8, 2, 128), (4, 4, 64)]  # (q heads, kv heads, head_dim) of three layer kinds
 

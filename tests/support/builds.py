@@ -1,0 +1,138 @@
+"""The NVRTC builds the kernel-source and cubin tests inspect: which ``(spec, architecture)``
+pairs the default run compiles and which only the ``slow`` run does, and each build done once
+per session, started early in worker processes (conftest.py's ``pytest_collection_finish``
+calls ``start_prebuilds``)."""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import multiprocessing
+import os
+from concurrent.futures import ProcessPoolExecutor
+
+import pytest
+
+from metrale_attn import kernels
+from metrale_attn.targets import TARGETS
+
+ARCHES = tuple(sorted({t.arch for t in TARGETS.values()}, key=lambda a: int(a[3:])))
+"""Every target's architecture: Ampere (sm_80, sm_86), Ada (sm_89), Hopper, Blackwell (sm_100,
+sm_103) and consumer Blackwell (sm_120, sm_121)."""
+
+SPOT_SPECS = (
+    kernels.KernelSpec("unpacked", 256, "fp16", "bf16", "mma", 1, set(kernels.FEATURES)),  # most registers
+    kernels.KernelSpec("splitk", 256, "fp16", "bf16", "mma", 1),
+    kernels.KernelSpec("unpacked", 128, "fp16", "bf16", "mma", 2, set(kernels.FEATURES)),
+    kernels.KernelSpec("unpacked", 128, "bf16", "fp8", "mma"),
+    kernels.KernelSpec("splitk", 64, "fp16", "fp8", "mma"),  # 4-stage rings
+    kernels.KernelSpec("gqa_packed", 256, "bf16", "fp8", "mma"),
+    kernels.KernelSpec("unpacked", 128, "bf16", "fp8", "simt"),
+    kernels.KernelSpec("splitk", 256, "fp16", "fp16", "simt"),
+    kernels.KernelSpec("gqa_packed", 256, "bf16", "bf16", "simt"),
+)
+"""The specs the default run also compiles for every other architecture (the heaviest of
+each implementation and arm); the whole matrix is behind the ``slow`` marker."""
+
+
+FAMILY_HEADS = ("sm_90", "sm_100", "sm_120")
+"""The first architecture of each family: the default run compiles every spot spec for
+these, and the two heaviest for the rest (sm_103, sm_121 differ from their family's head
+in a few instructions' availability, not in the kernels' code paths)."""
+
+
+def _sm90_sample() -> set:
+    """One plain spec per (impl, arm, head_dim, kv dtype, row tiles), the first in
+    ``all_specs`` order: the q dtype changes only q's conversion, which the spot
+    specs and the slow matrix cover."""
+    sample = {}
+    for v in kernels.all_specs():
+        if not v.features:
+            sample.setdefault((v.impl, v.arm, v.head_dim, v.kv_dtype, v.row_tiles), v)
+    return set(sample.values())
+
+
+def arch_matrix():
+    """``(spec, arch)`` test parameters: a sample of the plain specs for sm_90
+    (``_sm90_sample``), the spot specs (feature-bearing ones among them) for each
+    family's first architecture and the two heaviest for the others, the rest marked
+    ``slow`` (``.ci/run`` runs them)."""
+    params, sample = [], _sm90_sample()
+    for arch in ARCHES:
+        for v in kernels.all_specs():
+            if not v.builds_for(arch):  # an fp8 mma spec before sm_89 (the target falls back to simt)
+                continue
+            spot = v in (SPOT_SPECS if arch in FAMILY_HEADS else SPOT_SPECS[:2])
+            slow = not (spot or (arch == "sm_90" and v in sample))
+            params.append(pytest.param(v, arch, id=f"{v.name}-{arch}", marks=[pytest.mark.slow] if slow else []))
+    return params
+
+
+def spec_matrix():
+    """Every spec as a test parameter, the sm_90 column of ``arch_matrix``."""
+    return [pytest.param(p.values[0], id=p.values[0].name, marks=p.marks) for p in arch_matrix()
+            if p.values[1] == "sm_90"]
+
+
+def nvrtc_build(spec, arch: str):
+    """``(cubin, ptxas -v log)`` of ``spec`` for ``arch`` through the backend's own NVRTC
+    path, compiled once per test session (several test files inspect the same builds)."""
+    return _nvrtc_build(spec, arch)[:2]
+
+
+def nvrtc_ptx(spec, arch: str = "sm_90") -> str:
+    """The PTX of the same compile as ``nvrtc_build``."""
+    ptx = _nvrtc_build(spec, arch)[2]
+    return ptx.decode() if isinstance(ptx, bytes) else ptx
+
+
+@functools.cache
+def _nvrtc_build(spec, arch: str):
+    future = _PREBUILDS.pop((spec, arch), None)
+    if future is not None and not future.cancel():  # running or done in a worker: wait for it
+        return future.result()
+    return _nvrtc_compile(spec, arch)
+
+
+def _nvrtc_compile(spec, arch: str):
+    from metrale_attn.backends.cupy_backend import nvrtc_compile
+
+    return nvrtc_compile(spec, arch, ptxas_verbose=True, with_ptx=True)  # as the workers do
+
+
+_PREBUILDS: dict = {}
+"""``(spec, arch)`` -> the future of its NVRTC build in a worker process."""
+
+
+def start_prebuilds(session) -> None:
+    """Start the NVRTC builds the selected tests will inspect (every ``arch_matrix`` and
+    ``spec_matrix`` parameter) in worker processes, one core short of all, so they
+    overlap the tests before them; ``_nvrtc_build`` takes a build from its worker, or does
+    it itself when no worker has started it yet (the workers take them from the last, so
+    the two meet in the middle). Only where CuPy's NVRTC is installed, and not inside a
+    pytest-xdist worker."""
+    wanted = {}
+    for item in session.items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if isinstance(params.get("spec"), kernels.KernelSpec):
+            wanted.setdefault((params["spec"], params.get("arch", "sm_90")), None)
+    workers = (os.cpu_count() or 1) - 1
+    if not wanted or not workers or _nvrtc_missing() or os.environ.get("PYTEST_XDIST_WORKER"):
+        return  # under pytest-xdist the workers are the parallelism (each would prebuild every spec)
+    from metrale_attn.backends.cupy_backend import nvrtc_compile
+
+    # spawn, not fork: the parent may hold CuPy's and the test threads' state; the task is a
+    # partial of a package function, so the workers never import this file.
+    compile_one = functools.partial(nvrtc_compile, ptxas_verbose=True, with_ptx=True)
+    pool = ProcessPoolExecutor(max_workers=min(workers, len(wanted)), mp_context=multiprocessing.get_context("spawn"))
+    for spec, arch in reversed(wanted):  # the workers from the last, the tests from the first
+        _PREBUILDS[spec, arch] = pool.submit(compile_one, spec, arch)
+    session.config.add_cleanup(lambda: pool.shutdown(wait=True, cancel_futures=True))
+
+
+def _nvrtc_missing() -> bool:
+    try:
+        importlib.import_module("cupy_backends.cuda.libs.nvrtc")
+    except ImportError:
+        return True
+    return False

@@ -1,0 +1,94 @@
+"""Decode problems and what serves them: a problem (metrale_attn.problems), the ``DecodeAttention``
+that fits it, a NaN-poisoned run on any backend, the check against the float64 reference under
+the one bar, each arm's options, a ``LayerConfig`` for plan tests, and a CPU backend that counts
+what it loads and launches."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from metrale_attn import DecodeAttention, tolerance
+from metrale_attn.backends.cpu_backend import CpuBackend
+from metrale_attn.config import LayerConfig, ModelShape
+from metrale_attn.problems import Problem, make_problem
+from metrale_attn.targets import TargetPolicy
+
+from support.backends import to_backend, to_host
+
+ARM_OPTIONS = {
+    "unpacked": dict(splitk="off", gqa_pack=False),
+    "splitk": dict(splitk="auto", gqa_pack=False),
+    "gqa_packed": dict(splitk="off", gqa_pack=True),
+}
+
+
+def layer_config(target_policy: TargetPolicy, shape: ModelShape, *, max_batch: int, page_size: int = 16, q_dtype="bf16",
+                 kv_dtype="bf16", **fields) -> LayerConfig:
+    """A ``LayerConfig`` for plan tests (its fields taken as valid, as ``configure`` leaves them)."""
+    return LayerConfig(shape, page_size, q_dtype, kv_dtype, max_batch, target_policy, **fields)
+
+
+def problem(*, seed=0, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16, seq_lens=(0, 1, 37),
+            kv_dtype="bf16", q_dtype="bf16", layout="NHD", **kwargs) -> Problem:
+    """A seeded ``Problem`` (``make_problem``), small by default: 4 query heads on 2 KV heads,
+    head dim 64, pages of 16 tokens, sequences of 0, 1 and 37 tokens."""
+    return make_problem(
+        np.random.default_rng(seed), num_seqs=len(seq_lens), num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+        head_dim=head_dim, page_size=page_size, seq_lens=list(seq_lens), kv_dtype=kv_dtype, q_dtype=q_dtype,
+        layout=layout, **kwargs)
+
+
+def decoder(p: Problem, *, max_batch=None, backend="cpu", **options) -> DecodeAttention:
+    """The ``DecodeAttention`` of ``p``'s heads, head dim, page size, dtypes and layout, for
+    ``max_batch`` sequences (``p``'s batch by default), on ``backend`` (a name or a backend)."""
+    return DecodeAttention(
+        p.q.shape[1], p.k_cache.shape[2] if p.kv_layout == "NHD" else p.k_cache.shape[1], p.q.shape[2],
+        p.k_cache.shape[1] if p.kv_layout == "NHD" else p.k_cache.shape[2],
+        q_dtype=p.q.dtype, kv_dtype=p.k_cache.dtype, kv_layout=p.kv_layout,
+        max_batch=max_batch or max(len(p.seq_lens), 1), backend=backend, **options)
+
+
+def run_poisoned(attn: DecodeAttention, p: Problem, *, q=None, out_dtype=None, **kwargs):
+    """Run with out and lse pre-filled with NaN, so anything the kernel fails to write shows.
+    ``q`` replaces the problem's (multi-token: ``[num_seqs, q_len, heads, head_dim]``); on the
+    CPU backend the arrays are the problem's own, on the device copies (outputs copied back)."""
+    q = p.q if q is None else q
+    be = attn.backend
+    out = to_backend(be, np.full(q.shape, np.nan, dtype=out_dtype or q.dtype))
+    lse = to_backend(be, np.full(q.shape[:-1], np.nan, dtype=np.float32))
+    arrays = [to_backend(be, a) for a in (q, p.k_cache, p.v_cache, p.block_tables, p.seq_lens)]
+    kwargs = {name: to_backend(be, x) if isinstance(x, np.ndarray) else x for name, x in kwargs.items()}
+    attn.run(*arrays, k_scale=p.k_scale, v_scale=p.v_scale, out=out, lse=lse, **kwargs)
+    return to_host(out), to_host(lse)
+
+
+def check_against_reference(p: Problem, out, lse, sm_scale=None):
+    """``out`` within the bar of the float64 reference (the near-zero allowance from the
+    problem's max|V| and max|s|), ``lse`` -inf for empty rows and within 2e-6 elsewhere."""
+    ref_out, ref_lse = p.reference(return_lse=True, sm_scale=sm_scale)
+    tolerance.assert_close_to_reference(out, ref_out, v_absmax=p.v_absmax(),
+                                        logit_absmax=lambda: p.logit_absmax(sm_scale=sm_scale))
+    empty = p.seq_lens == 0
+    assert np.all(np.isneginf(lse[empty]))
+    np.testing.assert_allclose(lse[~empty], ref_lse[~empty], rtol=2e-6, atol=2e-6)
+
+
+class CountingBackend(CpuBackend):
+    """A CPU backend that records every spec it loads and every launch (and so proves a
+    refusal launched nothing)."""
+
+    def __init__(self):
+        super().__init__()
+        self.launches = []
+        self.loaded = []
+
+    def load(self, spec):
+        self.loaded.append(spec.name)
+        module, record = super().load(spec), self.launches
+
+        class Counting:
+            def launch(self, launch):
+                record.append(launch.kernel)
+                module.launch(launch)
+
+        return Counting()
