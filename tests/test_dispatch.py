@@ -215,7 +215,7 @@ def test_a_misaligned_stride_is_refused_before_any_launch():
      (dict(kv_layout="NDH"), "kv_layout"), (dict(q_dtype="fp8"), "q_dtype"), (dict(kv_dtype="int8"), "kv_dtype"),
      (dict(head_dim=96), "head_dim"), (dict(num_q_heads=5), "multiple of num_kv_heads"),
      (dict(splitk="sometimes"), "splitk"), (dict(sm_scale=-1.0), "sm_scale"), (dict(backend="tpu"), "backend"),
-     (dict(target="a100"), "target")],
+     (dict(target="v100"), "target")],
 )
 def test_a_bad_construction_is_refused_with_the_argument_named(kwargs, match):
     base = dict(num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16, q_dtype="bfloat16", kv_dtype="bfloat16",

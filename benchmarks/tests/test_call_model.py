@@ -86,10 +86,11 @@ def test_a_fast_kernel_at_a_large_batch_is_held_to_the_copy_bandwidth_and_loses_
 
 def test_every_mma_variant_fits_a_block_on_sm90_sm100_sm103_and_only_head_dim_64_fp8_fits_on_sm120_sm121():
     fit = sr.smem_fit()
-    assert set(fit) == {"sm_90", "sm_100", "sm_103", "sm_120", "sm_121"}
+    assert set(fit) == {"sm_80", "sm_86", "sm_89", "sm_90", "sm_100", "sm_103", "sm_120", "sm_121"}
     for arch in ("sm_90", "sm_100", "sm_103"):
         assert fit[arch]["limit_bytes"] == 227 * 1024 and not fit[arch]["do_not_fit"]
-    for arch in ("sm_120", "sm_121"):
+    assert fit["sm_80"]["limit_bytes"] == 163 * 1024 and fit["sm_80"]["do_not_fit"]
+    for arch in ("sm_86", "sm_89", "sm_120", "sm_121"):  # 99 KiB
         assert fit[arch]["limit_bytes"] == 101376
         fits = {v.name for v in sr.all_specs() if v.impl == "mma"} - {m["spec"] for m in fit[arch]["do_not_fit"]}
         assert fits and all("_hd64_" in name and "kvfp8" in name for name in fits)
