@@ -31,7 +31,7 @@ from .config import ENV_IMPL, LayerConfig, configure, impl_chosen
 from .kernels import launchable_config, source_constants, specs_for
 from .plan import LEGACY_MAX_DECODE_SEQS, DecodePlan, make_plan
 from .targets import resolve_target_policy, target_for
-from .validation import check_indices, check_sink_values
+from .validation import check_indices, check_scale_values, check_sink_values
 from .workspace import WorkspaceGroup, adopt, allocate, layer_workspace, storage_guard
 
 logger = logging.getLogger(__name__)
@@ -62,8 +62,8 @@ class DecodeAttention:
     ``METRALE_ATTN_DECODE_HEADS_PER_CTA`` and the plan's rule; a head's output bytes
     are the same for every value. ``max_decode_seqs`` is the
     floor of the reference batch only ``legacy`` reads. ``check_indices`` copies
-    block_tables and seq_lens to the host on every call to prove every page id
-    and length is in range (always on for the CPU backend). Integer arguments may
+    block_tables and seq_lens (and device scales) to the host on every call to prove
+    every page id and length is in range (always on for the CPU backend). Integer arguments may
     be any ``numbers.Integral`` (NumPy integers too), never a bool. The checked
     configuration is ``attn.config`` (a ``LayerConfig``); its fields read through
     (``attn.q_dtype`` is ``attn.config.q_dtype``).
@@ -91,6 +91,14 @@ class DecodeAttention:
     * ``out_dtype="float32"``: fp32 out (e.g. partial states for ``merge_states``).
     * ``kv_dtype="fp8_e5m2"``: an fp8 e5m2 cache (``ml_dtypes.float8_e5m2`` or its
       ``uint8`` bits), with ``k_scale``/``v_scale`` as for e4m3.
+    * ``device_scales=True``: ``run(..., k_scales=, v_scales=)`` takes the dequantization
+      scales as float32 arrays on the device, one value or one per KV head (vLLM's
+      ``layer._k_scale``, FlashAttention 3's descale tensors), read by the kernels: a
+      captured CUDA graph follows a scale that changes, and nothing syncs to read it.
+
+    Not a feature (no specialization): ``lse_base`` ``"e"`` (default: the natural log, as
+    vLLM and FlashAttention) or ``2`` (base 2, FlashInfer's convention for states it
+    merges) for the returned lse.
 
     Outputs never share memory: ``out`` and ``lse`` may not overlap each other, any
     input, or the workspace, and that includes ``out`` being ``q`` itself. Exact
@@ -244,13 +252,19 @@ class DecodeAttention:
         return self.config.target_policy.line()
 
     def run(self, q, k_cache, v_cache, block_tables, seq_lens, *, k_scale: float = 1.0, v_scale: float = 1.0,
-            out=None, return_lse: bool = False, lse=None, stream=None, sinks=None):
+            out=None, return_lse: bool = False, lse=None, stream=None, sinks=None, k_scales=None, v_scales=None):
         """Decode one step. Returns ``out`` (and ``lse`` when ``return_lse`` or ``lse`` is given).
 
         q is ``[num_seqs, num_q_heads, head_dim]``, or ``[num_seqs, q_len, num_q_heads,
         head_dim]`` (``q_len <= max_q_len``); out and lse follow q's axes.
         ``k_scale``/``v_scale`` dequantize the cache: value = stored * scale (fp8
-        mostly; any dtype). ``sinks``: float32 ``[num_q_heads]`` sink logits, given
+        mostly; any dtype), host floats folded on the host. ``k_scales``/``v_scales``
+        (instead, exactly when the object was built with ``device_scales=True``): float32
+        arrays on its device of one value (``[]`` or ``[1]``, per tensor) or
+        ``[num_kv_heads]`` (per KV head), read by the kernels and folded there exactly as the
+        host folds floats, so a CUDA graph replays with whatever they hold then (their
+        values are checked on the host only where it holds them: the CPU backend, or
+        ``check_indices=True``). ``sinks``: float32 ``[num_q_heads]`` sink logits, given
         exactly when the object was built with ``sinks=True``. ``stream``: a CuPy or
         torch stream or a raw handle; ``None`` launches on torch's current stream for
         torch inputs, else on CuPy's. Errors name the argument and what was expected,
@@ -273,11 +287,15 @@ class DecodeAttention:
             out, lse = self._allocate_outputs(q, out, lse, want_lse)
         if self._workspace_guard is not None:
             self._workspace_guard()
-        call = self._binder.bind((q, k_cache, v_cache, block_tables, seq_lens, sinks, out, lse), k_scale, v_scale)
+        call = self._binder.bind((q, k_cache, v_cache, block_tables, seq_lens, sinks, k_scales, v_scales, out, lse),
+                                 k_scale, v_scale)
         if self.check_indices:
             backend = self.backend
             check_indices(self.config, np.asarray(backend.host_copy(block_tables)),
                           np.asarray(backend.host_copy(seq_lens)), call.num_pages, call.max_pages, call.q_len)
+            if k_scales is not None:
+                check_scale_values(self.config, np.asarray(backend.host_copy(k_scales)),
+                                   np.asarray(backend.host_copy(v_scales)))
         if sinks is not None and self._device is None:  # host values: read on every call, like the indices
             check_sink_values(sinks)
         if call.launches:

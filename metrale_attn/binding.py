@@ -22,43 +22,43 @@ from typing import Callable, Optional
 from .backends import Launch
 from .config import LayerConfig
 from .kernels import kernel_params
-from .validation import (ARRAY_ARGUMENTS, CHECKERS, VECTOR_BYTES, check_together, logit_scales, refuse_sinks,
-                         scales)
+from .validation import (ARRAY_ARGUMENTS, CHECKERS, INPUTS, VECTOR_BYTES, check_together, logit_scales,
+                         refuse_scales, refuse_sinks, scales)
 from .workspace import where
 
 _CONFIG_FIELDS = frozenset(f.name for f in dataclasses.fields(LayerConfig))
 
+_AT = {name: i for i, name in enumerate(ARRAY_ARGUMENTS)}
+LN2 = 0.6931471805599453
+
 ARGUMENTS: dict[str, Callable[["_Values"], object]] = {
-    # the arrays' pointers
-    "q": lambda v: v.seen[0].pointer,
-    "k_cache": lambda v: v.seen[1].pointer,
-    "v_cache": lambda v: v.seen[2].pointer,
-    "block_tables": lambda v: v.seen[3].pointer,
-    "seq_lens": lambda v: v.seen[4].pointer,
-    "sinks": lambda v: v.pointer_or_null(5),
-    "out": lambda v: v.seen[6].pointer,
-    "lse": lambda v: v.pointer_or_null(7),
+    # the arrays' pointers (null for an absent optional one) and the workspace
+    **{name: (lambda i: lambda v: v.pointer_or_null(i))(i) for name, i in _AT.items()},
     "workspace": lambda v: v.workspace,
-    # their strides, in elements: q (seq, token, head), each cache (page, token, head)
+    # their strides, in elements: q (seq, token, head), each cache (page, token, head), a
+    # device scale (0: one for the tensor, 1: one per KV head)
     "q_stride_seq": lambda v: v.q_strides[0],
     "q_stride_token": lambda v: v.q_strides[1],
     "q_stride_head": lambda v: v.q_strides[2],
-    "k_stride_page": lambda v: v.seen[1].derived[0],
-    "k_stride_token": lambda v: v.seen[1].derived[1],
-    "k_stride_head": lambda v: v.seen[1].derived[2],
-    "v_stride_page": lambda v: v.seen[2].derived[0],
-    "v_stride_token": lambda v: v.seen[2].derived[1],
-    "v_stride_head": lambda v: v.seen[2].derived[2],
-    "block_tables_stride": lambda v: v.seen[3].info.strides[0],
+    "k_stride_page": lambda v: v.seen[_AT["k_cache"]].derived[0],
+    "k_stride_token": lambda v: v.seen[_AT["k_cache"]].derived[1],
+    "k_stride_head": lambda v: v.seen[_AT["k_cache"]].derived[2],
+    "v_stride_page": lambda v: v.seen[_AT["v_cache"]].derived[0],
+    "v_stride_token": lambda v: v.seen[_AT["v_cache"]].derived[1],
+    "v_stride_head": lambda v: v.seen[_AT["v_cache"]].derived[2],
+    "block_tables_stride": lambda v: v.seen[_AT["block_tables"]].info.strides[0],
+    "k_scales_stride": lambda v: v.derived_or_zero(_AT["k_scales"]),
+    "v_scales_stride": lambda v: v.derived_or_zero(_AT["v_scales"]),
     # the layer
     "num_kv_heads": lambda v: v.config.shape.num_kv_heads,
+    "soft_cap": lambda v: v.config.logits_soft_cap or 0.0,  # the kernels fold device scales with it
+    "lse_scale": lambda v: LN2 if v.config.lse_base == "e" else 1.0,  # the kernels' lse is in log2 units
     # the plan
     "heads_per_cta": lambda v: v.plan.heads_per_cta,
     "num_splits": lambda v: v.plan.num_splits,
     "q_len": lambda v: v.plan.q_len,
-    # the scales, folded (validation.scales, validation.logit_scales)
+    # the host scales, folded (validation.scales, validation.logit_scales)
     "qk_scale": lambda v: v.scalars["qk_scale"],
-    "qk_scale_log2": lambda v: v.scalars["qk_scale"],  # simt's name: the same value (it has no cap)
     "cap_log2": lambda v: v.scalars["cap_log2"],
     "v_scale": lambda v: v.scalars["v_scale"],
 }
@@ -131,6 +131,10 @@ class _Values:
         seen = self.seen[index]
         return self.null if seen is None else seen.pointer
 
+    def derived_or_zero(self, index: int):
+        seen = self.seen[index]
+        return 0 if seen is None else seen.derived
+
 
 _ABSENT = ()
 """The fingerprint of an absent optional array (``lse=None``)."""
@@ -161,10 +165,7 @@ class CallBinder:
         backend's ``fingerprint``), the scales are the same floats and no layer joined the
         workspace since; else every check of every argument (``validate``)."""
         fingerprint = self.backend.fingerprint
-        q, k, v, bt, sl, sk, out, lse = arrays
-        prints = (fingerprint(q), fingerprint(k), fingerprint(v), fingerprint(bt), fingerprint(sl),
-                  _ABSENT if sk is None else fingerprint(sk), fingerprint(out),
-                  _ABSENT if lse is None else fingerprint(lse))
+        prints = tuple(_ABSENT if a is None else fingerprint(a) for a in arrays)
         last = self.last
         if (last is not None and last.prints == prints and last.k_scale == k_scale and last.v_scale == v_scale
                 and type(k_scale) is float and type(v_scale) is float  # noqa: E721  (True == 1.0: types too)
@@ -189,13 +190,17 @@ class CallBinder:
         config = self.config
         q_seen = self._checked(0, arrays[0], prints[0], None)
         rows = q_seen.derived  # out's leading dims: (num_seqs, num_q_heads) or (num_seqs, q_len, num_q_heads)
-        if (arrays[5] is None) == config.sinks:
+        if (arrays[_AT["sinks"]] is None) == config.sinks:
             refuse_sinks(config)
+        device_scales = (arrays[_AT["k_scales"]] is not None, arrays[_AT["v_scales"]] is not None)
+        if device_scales != (config.device_scales,) * 2 or (config.device_scales and (k_scale, v_scale) != (1.0, 1.0)):
+            refuse_scales(config, k_scale, v_scale)
         seen = [q_seen] + [None if a is None else self._checked(i, a, prints[i], rows)
                            for i, a in enumerate(arrays[1:], 1)]
-        q, k, v, bt, sl, sk, out, lse = seen
-        check_together(k.info, v.info, (out.span, None if lse is None else lse.span),
-                       (q.span, k.span, v.span, bt.span, sl.span, None if sk is None else sk.span), self._group.span)
+        span = [None if x is None else x.span for x in seen]
+        k, v, bt = seen[_AT["k_cache"]], seen[_AT["v_cache"]], seen[_AT["block_tables"]]
+        check_together(k.info, v.info, (span[_AT["out"]], span[_AT["lse"]]), tuple(span[:len(INPUTS)]),
+                       self._group.span)
         k_scale, v_scale = scales(config.sm_scale, k_scale, v_scale)
         qk_scale, cap_log2 = logit_scales(config, k_scale)
         scalars = dict(qk_scale=qk_scale, cap_log2=cap_log2, v_scale=v_scale)

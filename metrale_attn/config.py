@@ -46,6 +46,9 @@ MAX_ROWS_PER_CTA = 2 * ROW_TILE
 """Query rows one ``mma`` CTA can hold: two row tiles; ``max_rows_per_cta`` lowers it for
 head dim 256."""
 
+LSE_BASES = {"e": "e", "2": "2", 2: "2"}  # a string (trimmed, any case) or an integer 2
+"""The spellings of ``lse_base`` and the one each means."""
+
 FP32_MAX = 3.4028234663852886e38
 FP32_MIN_NORMAL = 1.1754943508222875e-38
 
@@ -83,8 +86,11 @@ class LayerConfig:
 
     Units and meanings are ``DecodeAttention``'s: ``sm_scale`` multiplies ``q . k``;
     ``window_left`` is -1 (none) or the keys before a token's position it still sees;
-    ``logits_soft_cap`` None (none) or the cap; ``heads_per_cta`` None (the plan's rule)
-    or the override; ``impl`` the implementation after any fallback.
+    ``logits_soft_cap`` None (none) or the cap; ``device_scales``: the dequantization scales
+    are fp32 arrays on the device (per tensor or per KV head) that the kernels read, not host
+    floats; ``lse_base`` ``"e"`` (the natural log, the default) or ``"2"`` (FlashInfer's
+    base-2 states); ``heads_per_cta`` None (the plan's rule) or the override; ``impl`` the
+    implementation after any fallback.
     """
 
     shape: ModelShape
@@ -103,6 +109,8 @@ class LayerConfig:
     window_left: int = -1
     logits_soft_cap: Optional[float] = None
     sinks: bool = False
+    device_scales: bool = False
+    lse_base: str = "e"
     features: frozenset = field(init=False)
     """The ``FEATURES`` this layer compiles (``multi_token`` for calls of ``q_len > 1`` only)."""
 
@@ -139,10 +147,11 @@ FEATURES: dict[str, Callable[[LayerConfig], bool]] = {
     "soft_cap": lambda c: c.logits_soft_cap is not None,
     "sinks": lambda c: c.sinks,
     "out_f32": lambda c: c.out_dtype == dtypes.FLOAT32,
+    "device_scales": lambda c: c.device_scales,
 }
 """The ``mma`` core's specializations, by name, and when a layer has each: multi-token
 decode (``max_q_len > 1``: query rows that see different keys), a sliding window, the
-logits soft-cap, attention sinks, fp32 output. Each compiles as ``-DPD_<NAME>=0|1``
+logits soft-cap, attention sinks, fp32 output, dequantization scales read on the device. Each compiles as ``-DPD_<NAME>=0|1``
 (``feature_define``), so the plain path compiles none of their code."""
 
 
@@ -171,6 +180,8 @@ def configure(
     window_left: int = -1,
     logits_soft_cap: Optional[float] = None,
     sinks: bool = False,
+    device_scales: bool = False,
+    lse_base="e",
     environ=None,
 ) -> LayerConfig:
     """A ``LayerConfig`` from ``DecodeAttention``'s keyword arguments, each checked here and
@@ -195,15 +206,23 @@ def configure(
     logits_soft_cap = soft_cap(logits_soft_cap)
     if not isinstance(sinks, bool):
         raise TypeError(f"sinks must be a bool (whether run() takes sink logits), got {sinks!r}")
+    if not isinstance(device_scales, bool):
+        raise TypeError(f"device_scales must be a bool (whether run() takes k_scales and v_scales arrays on the "
+                        f"device), got {device_scales!r}")
+    base = LSE_BASES.get(lse_base.strip().lower() if isinstance(lse_base, str) else policy.as_int(lse_base))
+    if base is None:
+        raise ValueError(f"lse_base must be 'e' (natural log, the default) or 2 (base 2, as FlashInfer's states), "
+                         f"got {lse_base!r}")
     out_dtype = q_dtype if out_dtype is None else dtypes.canonical(out_dtype, argument="out_dtype",
                                                                    allowed=(q_dtype, dtypes.FLOAT32))
     impl = resolve_impl(impl, env.get(ENV_IMPL))
     config = LayerConfig(shape, page_size, q_dtype, kv_dtype, max_batch, target_policy, layout, out_dtype, sm_scale,
-                         max_decode_seqs, impl, None, max_q_len, window_left, logits_soft_cap, sinks)
+                         max_decode_seqs, impl, None, max_q_len, window_left, logits_soft_cap, sinks, device_scales,
+                         base)
     if config.impl == "simt" and config.mma_only:
         raise ValueError(f"impl='simt' has no {', '.join(config.mma_only)} (features: multi_token = max_q_len > 1, "
                          "window = window_left, soft_cap = logits_soft_cap, sinks = sinks, out_f32 = out_dtype "
-                         "float32; fp8_e5m2 caches): use impl='mma'")
+                         "float32, device_scales = device_scales; fp8_e5m2 caches): use impl='mma'")
     override = resolve_heads_per_cta(heads_per_cta, env.get(ENV_HEADS_PER_CTA), shape.group_size, max_q_len,
                                      max_rows_per_cta(shape.head_dim))
     return replace(config, heads_per_cta=override)

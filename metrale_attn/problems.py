@@ -59,7 +59,7 @@ def _as_dtype(dtype) -> np.dtype:
 class Problem:
     """A paged-decode problem, as NumPy arrays (layouts: the :mod:`metrale_attn.reference` docstring).
 
-    ``k_scale`` / ``v_scale`` are per-tensor floats (dequantized = stored * scale).
+    ``k_scale`` / ``v_scale`` are per-tensor floats, or float32 arrays per KV head (dequantized = stored * scale).
     """
 
     q: np.ndarray  # [num_seqs, num_q_heads, head_dim], q_dtype
@@ -67,8 +67,8 @@ class Problem:
     v_cache: np.ndarray  # 4-D in kv_layout, kv_dtype
     block_tables: np.ndarray  # int32 [num_seqs, max_pages_per_seq]
     seq_lens: np.ndarray  # int32 [num_seqs]
-    k_scale: float
-    v_scale: float
+    k_scale: float | np.ndarray  # per tensor, or float32 [num_kv_heads] (per_head_scales)
+    v_scale: float | np.ndarray
     kv_layout: str  # "NHD" or "HND"
 
     def reference(self, *, sm_scale: float | None = None, return_lse: bool = False, q=None, **features):
@@ -143,6 +143,7 @@ def make_problem(
     share_prefix_pages: int = 0,
     k_scale: float | None = None,
     v_scale: float | None = None,
+    per_head_scales: bool = False,
 ) -> Problem:
     """Build a random paged-decode problem, deterministically from ``rng``.
 
@@ -160,6 +161,9 @@ def make_problem(
         k_scale, v_scale: dequantization scales. Default: 1.0 for 16/32-bit caches;
             for fp8, per-tensor calibration (``max|x| / 448``) so stored values span
             the e4m3 range while dequantized values are ~ N(0, 1).
+        per_head_scales: make ``k_scale`` and ``v_scale`` float32 arrays ``[num_kv_heads]``
+            (the per-tensor scale times a factor in [0.5, 2) per KV head), as engines that
+            calibrate per head keep them.
 
     q is ~ N(0, 1). ``block_tables`` has one more column than the longest sequence
     needs; every entry past a sequence's last page is :data:`GARBAGE_PAGE_ID`, out of
@@ -201,6 +205,9 @@ def make_problem(
     k_cache, k_scale = _random_cache(rng, cache_shape, kv_dtype, k_scale)
     v_cache, v_scale = _random_cache(rng, cache_shape, kv_dtype, v_scale)
     q = rng.standard_normal((num_seqs, num_q_heads, head_dim)).astype(q_dtype)
+    if per_head_scales:
+        k_scale, v_scale = ((scale * rng.uniform(0.5, 2.0, num_kv_heads)).astype(np.float32)
+                            for scale in (k_scale, v_scale))
     return Problem(
         q=q,
         k_cache=k_cache,

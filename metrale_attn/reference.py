@@ -245,6 +245,14 @@ def _check_decode_args(q, k_cache, v_cache, block_tables, seq_lens, kv_layout):
     return layout, q, k_cache, v_cache, block_tables, seq_lens
 
 
+def per_head(scale) -> float | np.ndarray:
+    """A dequantization scale as the reference applies it: a per-tensor float, or per KV head
+    (an array of ``num_kv_heads``) as ``[num_kv_heads, 1]``, which broadcasts over a gathered
+    ``[T, num_kv_heads, head_dim]`` block."""
+    values = np.asarray(scale, np.float64)
+    return float(values) if values.ndim == 0 else values.reshape(-1, 1)
+
+
 def paged_decode(
     q,
     k_cache,
@@ -254,8 +262,8 @@ def paged_decode(
     *,
     kv_layout: str = "NHD",
     sm_scale: float | None = None,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
+    k_scale=1.0,
+    v_scale=1.0,
     return_lse: bool = False,
     window_left: int = -1,
     logits_soft_cap: float | None = None,
@@ -273,7 +281,8 @@ def paged_decode(
         seq_lens: int ``[num_seqs]``.
         kv_layout: ``"NHD"`` or ``"HND"`` (case-insensitive).
         sm_scale: logit scale; default ``1 / sqrt(head_dim)``.
-        k_scale, v_scale: per-tensor dequantization scales (dequantized = stored * scale).
+        k_scale, v_scale: dequantization scales (dequantized = stored * scale): per tensor
+            (a float), or per KV head (an array ``[num_kv_heads]``).
         return_lse: also return the log-sum-exp.
         window_left: a token at position ``p`` attends to ``[p - window_left, p]``
             (-1: no window); pages before every window are never looked at.
@@ -300,8 +309,8 @@ def paged_decode(
         seen = [max(length - q_len + 1 + i, 0) for i in range(q_len)]  # causal: positions < seen[i]
         first = [max(n - 1 - window_left, 0) if window_left >= 0 else 0 for n in seen]
         start = min(first)
-        k = gather_kv(k_cache, block_tables, seq_lens, s, layout, start) * k_scale
-        v = gather_kv(v_cache, block_tables, seq_lens, s, layout, start) * v_scale
+        k = gather_kv(k_cache, block_tables, seq_lens, s, layout, start) * per_head(k_scale)
+        v = gather_kv(v_cache, block_tables, seq_lens, s, layout, start) * per_head(v_scale)
         for i in range(q_len):
             lo, hi = first[i] - start, max(seen[i] - start, first[i] - start)
             out[s, i], lse[s, i] = attention(tokens[s, i], k[lo:hi], v[lo:hi], sm_scale,
@@ -345,10 +354,11 @@ def splitk_partials(
     *,
     kv_layout: str = "NHD",
     sm_scale: float | None = None,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
+    k_scale=1.0,
+    v_scale=1.0,
 ) -> np.ndarray:
-    """What the split-K kernel writes to its workspace, in float64.
+    """What the split-K kernel writes to its workspace, in float64 (``k_scale``, ``v_scale``
+    per tensor or per KV head, as :func:`paged_decode` takes them).
 
     Returns float64 ``[num_seqs, num_q_heads, num_splits, head_dim + 2]``; the last
     axis is ``(o[0], ..., o[head_dim - 1], m, l)``. This is the kernel's slot order
@@ -374,7 +384,10 @@ def splitk_partials(
     group = num_q_heads // num_kv_heads
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(head_dim)
-    log2_scale = sm_scale * k_scale * LOG2E
+    # per KV head as [Hkv, 1, 1] against the [Hkv, G, ...] blocks below (or a per-tensor float)
+    k_heads, v_heads = (np.asarray(x, np.float64).reshape(-1, 1, 1) if np.ndim(x) else float(x)
+                        for x in (k_scale, v_scale))
+    log2_scale = sm_scale * k_heads * LOG2E
 
     partials = np.zeros((num_seqs, num_q_heads, num_splits, head_dim + 2))
     partials[..., head_dim] = -np.inf  # m of an empty split; o and l stay 0
@@ -389,7 +402,7 @@ def splitk_partials(
             m = x.max(axis=-1)
             p = np.exp2(x - m[..., None])
             l = p.sum(axis=-1)
-            o = v_scale * np.einsum("kgt,tkd->kgd", p, v[begin:end]) / l[..., None]
+            o = v_heads * np.einsum("kgt,tkd->kgd", p, v[begin:end]) / l[..., None]
             partials[s, :, i, :head_dim] = o.reshape(num_q_heads, head_dim)
             partials[s, :, i, head_dim] = m.reshape(num_q_heads)
             partials[s, :, i, head_dim + 1] = l.reshape(num_q_heads)
@@ -467,7 +480,7 @@ def _first_key(seq_len: int, q_len: int, window_left: int) -> int:
 
 
 def max_abs_logit(q, k_cache, block_tables, seq_lens, *, kv_layout: str = "NHD", sm_scale: float | None = None,
-                  k_scale: float = 1.0, logits_soft_cap: float | None = None, sinks=None,
+                  k_scale=1.0, logits_soft_cap: float | None = None, sinks=None,
                   window_left: int = -1) -> float:
     """``max|s|`` over the logits any query row's softmax can see (``s = sm_scale * k_scale
     * q . k_stored`` of the tokens from the first any query token's window reaches to
@@ -483,7 +496,7 @@ def max_abs_logit(q, k_cache, block_tables, seq_lens, *, kv_layout: str = "NHD",
     best = 0.0
     for s in range(tokens.shape[0]):
         start = _first_key(int(seq_lens[s]), tokens.shape[1], window_left)
-        k = gather_kv(k_cache, block_tables, seq_lens, s, layout, start) * k_scale  # [T, KV, D]
+        k = gather_kv(k_cache, block_tables, seq_lens, s, layout, start) * per_head(k_scale)  # [T, KV, D]
         if not k.size:
             continue
         q_seq = to_float64(tokens[s])  # [q_len, H, D]
@@ -500,11 +513,12 @@ def max_abs_logit(q, k_cache, block_tables, seq_lens, *, kv_layout: str = "NHD",
     return best
 
 
-def max_abs_v_read(v_cache, block_tables, seq_lens, *, kv_layout: str = "NHD", v_scale: float = 1.0,
+def max_abs_v_read(v_cache, block_tables, seq_lens, *, kv_layout: str = "NHD", v_scale=1.0,
                    window_left: int = -1, q_len: int = 1) -> float:
     """``max|V|`` over the dequantized V values of the tokens actually attended to.
 
-    That is ``|v_scale| * max |v_stored|`` over the tokens of every sequence from the first
+    That is ``max |v_scale * v_stored|`` (``v_scale`` per tensor or per KV head) over the tokens of every
+    sequence from the first
     its query tokens' windows reach (all, without a window) to ``seq_lens[s]``; 0.0 if no
     token is read. The bar's near-zero allowance scales with it (``v_absmax`` of
     :func:`metrale_attn.tolerance.assert_close_to_reference`).
@@ -515,5 +529,5 @@ def max_abs_v_read(v_cache, block_tables, seq_lens, *, kv_layout: str = "NHD", v
     for s in range(len(lens)):
         v = gather_kv(v_cache, block_tables, seq_lens, s, layout, _first_key(int(lens[s]), q_len, window_left))
         if v.size:
-            best = max(best, float(np.abs(v).max()))
-    return best * abs(float(v_scale))
+            best = max(best, float(np.abs(v * per_head(v_scale)).max()))
+    return best

@@ -108,9 +108,10 @@ class ModelAttention:
     @staticmethod
     def decode(attn, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                seq_lens: torch.Tensor, out: torch.Tensor, *, k_scale: float = 1.0, v_scale: float = 1.0,
-               sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+               sinks: Optional[torch.Tensor] = None, k_scales: Optional[torch.Tensor] = None,
+               v_scales: Optional[torch.Tensor] = None) -> torch.Tensor:
         """One layer's decode step into ``out``, through ``torch.ops.metrale_attn.paged_decode``
         (``attn``: the layer's object or its ``handle``; pass the int under
         ``torch.compile``). Shapes and semantics are ``DecodeAttention.run``'s."""
         return torch_op.decode(attn, q, k_cache, v_cache, block_tables, seq_lens, out, k_scale=k_scale,
-                               v_scale=v_scale, sinks=sinks)
+                               v_scale=v_scale, sinks=sinks, k_scales=k_scales, v_scales=v_scales)

@@ -19,9 +19,10 @@ from . import dtypes
 from .backends import ArrayInfo
 from .config import FP32_MAX, FP32_MIN_NORMAL, LayerConfig, as_float, fp32_normal
 
-ARRAY_ARGUMENTS = ("q", "k_cache", "v_cache", "block_tables", "seq_lens", "sinks", "out", "lse")
-"""The array arguments of ``run``, in order (``sinks`` and ``lse`` may be absent)."""
-INPUTS = ARRAY_ARGUMENTS[:6]
+ARRAY_ARGUMENTS = ("q", "k_cache", "v_cache", "block_tables", "seq_lens", "sinks", "k_scales", "v_scales", "out",
+                   "lse")
+"""The array arguments of ``run``, in order (``sinks``, ``k_scales``, ``v_scales`` and ``lse`` may be absent)."""
+INPUTS = ARRAY_ARGUMENTS[:8]
 VECTOR_BYTES = 16  # kernels load K/V and q rows with 16-byte vector loads
 INDEX_BYTES = 4  # int32 block tables and seq_lens, float32 lse and sinks: 4-byte loads and stores
 LOG2E = 1.4426950408889634
@@ -101,6 +102,19 @@ def check_sinks(config: LayerConfig, info: ArrayInfo, rows) -> None:
     aligned(info, "sinks", INDEX_BYTES)
 
 
+def check_scales(config: LayerConfig, info: ArrayInfo, argument: str) -> int:
+    """A float32 dequantization scale on the device (``device_scales``): one value (shape
+    ``[]`` or ``[1]``, for the tensor) or ``[num_kv_heads]`` contiguous (one per KV head);
+    returns the element stride a KV head's scale is read at (0 for one value)."""
+    KV = config.shape.num_kv_heads
+    per_head = info.shape == (KV,) and (KV == 1 or info.strides == (1,))
+    if dtypes.name_of(info.dtype) != dtypes.FLOAT32 or not (info.shape in ((), (1,)) or per_head):
+        raise ValueError(f"{argument} must be a float32 array of one value ([] or [1]) or of one per KV head "
+                         f"([{KV}], contiguous), got {info.dtype} {list(info.shape)} strides {list(info.strides)}")
+    aligned(info, argument, INDEX_BYTES)
+    return 1 if per_head and KV > 1 else 0
+
+
 def check_out(config: LayerConfig, oi: ArrayInfo, rows) -> None:
     shape = rows + (config.shape.head_dim,)
     if oi.shape != shape or (rows[0] and oi.strides != contiguous(shape)):
@@ -126,10 +140,26 @@ CHECKERS = (
     check_block_tables,
     check_seq_lens,
     check_sinks,
+    lambda config, info, rows: check_scales(config, info, "k_scales"),
+    lambda config, info, rows: check_scales(config, info, "v_scales"),
     check_out,
     check_lse,
 )
 """One checker per ``ARRAY_ARGUMENTS`` entry, in order."""
+
+
+def refuse_scales(config: LayerConfig, k_scale, v_scale) -> None:
+    """Device scales given to a layer built for host scales, or host scales (or none) given
+    to one built with ``device_scales=True``."""
+    if not config.device_scales:
+        raise ValueError("k_scales / v_scales given, but this DecodeAttention was built for host scales: pass "
+                         "k_scale= and v_scale= floats, or build it with device_scales=True")
+    if (k_scale, v_scale) != (1.0, 1.0):
+        raise ValueError("this DecodeAttention was built with device_scales=True: pass the scales as k_scales= and "
+                         "v_scales= float32 arrays on its device, not k_scale= / v_scale= floats")
+    raise ValueError(f"k_scales and v_scales must both be given: this DecodeAttention was built with "
+                     f"device_scales=True (float32 arrays of one value or [{config.shape.num_kv_heads}], one per KV "
+                     "head)")
 
 
 def refuse_sinks(config: LayerConfig) -> None:
@@ -243,6 +273,20 @@ def check_sink_values(sinks) -> None:
     if bad.size:
         raise ValueError(f"sinks[{int(bad[0])}] = {values[bad[0]]}: sink logits must be -inf or finite with "
                          f"|sink| <= {MAX_SINK:.6g} (FLT_MAX / log2(e))")
+
+
+def check_scale_values(config: LayerConfig, k_scales: np.ndarray, v_scales: np.ndarray) -> None:
+    """Host copies of device scales hold what ``scales`` requires of host floats, value by
+    value (``k_scales[h]`` named in the error)."""
+    for argument, values in (("k_scales", k_scales), ("v_scales", v_scales)):
+        for h, value in enumerate(np.asarray(values, np.float64).reshape(-1)):
+            try:
+                scales(config.sm_scale, float(value) if argument == "k_scales" else 1.0,
+                       float(value) if argument == "v_scales" else 1.0)
+                if argument == "k_scales":
+                    logit_scales(config, float(value))
+            except ValueError as err:
+                raise ValueError(f"{argument}[{h}] = {value:.6g}: {err}") from None
 
 
 def check_indices(config: LayerConfig, table: np.ndarray, lens: np.ndarray, num_pages: int, max_pages: int,

@@ -50,15 +50,22 @@ def decoder(p: Problem, *, max_batch=None, backend="cpu", **options) -> DecodeAt
 
 def run_poisoned(attn: DecodeAttention, p: Problem, *, q=None, out_dtype=None, **kwargs):
     """Run with out and lse pre-filled with NaN, so anything the kernel fails to write shows.
-    ``q`` replaces the problem's (multi-token: ``[num_seqs, q_len, heads, head_dim]``); on the
-    CPU backend the arrays are the problem's own, on the device copies (outputs copied back)."""
+    ``q`` replaces the problem's (multi-token: ``[num_seqs, q_len, heads, head_dim]``); the
+    problem's scales go as host floats, or as device arrays to a layer built with
+    ``device_scales``; on the CPU backend the arrays are the problem's own, on the device
+    copies (outputs copied back)."""
     q = p.q if q is None else q
     be = attn.backend
     out = to_backend(be, np.full(q.shape, np.nan, dtype=out_dtype or q.dtype))
     lse = to_backend(be, np.full(q.shape[:-1], np.nan, dtype=np.float32))
     arrays = [to_backend(be, a) for a in (q, p.k_cache, p.v_cache, p.block_tables, p.seq_lens)]
-    kwargs = {name: to_backend(be, x) if isinstance(x, np.ndarray) else x for name, x in kwargs.items()}
-    attn.run(*arrays, k_scale=p.k_scale, v_scale=p.v_scale, out=out, lse=lse, **kwargs)
+    if attn.config.device_scales:  # the problem's scales as float32 arrays on the device (one, or one per KV head)
+        scales = {f"{kv}_scales": np.atleast_1d(np.asarray(s, np.float32)) for kv, s in (("k", p.k_scale),
+                                                                                         ("v", p.v_scale))}
+    else:
+        scales = dict(k_scale=p.k_scale, v_scale=p.v_scale)
+    kwargs = {name: to_backend(be, x) if isinstance(x, np.ndarray) else x for name, x in {**scales, **kwargs}.items()}
+    attn.run(*arrays, out=out, lse=lse, **kwargs)
     return to_host(out), to_host(lse)
 
 
