@@ -58,7 +58,6 @@ ARGUMENTS: dict[str, Callable[["_Values"], object]] = {
     "q_len": lambda v: v.plan.q_len,
     # the scales, folded (validation.scales, validation.logit_scales)
     "qk_scale": lambda v: v.scalars["qk_scale"],
-    "qk_scale_log2": lambda v: v.scalars["qk_scale"],  # simt's name: the same value (it has no cap)
     "cap_log2": lambda v: v.scalars["cap_log2"],
     "v_scale": lambda v: v.scalars["v_scale"],
 }
