@@ -79,10 +79,11 @@ def hot_loop(spec: KernelSpec) -> HotLoop:
 
 
 def read_constexpr(text: str, name: str, *, kv_itemsize: int) -> int:
-    """The value of the one ``constexpr int <name> = <expr>;`` in ``text``, where
-    ``<expr>`` is integer arithmetic on literals and ``sizeof(pd_kv_t)`` (the KV
-    element size, ``kv_itemsize``), e.g. ``16 / (int)sizeof(pd_kv_t)``."""
-    found = re.findall(rf"\bconstexpr[ \t]+int[ \t]+{name}[ \t]*=[ \t]*([^;]+);", text)
+    """The value of the one ``constexpr int <name> = <expr>;`` in ``text`` as its arm
+    compiles it (``arm_text``), where ``<expr>`` is integer arithmetic on literals and
+    ``sizeof(pd_kv_t)`` (the KV element size, ``kv_itemsize``), e.g.
+    ``16 / (int)sizeof(pd_kv_t)``."""
+    found = re.findall(rf"\bconstexpr[ \t]+int[ \t]+{name}[ \t]*=[ \t]*([^;]+);", arm_text(text))
     if len(found) != 1:
         raise KernelSourceError(f"expected exactly one 'constexpr int {name} = ...;' in the kernel source, "
                                 f"found {len(found)}")
@@ -106,3 +107,66 @@ def _int_arithmetic(node: ast.AST) -> int:
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
         return -_int_arithmetic(node.operand)
     raise ValueError(f"not integer arithmetic: {ast.dump(node)}")
+
+
+_SIMPLE_DEFINE = re.compile(r"^[ \t]*#[ \t]*define[ \t]+([A-Za-z_]\w*)[ \t]+(\w+)[ \t]*(?://.*)?$", re.MULTILINE)
+_CONDITIONAL = re.compile(r"^[ \t]*#[ \t]*(if|ifdef|ifndef|elif|else|endif)\b[ \t]*(.*?)[ \t]*(?://.*)?$")
+_COMPARISON = re.compile(r"^(\w+)[ \t]*(==|!=)[ \t]*(\w+)$")
+
+
+def text_define(text: str, token: str) -> str | None:
+    """What ``token`` stands for in ``text``: followed through the text's one-word
+    ``#define``s that are the only definition of their name (``PD_ENTRY`` ->
+    ``simt_decode_splitk``, ``PD_ARM`` -> ``PD_ARM_SPLITK`` -> ``1``); the token itself when
+    the text does not define it, None when it defines it more than once (in branches
+    ``arm_text`` did not drop, the compiler's to choose)."""
+    definitions: dict[str, list[str]] = {}
+    for name, value in _SIMPLE_DEFINE.findall(text):
+        definitions.setdefault(name, []).append(value)
+    seen = set()
+    while token in definitions and token not in seen:
+        if len(set(definitions[token])) != 1:
+            return None
+        seen.add(token)
+        token = definitions[token][0]
+    return token
+
+
+def arm_text(text: str) -> str:
+    """``text`` without the branches its arm does not compile, as far as the text decides:
+    an ``#if A == B`` / ``#if A != B`` (``#else``) on names the text ``#define``s
+    (``#if PD_ARM == PD_ARM_GQA_PACKED``: the arm's ``.cu`` defines ``PD_ARM``, pd_common.cuh
+    the arm codes), so the kernel written once for three arms (simt/simt_core.cuh) reads as
+    the arm's. Every other conditional (include guards, conditions on ``-D`` values) keeps
+    both branches."""
+    def decide(condition: str):
+        found = _COMPARISON.match(condition)
+        if not found:
+            return None
+        left, right = text_define(text, found.group(1)), text_define(text, found.group(3))
+        if left is None or right is None or not (left.isdigit() and right.isdigit()):
+            return None
+        return (int(left) == int(right)) == (found.group(2) == "==")
+
+    kept, branches = [], []  # per open conditional: [this branch: True / False / None (unknown: kept), any taken]
+    for line in text.split("\n"):
+        found = _CONDITIONAL.match(line)
+        if found:
+            kind = found.group(1)
+            if kind in ("if", "ifdef", "ifndef"):
+                state = decide(found.group(2)) if kind == "if" else None
+                branches.append([state, state])
+            elif kind in ("elif", "else") and branches:
+                branch = branches[-1]
+                if branch[1]:  # a branch before was compiled
+                    branch[0] = False
+                elif branch[1] is None or kind == "elif":
+                    branch[0] = branch[1] = None
+                else:
+                    branch[0] = branch[1] = True
+            elif kind == "endif" and branches:
+                branches.pop()
+            continue
+        if not any(branch[0] is False for branch in branches):
+            kept.append(line)
+    return "\n".join(kept)

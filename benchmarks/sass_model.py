@@ -62,7 +62,7 @@ from metrale_attn.targets import TARGETS, get_target
 
 from . import call_model
 from .call_model import Call, KernelTiming, Levers, kernel_timing
-from .hot_loop import hot_loop
+from .hot_loop import arm_text, hot_loop, text_define
 from .model_assumptions import ASSUMPTIONS, Assumption, a, assumptions_markdown  # noqa: F401 (the table's home)
 from .sass import (  # noqa: F401 (re-exported: the report's tests and tools read them from here)
     MIX_KEYS, PIPES, Block, HotPath, InFlight, Instr, Loop, _width_bytes, build_cfg, category, disassemble,
@@ -123,13 +123,18 @@ def analyse(spec: KernelSpec, arch: str, nvdisasm: str, build: tuple[bytes, str]
 
 def launch_bounds(spec: KernelSpec, kernel: str, warps: int) -> tuple[int, int] | None:
     """``(max threads, min CTAs per SM)`` of ``__launch_bounds__`` on ``kernel`` in the
-    spec's source (``PD_LAUNCH_BOUNDS(threads, min)``), or None when it has none."""
-    found = re.search(r"PD_LAUNCH_BOUNDS\(\s*(\w+)\s*,\s*(\d+)\s*\)\s*" + re.escape(kernel) + r"\s*\(",
-                      spec.source())
-    if not found:
-        return None
-    threads = int(found.group(1)) if found.group(1).isdigit() else 32 * warps
-    return threads, int(found.group(2))
+    spec's source as its arm compiles it (``PD_LAUNCH_BOUNDS(threads, min)``; the kernel's
+    name and the minimum may be names the source ``#define``s: the kernel written once for
+    three arms is ``PD_ENTRY``), or None when it has none."""
+    text = arm_text(spec.source())
+    for found in re.finditer(r"PD_LAUNCH_BOUNDS\(\s*(\w+)\s*,\s*(\w+)\s*\)\s*(\w+)\s*\(", text):
+        if text_define(text, found.group(3)) != kernel:
+            continue
+        threads, ctas = text_define(text, found.group(1)), text_define(text, found.group(2))
+        if ctas is None or not ctas.isdigit():
+            return None
+        return (int(threads) if threads and threads.isdigit() else 32 * warps), int(ctas)
+    return None
 
 
 def timing(facts: SpecFacts, levers: Levers = Levers()) -> KernelTiming | None:

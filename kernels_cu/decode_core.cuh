@@ -1,6 +1,12 @@
-// decode_core.cuh: the tensor-core decode core of the "mma" implementation, shared by
-// its three arms through their one kernel, decode_entry.cuh (decode_unpacked.cu,
-// decode_splitk.cu, decode_gqa_packed.cu).
+// decode_core.cuh: the "mma" implementation: the tensor-core decode core, its features,
+// and its one attention kernel, written once for the three arms (decode_unpacked.cu,
+// decode_splitk.cu, decode_gqa_packed.cu each only name the kernel and pick the arm).
+//
+// The file, top to bottom: the constants and the shared-memory carve; what a CTA serves
+// (Rows); THE FEATURES (one named piece each, with the hooks the core calls); the keys
+// of a row; Q staging; the K/V stream; the MMA operands; the core (attend: the plain
+// algorithm, calling the hooks); and THE KERNEL (its parameter list, the launch ABI of
+// every arm, and its body), with the split-K merge.
 //
 // What one CTA computes
 //   PD_THREADS threads (W = 4 warps) attend `rows` = heads_per_cta x q_len query rows of
@@ -28,11 +34,11 @@
 //     shared-memory stages filled by cp.async: every copy of a stage is issued before any
 //     of it is used, keys outside the CTA's range are zero-filled (src-size 0) and masked
 //     in the scores, so full and ragged tiles run the same branch-free code. Page
-//     lookups: lane i < TT owns token i of the warp's next tile; its (page, slot) advances
-//     by W * TT tokens per tile without a division, its block-table entry is loaded one
-//     tile ahead (only for keys of the CTA's range: entries outside it are never read),
-//     and the 64-bit K and V row offsets are computed once per token and handed to the
-//     copying lanes through a small shared-memory table.
+//     lookups: lane i < TT owns token i of the warp's next tile; its (page, offset in
+//     page) advances by W * TT tokens per tile without a division, its block-table entry
+//     is loaded one tile ahead (only for keys of the CTA's range: entries outside it are
+//     never read), and the 64-bit K and V row offsets are computed once per token and
+//     handed to the copying lanes through a small shared-memory table.
 //   * Scores on tensor cores, transposed: S^T[token][row] = K Q^T, mma.m16n8k16 with the
 //     16 tokens of an MMA tile as M and the query rows (heads x q tokens) as N, 8 per
 //     row tile. Decode has at most 16 query rows per KV head, so putting them on the
@@ -45,6 +51,16 @@
 //   * fp8 K and V are converted exactly by cvt.rn.f16x2.{e4m3x2,e5m2x2} after an ldmatrix
 //     of their bytes as b16 pairs; the byte order that gives is absorbed by permuting q's
 //     dims (K) and the output dims (V), never by moving data.
+//
+// The features (config.FEATURES: multi_token, window, soft_cap, sinks, out_f32) live in
+// one section below, each a struct named after it with the hooks the core calls
+// (FlashInfer's attention/variants.cuh: the keys a row sees, LogitsMask, LogitsTransform,
+// OutputTransform); the section's opening comment lists them. A feature's define is
+// PD_<NAME> (0 or 1, from Python), and the core calls its hooks only where it is 1
+// (`Feature::on ? hook : plain`, folded at compile time), so the plain spec compiles none
+// of the feature. A feature's runtime value is a parameter of the kernel (the last
+// section), carried to its hook in `Features`. docs/adding-a-kernel-feature.md walks
+// through adding one.
 //
 // Bytes do not depend on which heads share the CTA: a row's column of every MMA is
 // computed from that column alone; the token -> tile -> warp order, the online softmax,
@@ -61,12 +77,14 @@
 //   PD_SMEM_BYTES             the dynamic shared memory the launch gives; must equal
 //                             pd_mma::SMEM_BYTES (checked at compile time), so the host's
 //                             sizing and this carve cannot drift apart.
-//   PD_MULTI_TOKEN 0 | 1      rows may see different keys (q_len > 1): per-row masks
-//   PD_WINDOW      0 | 1      window_left bounds each row's keys from below
-//   PD_SOFT_CAP     0 | 1      the logits soft-cap
-//   PD_SINKS       0 | 1      a learned sink logit per head joins the denominator
-//   PD_OUT_F32     0 | 1      out (and the merge's out) in fp32 instead of q's dtype
-// Every feature off is the plain path: no code of any feature is compiled into it.
+//   PD_MIN_KV_PER_SPLIT       the split rule's floor (pd_splitk.cuh)
+//   PD_MULTI_TOKEN, PD_WINDOW, PD_SOFT_CAP, PD_SINKS, PD_OUT_F32   0 | 1: the features
+// and from the arm's .cu, before it includes this file: PD_ENTRY (the kernel's name),
+// PD_ARM (PD_ARM_UNPACKED | PD_ARM_SPLITK | PD_ARM_GQA_PACKED; pd_common.cuh), and on the
+// packed arm PD_GQA and PD_HDIM.
+//
+// Performance notes: see benchmarks/NOTES.md ("kernel v2", and the static SASS report of
+// `python -m benchmarks.sass_model`).
 //
 // Numerics: fp32 denormals must be preserved (never -ftz=true / --use_fast_math), as for
 // pd_common.cuh. bf16 V with |v| < 2^-100 can give products that are fp32 denormals; the
@@ -95,11 +113,8 @@
     !defined(PD_OUT_F32)
 #error "PD_MULTI_TOKEN, PD_WINDOW, PD_SOFT_CAP, PD_SINKS and PD_OUT_F32 must be defined (0 or 1)"
 #endif
-
-#if PD_OUT_F32
-typedef float pd_out_t;
-#else
-typedef pd_q_t pd_out_t;  // bf16 / fp16 bits, q's dtype
+#if !defined(PD_ENTRY) || !defined(PD_ARM)
+#error "define PD_ENTRY (the kernel's name) and PD_ARM (PD_ARM_UNPACKED | _SPLITK | _GQA_PACKED) first"
 #endif
 
 namespace pd_mma {
@@ -168,17 +183,17 @@ __device__ __forceinline__ int q_position(int d) {
 
 // -- what a CTA serves -----------------------------------------------------------------
 
-// The query rows of one CTA and what each may see. Rows r = t * heads + h, t < q_len.
+// The query rows of one CTA. Rows r = t * heads + h, t < q_len.
 struct Rows {
-  int heads;                 // heads_per_cta
-  int q_len;                 // query tokens per sequence (1 on the plain path)
-  int rows;                  // heads * q_len
-  int seq_len, window_left;  // the sequence's length (its keys, the q tokens' included)
+  int heads;    // heads_per_cta
+  int q_len;    // query tokens per sequence (1 but with multi_token)
+  int rows;     // heads * q_len
+  int seq_len;  // the sequence's length (its keys, the q tokens' included)
   int split, num_splits;
 };
 
 // Where row r = t * heads + h of a CTA reads q: query token t of head head0 + h (the
-// kernels' q layout; run_cta takes any functor of this shape).
+// kernel's q layout; run_cta takes any functor of this shape).
 struct QRows {
   const pd_q_t* q;  // q[seq, 0, head0]
   long long stride_token, stride_head;
@@ -188,21 +203,150 @@ struct QRows {
   }
 };
 
-// Keys [lo, hi) query token t sees: its causal prefix (L - q_len + 1 + t keys), from
-// window_left keys before its own position (when PD_WINDOW), cut to split `split` of
-// `num_splits` by the split rule of pd_splitk.cuh applied to that range alone (so the
-// split covers the window only and depends on the row's own keys, never on the batch
-// or on the other rows).
-__device__ __forceinline__ void row_range(const Rows& rw, int t, int& lo, int& hi) {
+// =======================================================================================
+// THE FEATURES
+// =======================================================================================
+//
+// One struct per feature of config.FEATURES, named after it: `on` is its define
+// PD_<NAME> (0 | 1, from Python; an enum, since NVRTC emits a static constexpr member as a
+// global), and its hooks hold the feature's code. The core is the plain algorithm; where a
+// feature enters it reads `Feature::on ? hook : plain`, a constant the front end folds
+// before anything is emitted, so a spec without the feature compiles none of its code
+// and its SASS is the plain core's, instruction for instruction (a hook called
+// unconditionally, even one returning the plain value, moved the plain specs' SASS:
+// benchmarks/NOTES.md, "feature hooks"):
+//
+//   feature      hook (FlashInfer's variant)         called in             plain path
+//   window       Window::first_key                   row_range             keys from 0
+//                  (the keys a row sees)
+//   multi_token  MultiToken::columns                 attend: the mask      every column sees
+//                  (LogitsMask: each column's keys)                        the CTA's keys
+//   soft_cap     SoftCap::logits                     attend: the logits    the raw score, its
+//                  (LogitsTransform; the tile then                         scale entering in
+//                  holds x: the max and the                                the max and in
+//                  weights take no scale)                                  exp2's fmaf
+//   sinks        Sinks::fold, Sinks::merged          store_rows; the       no sink
+//                  (OutputTransform)                   split-K merge
+//   out_f32      OutF32::out_t, OutF32::put          store_rows; the       q's dtype, staged
+//                                                      kernel, the merge   in shared memory
+//
+// A feature's runtime value (window_left, cap_log2, sinks) is a parameter of the kernel
+// (the last section of this file), which fills `Features` from its parameters; the core
+// hands `Features` to the hooks. A feature that changes which pages a call reads also
+// tells the host (validation.check_indices, as the window does); one that changes the
+// split-K merge works through pd_splitk.cuh (as the sinks do).
+
+// window (PD_WINDOW): a sliding window, FlashInfer's convention: a token at position p
+// sees the keys [p - window_left, p]; window_left = -1: none. The keys a row sees start
+// there (row_range); a split then tiles the window only, and block-table entries of keys
+// before every window are never read.
+struct Window {
+  enum { on = PD_WINDOW };
+  int left;  // window_left, the kernel parameter
+
+  // The first key of a token that sees the keys before position `seen` (its own is seen - 1).
+  __device__ __forceinline__ int first_key(int seen) const {
+    int first = 0;
+    if (left >= 0) {
+      const int w0 = seen - 1 - left;  // a token at position seen - 1 sees [seen - 1 - w, seen - 1]
+      first = w0 > 0 ? w0 : 0;
+    }
+    return first;
+  }
+};
+
+// soft_cap (PD_SOFT_CAP): the logits soft-cap, x = cap_log2 tanh(qk_scale q.k) (the host
+// folds sm_scale * k_scale / cap into qk_scale and cap * log2 e into cap_log2). The
+// LogitsTransform: a tile then holds x itself, in log2 units (the plain tile holds the
+// raw q.k, and the row's scale enters in the max and in one fmaf per weight).
+struct SoftCap {
+  enum { on = PD_SOFT_CAP };
+  float cap_log2;  // the kernel parameter
+
+  // x of a raw score s of a row whose score scale is `scale`.
+  __device__ __forceinline__ float logits(float s, float scale) const { return cap_log2 * tanhf(s * scale); }
+};
+
+// sinks (PD_SINKS): a learned sink logit per head (natural-log units of the scaled scores)
+// joins the softmax denominator and contributes no value. The OutputTransform: it enters
+// once per row, after every key: into the CTA's state before the output is written
+// (unpacked, packed), or in the split-K merge after the splits (pd_merge_splits of
+// pd_splitk.cuh; the split states never see it).
+struct Sinks {
+  enum { on = PD_SINKS };
+  const float* logit;  // the CTA's heads' sinks (sinks + head0)
+
+  // Fold head h's sink into its state (M, L, O) (pd_add_sink). True when the sink alone
+  // is the state: its lse is then the sink itself, logit[h].
+  __device__ __forceinline__ bool fold(int h, float& M, float& L, float& O) const {
+    return pd_add_sink(logit[h], M, L, O);
+  }
+  // What the split-K merge folds after the splits: every head's sink, or none.
+  __device__ __forceinline__ static const float* merged(const float* sinks) { return on ? sinks : nullptr; }
+};
+
+// out_f32 (PD_OUT_F32): out (and the split-K merge's out) in fp32 instead of q's dtype:
+// each value goes straight to out, where the plain path stages bf16/fp16 in shared memory
+// (where q was) and stores each token's heads as 16-byte spans.
+struct OutF32 {
+  enum { on = PD_OUT_F32 };
+#if PD_OUT_F32
+  typedef float out_t;
+#else
+  typedef pd_q_t out_t;  // bf16 / fp16 bits, q's dtype
+#endif
+
+  // Element d of the row at out_row0[at * D].
+  __device__ __forceinline__ static void put(out_t* out_row0, long long at, int d, float value) {
+    reinterpret_cast<float*>(out_row0)[at * D + d] = value;
+  }
+};
+
+// The features' runtime values, filled by the kernel from its parameters.
+struct Features {
+  Window window;
+  SoftCap soft_cap;
+  Sinks sinks;
+};
+
+// The keys of query token t (row_range, after this section); multi_token masks with them.
+__device__ __forceinline__ void row_range(const Rows& rw, const Features& f, int t, int& lo, int& hi);
+
+// multi_token (PD_MULTI_TOKEN): q_len > 1 query tokens per sequence (speculative
+// verification, MTP); token t sees L - q_len + 1 + t keys (row_range), so the rows of a
+// CTA see different keys. The LogitsMask: a column of a score tile (query row nt * 8 + 2t
+// + j of lane (g, t)) sees the keys [lo[nt][j], hi[nt][j]) of its own row; padding rows
+// see none. (The plain path's rows all see the CTA's keys.)
+struct MultiToken {
+  enum { on = PD_MULTI_TOKEN };
+
+  // The keys [lo, hi) of each of this lane's columns (t = lane % 4).
+  __device__ __forceinline__ static void columns(const Rows& rw, const Features& f, int t, int (&lo)[NT][2],
+                                                 int (&hi)[NT][2]) {
+    PD_UNROLL
+    for (int nt = 0; nt < NT; ++nt)
+      PD_UNROLL
+      for (int j = 0; j < 2; ++j) {
+        const int r = nt * 8 + 2 * t + j;
+        lo[nt][j] = 0;
+        hi[nt][j] = 0;
+        if (r < rw.rows) row_range(rw, f, r / rw.heads, lo[nt][j], hi[nt][j]);
+      }
+  }
+};
+
+// =======================================================================================
+
+// -- the keys of a row -----------------------------------------------------------------
+
+// Keys [lo, hi) query token t sees: its causal prefix (L - q_len + 1 + t keys), from its
+// window's first key (the window feature), cut to split `split` of `num_splits` by the
+// split rule of pd_splitk.cuh applied to that range alone (so the split covers the
+// window only and depends on the row's own keys, never on the batch or on the other rows).
+__device__ __forceinline__ void row_range(const Rows& rw, const Features& f, int t, int& lo, int& hi) {
   int seen = rw.seq_len - rw.q_len + 1 + t;  // causal: positions < seen
   seen = seen > 0 ? seen : 0;
-  int first = 0;
-#if PD_WINDOW
-  if (rw.window_left >= 0) {
-    const int w0 = seen - 1 - rw.window_left;  // a token at position seen - 1 sees [seen - 1 - w, seen - 1]
-    first = w0 > 0 ? w0 : 0;
-  }
-#endif
+  const int first = Window::on ? f.window.first_key(seen) : 0;
   int a, b;
   pd_split_range(seen - first, rw.split, rw.num_splits, a, b);
   lo = first + a;
@@ -210,12 +354,12 @@ __device__ __forceinline__ void row_range(const Rows& rw, int t, int& lo, int& h
 }
 
 // The CTA's key range: the union of its rows' ranges (empty when every row's is).
-__device__ __forceinline__ void cta_range(const Rows& rw, int& lo, int& hi) {
+__device__ __forceinline__ void cta_range(const Rows& rw, const Features& f, int& lo, int& hi) {
   lo = 0;
   hi = 0;
   for (int t = 0; t < rw.q_len; ++t) {
     int a, b;
-    row_range(rw, t, a, b);
+    row_range(rw, f, t, a, b);
     if (a >= b) continue;
     if (hi == 0 || a < lo) lo = a;
     if (b > hi) hi = b;
@@ -308,9 +452,9 @@ struct Stream {
   const int* bt_row;
   int page_size;
   unsigned lo, hi;          // the CTA's keys [lo, hi)
-  unsigned tok, page;       // this lane's token of the next tile and its page index
-  int slot, row;            // the token's slot in its page, the page's id
-  int step_pages, step_slots;  // W * TT tokens as whole pages + slots
+  unsigned tok, page;          // this lane's token of the next tile and its page index
+  int in_page, row;            // the token's offset in its page, the page's id
+  int step_pages, step_in_page;  // W * TT tokens as whole pages + an offset in page
 };
 
 // A __syncwarp, then the offsets of the next tile's rows into the warp's table, its
@@ -329,8 +473,8 @@ __device__ __forceinline__ void issue_tile(Stream& st, const long long (&strides
       long long koff = 0, voff = 0;  // an invalid row is copied with src-size 0 from row 0
       if (valid) {
         // strides in elements (kernel parameters, not held in registers); bytes = elements * ES
-        koff = ((long long)st.row * strides[0] + (long long)st.slot * strides[1]) * ES;
-        voff = ((long long)st.row * strides[2] + (long long)st.slot * strides[3]) * ES;
+        koff = ((long long)st.row * strides[0] + (long long)st.in_page * strides[1]) * ES;
+        voff = ((long long)st.row * strides[2] + (long long)st.in_page * strides[3]) * ES;
       }
       *reinterpret_cast<longlong2*>(table + lane * 16) = make_longlong2(koff, voff);
     }
@@ -350,10 +494,10 @@ __device__ __forceinline__ void issue_tile(Stream& st, const long long (&strides
   pd_cp_async_commit();
   // Advance to the warp's next tile: W * TT tokens on, no division.
   st.tok += W * TT;
-  st.slot += st.step_slots;
+  st.in_page += st.step_in_page;
   st.page += st.step_pages;
-  if (st.slot >= st.page_size) {
-    st.slot -= st.page_size;
+  if (st.in_page >= st.page_size) {
+    st.in_page -= st.page_size;
     st.page += 1;
   }
   st.row = (lane < TT && st.tok >= st.lo && st.tok < st.hi) ? st.bt_row[st.page] : 0;
@@ -418,12 +562,14 @@ __device__ __forceinline__ int out_dim(int dt, int g, int e) {
   return FP8 ? dt * 16 + 2 * g + upper : dt * 16 + 8 * upper + g;
 }
 
-// Attend every row's keys and leave the warp state in `st`. `smem` is the launch's
-// dynamic shared memory, Q staged (stage_q).
-__device__ __forceinline__ void attend(unsigned char* smem, const Rows& rw, const unsigned char* k_head,
-                                       long long k_stride_page, long long k_stride_token, const unsigned char* v_head,
-                                       long long v_stride_page, long long v_stride_token,
-                                       const int* __restrict__ bt_row, int page_size, float cap_log2, State& st) {
+// Attend every row's keys and leave the warp state in `st`: the plain algorithm, the
+// features entering through their hooks (f, MultiToken). `smem` is the launch's dynamic
+// shared memory, Q staged (stage_q).
+__device__ __forceinline__ void attend(unsigned char* smem, const Rows& rw, const Features& f,
+                                       const unsigned char* k_head, long long k_stride_page, long long k_stride_token,
+                                       const unsigned char* v_head, long long v_stride_page,
+                                       long long v_stride_token, const int* __restrict__ bt_row, int page_size,
+                                       State& st) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const float neg_inf = pd_neg_inf();
@@ -449,19 +595,9 @@ __device__ __forceinline__ void attend(unsigned char* smem, const Rows& rw, cons
     for (int j = 0; j < 2; ++j) scale[nt][j] = reinterpret_cast<const float*>(smem + SCALE_OFF)[nt * 8 + 2 * t + j];
 
   int lo, hi;  // the CTA's keys
-  cta_range(rw, lo, hi);
-#if PD_MULTI_TOKEN
-  int col_lo[NT][2], col_hi[NT][2];  // this lane's columns' keys (padding rows: none)
-  PD_UNROLL
-  for (int nt = 0; nt < NT; ++nt)
-    PD_UNROLL
-    for (int j = 0; j < 2; ++j) {
-      const int r = nt * 8 + 2 * t + j;
-      col_lo[nt][j] = 0;
-      col_hi[nt][j] = 0;
-      if (r < rw.rows) row_range(rw, r / rw.heads, col_lo[nt][j], col_hi[nt][j]);
-    }
-#endif
+  cta_range(rw, f, lo, hi);
+  int col_lo[NT][2], col_hi[NT][2];  // multi_token: the keys each of this lane's columns sees
+  if (MultiToken::on) MultiToken::columns(rw, f, t, col_lo, col_hi);
   // Tiles k of [k0, k1) at absolute positions k * TT; warp w takes k = w mod W. The ceiling
   // without hi + TT - 1, which overflows for hi > INT32_MAX - TT + 1.
   const int k0 = lo / TT, k1 = hi > lo ? hi / TT + (hi % TT != 0 ? 1 : 0) : k0;
@@ -480,10 +616,10 @@ __device__ __forceinline__ void attend(unsigned char* smem, const Rows& rw, cons
   s.lo = lo;
   s.hi = hi;
   s.step_pages = (W * TT) / page_size;
-  s.step_slots = W * TT - s.step_pages * page_size;
+  s.step_in_page = W * TT - s.step_pages * page_size;
   s.tok = (unsigned)first_tile * TT + lane;
   s.page = s.tok / (unsigned)page_size;  // one division per lane per CTA; the rest are increments
-  s.slot = (int)(s.tok - s.page * page_size);
+  s.in_page = (int)(s.tok - s.page * page_size);
   s.row = (lane < TT && s.tok >= s.lo && s.tok < s.hi) ? bt_row[s.page] : 0;
 
   PD_UNROLL
@@ -556,33 +692,19 @@ __device__ __forceinline__ void attend(unsigned char* smem, const Rows& rw, cons
       }
     }
 
-    // -- logits (x in log2 units after the soft-cap), keys a row does not see masked
+    // -- logits: keys a row does not see masked (-inf), the others transformed (soft_cap)
     PD_UNROLL
     for (int mt = 0; mt < MT; ++mt)
       PD_UNROLL
       for (int e = 0; e < 4; ++e) {
         const int pos = base + mt * 16 + g + 8 * (e >> 1);
-#if PD_MULTI_TOKEN
         PD_UNROLL
         for (int nt = 0; nt < NT; ++nt) {
-          const bool valid = pos >= col_lo[nt][e & 1] && pos < col_hi[nt][e & 1];
-#if PD_SOFT_CAP
-          sc[mt][nt][e] = valid ? cap_log2 * tanhf(sc[mt][nt][e] * scale[nt][e & 1]) : neg_inf;
-#else
-          sc[mt][nt][e] = valid ? sc[mt][nt][e] : neg_inf;
-#endif
+          const bool sees = MultiToken::on ? pos >= col_lo[nt][e & 1] && pos < col_hi[nt][e & 1]  // its row's
+                                           : pos >= lo && pos < hi;                               // the CTA's
+          sc[mt][nt][e] = sees ? (SoftCap::on ? f.soft_cap.logits(sc[mt][nt][e], scale[nt][e & 1]) : sc[mt][nt][e])
+                               : neg_inf;
         }
-#else
-        const bool valid = pos >= lo && pos < hi;
-        PD_UNROLL
-        for (int nt = 0; nt < NT; ++nt) {
-#if PD_SOFT_CAP
-          sc[mt][nt][e] = valid ? cap_log2 * tanhf(sc[mt][nt][e] * scale[nt][e & 1]) : neg_inf;
-#else
-          sc[mt][nt][e] = valid ? sc[mt][nt][e] : neg_inf;
-#endif
-        }
-#endif
       }
 
     // -- update m and l, rescale O by alpha = 2^(m_old - m_new)
@@ -591,16 +713,12 @@ __device__ __forceinline__ void attend(unsigned char* smem, const Rows& rw, cons
     for (int nt = 0; nt < NT; ++nt)
       PD_UNROLL
       for (int j = 0; j < 2; ++j) {
-        float mx = neg_inf;  // plain: of the raw scores (scale > 0 keeps the order); soft-cap: of x
+        float mx = neg_inf;  // plain: of the raw scores (scale > 0 keeps their order); soft_cap: of x
         PD_UNROLL
         for (int mt = 0; mt < MT; ++mt) mx = fmaxf(mx, fmaxf(sc[mt][nt][j], sc[mt][nt][j + 2]));
         PD_UNROLL
         for (int off = 4; off <= 16; off <<= 1) mx = fmaxf(mx, __shfl_xor_sync(PD_FULL_MASK, mx, off));
-#if PD_SOFT_CAP
-        const float m_new = fmaxf(st.m[nt][j], mx);
-#else
-        const float m_new = fmaxf(st.m[nt][j], mx * scale[nt][j]);
-#endif
+        const float m_new = fmaxf(st.m[nt][j], SoftCap::on ? mx : mx * scale[nt][j]);  // log2 units
         // Nothing valid seen yet (m_new = -inf): subtract 0, so -inf - -inf = NaN never
         // happens; alpha and every p are then exp2f(-inf) = 0.
         const float ms = m_new == neg_inf ? 0.f : m_new;
@@ -611,11 +729,8 @@ __device__ __forceinline__ void attend(unsigned char* smem, const Rows& rw, cons
         for (int mt = 0; mt < MT; ++mt)
           PD_UNROLL
           for (int e = j; e < 4; e += 2) {
-#if PD_SOFT_CAP
-            const float p = exp2f(sc[mt][nt][e] - ms);
-#else
-            const float p = exp2f(fmaf(sc[mt][nt][e], scale[nt][j], -ms));
-#endif
+            // p = 2^(x - ms); plain: x = scale * the raw score, folded into one fmaf
+            const float p = SoftCap::on ? exp2f(sc[mt][nt][e] - ms) : exp2f(fmaf(sc[mt][nt][e], scale[nt][j], -ms));
             lsum += p;
             sc[mt][nt][e] = p * p_scale();  // exact (a power of two)
           }
@@ -734,49 +849,169 @@ __device__ __forceinline__ void cta_combine(const unsigned char* smem, int r, in
 // The whole CTA: stage q (q_row(r) = row r's D elements), attend, publish. Afterwards
 // cta_combine(r, d) gives row r's state; the caller writes the outputs of rows < rows.
 template <class QRow>
-__device__ __forceinline__ void run_cta(unsigned char* smem, const Rows& rw, const QRow& q_row, float qk_scale,
-                                        float cap_log2, const pd_kv_t* k_head, long long k_stride_page,
+__device__ __forceinline__ void run_cta(unsigned char* smem, const Rows& rw, const Features& f, const QRow& q_row,
+                                        float qk_scale, const pd_kv_t* k_head, long long k_stride_page,
                                         long long k_stride_token, const pd_kv_t* v_head, long long v_stride_page,
                                         long long v_stride_token, const int* __restrict__ bt_row, int page_size) {
   stage_q(smem, q_row, rw.rows, qk_scale);
   State st;
-  attend(smem, rw, reinterpret_cast<const unsigned char*>(k_head), k_stride_page, k_stride_token,
-         reinterpret_cast<const unsigned char*>(v_head), v_stride_page, v_stride_token, bt_row, page_size, cap_log2,
-         st);
+  attend(smem, rw, f, reinterpret_cast<const unsigned char*>(k_head), k_stride_page, k_stride_token,
+         reinterpret_cast<const unsigned char*>(v_head), v_stride_page, v_stride_token, bt_row, page_size, st);
   publish(smem, st);
 }
 
 // Write every row's normalized output and, when lse != nullptr, its lse. Row r = t *
 // heads + h goes to out_row0[(t * num_q_heads + h) * D] (the q tokens of one sequence
-// are num_q_heads rows apart), lse_row0[t * num_q_heads + h]; sinks (when PD_SINKS) is
-// the sink logit of each of the CTA's heads, in natural-log units. Every thread calls it.
-__device__ __forceinline__ void store_rows(unsigned char* smem, const Rows& rw, int num_q_heads, float v_scale,
-                                           const float* __restrict__ sinks, pd_out_t* out_row0, float* lse_row0) {
+// are num_q_heads rows apart), lse_row0[t * num_q_heads + h]. Every thread calls it.
+__device__ __forceinline__ void store_rows(unsigned char* smem, const Rows& rw, const Features& f, int num_q_heads,
+                                           float v_scale, OutF32::out_t* out_row0, float* lse_row0) {
   unsigned short* s_out = reinterpret_cast<unsigned short*>(smem + Q_OFF);
   for (int idx = threadIdx.x; idx < rw.rows * D; idx += PD_THREADS) {
     const int r = idx / D, d = idx - r * D;
     float M, L, O;
     cta_combine(smem, r, d, M, L, O);
-    bool alone = false;  // the sink alone: its lse is the sink itself (pd_add_sink)
-#if PD_SINKS
-    alone = pd_add_sink(sinks[r % rw.heads], M, L, O);
-#endif
+    const bool alone = Sinks::on ? f.sinks.fold(r % rw.heads, M, L, O) : false;  // the sink alone is the state
     const float value = pd_normalize(O, L, v_scale);  // zeros for an empty state
     const long long at = (long long)(r / rw.heads) * num_q_heads + r % rw.heads;
-#if PD_OUT_F32
-    out_row0[at * D + d] = value;
-#else
-    s_out[idx] = (unsigned short)pd_float_to_q(value);
-#endif
-    if (d == 0 && lse_row0 != nullptr) lse_row0[at] = alone ? sinks[r % rw.heads] : pd_lse(M, L);
+    if (OutF32::on)
+      OutF32::put(out_row0, at, d, value);
+    else
+      s_out[idx] = (unsigned short)pd_float_to_q(value);
+    if (d == 0 && lse_row0 != nullptr) lse_row0[at] = alone ? f.sinks.logit[r % rw.heads] : pd_lse(M, L);
   }
-#if !PD_OUT_F32
-  __syncthreads();
-  for (int t = 0; t < rw.q_len; ++t)  // the heads of one token are contiguous in out
-    pd_store_span(out_row0 + (long long)t * num_q_heads * D, s_out + t * rw.heads * D, rw.heads * D);
-#endif
+  if (!OutF32::on) {
+    __syncthreads();
+    for (int t = 0; t < rw.q_len; ++t)  // the heads of one token are contiguous in out
+      pd_store_span(reinterpret_cast<pd_q_t*>(out_row0) + (long long)t * num_q_heads * D, s_out + t * rw.heads * D,
+                    rw.heads * D);
+  }
 }
 
 }  // namespace pd_mma
+
+// =======================================================================================
+// THE KERNEL
+// =======================================================================================
+//
+// The attention kernel of the three arms, written once: its parameter list (the launch
+// ABI) and its body. Each arm's .cu names the kernel and picks the arm, then includes
+// this file (decode_splitk.cu, for one):
+//     #define PD_ENTRY decode_splitk    // the extern "C" name (plan.KERNELS)
+//     #define PD_ARM PD_ARM_SPLITK      // PD_ARM_UNPACKED | PD_ARM_SPLITK | PD_ARM_GQA_PACKED
+//
+// The ABI. The three attention kernels take the one parameter list below: same names,
+// same order, same types. Python reads it from this text (kernels.kernel_params, with the
+// kernel's name PD_ENTRY taken from the including .cu's #define) and binds arguments by
+// name (binding.ARGUMENTS; a parameter named after a LayerConfig field, as window_left,
+// takes that field's value); the CPU shim reads the same list from the preprocessed
+// source. A parameter an arm has no use for is taken and ignored: split-K writes the
+// workspace and not out / lse (its merge does, below), the others the reverse, and the
+// packed arm serves its compile-time PD_GQA heads per CTA (the host passes heads_per_cta
+// = PD_GQA all the same); a feature's parameter is ignored where the feature is off. A
+// feature that takes a value adds its parameter here and hands it to its hook in
+// `Features` (the window: `int window_left`, `Window{window_left}`).
+//
+// Computes, for sequence s, query token i < q_len and query head h (kv head h / G, G =
+// num_q_heads / num_kv_heads), over the keys t the token sees (row_range: t < L - q_len +
+// 1 + i with L = seq_lens[s], from its window when there is one):
+//   x_t = qk_scale * (q[s, i, h] . k_t)     (log2 units; soft-cap: cap_log2 tanh(qk_scale q.k))
+//   out = v_scale * sum_t 2^(x_t - m) v_t / (sum_t 2^(x_t - m) [+ 2^(sink_h log2 e - m)])
+//   lse = ln of that denominator, with m added back (natural log; optional)
+// with k_t, v_t row t of the sequence's paged cache (page block_tables[s, t / page_size],
+// offset in page t % page_size). A token that sees no key gives out = 0 and lse = -inf.
+// Split-K writes, instead of out and lse, each row's state over its split of the keys to
+// the workspace (pd_splitk.cuh).
+//
+// Grid: the arm's (see its .cu); block PD_THREADS (4 warps), dynamic shared memory
+// PD_SMEM_BYTES. A CTA serves the heads head0 .. head0 + heads_per_cta - 1 of one sequence
+// (heads of one KV head: heads_per_cta divides G) and its q_len query tokens,
+// heads_per_cta * q_len <= 8 * PD_ROW_TILES; the host guarantees both (and q_len == 1
+// unless PD_MULTI_TOKEN). The core streams that KV head's K and V once for all of them; a
+// row's bytes do not depend on heads_per_cta or q_len.
+//
+// Layout: q [num_seqs, q_len, num_q_heads, D] and the caches addressed by strides in
+// elements (NHD and HND are both (stride_page, stride_token, stride_head)); K/V rows and
+// q rows 16-byte aligned, last dim contiguous. out [num_seqs, q_len, num_q_heads, D]
+// contiguous (fp32 with out_f32, else q's dtype), lse [num_seqs, q_len, num_q_heads] fp32
+// or null, sinks [num_q_heads] fp32 (read only with sinks), workspace [num_seqs * q_len,
+// num_q_heads, num_splits, D + 2] fp32 (split-K only).
+
+typedef pd_mma::OutF32::out_t pd_out_t;  // out's element: q's dtype, or fp32 (out_f32)
+
+extern "C" __global__ void PD_LAUNCH_BOUNDS(PD_THREADS, 1) PD_ENTRY(
+    // q: [num_seqs, q_len, num_q_heads, D] by strides in elements
+    const pd_q_t* __restrict__ q,
+    long long q_stride_seq, long long q_stride_token, long long q_stride_head,
+    // the paged caches by strides in elements, and each sequence's row of page ids
+    const pd_kv_t* __restrict__ k_cache,
+    long long k_stride_page, long long k_stride_token, long long k_stride_head,
+    const pd_kv_t* __restrict__ v_cache,
+    long long v_stride_page, long long v_stride_token, long long v_stride_head,
+    const int* __restrict__ block_tables, long long block_tables_stride, const int* __restrict__ seq_lens,
+    // the geometry: heads_per_cta query heads (all of one KV head) and q_len tokens per CTA;
+    // window: a token sees window_left keys before its own (-1: all)
+    int num_kv_heads, int page_size, int heads_per_cta, int q_len, int window_left,
+    // scores x = qk_scale q.k in log2 units (soft_cap: cap_log2 tanh(qk_scale q.k)), values
+    // times v_scale; sinks: a sink logit per head (natural log)
+    float qk_scale, float cap_log2, float v_scale, const float* __restrict__ sinks,
+    // results: out and lse (unpacked, packed), or the split states (split-K)
+    pd_out_t* __restrict__ out, float* __restrict__ lse, float* __restrict__ workspace) {
+  DYNAMIC_SHARED(unsigned char, smem);
+#if PD_ARM == PD_ARM_SPLITK
+  const int split = blockIdx.y, seq = blockIdx.z, num_splits = gridDim.y;
+#else
+  const int split = 0, seq = blockIdx.y, num_splits = 1;
+#endif
+#if PD_ARM == PD_ARM_GQA_PACKED
+  // The pack: the PD_GQA heads of KV head blockIdx.x, a row count the compiler knows.
+  constexpr int heads = PD_GQA;
+  const int kv_head = blockIdx.x;
+  const int num_q_heads = num_kv_heads * PD_GQA;
+  const int head0 = kv_head * PD_GQA;
+  (void)heads_per_cta;
+#else
+  const int heads = heads_per_cta;
+  const int num_q_heads = gridDim.x * heads_per_cta;
+  const int head0 = blockIdx.x * heads_per_cta;
+  const int kv_head = head0 / (num_q_heads / num_kv_heads);
+#endif
+  const int seq_len = seq_lens[seq];
+  const pd_mma::Rows rw{heads, q_len, heads * q_len, seq_len > 0 ? seq_len : 0, split, num_splits};
+  // The features' values, as their hooks take them (sinks: no offset from a null pointer without the feature)
+  const pd_mma::Features f{{window_left}, {cap_log2}, {pd_mma::Sinks::on ? sinks + head0 : nullptr}};
+
+  const pd_mma::QRows q_rows{q + seq * q_stride_seq + head0 * q_stride_head, q_stride_token, q_stride_head, heads};
+  pd_mma::run_cta(smem, rw, f, q_rows,
+                  qk_scale, k_cache + kv_head * k_stride_head, k_stride_page, k_stride_token,
+                  v_cache + kv_head * v_stride_head, v_stride_page, v_stride_token,
+                  block_tables + seq * block_tables_stride, page_size);
+#if PD_ARM == PD_ARM_SPLITK
+  for (int idx = threadIdx.x; idx < rw.rows * PD_HEAD_DIM; idx += PD_THREADS) {
+    const int r = idx / PD_HEAD_DIM, d = idx - r * PD_HEAD_DIM;
+    float M, L, O;
+    pd_mma::cta_combine(smem, r, d, M, L, O);
+    const int row = seq * q_len + r / heads, head = head0 + r % heads;
+    pd_store_split(pd_split_slot(workspace, row, num_q_heads, head, split, num_splits), d, M, L, O, v_scale);
+  }
+  (void)out;  // split-K writes states: out, lse and the sinks are the merge's
+  (void)lse;
+#else
+  const long long row0 = (long long)seq * q_len * num_q_heads + head0;  // out[seq, 0, head0]
+  pd_mma::store_rows(smem, rw, f, num_q_heads, v_scale, out + row0 * PD_HEAD_DIM,
+                     lse == nullptr ? nullptr : lse + row0);
+  (void)workspace;
+#endif
+}
+
+#if PD_ARM == PD_ARM_SPLITK
+// The split-K merge: grid (num_q_heads, num_seqs * q_len), block PD_MERGE_THREADS; the
+// merge of pd_splitk.cuh, splits 0..n-1 in order, then the sink (Sinks::merged).
+extern "C" __global__ void PD_LAUNCH_BOUNDS(PD_MERGE_THREADS, 4) decode_splitk_merge(
+    const float* __restrict__ workspace, int num_splits, const float* __restrict__ sinks,
+    pd_out_t* __restrict__ out, float* __restrict__ lse) {
+  __shared__ unsigned short s_out[PD_HEAD_DIM];
+  pd_merge_splits(workspace, num_splits, pd_mma::Sinks::merged(sinks), out, lse, s_out);
+}
+#endif
 
 #endif  // PD_DECODE_CORE_CUH

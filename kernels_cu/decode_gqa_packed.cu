@@ -1,7 +1,7 @@
 // decode_gqa_packed.cu: the gated GQA-packed paged decode on the tensor-core core (impl
 // "mma"): the PD_GQA query heads of one KV head in one CTA, head dim PD_HDIM only; the
-// kernel of decode_entry.cuh (what it computes, its parameters, the layout) on the packed
-// arm.
+// kernel of decode_core.cuh (what it computes, its parameters, the layout, the features)
+// on the packed arm.
 //
 // Computes the same function as decode_unpacked.cu (same core, rows = PD_GQA), so its
 // bytes equal the unpacked arm's at heads_per_cta = PD_GQA: grid (num_kv_heads,
@@ -21,7 +21,7 @@
 
 #define PD_ENTRY decode_gqa_packed
 #define PD_ARM PD_ARM_GQA_PACKED
-#include "decode_entry.cuh"
+#include "decode_core.cuh"
 
 #if PD_HEAD_DIM != PD_HDIM
 #error "decode_gqa_packed is compiled only for PD_HEAD_DIM == PD_HDIM (256)"

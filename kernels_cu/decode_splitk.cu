@@ -1,33 +1,26 @@
 // decode_splitk.cu: paged-decode attention on tensor cores (impl "mma") split along the
-// KV sequence (split-K), and the merge of the splits.
+// KV sequence (split-K), and the merge of the splits: the kernels of decode_core.cuh
+// (what they compute, their parameters, the layout, the features) on the split-K arm.
 //
-// decode_splitk: the kernel of decode_entry.cuh (what it computes, its parameters, the
-//   layout) on the split-K arm. Grid (num_q_heads / heads_per_cta, num_splits,
-//   num_seqs), block PD_THREADS, dynamic shared memory PD_SMEM_BYTES. CTA (x, i, s) serves
-//   the heads_per_cta heads x * heads_per_cta .. of sequence s and its q_len tokens (one
-//   KV head; see decode_unpacked.cu) over split i of each row's keys (row_range) and
-//   writes, for each row, its workspace slot (pd_split_slot with row seq * q_len + t):
-//   the slot addressing and the split ranges do not depend on heads_per_cta, and neither
-//   do the bytes.
+// decode_splitk: grid (num_q_heads / heads_per_cta, num_splits, num_seqs), block
+//   PD_THREADS, dynamic shared memory PD_SMEM_BYTES. CTA (x, i, s) serves the
+//   heads_per_cta heads x * heads_per_cta .. of sequence s and its q_len tokens (one KV
+//   head; see decode_unpacked.cu) over split i of each row's keys (row_range) and writes,
+//   for each row, its workspace slot (pd_split_slot with row seq * q_len + t): the slot
+//   addressing and the split ranges do not depend on heads_per_cta, and neither do the
+//   bytes.
 // decode_splitk_merge: grid (num_q_heads, num_seqs * q_len), block PD_MERGE_THREADS; the
-//   merge of pd_splitk.cuh, splits 0..n-1 in order, then the sink (PD_SINKS).
+//   merge of pd_splitk.cuh, splits 0..n-1 in order, then the sink (with sinks).
 //
 // Batch invariance: a split's range, every reduction order inside the CTA and the merge
 // order depend only on (L, num_splits), so a sequence's bytes do not depend on what it
 // is batched with as long as num_splits does not (auto / pinned).
 //
-// Layout: as decode_entry.cuh; workspace [num_seqs * q_len, num_q_heads, num_splits, D + 2]
-// fp32. Defines: as decode_core.cuh, plus PD_MIN_KV_PER_SPLIT (pd_splitk.cuh).
+// Layout: as decode_core.cuh; workspace [num_seqs * q_len, num_q_heads, num_splits, D + 2]
+// fp32. Defines: as decode_core.cuh, PD_MIN_KV_PER_SPLIT among them (pd_splitk.cuh).
 //
 // Performance notes: see benchmarks/NOTES.md ("kernel v2").
 
 #define PD_ENTRY decode_splitk
 #define PD_ARM PD_ARM_SPLITK
-#include "decode_entry.cuh"
-
-extern "C" __global__ void PD_LAUNCH_BOUNDS(PD_MERGE_THREADS, 4) decode_splitk_merge(
-    const float* __restrict__ workspace, int num_splits, const float* __restrict__ sinks,
-    pd_out_t* __restrict__ out, float* __restrict__ lse) {
-  __shared__ unsigned short s_out[PD_HEAD_DIM];
-  pd_merge_splits(workspace, num_splits, PD_SINKS ? sinks : nullptr, out, lse, s_out);
-}
+#include "decode_core.cuh"

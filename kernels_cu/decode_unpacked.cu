@@ -1,6 +1,6 @@
 // decode_unpacked.cu: paged-decode attention on tensor cores (impl "mma"), one split: the
-// kernel of decode_entry.cuh (what it computes, its parameters, the layout) on the
-// unpacked arm.
+// kernel of decode_core.cuh (what it computes, its parameters, the layout, the features)
+// on the unpacked arm.
 //
 // Grid (num_q_heads / heads_per_cta, num_seqs), block PD_THREADS (4 warps), dynamic
 // shared memory PD_SMEM_BYTES. CTA (x, s) serves the heads_per_cta heads x *
@@ -10,8 +10,8 @@
 // Defines: as decode_core.cuh.
 //
 // Performance notes: see benchmarks/NOTES.md ("kernel v2"); the budgets are held by
-// benchmarks/sass_report.py.
+// the static SASS report (python -m benchmarks.sass_model).
 
 #define PD_ENTRY decode_unpacked
 #define PD_ARM PD_ARM_UNPACKED
-#include "decode_entry.cuh"
+#include "decode_core.cuh"

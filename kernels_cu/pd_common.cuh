@@ -1,11 +1,11 @@
-// pd_common.cuh: what both attention implementations share: the "mma" tensor-core kernels
-// (decode_core.cuh, decode_entry.cuh) and the "simt" reference kernels (simt/), and the
-// split-K pieces of pd_splitk.cuh that serve both.
+// pd_common.cuh: what both attention implementations share: the "mma" tensor-core kernel
+// (decode_core.cuh) and the "simt" reference kernel (simt/simt_core.cuh), and the split-K
+// pieces of pd_splitk.cuh that serve both.
 //
 // What lives here
-//   * the required compile-time defines (checked with #error), the block sizes and the
-//     storage types of q/out and K/V; the dtype codes and the exact bf16 / fp16 / fp8 <->
-//     fp32 conversions are pd_convert.cuh's,
+//   * the required compile-time defines (checked with #error), the block sizes, the arm
+//     codes (PD_ARM_*) and the storage types of q/out and K/V; the dtype codes and the
+//     exact bf16 / fp16 / fp8 <-> fp32 conversions are pd_convert.cuh's,
 //   * q's conversions to and from fp32, 16-byte (or 8-byte) vector loads,
 //   * what turns a finished state into outputs: its natural-log lse, its normalized
 //     output, and the 16-byte stores of an output span staged in shared memory.
@@ -13,9 +13,9 @@
 //
 // Units: every logit inside the kernels is in log2 units, x_t = qk_scale * (q . k_t)
 // with qk_scale = sm_scale * k_scale * log2(e) folded by the host (the parameter
-// qk_scale of the mma kernels, qk_scale_log2 of the simt ones), so the softmax uses
-// exp2f. A state (M, L, O) means: M = max_t x_t, L = sum_t 2^(x_t - M),
-// O[d] = sum_t 2^(x_t - M) * v_t[d] (v_t as stored, v_scale applied at the end).
+// qk_scale of both implementations' kernels), so the softmax uses exp2f. A state
+// (M, L, O) means: M = max_t x_t, L = sum_t 2^(x_t - M), O[d] = sum_t 2^(x_t - M) * v_t[d]
+// (v_t as stored, v_scale applied at the end).
 //
 // Defines (all required, given by Python as -D):
 //   PD_HEAD_DIM  64 | 128 | 256
@@ -65,6 +65,21 @@
 #error "block sizes must be whole warps"
 #endif
 #define PD_WARPS (PD_THREADS / 32)
+
+// The three arms. An arm's .cu names its kernel (#define PD_ENTRY ...) and picks its arm
+// (#define PD_ARM ...) before it includes its implementation's core (decode_core.cuh,
+// simt/simt_core.cuh), whose one attention kernel serves them all.
+#define PD_ARM_UNPACKED 0
+#define PD_ARM_SPLITK 1
+#define PD_ARM_GQA_PACKED 2
+#ifdef PD_ARM  // (the tests' toy kernels include these headers without an arm)
+#if PD_ARM != PD_ARM_UNPACKED && PD_ARM != PD_ARM_SPLITK && PD_ARM != PD_ARM_GQA_PACKED
+#error "PD_ARM must be PD_ARM_UNPACKED, PD_ARM_SPLITK or PD_ARM_GQA_PACKED"
+#endif
+#if PD_ARM == PD_ARM_GQA_PACKED && !defined(PD_GQA)
+#error "the packed arm's .cu defines PD_GQA, the heads of one CTA"
+#endif
+#endif
 
 
 // Storage types: 16-bit floats and fp8 travel as raw bits.

@@ -9,20 +9,21 @@ Nothing is compiled here, and nothing at import time.
 
 Two implementations (``plan.IMPLS``) serve the same three arms (``plan.ARMS``):
 
-- ``mma`` (the default): one tensor-core core (``decode_core.cuh``) under one kernel
-  (``decode_entry.cuh``, which each arm's ``decode_<arm>.cu`` names and selects): a CTA
-  serves ``heads_per_cta`` query heads of one KV head, K and V stream through cp.async
-  rings in shared memory, QK^T and PV run on ``mma.sync``.
-- ``simt``: the reference implementation, the first CUDA-core kernels
-  (``simt/simt_decode_<arm>.cu`` over ``simt/simt_core.cuh``), one query head per CTA
-  (the packed arm: ``PD_GQA``). Kept selectable until a GPU has measured ``mma``.
+- ``mma`` (the default): ``decode_core.cuh``, the tensor-core core, its features and
+  its one kernel (which each arm's ``decode_<arm>.cu`` names and selects): a CTA serves
+  ``heads_per_cta`` query heads of one KV head, K and V stream through cp.async rings in
+  shared memory, QK^T and PV run on ``mma.sync``.
+- ``simt``: the reference implementation, the first CUDA-core kernels:
+  ``simt/simt_core.cuh``, its core and its one kernel (which each
+  ``simt/simt_decode_<arm>.cu`` names and selects), one query head per CTA (the packed
+  arm: ``PD_GQA``). Kept selectable until a GPU has measured ``mma``.
 What both share is ``pd_common.cuh`` (and ``pd_splitk.cuh``, ``pd_convert.cuh``).
 
 What the Python side relies on that lives in the sources is read back from them:
 the constants (``PD_GQA``, ``PD_HDIM``, block sizes, dtype codes; ``PD_GQA``/``PD_HDIM``
 must equal the policy's constants) and each kernel's parameter list, which is the launch
-ABI (``kernel_params``; the three ``mma`` attention kernels share one list): the dispatch
-passes arguments by name.
+ABI (``kernel_params``; the three arms' attention kernels of each implementation share
+one list): the dispatch passes arguments by name.
 """
 
 from __future__ import annotations
@@ -204,9 +205,10 @@ class Param:
 def parse_kernel_params(text: str) -> dict[str, tuple[Param, ...]]:
     """``extern "C" __global__`` kernel name -> its parameters, from source text
     (comments ignored). A kernel whose name is a macro takes the identifier that
-    macro is ``#define``d as in the same text: the ``mma`` arms' one kernel of
-    ``decode_entry.cuh`` is ``PD_ENTRY``, which each arm's ``.cu`` defines before
-    including it, so the inlined source of an arm reads as that arm's kernel."""
+    macro is ``#define``d as in the same text: the arms' one kernel of
+    ``decode_core.cuh`` (and of ``simt/simt_core.cuh``) is ``PD_ENTRY``, which each
+    arm's ``.cu`` defines before including it, so the inlined source of an arm reads as
+    that arm's kernel."""
     text = _COMMENT.sub(lambda m: m.group(1) or " ", text)
     defined: dict[str, list[str]] = {}
     for macro, value in _NAME_DEFINE.findall(text):

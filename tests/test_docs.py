@@ -38,3 +38,42 @@ def test_nothing_cites_a_document_the_repository_does_not_contain():
             if ABSENT.search(line):
                 citing.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
     assert not citing
+
+
+FEATURE_CHECKLIST = ROOT / "docs" / "adding-a-kernel-feature.md"
+
+
+def _checklist_files() -> list[str]:
+    """The files of the checklist's numbered list (``1. `metrale_attn/config.py`: ...``)."""
+    return re.findall(r"^\d+\. `([^`]+)`", FEATURE_CHECKLIST.read_text(), re.MULTILINE)
+
+
+def test_the_feature_checklist_names_four_files_that_exist():
+    files = _checklist_files()
+    assert len(files) == 4, files
+    assert [f for f in files if not (ROOT / f).is_file()] == []
+
+
+def test_every_line_the_feature_checklist_quotes_stands_in_the_file_it_names():
+    """A quoted block opens with a comment naming its file; each of its lines but `...` is a
+    line of that file (indentation aside), so the worked example cannot drift from the code."""
+    files, stale = _checklist_files(), []
+    blocks = re.findall(r"^```\w*\n(.*?)^```", FEATURE_CHECKLIST.read_text(), re.MULTILINE | re.DOTALL)
+    quoted = [b.splitlines() for b in blocks if re.match(r"(#|//) \S+\.\w+$", b.splitlines()[0])]
+    assert {lines[0].split()[1] for lines in quoted} == set(files)  # every file of the checklist is quoted
+    for lines in quoted:
+        have = {line.strip() for line in (ROOT / lines[0].split()[1]).read_text().splitlines()}
+        stale += [f"{lines[0]}: {line.strip()}" for line in lines[1:] if line.strip() not in ("", "...", *have)]
+    assert stale == []
+
+
+def test_a_features_kernel_code_stands_in_one_kernel_file_the_checklists_core():
+    """The four-file rule on the kernel side: each feature's define (PD_WINDOW, ...) and the
+    window's parameter appear in one kernel file, the one the checklist names."""
+    from metrale_attn.config import FEATURES, feature_define
+
+    core = next(f for f in _checklist_files() if f.startswith("kernels_cu/"))
+    sources = [p for p in sorted((ROOT / "kernels_cu").rglob("*")) if p.suffix in (".cu", ".cuh")]
+    for word in [feature_define(name) for name in FEATURES] + ["window_left"]:
+        holding = [str(p.relative_to(ROOT)) for p in sources if re.search(rf"\b{word}\b", p.read_text())]
+        assert holding == [core], word

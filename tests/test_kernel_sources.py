@@ -45,15 +45,15 @@ def test_headers_are_inlined_with_line_directives_naming_the_real_files():
     text = KernelSpec("splitk", 128, "bf16", "fp8").source()
     assert '#include "' not in text
     assert text.startswith('#line 1 "kernels_cu/decode_splitk.cu"')
-    for header in ("decode_entry.cuh", "decode_core.cuh", "pd_common.cuh", "pd_ptx.cuh", "pd_splitk.cuh"):
+    for header in ("decode_core.cuh", "pd_common.cuh", "pd_ptx.cuh", "pd_splitk.cuh"):
         assert text.count(f'#line 1 "kernels_cu/{header}"') == 1, header
 
 
 def test_the_line_after_an_include_is_numbered_as_in_the_original_file():
-    original = read_source("simt/simt_decode_unpacked.cu").splitlines()
-    text = inline("simt/simt_decode_unpacked.cu")
+    original = read_source("simt/simt_decode_gqa_packed.cu").splitlines()
+    text = inline("simt/simt_decode_gqa_packed.cu")
     assert text.count('#line 1 "kernels_cu/simt/simt_core.cuh"') == 1
-    directive = re.findall(r'#line (\d+) "kernels_cu/simt/simt_decode_unpacked\.cu"\n(.*)', text)[-1]
+    directive = re.findall(r'#line (\d+) "kernels_cu/simt/simt_decode_gqa_packed\.cu"\n(.*)', text)[-1]
     line, first = int(directive[0]), directive[1]
     assert original[line - 1] == first
 
@@ -107,7 +107,7 @@ def test_the_packed_variant_exists_only_at_its_head_dim():
 
 def test_every_kernel_an_arm_launches_is_defined_in_its_source():
     for (impl, arm), filename in SOURCE_FILES.items():
-        declared = parse_kernel_params(inline(filename))  # with its headers: decode_entry.cuh for mma
+        declared = parse_kernel_params(inline(filename))  # with its headers: the core declares the kernels
         assert set(KERNELS[impl, arm]) <= set(declared), (filename, KERNELS[impl, arm])
 
 
@@ -126,14 +126,15 @@ def test_the_dispatch_passes_every_parameter_every_kernel_declares():
                 assert p.is_pointer == (p.name in POINTER_ARGUMENTS), (kernel, p)
 
 
-def test_the_three_mma_attention_kernels_take_the_one_parameter_list_of_decode_entry():
-    """decode_entry.cuh spells the list once; each arm's .cu only names its kernel (PD_ENTRY)
-    and its arm, and the ABI of every arm is read from that one description."""
-    lists = {arm: kernel_params(KernelSpec(arm, 256, "bf16", "fp8"))[KERNELS["mma", arm][0]] for arm in ARMS}
+@pytest.mark.parametrize("impl, core", [("mma", "decode_core.cuh"), ("simt", "simt/simt_core.cuh")])
+def test_the_three_attention_kernels_of_an_implementation_take_the_one_parameter_list_of_its_core(impl, core):
+    """The core spells the list once; each arm's .cu only names its kernel (PD_ENTRY) and
+    its arm, and the ABI of every arm is read from that one description."""
+    lists = {arm: kernel_params(KernelSpec(arm, 256, "bf16", "fp8", impl))[KERNELS[impl, arm][0]] for arm in ARMS}
     assert lists["unpacked"] == lists["splitk"] == lists["gqa_packed"]
-    assert parse_kernel_params(read_source("decode_entry.cuh")) == {"PD_ENTRY": lists["unpacked"]}
-    for arm in ARMS:  # the .cu itself declares no attention kernel (split-K: only its merge)
-        assert set(parse_kernel_params(read_source(SOURCE_FILES["mma", arm]))) <= {"decode_splitk_merge"}
+    assert parse_kernel_params(read_source(core))["PD_ENTRY"] == lists["unpacked"]
+    for arm in ARMS:  # the .cu itself declares no kernel
+        assert parse_kernel_params(read_source(SOURCE_FILES[impl, arm])) == {}
 
 
 def test_comments_in_a_parameter_list_are_not_read_as_parameters():
@@ -148,7 +149,7 @@ def test_a_parameter_of_an_unknown_type_is_refused_when_the_abi_is_read():
 
 
 def test_sources_follow_the_shared_dialect():
-    for path in ("pd_common.cuh", "decode_core.cuh", "decode_entry.cuh", "pd_splitk.cuh", "simt/simt_core.cuh",
+    for path in ("pd_common.cuh", "decode_core.cuh", "pd_splitk.cuh", "simt/simt_core.cuh",
                  *SOURCE_FILES.values()):
         text = read_source(path)
         includes = re.findall(r'#\s*include\s*[<"]([^>"]+)', text)

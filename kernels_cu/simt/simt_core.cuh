@@ -1,23 +1,30 @@
-// simt_core.cuh: the core of the "simt" reference kernels (simt_decode_*.cu): an
-// online softmax on CUDA cores, each thread owning a slice of the head dim, K and V
-// read straight from global memory into registers. Only the simt kernels include it;
-// what they share with the "mma" kernels is pd_common.cuh's.
+// simt_core.cuh: the "simt" reference implementation (see simt/README.md): its core, an
+// online softmax on CUDA cores, each thread owning a slice of the head dim, K and V read
+// straight from global memory into registers; and its one attention kernel, written once
+// for the three arms (simt_decode_unpacked.cu, simt_decode_splitk.cu,
+// simt_decode_gqa_packed.cu each only name the kernel and pick the arm). Only the simt
+// kernels include it; what they share with the "mma" kernels is pd_common.cuh's (and
+// pd_splitk.cuh's).
 //
 // What lives here
 //   * the hot loop's reading of fp16/fp8 K and V as exact values times a power of two
 //     (pd_kv_slice, "KV slices" below) and q's 16-byte slices (pd_load_q),
-//   * the online-softmax core `pd_attend<NH, VEC, UNROLL>` shared by the three simt
-//     kernels (NH = query heads per CTA: 1 for unpacked and split-K, PD_GQA for the
-//     packed kernel), and the warp/CTA combine of its partial states (pd_merge_xor,
-//     pd_cta_publish, pd_cta_combine).
+//   * the online-softmax core `pd_attend<NH, VEC, UNROLL>` (NH = query heads per CTA: 1
+//     on the unpacked and split-K arms, PD_GQA on the packed arm), and the warp/CTA
+//     combine of its partial states (pd_merge_xor, pd_cta_publish, pd_cta_combine),
+//   * THE KERNEL (the last section): the parameter list of the three arms' kernels (their
+//     launch ABI), their body, and the split-K merge.
 //
-// Units: as pd_common.cuh (log2 units, x_t = qk_scale_log2 * (q . k_t)). A state
+// Units: as pd_common.cuh (log2 units, x_t = qk_scale * (q . k_t)). A state
 // (m, l, acc) means: m = max_t x_t, l = sum_t 2^(x_t - m), acc[d] = sum_t 2^(x_t - m) *
 // v_t[d] (v_t as stored, v_scale applied at the end; inside the loop acc carries an
 // extra power-of-two factor for fp16/fp8 KV, see pd_kv_slice).
 //
 // Defines: PD_HEAD_DIM, PD_Q_DTYPE, PD_KV_DTYPE (pd_common.cuh; no fp8 e5m2: the simt
-// kernels refuse it). Static shared memory, declared by the kernels.
+// kernels refuse it), PD_MIN_KV_PER_SPLIT (pd_splitk.cuh); from the arm's .cu, before it
+// includes this file: PD_ENTRY (the kernel's name), PD_ARM (PD_ARM_UNPACKED |
+// PD_ARM_SPLITK | PD_ARM_GQA_PACKED; pd_common.cuh), and on the packed arm PD_GQA and
+// PD_HDIM. Static shared memory only, declared by the kernel.
 //
 // Numerics note: the hot loop's reading of fp16/fp8 K and V as exact values times
 // 2^-112 / 2^-120 works on values that can be fp32 denormals; it is exact (resp.
@@ -28,9 +35,13 @@
 #define PD_SIMT_CORE_CUH
 
 #include "pd_common.cuh"
+#include "pd_splitk.cuh"
 
 #if PD_KV_DTYPE == PD_DTYPE_FP8_E5M2
 #error "the simt kernels do not read fp8 e5m2 caches (impl mma does)"
+#endif
+#if !defined(PD_ENTRY) || !defined(PD_ARM)
+#error "define PD_ENTRY (the kernel's name) and PD_ARM (PD_ARM_UNPACKED | _SPLITK | _GQA_PACKED) first"
 #endif
 
 // ---------------------------------------------------------------------------------
@@ -49,7 +60,7 @@
 // exponent 31, fp8 magnitude 0x7f) would not be: a SWAR test per 32-bit word spots them
 // and a rarely taken branch rewrites those elements as inf/NaN.
 // The scale is undone where it is cheap:
-//   * scores:  x_t = (sum_i q_i k'_i * 2^BIAS) * qk_scale_log2 -- one
+//   * scores:  x_t = (sum_i q_i k'_i * 2^BIAS) * qk_scale -- one
 //     multiply per token; k' * q may be an fp32 denormal, whose absolute rounding error
 //     (2^-149 * 2^120 = 2^-29 in q.k units per operation) is negligible in a logit;
 //   * values:  acc'' = sum_t (p_t * 2^64) v'_t = acc * 2^(64 - BIAS),
@@ -168,7 +179,7 @@ __device__ __forceinline__ void pd_attend(
     const pd_kv_t* __restrict__ v_lane,  // v_cache + kv_head * v_stride_head + slice * VEC
     long long v_stride_page, long long v_stride_token,
     const int* __restrict__ bt_row,  // this sequence's block-table row
-    int page_size, int start, int end, float qk_scale_log2,
+    int page_size, int start, int end, float qk_scale,
     float (&m)[NH], float (&l)[NH], float (&acc)[NH][VEC]) {
   constexpr int TPR = PD_HEAD_DIM / VEC;
   constexpr int R = 32 / TPR;
@@ -256,7 +267,7 @@ __device__ __forceinline__ void pd_attend(
 #if PD_KV_SCALED
         d *= pd_k_unscale();  // exact: undoes the 2^-BIAS of kf
 #endif
-        s[h][u] = valid[u] ? d * qk_scale_log2 : neg_inf;
+        s[h][u] = valid[u] ? d * qk_scale : neg_inf;
       }
     }
 
@@ -377,5 +388,150 @@ __device__ __forceinline__ void pd_cta_combine(const float* s_m, const float* s_
   O = o;
 #endif
 }
+
+// =======================================================================================
+// THE KERNEL
+// =======================================================================================
+//
+// The attention kernel of the three simt arms, written once: its parameter list (the
+// launch ABI of every arm: same names, order and types; Python reads it from this text
+// with the name the arm's .cu gives PD_ENTRY, the CPU shim from the preprocessed source)
+// and its body. Each arm's .cu names the kernel and picks the arm, then includes this
+// file (simt_decode_splitk.cu, for one):
+//     #define PD_ENTRY simt_decode_splitk   // the extern "C" name (plan.KERNELS)
+//     #define PD_ARM PD_ARM_SPLITK          // PD_ARM_UNPACKED | PD_ARM_SPLITK | PD_ARM_GQA_PACKED
+// An arm takes and ignores what it has no use for: split-K writes the workspace and not
+// out / lse (its merge does, below), the others the reverse.
+//
+// Computes, for sequence s and query head h (kv head g = h / (num_q_heads / num_kv_heads)):
+//   x_t   = qk_scale * (q[s, h] . k_t)                 t < seq_lens[s]   (log2 units)
+//   out   = v_scale * sum_t 2^(x_t - m) v_t / sum_t 2^(x_t - m),   m = max_t x_t
+//   lse   = ln(sum_t e^(x_t ln 2)) = (m + log2 l) * ln 2   (natural log; optional)
+// where k_t, v_t are row t of the sequence's paged cache: page block_tables[s, t / page_size],
+// offset in page t % page_size. seq_len 0 gives out = 0 and lse = -inf. Split-K writes,
+// instead of out and lse, the state of each (sequence, head) over its split of the keys
+// to the workspace (pd_splitk.cuh), and its merge combines them.
+//
+// Grid: the arm's (see its .cu); block PD_THREADS (4 warps). A CTA serves NH query heads
+// of one sequence (one, or on the packed arm the PD_GQA heads of one KV head, whose K and
+// V rows it then reads once for all of them). Within the CTA each thread owns VEC
+// consecutive dims of the head (its slice), PD_HEAD_DIM / VEC threads cover a token row,
+// warps interleave over tiles of 4 * (32 * VEC / D) tokens (pd_attend); the 4 warp states
+// are combined through static shared memory in warp order and the output rows leave as
+// 16-byte stores.
+//
+// Layout: q [num_seqs, num_q_heads, D] and the caches addressed only through strides
+// (elements): NHD [pages, page_size, kv_heads, D] and HND [pages, kv_heads, page_size, D]
+// are both (stride_page, stride_token, stride_head) triples; the last dim is contiguous.
+// out [num_seqs, num_q_heads, D] contiguous, lse [num_seqs, num_q_heads] fp32 or null,
+// workspace [num_seqs, num_q_heads, num_splits, D + 2] fp32 (split-K only).
+
+#if PD_ARM == PD_ARM_GQA_PACKED
+#define PD_SIMT_MIN_CTAS 2  // ~190-240 registers (6 q vectors and accumulators): 2 CTAs per SM
+#else
+#define PD_SIMT_MIN_CTAS 4
+#endif
+
+extern "C" __global__ void PD_LAUNCH_BOUNDS(PD_THREADS, PD_SIMT_MIN_CTAS) PD_ENTRY(
+    const pd_q_t* __restrict__ q, long long q_stride_seq, long long q_stride_head,
+    const pd_kv_t* __restrict__ k_cache, long long k_stride_page, long long k_stride_token,
+    long long k_stride_head,
+    const pd_kv_t* __restrict__ v_cache, long long v_stride_page, long long v_stride_token,
+    long long v_stride_head,
+    const int* __restrict__ block_tables, long long block_tables_stride,
+    const int* __restrict__ seq_lens,
+    int num_kv_heads, int page_size,
+    float qk_scale, float v_scale,
+    pd_q_t* __restrict__ out, float* __restrict__ lse, float* __restrict__ workspace) {
+#if PD_ARM == PD_ARM_GQA_PACKED
+  constexpr int NH = PD_GQA;  // the PD_GQA query heads of one KV head
+  constexpr int VEC = 8;      // 8 dims a thread whatever the dtype (fp8: 8-byte loads): NH q vectors and
+                              // accumulators of 8 floats stay in registers
+#else
+  constexpr int NH = 1;
+  constexpr int VEC = 16 / (int)sizeof(pd_kv_t);  // 16-byte loads
+#endif
+  constexpr int UNROLL = 4;
+
+  __shared__ float s_m[NH * PD_WARPS];
+  __shared__ float s_l[NH * PD_WARPS];
+  __shared__ float s_acc[NH * PD_WARPS * PD_HEAD_DIM];
+#if PD_ARM != PD_ARM_SPLITK
+  __shared__ unsigned short s_out[NH * PD_HEAD_DIM];
+#endif
+
+#if PD_ARM == PD_ARM_GQA_PACKED
+  const int kv_head = blockIdx.x;
+  const int seq = blockIdx.y;
+  const int num_q_heads = num_kv_heads * PD_GQA;
+  const int head0 = kv_head * PD_GQA;
+#else
+  const int head0 = blockIdx.x;  // the CTA's one head
+#if PD_ARM == PD_ARM_SPLITK
+  const int split = blockIdx.y;
+  const int seq = blockIdx.z;
+  const int num_q_heads = gridDim.x;
+  const int num_splits = gridDim.y;
+#else
+  const int seq = blockIdx.y;
+  const int num_q_heads = gridDim.x;
+#endif
+  const int kv_head = head0 / (num_q_heads / num_kv_heads);
+#endif
+  const int slice = (threadIdx.x & 31) % (PD_HEAD_DIM / VEC);
+  int seq_len = seq_lens[seq];
+  seq_len = seq_len > 0 ? seq_len : 0;
+#if PD_ARM == PD_ARM_SPLITK
+  int start, end;  // this split's keys
+  pd_split_range(seq_len, split, num_splits, start, end);
+#else
+  const int start = 0, end = seq_len;
+#endif
+
+  float qf[NH][VEC];
+  PD_UNROLL
+  for (int j = 0; j < NH; ++j)
+    pd_load_q<VEC>(q + seq * q_stride_seq + (head0 + j) * q_stride_head + slice * VEC, qf[j]);
+
+  float m[NH], l[NH], acc[NH][VEC];
+  pd_attend<NH, VEC, UNROLL>(qf, k_cache + kv_head * k_stride_head + slice * VEC, k_stride_page, k_stride_token,
+                             v_cache + kv_head * v_stride_head + slice * VEC, v_stride_page, v_stride_token,
+                             block_tables + seq * block_tables_stride, page_size, start, end, qk_scale, m, l, acc);
+  pd_cta_publish<NH, VEC>(m, l, acc, s_m, s_l, s_acc);
+
+#if PD_ARM == PD_ARM_SPLITK
+  float* slot = pd_split_slot(workspace, seq, num_q_heads, head0, split, num_splits);
+  for (int d = threadIdx.x; d < PD_HEAD_DIM; d += PD_THREADS) {
+    float M, L, O;
+    pd_cta_combine(s_m, s_l, s_acc, 0, d, M, L, O);
+    pd_store_split(slot, d, M, L, O, v_scale);
+  }
+  (void)out;
+  (void)lse;
+#else
+  for (int idx = threadIdx.x; idx < NH * PD_HEAD_DIM; idx += PD_THREADS) {
+    const int j = NH == 1 ? 0 : idx / PD_HEAD_DIM;  // the CTA's head j (one head: 0, no division), dim d
+    const int d = idx - j * PD_HEAD_DIM;
+    float M, L, O;
+    pd_cta_combine(s_m, s_l, s_acc, j, d, M, L, O);
+    // L >= 1 whenever a token was seen (the max token contributes 2^0); L == 0: zeros.
+    s_out[idx] = (unsigned short)pd_float_to_q(pd_normalize(O, L, v_scale));
+    if (d == 0 && lse != nullptr) lse[(long long)seq * num_q_heads + head0 + j] = pd_lse(M, L);
+  }
+  __syncthreads();
+  pd_store_span(out + ((long long)seq * num_q_heads + head0) * PD_HEAD_DIM, s_out, NH * PD_HEAD_DIM);
+  (void)workspace;
+#endif
+}
+
+#if PD_ARM == PD_ARM_SPLITK
+// The split-K merge: grid (num_q_heads, num_seqs), block PD_MERGE_THREADS; the merge of
+// pd_splitk.cuh, splits 0..n-1 in order (no sinks: the simt kernels serve no features).
+extern "C" __global__ void PD_LAUNCH_BOUNDS(PD_MERGE_THREADS, 4) simt_decode_splitk_merge(
+    const float* __restrict__ workspace, int num_splits, pd_q_t* __restrict__ out, float* __restrict__ lse) {
+  __shared__ unsigned short s_out[PD_HEAD_DIM];
+  pd_merge_splits(workspace, num_splits, (const float*)nullptr, out, lse, s_out);
+}
+#endif
 
 #endif  // PD_SIMT_CORE_CUH
