@@ -78,7 +78,7 @@
 //                             pd_mma::SMEM_BYTES (checked at compile time), so the host's
 //                             sizing and this carve cannot drift apart.
 //   PD_MIN_KV_PER_SPLIT       the split rule's floor (pd_splitk.cuh)
-//   PD_MULTI_TOKEN, PD_WINDOW, PD_SOFT_CAP, PD_SINKS, PD_OUT_F32   0 | 1: the features
+//   PD_MULTI_TOKEN, PD_WINDOW, PD_SOFT_CAP, PD_SINKS, PD_OUT_F32, PD_DEVICE_SCALES   0 | 1: the features
 // and from the arm's .cu, before it includes this file: PD_ENTRY (the kernel's name),
 // PD_ARM (PD_ARM_UNPACKED | PD_ARM_SPLITK | PD_ARM_GQA_PACKED; pd_common.cuh), and on the
 // packed arm PD_GQA and PD_HDIM.
@@ -110,8 +110,8 @@
 #error "PD_SMEM_BYTES must be defined (the dynamic shared memory of the launch)"
 #endif
 #if !defined(PD_MULTI_TOKEN) || !defined(PD_WINDOW) || !defined(PD_SOFT_CAP) || !defined(PD_SINKS) || \
-    !defined(PD_OUT_F32)
-#error "PD_MULTI_TOKEN, PD_WINDOW, PD_SOFT_CAP, PD_SINKS and PD_OUT_F32 must be defined (0 or 1)"
+    !defined(PD_OUT_F32) || !defined(PD_DEVICE_SCALES)
+#error "PD_MULTI_TOKEN, PD_WINDOW, PD_SOFT_CAP, PD_SINKS, PD_OUT_F32 and PD_DEVICE_SCALES must be defined (0 or 1)"
 #endif
 #if !defined(PD_ENTRY) || !defined(PD_ARM)
 #error "define PD_ENTRY (the kernel's name) and PD_ARM (PD_ARM_UNPACKED | _SPLITK | _GQA_PACKED) first"
@@ -302,11 +302,34 @@ struct OutF32 {
   }
 };
 
+// device_scales (PD_DEVICE_SCALES): the dequantization scales are fp32 values on the device,
+// one for the tensor (stride 0) or one per KV head (stride 1), that a CTA reads for its KV
+// head, so a captured CUDA graph follows a scale that changes and nothing syncs to read one.
+// They are folded exactly as the host folds host floats (validation.scales and
+// logit_scales): in double, sm_scale * k_scale * log2 e (with the soft-cap: sm_scale *
+// k_scale / cap), then one rounding to fp32; equal values give equal bytes.
+struct DeviceScales {
+  enum { on = PD_DEVICE_SCALES };
+  const float* k;  // k_scales, k_scales_stride: the kernel parameters
+  long long k_stride;
+  const float* v;
+  long long v_stride;
+  double sm_scale, soft_cap;
+
+  // The score scale and the value scale of KV head `kv_head`.
+  __device__ __forceinline__ void fold(int kv_head, float& qk_scale, float& v_scale) const {
+    const double folded = sm_scale * (double)k[kv_head * k_stride];
+    qk_scale = (float)(SoftCap::on ? folded / soft_cap : folded * 1.4426950408889634);  // log2 e, as the host's
+    v_scale = v[kv_head * v_stride];
+  }
+};
+
 // The features' runtime values, filled by the kernel from its parameters.
 struct Features {
   Window window;
   SoftCap soft_cap;
   Sinks sinks;
+  DeviceScales device_scales;
 };
 
 // The keys of query token t (row_range, after this section); multi_token masks with them.
@@ -864,7 +887,7 @@ __device__ __forceinline__ void run_cta(unsigned char* smem, const Rows& rw, con
 // heads + h goes to out_row0[(t * num_q_heads + h) * D] (the q tokens of one sequence
 // are num_q_heads rows apart), lse_row0[t * num_q_heads + h]. Every thread calls it.
 __device__ __forceinline__ void store_rows(unsigned char* smem, const Rows& rw, const Features& f, int num_q_heads,
-                                           float v_scale, OutF32::out_t* out_row0, float* lse_row0) {
+                                           float v_scale, float lse_scale, OutF32::out_t* out_row0, float* lse_row0) {
   unsigned short* s_out = reinterpret_cast<unsigned short*>(smem + Q_OFF);
   for (int idx = threadIdx.x; idx < rw.rows * D; idx += PD_THREADS) {
     const int r = idx / D, d = idx - r * D;
@@ -877,7 +900,8 @@ __device__ __forceinline__ void store_rows(unsigned char* smem, const Rows& rw, 
       OutF32::put(out_row0, at, d, value);
     else
       s_out[idx] = (unsigned short)pd_float_to_q(value);
-    if (d == 0 && lse_row0 != nullptr) lse_row0[at] = alone ? f.sinks.logit[r % rw.heads] : pd_lse(M, L);
+    if (d == 0 && lse_row0 != nullptr)
+      lse_row0[at] = alone ? pd_sink_lse(f.sinks.logit[r % rw.heads], lse_scale) : pd_lse(M, L, lse_scale);
   }
   if (!OutF32::on) {
     __syncthreads();
@@ -916,7 +940,8 @@ __device__ __forceinline__ void store_rows(unsigned char* smem, const Rows& rw, 
 // 1 + i with L = seq_lens[s], from its window when there is one):
 //   x_t = qk_scale * (q[s, i, h] . k_t)     (log2 units; soft-cap: cap_log2 tanh(qk_scale q.k))
 //   out = v_scale * sum_t 2^(x_t - m) v_t / (sum_t 2^(x_t - m) [+ 2^(sink_h log2 e - m)])
-//   lse = ln of that denominator, with m added back (natural log; optional)
+//   lse = log of that denominator, with m added back (natural log, or base 2 with lse_scale
+//         = 1; optional)
 // with k_t, v_t row t of the sequence's paged cache (page block_tables[s, t / page_size],
 // offset in page t % page_size). A token that sees no key gives out = 0 and lse = -inf.
 // Split-K writes, instead of out and lse, each row's state over its split of the keys to
@@ -955,7 +980,11 @@ extern "C" __global__ void PD_LAUNCH_BOUNDS(PD_THREADS, 1) PD_ENTRY(
     // times v_scale; sinks: a sink logit per head (natural log)
     float qk_scale, float cap_log2, float v_scale, const float* __restrict__ sinks,
     // results: out and lse (unpacked, packed), or the split states (split-K)
-    pd_out_t* __restrict__ out, float* __restrict__ lse, float* __restrict__ workspace) {
+    pd_out_t* __restrict__ out, float* __restrict__ lse, float* __restrict__ workspace,
+    // device_scales: fp32 scales on the device, folded with sm_scale (and soft_cap) here;
+    // lse in the caller's base: lse_scale = ln 2 (natural log) or 1 (base 2)
+    const float* __restrict__ k_scales, long long k_scales_stride, const float* __restrict__ v_scales,
+    long long v_scales_stride, double sm_scale, double soft_cap, float lse_scale) {
   DYNAMIC_SHARED(unsigned char, smem);
 #if PD_ARM == PD_ARM_SPLITK
   const int split = blockIdx.y, seq = blockIdx.z, num_splits = gridDim.y;
@@ -978,7 +1007,9 @@ extern "C" __global__ void PD_LAUNCH_BOUNDS(PD_THREADS, 1) PD_ENTRY(
   const int seq_len = seq_lens[seq];
   const pd_mma::Rows rw{heads, q_len, heads * q_len, seq_len > 0 ? seq_len : 0, split, num_splits};
   // The features' values, as their hooks take them (sinks: no offset from a null pointer without the feature)
-  const pd_mma::Features f{{window_left}, {cap_log2}, {pd_mma::Sinks::on ? sinks + head0 : nullptr}};
+  const pd_mma::Features f{{window_left}, {cap_log2}, {pd_mma::Sinks::on ? sinks + head0 : nullptr},
+                           {k_scales, k_scales_stride, v_scales, v_scales_stride, sm_scale, soft_cap}};
+  if (pd_mma::DeviceScales::on) f.device_scales.fold(kv_head, qk_scale, v_scale);
 
   const pd_mma::QRows q_rows{q + seq * q_stride_seq + head0 * q_stride_head, q_stride_token, q_stride_head, heads};
   pd_mma::run_cta(smem, rw, f, q_rows,
@@ -997,7 +1028,7 @@ extern "C" __global__ void PD_LAUNCH_BOUNDS(PD_THREADS, 1) PD_ENTRY(
   (void)lse;
 #else
   const long long row0 = (long long)seq * q_len * num_q_heads + head0;  // out[seq, 0, head0]
-  pd_mma::store_rows(smem, rw, f, num_q_heads, v_scale, out + row0 * PD_HEAD_DIM,
+  pd_mma::store_rows(smem, rw, f, num_q_heads, v_scale, lse_scale, out + row0 * PD_HEAD_DIM,
                      lse == nullptr ? nullptr : lse + row0);
   (void)workspace;
 #endif
@@ -1008,9 +1039,9 @@ extern "C" __global__ void PD_LAUNCH_BOUNDS(PD_THREADS, 1) PD_ENTRY(
 // merge of pd_splitk.cuh, splits 0..n-1 in order, then the sink (Sinks::merged).
 extern "C" __global__ void PD_LAUNCH_BOUNDS(PD_MERGE_THREADS, 4) decode_splitk_merge(
     const float* __restrict__ workspace, int num_splits, const float* __restrict__ sinks,
-    pd_out_t* __restrict__ out, float* __restrict__ lse) {
+    pd_out_t* __restrict__ out, float* __restrict__ lse, float lse_scale) {
   __shared__ unsigned short s_out[PD_HEAD_DIM];
-  pd_merge_splits(workspace, num_splits, pd_mma::Sinks::merged(sinks), out, lse, s_out);
+  pd_merge_splits(workspace, num_splits, pd_mma::Sinks::merged(sinks), out, lse, lse_scale, s_out);
 }
 #endif
 

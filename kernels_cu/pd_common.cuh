@@ -125,12 +125,14 @@ __device__ __forceinline__ void pd_load_words(const void* p, unsigned (&w)[2]) {
 // From a state to outputs
 // ---------------------------------------------------------------------------------
 
-// Natural-log LSE of a state: ln(sum_t e^(s_t)) = ln 2 * (m + log2 l), -inf when empty.
+// LSE of a state in the caller's base: (m + log2 l) * lse_scale, -inf when empty, with
+// lse_scale = PD_LN2 for the natural log, ln(sum_t e^(s_t)) (the host passes fp32 ln 2, the
+// same value), or 1 for base 2 (FlashInfer's states: the kernels' own log2 units, exactly).
 // Empty means L == 0 exactly (no token: every weight was 2^-inf = 0). Testing L != 0
 // rather than L > 0 or M != -inf lets a NaN input (L = NaN) come out as NaN, as in
 // the reference, instead of being mistaken for an empty state.
-__device__ __forceinline__ float pd_lse(float M, float L) {
-  return (L != 0.f) ? (M + log2f(L)) * PD_LN2 : pd_neg_inf();
+__device__ __forceinline__ float pd_lse(float M, float L, float lse_scale) {
+  return (L != 0.f) ? (M + log2f(L)) * lse_scale : pd_neg_inf();
 }
 
 // Normalized output of a state: v_scale * O / L, 0 for an empty state (L == 0, see pd_lse).

@@ -87,17 +87,24 @@ __device__ __forceinline__ bool pd_add_sink(float sink_ln, float& M, float& L, f
   return false;
 }
 
+// The lse of a state that is its sink alone (pd_add_sink returned true): the sink itself
+// in natural log, or in base 2 (lse_scale 1, see pd_lse) the sink in log2 units as the
+// kernels hold it.
+__device__ __forceinline__ float pd_sink_lse(float sink_ln, float lse_scale) {
+  return lse_scale == 1.f ? sink_ln * PD_LOG2E : sink_ln;
+}
+
 // The merge of (row = blockIdx.y, head = blockIdx.x) over grid (num_q_heads, rows): a row
 // is a sequence (a query token of one, for multi-token decode: row = seq * q_len + t).
 // `sinks` (may be null) holds each head's sink logit; it enters here, once, after the
 // splits. `Out` is the output element: unsigned short (bf16/fp16 bits of PD_Q_DTYPE,
 // staged in s_out, PD_HEAD_DIM shared elements of the caller's: a __shared__ array
 // inside an inline function is not portable to the CPU build) or float. Every thread
-// of the CTA calls it.
+// of the CTA calls it. lse (may be null) in the caller's base (lse_scale, see pd_lse).
 template <class Out>
 __device__ __forceinline__ void pd_merge_splits(const float* __restrict__ workspace, int num_splits,
                                                 const float* __restrict__ sinks, Out* __restrict__ out,
-                                                float* __restrict__ lse, unsigned short* s_out) {
+                                                float* __restrict__ lse, float lse_scale, unsigned short* s_out) {
   const int head = blockIdx.x;
   const int row = blockIdx.y;
   const int num_q_heads = gridDim.x;
@@ -127,7 +134,8 @@ __device__ __forceinline__ void pd_merge_splits(const float* __restrict__ worksp
       reinterpret_cast<float*>(out_row)[d] = value;
     else
       s_out[d] = (unsigned short)pd_float_to_q(value);
-    if (d == 0 && lse != nullptr) lse[(long long)row * num_q_heads + head] = alone ? sinks[head] : pd_lse(mx, L);
+    if (d == 0 && lse != nullptr)
+      lse[(long long)row * num_q_heads + head] = alone ? pd_sink_lse(sinks[head], lse_scale) : pd_lse(mx, L, lse_scale);
   }
   if (sizeof(Out) != 4) {
     __syncthreads();

@@ -181,7 +181,8 @@ _COMMENT = re.compile(r'//[^\n]*|/\*.*?\*/|("(?:\\.|[^"\\\n])*")', re.DOTALL)
 """A comment (replaced by a space), or a string literal (kept: ``#line 1 "kernels_cu/..."``)."""
 _NAME_DEFINE = re.compile(r"^[ \t]*#[ \t]*define[ \t]+([A-Za-z_]\w*)[ \t]+([A-Za-z_]\w*)[ \t]*$", re.MULTILINE)
 
-SCALAR_TYPES = {"int": np.int32, "unsigned": np.uint32, "long long": np.int64, "float": np.float32}
+SCALAR_TYPES = {"int": np.int32, "unsigned": np.uint32, "long long": np.int64, "float": np.float32,
+                "double": np.float64}
 """C scalar types a kernel parameter may have, and the NumPy type the launcher passes."""
 
 

@@ -68,6 +68,8 @@ CTOR_OPTIONS = {  # argument -> (valid values, invalid values)
     "sinks": ([False, False, True], ["yes", 1]),
     "out_dtype": ([None, None, "float32"], ["int8"]),
     "sm_scale": ([None, None, 0.05, 1.0], [0.0, -1.0, float("nan")]),
+    "device_scales": ([False, False, True], ["yes", 1]),
+    "lse_base": (["e", "e", 2], [10, "ln"]),
 }
 RUN_OPTIONS = {
     "bad_length": ([None], [-1, "over"]),
@@ -78,6 +80,8 @@ RUN_OPTIONS = {
     "out": (["new", "given", "given"], ["read-only", "is q", "wrong dtype", "strided"]),
     "lse": ([None, "given"], ["misaligned", "read-only"]),
     "sinks": (["values", "values"], ["none", "nan", "+inf", "huge", "wrong shape"]),
+    # device_scales: the scales' array (one value, or one per KV head), or a bad one
+    "scales": (["one", "per head"], ["float64", "wrong length", "floats too"]),
 }
 
 
@@ -175,14 +179,25 @@ def check_decode(ctor: dict, run: dict) -> str:
         elif run["sinks"] == "wrong shape":
             sinks = sinks[:-1] if H > 1 else np.zeros(2, np.float32)
     arrays = (q, p.k_cache, p.v_cache, tables, lens)
+    k_scale, v_scale = float(run["k_scale"]), float(run["v_scale"])
+    scales = dict(k_scale=run["k_scale"], v_scale=run["v_scale"])
+    if attn.device_scales:
+        n_kv = attn.shape.num_kv_heads
+        shape = {"one": (1,), "per head": (n_kv,), "float64": (n_kv,), "wrong length": (n_kv + 1,), "floats too": (1,)}
+        dtype = np.float64 if run["scales"] == "float64" else np.float32
+        scales = dict(k_scales=np.full(shape[run["scales"]], k_scale, dtype),
+                      v_scales=np.full(shape[run["scales"]], v_scale, dtype))
+        if run["scales"] == "floats too":
+            scales.update(k_scale=2.0)
+        with np.errstate(over="ignore"):
+            k_scale, v_scale = float(np.float32(k_scale)), float(np.float32(v_scale))  # what the kernels read
     LAUNCHES.clear()
     try:
         # torch has no read-only tensors: those cases take the NumPy path
         if run["torch"] and run["out"] != "read-only" and run["lse"] != "read-only":
-            result = _run_torch(attn, arrays, out, lse, sinks, run)
+            result = _run_torch(attn, arrays, out, lse, sinks, scales)
         else:
-            result = attn.run(*arrays, k_scale=run["k_scale"], v_scale=run["v_scale"], out=out, lse=lse,
-                              sinks=sinks, return_lse=lse is None)
+            result = attn.run(*arrays, out=out, lse=lse, sinks=sinks, return_lse=lse is None, **scales)
     except REFUSALS as err:
         assert not LAUNCHES, f"refused after {LAUNCHES} launched: {err}"
         return "refused"
@@ -194,23 +209,24 @@ def check_decode(ctor: dict, run: dict) -> str:
     features = dict(sm_scale=attn.sm_scale, window_left=attn.window_left, logits_soft_cap=attn.logits_soft_cap,
                     sinks=sinks)
     ref, ref_lse = reference.paged_decode(q, p.k_cache, p.v_cache, tables, lens, kv_layout=attn.kv_layout,
-                                          k_scale=float(run["k_scale"]), v_scale=float(run["v_scale"]),
-                                          return_lse=True, **features)
+                                          k_scale=k_scale, v_scale=v_scale, return_lse=True, **features)
     q_len = q.shape[1] if q.ndim == 4 else 1
     v_absmax = reference.max_abs_v_read(p.v_cache, tables, lens, kv_layout=attn.kv_layout,
-                                        v_scale=float(run["v_scale"]), window_left=attn.window_left, q_len=q_len)
+                                        v_scale=v_scale, window_left=attn.window_left, q_len=q_len)
     logits = reference.max_abs_logit(q, p.k_cache, tables, lens, kv_layout=attn.kv_layout, sm_scale=attn.sm_scale,
-                                     k_scale=float(run["k_scale"]), logits_soft_cap=attn.logits_soft_cap, sinks=sinks,
+                                     k_scale=k_scale, logits_soft_cap=attn.logits_soft_cap, sinks=sinks,
                                      window_left=attn.window_left)  # also bounds the lse check's tolerance
     tolerance.assert_close_to_reference(np.asarray(out), ref, v_absmax=v_absmax, logit_absmax=logits,
                                         what=f"case {ctor} {run}")
+    if attn.lse_base == "2":  # base 2: the natural lse is that times ln 2
+        lse = np.asarray(lse, np.float64) * math.log(2.0)
     finite = np.isfinite(ref_lse)
     assert np.array_equal(np.isfinite(lse), finite), "lse: the empty rows, exactly"
     np.testing.assert_allclose(lse[finite], ref_lse[finite], rtol=2e-6, atol=2e-6 * (1 + logits))
     return "ok"
 
 
-def _run_torch(attn, arrays, out, lse, sinks, run):
+def _run_torch(attn, arrays, out, lse, sinks, scales):
     """The same call through ``torch.ops.metrale_attn.paged_decode`` on torch CPU tensors."""
     import torch
 
@@ -223,8 +239,9 @@ def _run_torch(attn, arrays, out, lse, sinks, run):
         lse = np.full(arrays[0].shape[:-1], np.nan, np.float32)
     t_out, t_lse = from_numpy(out), from_numpy(lse)
     t_sinks = None if sinks is None else torch.from_numpy(sinks)
-    torch.ops.metrale_attn.paged_decode(attn.handle, q, k, v, bt, sl, t_out, t_lse, run["k_scale"], run["v_scale"],
-                                        t_sinks)
+    t_k, t_v = (None if scales.get(name) is None else torch.from_numpy(scales[name]) for name in ("k_scales", "v_scales"))
+    torch.ops.metrale_attn.paged_decode(attn.handle, q, k, v, bt, sl, t_out, t_lse, scales.get("k_scale", 1.0),
+                                        scales.get("v_scale", 1.0), t_sinks, t_k, t_v)
     return t_out, t_lse
 
 

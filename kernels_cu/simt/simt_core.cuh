@@ -406,7 +406,7 @@ __device__ __forceinline__ void pd_cta_combine(const float* s_m, const float* s_
 // Computes, for sequence s and query head h (kv head g = h / (num_q_heads / num_kv_heads)):
 //   x_t   = qk_scale * (q[s, h] . k_t)                 t < seq_lens[s]   (log2 units)
 //   out   = v_scale * sum_t 2^(x_t - m) v_t / sum_t 2^(x_t - m),   m = max_t x_t
-//   lse   = ln(sum_t e^(x_t ln 2)) = (m + log2 l) * ln 2   (natural log; optional)
+//   lse   = (m + log2 l) * lse_scale: the natural log (lse_scale = ln 2) or base 2 (1); optional
 // where k_t, v_t are row t of the sequence's paged cache: page block_tables[s, t / page_size],
 // offset in page t % page_size. seq_len 0 gives out = 0 and lse = -inf. Split-K writes,
 // instead of out and lse, the state of each (sequence, head) over its split of the keys
@@ -442,7 +442,7 @@ extern "C" __global__ void PD_LAUNCH_BOUNDS(PD_THREADS, PD_SIMT_MIN_CTAS) PD_ENT
     const int* __restrict__ seq_lens,
     int num_kv_heads, int page_size,
     float qk_scale, float v_scale,
-    pd_q_t* __restrict__ out, float* __restrict__ lse, float* __restrict__ workspace) {
+    pd_q_t* __restrict__ out, float* __restrict__ lse, float* __restrict__ workspace, float lse_scale) {
 #if PD_ARM == PD_ARM_GQA_PACKED
   constexpr int NH = PD_GQA;  // the PD_GQA query heads of one KV head
   constexpr int VEC = 8;      // 8 dims a thread whatever the dtype (fp8: 8-byte loads): NH q vectors and
@@ -516,7 +516,7 @@ extern "C" __global__ void PD_LAUNCH_BOUNDS(PD_THREADS, PD_SIMT_MIN_CTAS) PD_ENT
     pd_cta_combine(s_m, s_l, s_acc, j, d, M, L, O);
     // L >= 1 whenever a token was seen (the max token contributes 2^0); L == 0: zeros.
     s_out[idx] = (unsigned short)pd_float_to_q(pd_normalize(O, L, v_scale));
-    if (d == 0 && lse != nullptr) lse[(long long)seq * num_q_heads + head0 + j] = pd_lse(M, L);
+    if (d == 0 && lse != nullptr) lse[(long long)seq * num_q_heads + head0 + j] = pd_lse(M, L, lse_scale);
   }
   __syncthreads();
   pd_store_span(out + ((long long)seq * num_q_heads + head0) * PD_HEAD_DIM, s_out, NH * PD_HEAD_DIM);
@@ -528,9 +528,10 @@ extern "C" __global__ void PD_LAUNCH_BOUNDS(PD_THREADS, PD_SIMT_MIN_CTAS) PD_ENT
 // The split-K merge: grid (num_q_heads, num_seqs), block PD_MERGE_THREADS; the merge of
 // pd_splitk.cuh, splits 0..n-1 in order (no sinks: the simt kernels serve no features).
 extern "C" __global__ void PD_LAUNCH_BOUNDS(PD_MERGE_THREADS, 4) simt_decode_splitk_merge(
-    const float* __restrict__ workspace, int num_splits, pd_q_t* __restrict__ out, float* __restrict__ lse) {
+    const float* __restrict__ workspace, int num_splits, pd_q_t* __restrict__ out, float* __restrict__ lse,
+    float lse_scale) {
   __shared__ unsigned short s_out[PD_HEAD_DIM];
-  pd_merge_splits(workspace, num_splits, (const float*)nullptr, out, lse, s_out);
+  pd_merge_splits(workspace, num_splits, (const float*)nullptr, out, lse, lse_scale, s_out);
 }
 #endif
 
