@@ -491,7 +491,7 @@ class MetraleAttentionImpl(AttentionImpl):
         self.decoder = self.model.layer(
             self.num_heads, self.num_kv_heads, self.head_size, page_size, q_dtype=self.q_dtype, kv_dtype=self.kv_dtype,
             kv_layout="HND", sm_scale=self.scale, window_left=self.window_left, logits_soft_cap=self.logits_soft_cap,
-            sinks=self.sinks is not None)
+            sinks=self.sinks is not None, device_scales=self.fp8)
         self._handle = self.decoder.handle
         logger.debug("%s: %d/%d heads, head size %d, pages of %d: %s; batch 1: %s", BACKEND_NAME, self.num_heads,
                      self.num_kv_heads, self.head_size, page_size, self.decoder.target_line(),
@@ -523,9 +523,11 @@ class MetraleAttentionImpl(AttentionImpl):
             if q_len > 1:
                 q = q.view(rows, q_len, self.num_heads, D)
                 out = out.view(rows, q_len, self.num_heads, D)
-            scales = (layer._k_scale_float, layer._v_scale_float) if self.fp8 else (1.0, 1.0)
+            # fp8: the layer's own fp32 scale tensors, read by the kernels (a captured graph follows a
+            # reload that changes them; nothing syncs to read them)
+            scales = dict(k_scales=layer._k_scale, v_scales=layer._v_scale) if self.fp8 else {}
             ModelAttention.decode(self._handle, q, kv_cache[..., :D], kv_cache[..., D:], md.block_table, md.seq_lens,
-                                  out, k_scale=scales[0], v_scale=scales[1], sinks=self._sinks)
+                                  out, sinks=self._sinks, **scales)
         if md.prefill is not None:
             start = md.prefill_start
             self.prefill_impl.forward(layer, query[start:], None if key is None else key[start:],

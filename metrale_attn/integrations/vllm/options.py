@@ -8,8 +8,8 @@ The conventions that differ between the two, pinned by tests:
 * vLLM (like FlashAttention and FlashInfer) passes ``logits_soft_cap`` 0 or None for
   "no cap"; we take None.
 * ``kv_cache_dtype="auto"`` stores the cache in the model dtype; ``"fp8"`` means e4m3,
-  stored as uint8 bits with per-tensor ``k_scale``/``v_scale`` (value = stored x scale,
-  both sides).
+  stored as uint8 bits with per-tensor scales (value = stored x scale, both sides), the
+  layer's fp32 tensors ``_k_scale``/``_v_scale``, which our kernels read on the device.
 """
 
 from __future__ import annotations
