@@ -9,6 +9,7 @@ from support.builds import ARCHES, arch_matrix, nvrtc_build, nvrtc_ptx, spec_mat
 
 from metrale_attn import policy
 from metrale_attn.kernels import (
+    FEATURES,
     SOURCE_FILES,
     KernelSourceError,
     KernelSpec,
@@ -96,7 +97,7 @@ def test_variant_names_carry_every_specialization_parameter():
     names = [v.name for v in all_specs()]
     simt = 3 * 2 * 3 + 3 * 2 * 3 + 1 * 2 * 3  # three KV dtypes (no e5m2)
     mma = 2 * (5 * 2 * 4) + 1 * 2 * 4  # four KV dtypes; unpacked and split-K at 1 or 2 row tiles (hd256: 1)
-    featured = 3 * 5 - 1 + 4  # each feature alone per arm (the packed arm has no multi-token), all of them 4 times
+    featured = 3 * len(FEATURES) - 1 + 4  # each feature alone per arm (the packed arm has no multi-token), all 4 times
     assert len(names) == len(set(names)) == simt + mma + featured
 
 
@@ -143,8 +144,8 @@ def test_comments_in_a_parameter_list_are_not_read_as_parameters():
 
 
 def test_a_parameter_of_an_unknown_type_is_refused_when_the_abi_is_read():
-    text = 'extern "C" __global__ void k(const int* __restrict__ a, double b) {}'
-    with pytest.raises(KernelSourceError, match="double"):
+    text = 'extern "C" __global__ void k(const int* __restrict__ a, short b) {}'
+    with pytest.raises(KernelSourceError, match="short"):
         parse_kernel_params(text)
 
 
