@@ -420,13 +420,16 @@ def test_vllms_sliding_window_counts_the_current_token(tmp_path):
 
 def test_soft_cap_sinks_and_fp8_scales_pass_through_exactly(tmp_path):
     """Gemma's ``logits_soft_cap`` (0 means off), gpt-oss's sinks (a float32 copy made once
-    from the layer's parameter) and the layer's fp8 ``_k_scale_float``/``_v_scale_float``,
-    on decode and prefill tokens alike."""
+    from the layer's parameter) and the layer's fp8 scales (vLLM keeps each as an fp32 tensor,
+    ``_k_scale``, which our kernels read on the device, and its float, ``_k_scale_float``,
+    which the prefill backend and the host cache write take), on decode and prefill tokens
+    alike."""
     rng = np.random.default_rng(6)
     sinks = torch.nn.Parameter(torch.tensor([0.5, -1.0, 2.0, float("-inf")]).to(torch.bfloat16), requires_grad=False)
     vc, built = _model(tmp_path, rng, count=1, kv_cache_dtype="fp8", logits_soft_cap=30.0, sinks=sinks)
     layer = built[0]
     layer._k_scale_float, layer._v_scale_float = 0.5, 0.25
+    layer._k_scale.fill_(0.5), layer._v_scale.fill_(0.25)  # as vLLM's kv-cache quantization sets both
     assert layer.impl.logits_soft_cap == 30.0 and layer.impl.kv_dtype == "fp8_e4m3"
     b = h.batch([(300, 1), (17, 1), (40, 9)], rng=rng)
     md = h.builder(vc, built, 16).build(0, b.cm)
