@@ -78,7 +78,7 @@
 //                             pd_mma::SMEM_BYTES (checked at compile time), so the host's
 //                             sizing and this carve cannot drift apart.
 //   PD_MIN_KV_PER_SPLIT       the split rule's floor (pd_splitk.cuh)
-//   PD_MULTI_TOKEN, PD_WINDOW, PD_SOFT_CAP, PD_SINKS, PD_OUT_F32, PD_DEVICE_SCALES   0 | 1: the features
+//   PD_MULTI_TOKEN, PD_WINDOW, PD_SOFT_CAP, PD_SINKS, PD_OUT_F32, PD_DEVICE_SCALES, PD_CSR   0 | 1: the features
 // and from the arm's .cu, before it includes this file: PD_ENTRY (the kernel's name),
 // PD_ARM (PD_ARM_UNPACKED | PD_ARM_SPLITK | PD_ARM_GQA_PACKED; pd_common.cuh), and on the
 // packed arm PD_GQA and PD_HDIM.
@@ -110,8 +110,8 @@
 #error "PD_SMEM_BYTES must be defined (the dynamic shared memory of the launch)"
 #endif
 #if !defined(PD_MULTI_TOKEN) || !defined(PD_WINDOW) || !defined(PD_SOFT_CAP) || !defined(PD_SINKS) || \
-    !defined(PD_OUT_F32) || !defined(PD_DEVICE_SCALES)
-#error "PD_MULTI_TOKEN, PD_WINDOW, PD_SOFT_CAP, PD_SINKS, PD_OUT_F32 and PD_DEVICE_SCALES must be defined (0 or 1)"
+    !defined(PD_OUT_F32) || !defined(PD_DEVICE_SCALES) || !defined(PD_CSR)
+#error "PD_MULTI_TOKEN, PD_WINDOW, PD_SOFT_CAP, PD_SINKS, PD_OUT_F32, PD_DEVICE_SCALES and PD_CSR must be defined (0 or 1)"
 #endif
 #if !defined(PD_ENTRY) || !defined(PD_ARM)
 #error "define PD_ENTRY (the kernel's name) and PD_ARM (PD_ARM_UNPACKED | _SPLITK | _GQA_PACKED) first"
@@ -321,6 +321,28 @@ struct DeviceScales {
     const double folded = sm_scale * (double)k[kv_head * k_stride];
     qk_scale = (float)(SoftCap::on ? folded / soft_cap : folded * 1.4426950408889634);  // log2 e, as the host's
     v_scale = v[kv_head * v_stride];
+  }
+};
+
+// csr (PD_CSR): FlashInfer's CSR page table, read as it is (no conversion to a dense
+// table): sequence s's pages are kv_indices[kv_indptr[s] .. kv_indptr[s + 1]) and its last
+// page holds kv_last_page_len[s] tokens. The kernel takes a sequence's row of page ids and
+// its length from them instead of block_tables and seq_lens; the last page's count is
+// clamped to 0 .. page_size, so a CTA never reads past its sequence's own pages.
+struct Csr {
+  enum { on = PD_CSR };
+  const int* indptr;  // kv_indptr, kv_indices, kv_last_page_len: the kernel parameters
+  const int* indices;
+  const int* last_page_len;
+
+  // Sequence seq's page ids, in order.
+  __device__ __forceinline__ const int* row(int seq) const { return indices + indptr[seq]; }
+  // Its length in tokens: (pages - 1) * page_size + the last page's count, or 0 with no page.
+  __device__ __forceinline__ int seq_len(int seq, int page_size) const {
+    const int pages = indptr[seq + 1] - indptr[seq];
+    int last = last_page_len[seq];
+    last = last < 0 ? 0 : (last > page_size ? page_size : last);
+    return pages > 0 ? (pages - 1) * page_size + last : 0;
   }
 };
 
@@ -984,7 +1006,9 @@ extern "C" __global__ void PD_LAUNCH_BOUNDS(PD_THREADS, 1) PD_ENTRY(
     // device_scales: fp32 scales on the device, folded with sm_scale (and soft_cap) here;
     // lse in the caller's base: lse_scale = ln 2 (natural log) or 1 (base 2)
     const float* __restrict__ k_scales, long long k_scales_stride, const float* __restrict__ v_scales,
-    long long v_scales_stride, double sm_scale, double soft_cap, float lse_scale) {
+    long long v_scales_stride, double sm_scale, double soft_cap, float lse_scale,
+    // csr: FlashInfer's page table in place of block_tables and seq_lens
+    const int* __restrict__ kv_indptr, const int* __restrict__ kv_indices, const int* __restrict__ kv_last_page_len) {
   DYNAMIC_SHARED(unsigned char, smem);
 #if PD_ARM == PD_ARM_SPLITK
   const int split = blockIdx.y, seq = blockIdx.z, num_splits = gridDim.y;
@@ -1004,7 +1028,8 @@ extern "C" __global__ void PD_LAUNCH_BOUNDS(PD_THREADS, 1) PD_ENTRY(
   const int head0 = blockIdx.x * heads_per_cta;
   const int kv_head = head0 / (num_q_heads / num_kv_heads);
 #endif
-  const int seq_len = seq_lens[seq];
+  const pd_mma::Csr csr{kv_indptr, kv_indices, kv_last_page_len};
+  const int seq_len = pd_mma::Csr::on ? csr.seq_len(seq, page_size) : seq_lens[seq];
   const pd_mma::Rows rw{heads, q_len, heads * q_len, seq_len > 0 ? seq_len : 0, split, num_splits};
   // The features' values, as their hooks take them (sinks: no offset from a null pointer without the feature)
   const pd_mma::Features f{{window_left}, {cap_log2}, {pd_mma::Sinks::on ? sinks + head0 : nullptr},
@@ -1015,7 +1040,7 @@ extern "C" __global__ void PD_LAUNCH_BOUNDS(PD_THREADS, 1) PD_ENTRY(
   pd_mma::run_cta(smem, rw, f, q_rows,
                   qk_scale, k_cache + kv_head * k_stride_head, k_stride_page, k_stride_token,
                   v_cache + kv_head * v_stride_head, v_stride_page, v_stride_token,
-                  block_tables + seq * block_tables_stride, page_size);
+                  pd_mma::Csr::on ? csr.row(seq) : block_tables + seq * block_tables_stride, page_size);
 #if PD_ARM == PD_ARM_SPLITK
   for (int idx = threadIdx.x; idx < rw.rows * PD_HEAD_DIM; idx += PD_THREADS) {
     const int r = idx / PD_HEAD_DIM, d = idx - r * PD_HEAD_DIM;

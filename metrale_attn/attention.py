@@ -31,7 +31,7 @@ from .config import ENV_IMPL, LayerConfig, configure, impl_chosen
 from .kernels import launchable_config, source_constants, specs_for
 from .plan import LEGACY_MAX_DECODE_SEQS, DecodePlan, make_plan
 from .targets import resolve_target_policy, target_for
-from .validation import check_indices, check_scale_values, check_sink_values
+from .validation import check_indices, check_scale_values, check_sink_values, dense_pages
 from .workspace import WorkspaceGroup, adopt, allocate, layer_workspace, storage_guard
 
 logger = logging.getLogger(__name__)
@@ -251,12 +251,19 @@ class DecodeAttention:
         """``target defaults (...): ...``, for logs and the CLI."""
         return self.config.target_policy.line()
 
-    def run(self, q, k_cache, v_cache, block_tables, seq_lens, *, k_scale: float = 1.0, v_scale: float = 1.0,
-            out=None, return_lse: bool = False, lse=None, stream=None, sinks=None, k_scales=None, v_scales=None):
+    def run(self, q, k_cache, v_cache, block_tables=None, seq_lens=None, *, k_scale: float = 1.0,
+            v_scale: float = 1.0, out=None, return_lse: bool = False, lse=None, stream=None, sinks=None,
+            k_scales=None, v_scales=None, kv_indptr=None, kv_indices=None, kv_last_page_len=None):
         """Decode one step. Returns ``out`` (and ``lse`` when ``return_lse`` or ``lse`` is given).
 
         q is ``[num_seqs, num_q_heads, head_dim]``, or ``[num_seqs, q_len, num_q_heads,
-        head_dim]`` (``q_len <= max_q_len``); out and lse follow q's axes.
+        head_dim]`` (``q_len <= max_q_len``); out and lse follow q's axes. The page table:
+        ``block_tables`` int32 ``[num_seqs, max_pages]`` and ``seq_lens`` int32
+        ``[num_seqs]``, or, for an object built with ``page_table="csr"``, FlashInfer's
+        ``kv_indptr`` int32 ``[num_seqs + 1]``, ``kv_indices`` int32 ``[nnz]`` (sequence ``s``'s
+        pages are ``kv_indices[kv_indptr[s]:kv_indptr[s + 1]]``) and ``kv_last_page_len``
+        int32 ``[num_seqs]`` (1..page_size tokens in its last page), which the kernels read
+        as they are (a sequence's length is ``(pages - 1) * page_size + last_page_len``).
         ``k_scale``/``v_scale`` dequantize the cache: value = stored * scale (fp8
         mostly; any dtype), host floats folded on the host. ``k_scales``/``v_scales``
         (instead, exactly when the object was built with ``device_scales=True``): float32
@@ -287,15 +294,13 @@ class DecodeAttention:
             out, lse = self._allocate_outputs(q, out, lse, want_lse)
         if self._workspace_guard is not None:
             self._workspace_guard()
-        call = self._binder.bind((q, k_cache, v_cache, block_tables, seq_lens, sinks, k_scales, v_scales, out, lse),
-                                 k_scale, v_scale)
+        call = self._binder.bind((q, k_cache, v_cache, block_tables, seq_lens, kv_indptr, kv_indices, kv_last_page_len,
+                                  sinks, k_scales, v_scales, out, lse), k_scale, v_scale)
         if self.check_indices:
-            backend = self.backend
-            check_indices(self.config, np.asarray(backend.host_copy(block_tables)),
-                          np.asarray(backend.host_copy(seq_lens)), call.num_pages, call.max_pages, call.q_len)
+            self._check_index_values(call, block_tables, seq_lens, kv_indptr, kv_indices, kv_last_page_len)
             if k_scales is not None:
-                check_scale_values(self.config, np.asarray(backend.host_copy(k_scales)),
-                                   np.asarray(backend.host_copy(v_scales)))
+                host = self.backend.host_copy
+                check_scale_values(self.config, np.asarray(host(k_scales)), np.asarray(host(v_scales)))
         if sinks is not None and self._device is None:  # host values: read on every call, like the indices
             check_sink_values(sinks)
         if call.launches:
@@ -304,6 +309,18 @@ class DecodeAttention:
                 for module, launch in call.launches:
                     module.launch(launch)
         return (out, lse) if want_lse else out
+
+    def _check_index_values(self, call, block_tables, seq_lens, kv_indptr, kv_indices, kv_last_page_len) -> None:
+        """``check_indices``: host copies of the page table (dense, or CSR made dense) proved in range."""
+        host = self.backend.host_copy
+        if kv_indptr is None:
+            table, lens = np.asarray(host(block_tables)), np.asarray(host(seq_lens))
+            check_indices(self.config, table, lens, call.num_pages, call.max_pages, call.q_len)
+            return
+        indptr = np.asarray(host(kv_indptr))
+        table, lens = dense_pages(indptr, np.asarray(host(kv_indices)), np.asarray(host(kv_last_page_len)),
+                                  self.config.page_size)
+        check_indices(self.config, table, lens, call.num_pages, table.shape[1], call.q_len, indptr=indptr)
 
     def _allocate_outputs(self, q, out, lse, want_lse):
         """New ``out`` (q's library, ``out_dtype``) and, when asked, ``lse``, shaped by q (checked first)."""

@@ -22,8 +22,8 @@ from typing import Callable, Optional
 from .backends import Launch
 from .config import LayerConfig
 from .kernels import kernel_params
-from .validation import (ARRAY_ARGUMENTS, CHECKERS, INPUTS, VECTOR_BYTES, check_together, logit_scales,
-                         refuse_scales, refuse_sinks, scales)
+from .validation import (ARRAY_ARGUMENTS, CHECKERS, CSR, DENSE, INPUTS, VECTOR_BYTES, check_together, logit_scales,
+                         refuse_page_table, refuse_scales, refuse_sinks, scales)
 from .workspace import where
 
 _CONFIG_FIELDS = frozenset(f.name for f in dataclasses.fields(LayerConfig))
@@ -46,7 +46,7 @@ ARGUMENTS: dict[str, Callable[["_Values"], object]] = {
     "v_stride_page": lambda v: v.seen[_AT["v_cache"]].derived[0],
     "v_stride_token": lambda v: v.seen[_AT["v_cache"]].derived[1],
     "v_stride_head": lambda v: v.seen[_AT["v_cache"]].derived[2],
-    "block_tables_stride": lambda v: v.seen[_AT["block_tables"]].info.strides[0],
+    "block_tables_stride": lambda v: v.seen[_AT["block_tables"]].info.strides[0] if v.seen[_AT["block_tables"]] else 0,
     "k_scales_stride": lambda v: v.derived_or_zero(_AT["k_scales"]),
     "v_scales_stride": lambda v: v.derived_or_zero(_AT["v_scales"]),
     # the layer
@@ -192,13 +192,17 @@ class CallBinder:
         rows = q_seen.derived  # out's leading dims: (num_seqs, num_q_heads) or (num_seqs, q_len, num_q_heads)
         if (arrays[_AT["sinks"]] is None) == config.sinks:
             refuse_sinks(config)
+        csr = config.page_table == "csr"
+        if any((arrays[_AT[name]] is None) != csr for name in DENSE) or any(
+                (arrays[_AT[name]] is None) == csr for name in CSR):
+            refuse_page_table(config)
         device_scales = (arrays[_AT["k_scales"]] is not None, arrays[_AT["v_scales"]] is not None)
         if device_scales != (config.device_scales,) * 2 or (config.device_scales and (k_scale, v_scale) != (1.0, 1.0)):
             refuse_scales(config, k_scale, v_scale)
         seen = [q_seen] + [None if a is None else self._checked(i, a, prints[i], rows)
                            for i, a in enumerate(arrays[1:], 1)]
         span = [None if x is None else x.span for x in seen]
-        k, v, bt = seen[_AT["k_cache"]], seen[_AT["v_cache"]], seen[_AT["block_tables"]]
+        k, v, bt = seen[_AT["k_cache"]], seen[_AT["v_cache"]], seen[_AT["block_tables"]]  # bt: None for CSR
         check_together(k.info, v.info, (span[_AT["out"]], span[_AT["lse"]]), tuple(span[:len(INPUTS)]),
                        self._group.span)
         k_scale, v_scale = scales(config.sm_scale, k_scale, v_scale)
@@ -207,8 +211,8 @@ class CallBinder:
         num_seqs, q_len = rows[0], (rows[1] if len(rows) == 3 else 1)
         plan = self._plan(num_seqs, q_len)
         launches = self._launches(plan, seen, scalars) if num_seqs else ()
-        return BoundCall(prints, k_scale, v_scale, launches, k.info.shape[0], bt.info.shape[1], q_len, seen,
-                         self._group.span)
+        return BoundCall(prints, k_scale, v_scale, launches, k.info.shape[0], None if bt is None else bt.info.shape[1],
+                         q_len, seen, self._group.span)
 
     def _checked(self, index: int, array, fingerprint, rows) -> _Seen:
         """``array`` (argument ``ARRAY_ARGUMENTS[index]``) described and checked, or what

@@ -48,6 +48,8 @@ head dim 256."""
 
 LSE_BASES = {"e": "e", "2": "2", 2: "2"}  # a string (trimmed, any case) or an integer 2
 """The spellings of ``lse_base`` and the one each means."""
+PAGE_TABLES = ("dense", "csr")
+"""How ``run`` names each sequence's pages: a dense int32 table and lengths, or CSR (FlashInfer's)."""
 
 FP32_MAX = 3.4028234663852886e38
 FP32_MIN_NORMAL = 1.1754943508222875e-38
@@ -89,8 +91,10 @@ class LayerConfig:
     ``logits_soft_cap`` None (none) or the cap; ``device_scales``: the dequantization scales
     are fp32 arrays on the device (per tensor or per KV head) that the kernels read, not host
     floats; ``lse_base`` ``"e"`` (the natural log, the default) or ``"2"`` (FlashInfer's
-    base-2 states); ``heads_per_cta`` None (the plan's rule) or the override; ``impl`` the
-    implementation after any fallback.
+    base-2 states); ``page_table`` ``"dense"`` (``block_tables`` and ``seq_lens``, vLLM's) or
+    ``"csr"`` (FlashInfer's ``kv_indptr``, ``kv_indices``, ``kv_last_page_len``, read by the
+    kernels as they are); ``heads_per_cta`` None (the plan's rule) or the override; ``impl``
+    the implementation after any fallback.
     """
 
     shape: ModelShape
@@ -111,6 +115,7 @@ class LayerConfig:
     sinks: bool = False
     device_scales: bool = False
     lse_base: str = "e"
+    page_table: str = "dense"
     features: frozenset = field(init=False)
     """The ``FEATURES`` this layer compiles (``multi_token`` for calls of ``q_len > 1`` only)."""
 
@@ -148,10 +153,12 @@ FEATURES: dict[str, Callable[[LayerConfig], bool]] = {
     "sinks": lambda c: c.sinks,
     "out_f32": lambda c: c.out_dtype == dtypes.FLOAT32,
     "device_scales": lambda c: c.device_scales,
+    "csr": lambda c: c.page_table == "csr",
 }
 """The ``mma`` core's specializations, by name, and when a layer has each: multi-token
 decode (``max_q_len > 1``: query rows that see different keys), a sliding window, the
-logits soft-cap, attention sinks, fp32 output, dequantization scales read on the device. Each compiles as ``-DPD_<NAME>=0|1``
+logits soft-cap, attention sinks, fp32 output, dequantization scales read on the device,
+FlashInfer's CSR page table. Each compiles as ``-DPD_<NAME>=0|1``
 (``feature_define``), so the plain path compiles none of their code."""
 
 
@@ -182,6 +189,7 @@ def configure(
     sinks: bool = False,
     device_scales: bool = False,
     lse_base="e",
+    page_table: str = "dense",
     environ=None,
 ) -> LayerConfig:
     """A ``LayerConfig`` from ``DecodeAttention``'s keyword arguments, each checked here and
@@ -213,16 +221,21 @@ def configure(
     if base is None:
         raise ValueError(f"lse_base must be 'e' (natural log, the default) or 2 (base 2, as FlashInfer's states), "
                          f"got {lse_base!r}")
+    table = page_table.strip().lower() if isinstance(page_table, str) else None
+    if table not in PAGE_TABLES:
+        raise ValueError(f"page_table must be one of {', '.join(PAGE_TABLES)} (block_tables and seq_lens, or "
+                         f"FlashInfer's kv_indptr, kv_indices and kv_last_page_len), got {page_table!r}")
     out_dtype = q_dtype if out_dtype is None else dtypes.canonical(out_dtype, argument="out_dtype",
                                                                    allowed=(q_dtype, dtypes.FLOAT32))
     impl = resolve_impl(impl, env.get(ENV_IMPL))
     config = LayerConfig(shape, page_size, q_dtype, kv_dtype, max_batch, target_policy, layout, out_dtype, sm_scale,
                          max_decode_seqs, impl, None, max_q_len, window_left, logits_soft_cap, sinks, device_scales,
-                         base)
+                         base, table)
     if config.impl == "simt" and config.mma_only:
         raise ValueError(f"impl='simt' has no {', '.join(config.mma_only)} (features: multi_token = max_q_len > 1, "
                          "window = window_left, soft_cap = logits_soft_cap, sinks = sinks, out_f32 = out_dtype "
-                         "float32, device_scales = device_scales; fp8_e5m2 caches): use impl='mma'")
+                         "float32, device_scales = device_scales, csr = page_table 'csr'; fp8_e5m2 caches): use "
+                         "impl='mma'")
     override = resolve_heads_per_cta(heads_per_cta, env.get(ENV_HEADS_PER_CTA), shape.group_size, max_q_len,
                                      max_rows_per_cta(shape.head_dim))
     return replace(config, heads_per_cta=override)

@@ -54,18 +54,22 @@ def to_numpy(tensor: torch.Tensor) -> np.ndarray:
 # -- the custom op -------------------------------------------------------------------------
 
 
-SCHEMA = ("paged_decode(int handle, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
-          "Tensor(a!) out, Tensor(b!)? lse, float k_scale=1.0, float v_scale=1.0, Tensor? sinks=None, "
-          "Tensor? k_scales=None, Tensor? v_scales=None) -> ()")
+SCHEMA = ("paged_decode(int handle, Tensor q, Tensor k_cache, Tensor v_cache, Tensor? block_tables, "
+          "Tensor? seq_lens, Tensor(a!) out, Tensor(b!)? lse, float k_scale=1.0, float v_scale=1.0, Tensor? sinks=None, "
+          "Tensor? k_scales=None, Tensor? v_scales=None, Tensor? kv_indptr=None, Tensor? kv_indices=None, "
+          "Tensor? kv_last_page_len=None) -> ()")
 """The op's schema: it returns nothing and writes ``out`` (and ``lse``) in place."""
 
 
 def paged_decode(handle: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 block_tables: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor, lse: Optional[torch.Tensor],
-                 k_scale: float = 1.0, v_scale: float = 1.0, sinks: Optional[torch.Tensor] = None,
-                 k_scales: Optional[torch.Tensor] = None, v_scales: Optional[torch.Tensor] = None) -> None:
+                 block_tables: Optional[torch.Tensor], seq_lens: Optional[torch.Tensor], out: torch.Tensor,
+                 lse: Optional[torch.Tensor], k_scale: float = 1.0, v_scale: float = 1.0,
+                 sinks: Optional[torch.Tensor] = None, k_scales: Optional[torch.Tensor] = None,
+                 v_scales: Optional[torch.Tensor] = None, kv_indptr: Optional[torch.Tensor] = None,
+                 kv_indices: Optional[torch.Tensor] = None, kv_last_page_len: Optional[torch.Tensor] = None) -> None:
     """``DecodeAttention.from_handle(handle).run(q, k_cache, v_cache, block_tables, seq_lens,
-    k_scale=, v_scale=, out=out, lse=lse, sinks=sinks, k_scales=, v_scales=)``: writes ``out`` (and ``lse`` when
+    k_scale=, v_scale=, out=out, lse=lse, sinks=sinks, k_scales=, v_scales=, kv_indptr=, kv_indices=,
+    kv_last_page_len=)``: writes ``out`` (and ``lse`` when
     given) in place. q and out are 3-D, or 4-D ``[num_seqs, q_len, num_q_heads, head_dim]``
     for an object built with ``max_q_len > 1``.
 
@@ -78,18 +82,20 @@ def paged_decode(handle: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     it as a constant."""
     DecodeAttention.from_handle(handle).run(q, k_cache, v_cache, block_tables, seq_lens, k_scale=k_scale,
                                             v_scale=v_scale, out=out, lse=lse, sinks=sinks, k_scales=k_scales,
-                                            v_scales=v_scales)
+                                            v_scales=v_scales, kv_indptr=kv_indptr, kv_indices=kv_indices,
+                                            kv_last_page_len=kv_last_page_len)
 
 
 def _paged_decode_fake(handle, q, k_cache, v_cache, block_tables, seq_lens, out, lse, k_scale=1.0, v_scale=1.0,
-                       sinks=None, k_scales=None, v_scales=None):
+                       sinks=None, k_scales=None, v_scales=None, kv_indptr=None, kv_indices=None,
+                       kv_last_page_len=None):
     """Nothing to compute (the op returns nothing); devices, ranks and dtypes are checked
     here so a mistake shows at trace time. Sizes are left to the real call: comparing
     symbolic sizes here would add guards to the caller's graph. Tensors on several devices
     (a ``meta`` q beside CPU caches dispatches here, not to the CPU kernel) are refused,
     as torch's own ops refuse them, rather than returning with ``out`` unwritten."""
-    tensors = [t for t in (q, k_cache, v_cache, block_tables, seq_lens, out, lse, sinks, k_scales, v_scales)
-               if t is not None]
+    tables = (block_tables, seq_lens, kv_indptr, kv_indices, kv_last_page_len)
+    tensors = [t for t in (q, k_cache, v_cache, *tables, out, lse, sinks, k_scales, v_scales) if t is not None]
     if len({t.device for t in tensors}) > 1:
         raise ValueError(f"paged_decode: every tensor must be on one device, got "
                          f"{', '.join(sorted({str(t.device) for t in tensors}))}")
@@ -101,8 +107,9 @@ def _paged_decode_fake(handle, q, k_cache, v_cache, block_tables, seq_lens, out,
                          f"{lse.dim()}-D")
     if sinks is not None and (sinks.dim() != 1 or sinks.dtype != torch.float32):
         raise ValueError(f"paged_decode: sinks must be float32 [num_q_heads], got {sinks.dtype} {sinks.dim()}-D")
-    if block_tables.dtype != torch.int32 or seq_lens.dtype != torch.int32:
-        raise ValueError("paged_decode: block_tables and seq_lens must be int32")
+    if any(t is not None and t.dtype != torch.int32 for t in tables):
+        raise ValueError("paged_decode: block_tables, seq_lens and the kv_indptr, kv_indices, kv_last_page_len of a "
+                         "CSR page table must be int32")
     for name, scales in (("k_scales", k_scales), ("v_scales", v_scales)):
         if scales is not None and (scales.dim() > 1 or scales.dtype != torch.float32):
             raise ValueError(f"paged_decode: {name} must be float32 [] or [num_kv_heads], got {scales.dtype} "
@@ -125,7 +132,9 @@ torch.library.register_fake("metrale_attn::paged_decode", _paged_decode_fake, li
 def decode(attn, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
            seq_lens: torch.Tensor, out: Optional[torch.Tensor] = None, lse: Optional[torch.Tensor] = None, *,
            k_scale: float = 1.0, v_scale: float = 1.0, sinks: Optional[torch.Tensor] = None,
-           k_scales: Optional[torch.Tensor] = None, v_scales: Optional[torch.Tensor] = None) -> torch.Tensor:
+           k_scales: Optional[torch.Tensor] = None, v_scales: Optional[torch.Tensor] = None,
+           kv_indptr: Optional[torch.Tensor] = None, kv_indices: Optional[torch.Tensor] = None,
+           kv_last_page_len: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``out`` after ``torch.ops.metrale_attn.paged_decode`` (a new tensor like ``q``, of the
     object's ``out_dtype``, when not given). ``attn``: a ``DecodeAttention`` or its ``handle``; under
     ``torch.compile`` pass the int (read ``attn.handle`` once, outside the compiled code)."""
@@ -134,5 +143,5 @@ def decode(attn, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         wide = DecodeAttention.from_handle(handle).out_dtype == "float32"
         out = torch.empty_like(q, dtype=torch.float32) if wide else torch.empty_like(q)
     torch.ops.metrale_attn.paged_decode(handle, q, k_cache, v_cache, block_tables, seq_lens, out, lse, k_scale,
-                                        v_scale, sinks, k_scales, v_scales)
+                                        v_scale, sinks, k_scales, v_scales, kv_indptr, kv_indices, kv_last_page_len)
     return out

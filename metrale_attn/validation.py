@@ -19,10 +19,13 @@ from . import dtypes
 from .backends import ArrayInfo
 from .config import FP32_MAX, FP32_MIN_NORMAL, LayerConfig, as_float, fp32_normal
 
-ARRAY_ARGUMENTS = ("q", "k_cache", "v_cache", "block_tables", "seq_lens", "sinks", "k_scales", "v_scales", "out",
-                   "lse")
-"""The array arguments of ``run``, in order (``sinks``, ``k_scales``, ``v_scales`` and ``lse`` may be absent)."""
-INPUTS = ARRAY_ARGUMENTS[:8]
+ARRAY_ARGUMENTS = ("q", "k_cache", "v_cache", "block_tables", "seq_lens", "kv_indptr", "kv_indices",
+                   "kv_last_page_len", "sinks", "k_scales", "v_scales", "out", "lse")
+"""The array arguments of ``run``, in order: the page table is ``block_tables`` and ``seq_lens``
+(dense) or the three ``kv_*`` (CSR), and ``sinks``, ``k_scales``, ``v_scales``, ``lse`` may be
+absent."""
+INPUTS = ARRAY_ARGUMENTS[:11]
+DENSE, CSR = ARRAY_ARGUMENTS[3:5], ARRAY_ARGUMENTS[5:8]
 VECTOR_BYTES = 16  # kernels load K/V and q rows with 16-byte vector loads
 INDEX_BYTES = 4  # int32 block tables and seq_lens, float32 lse and sinks: 4-byte loads and stores
 LOG2E = 1.4426950408889634
@@ -92,6 +95,35 @@ def check_seq_lens(config: LayerConfig, si: ArrayInfo, rows) -> None:
     aligned(si, "seq_lens", INDEX_BYTES)
 
 
+def check_kv_indptr(config: LayerConfig, info: ArrayInfo, rows) -> None:
+    """Contiguous int32 ``[num_seqs + 1]``: sequence ``s``'s pages are ``kv_indices[kv_indptr[s]
+    : kv_indptr[s + 1]]``."""
+    _contiguous_int32(info, "kv_indptr", rows[0] + 1)
+
+
+def check_kv_indices(config: LayerConfig, info: ArrayInfo, rows) -> None:
+    """Contiguous int32 ``[nnz]``: every sequence's page ids, one after another."""
+    if len(info.shape) != 1:
+        raise ValueError(f"kv_indices must be contiguous int32 [nnz], got {info.dtype} {list(info.shape)}")
+    _contiguous_int32(info, "kv_indices", info.shape[0])
+
+
+def check_kv_last_page_len(config: LayerConfig, info: ArrayInfo, rows) -> None:
+    """Contiguous int32 ``[num_seqs]``: the tokens of each sequence's last page (1 ..
+    page_size; a sequence of no page has none)."""
+    _contiguous_int32(info, "kv_last_page_len", rows[0])
+
+
+def _contiguous_int32(info: ArrayInfo, argument: str, length: int) -> None:
+    _forward_strides(info, argument)
+    if info.shape != (length,) or dtypes.name_of(info.dtype) != dtypes.INT32:
+        raise ValueError(f"{argument} must be contiguous int32 [{length}], got {info.dtype} {list(info.shape)}")
+    if length > 1 and info.strides[0] != 1:
+        raise ValueError(f"{argument} must be contiguous int32 [{length}], got a strided view (element stride "
+                         f"{info.strides[0]}, not 1)")
+    aligned(info, argument, INDEX_BYTES)
+
+
 def check_sinks(config: LayerConfig, info: ArrayInfo, rows) -> None:
     """Contiguous float32 ``[num_q_heads]`` (given only to a layer built with sinks:
     ``refuse_sinks``); host values are checked on every call (``check_sink_values``)."""
@@ -139,6 +171,9 @@ CHECKERS = (
     lambda config, info, rows: check_cache(config, info, "v_cache"),
     check_block_tables,
     check_seq_lens,
+    check_kv_indptr,
+    check_kv_indices,
+    check_kv_last_page_len,
     check_sinks,
     lambda config, info, rows: check_scales(config, info, "k_scales"),
     lambda config, info, rows: check_scales(config, info, "v_scales"),
@@ -160,6 +195,15 @@ def refuse_scales(config: LayerConfig, k_scale, v_scale) -> None:
     raise ValueError(f"k_scales and v_scales must both be given: this DecodeAttention was built with "
                      f"device_scales=True (float32 arrays of one value or [{config.shape.num_kv_heads}], one per KV "
                      "head)")
+
+
+def refuse_page_table(config: LayerConfig) -> None:
+    """The page table given in the other form than the layer was built for, or in part."""
+    if config.page_table == "csr":
+        raise ValueError("this DecodeAttention was built with page_table='csr': pass kv_indptr=, kv_indices= and "
+                         "kv_last_page_len= (int32), and no block_tables or seq_lens")
+    raise ValueError("pass block_tables and seq_lens (this DecodeAttention was built with page_table='dense'; "
+                     "FlashInfer's kv_indptr / kv_indices / kv_last_page_len need page_table='csr')")
 
 
 def refuse_sinks(config: LayerConfig) -> None:
@@ -289,11 +333,35 @@ def check_scale_values(config: LayerConfig, k_scales: np.ndarray, v_scales: np.n
                 raise ValueError(f"{argument}[{h}] = {value:.6g}: {err}") from None
 
 
+def dense_pages(indptr: np.ndarray, indices: np.ndarray, last_page_len: np.ndarray,
+                page_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """A CSR page table (host copies) as ``(block_tables, seq_lens)``, after checking what the
+    kernels assume of it: ``indptr`` starts at 0 or more, never decreases and ends within
+    ``indices``; a sequence with pages has 1 .. page_size tokens in its last page (``0`` is
+    allowed only with no page). Rows are padded with -1 (never read: past every length)."""
+    indptr, last = indptr.astype(np.int64), last_page_len.astype(np.int64)
+    pages = np.diff(indptr)
+    if indptr[0] < 0 or (pages < 0).any() or indptr[-1] > indices.shape[0]:
+        raise ValueError(f"kv_indptr must start at >= 0, never decrease and end within kv_indices "
+                         f"({indices.shape[0]} entries), got {indptr.tolist()[:8]}{'...' if len(indptr) > 8 else ''}")
+    bad = np.flatnonzero(np.where(pages > 0, (last < 1) | (last > page_size), last != 0))
+    if bad.size:
+        s = int(bad[0])
+        raise ValueError(f"kv_last_page_len[{s}] = {int(last[s])} must be in 1..{page_size} (page_size) for a sequence "
+                         f"of {int(pages[s])} page(s), or 0 with none")
+    lens = np.where(pages > 0, (pages - 1) * page_size + last, 0)
+    table = np.full((len(pages), max(int(pages.max(initial=0)), 1)), -1, np.int64)
+    for s, (a, n) in enumerate(zip(indptr[:-1], pages)):
+        table[s, :n] = indices[a:a + n]
+    return table, lens
+
+
 def check_indices(config: LayerConfig, table: np.ndarray, lens: np.ndarray, num_pages: int, max_pages: int,
-                  q_len: int = 1) -> None:
+                  q_len: int = 1, indptr: Optional[np.ndarray] = None) -> None:
     """Every length in range, and every page id a call reads a page id: those of the
     pages the window of the first query token touches, to the sequence's end (pages
-    before every window may be freed, e.g. -1). ``table`` and ``lens``: host copies."""
+    before every window may be freed, e.g. -1). ``table`` and ``lens``: host copies (of a
+    CSR table, ``dense_pages`` of it, and ``indptr`` to name the ``kv_indices`` entry)."""
     lens = lens.astype(np.int64)  # lens - q_len - window: no wrap
     page_size = config.page_size
     if max_pages == 0 and lens.any():
@@ -313,7 +381,8 @@ def check_indices(config: LayerConfig, table: np.ndarray, lens: np.ndarray, num_
     wild = used & ((table < 0) | (table >= num_pages))
     if wild.any():
         s, j = map(int, np.argwhere(wild)[0])
-        raise ValueError(f"block_tables[{s}, {j}] = {int(table[s, j])} is not a page id in 0..{num_pages - 1}")
+        where = f"block_tables[{s}, {j}]" if indptr is None else f"kv_indices[{int(indptr[s]) + j}] (sequence {s}'s page {j})"
+        raise ValueError(f"{where} = {int(table[s, j])} is not a page id in 0..{num_pages - 1}")
 
 
 # -- helpers -------------------------------------------------------------------------------

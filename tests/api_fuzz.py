@@ -70,6 +70,7 @@ CTOR_OPTIONS = {  # argument -> (valid values, invalid values)
     "sm_scale": ([None, None, 0.05, 1.0], [0.0, -1.0, float("nan")]),
     "device_scales": ([False, False, True], ["yes", 1]),
     "lse_base": (["e", "e", 2], [10, "ln"]),
+    "page_table": (["dense", "dense", "csr"], ["coo"]),
 }
 RUN_OPTIONS = {
     "bad_length": ([None], [-1, "over"]),
@@ -179,6 +180,9 @@ def check_decode(ctor: dict, run: dict) -> str:
         elif run["sinks"] == "wrong shape":
             sinks = sinks[:-1] if H > 1 else np.zeros(2, np.float32)
     arrays = (q, p.k_cache, p.v_cache, tables, lens)
+    pages = {}
+    if attn.page_table == "csr":  # the same pages in FlashInfer's form, corrupted as the dense ones were
+        arrays, pages = arrays[:3], _csr(p, tables, lens, attn.page_size, run)
     k_scale, v_scale = float(run["k_scale"]), float(run["v_scale"])
     scales = dict(k_scale=run["k_scale"], v_scale=run["v_scale"])
     if attn.device_scales:
@@ -195,9 +199,9 @@ def check_decode(ctor: dict, run: dict) -> str:
     try:
         # torch has no read-only tensors: those cases take the NumPy path
         if run["torch"] and run["out"] != "read-only" and run["lse"] != "read-only":
-            result = _run_torch(attn, arrays, out, lse, sinks, scales)
+            result = _run_torch(attn, arrays, out, lse, sinks, {**scales, **pages})
         else:
-            result = attn.run(*arrays, out=out, lse=lse, sinks=sinks, return_lse=lse is None, **scales)
+            result = attn.run(*arrays, out=out, lse=lse, sinks=sinks, return_lse=lse is None, **scales, **pages)
     except REFUSALS as err:
         assert not LAUNCHES, f"refused after {LAUNCHES} launched: {err}"
         return "refused"
@@ -226,22 +230,39 @@ def check_decode(ctor: dict, run: dict) -> str:
     return "ok"
 
 
+def _csr(p, tables, lens, page_size: int, run: dict) -> dict:
+    """``tables``/``lens`` as FlashInfer's CSR arrays, with ``run``'s corruption (a length past
+    its pages, a wild page id) applied to them."""
+    n = len(lens)
+    counts = [min(-(-max(int(x), 0) // page_size), tables.shape[1]) for x in lens]
+    if n and run["bad_length"] == -1:
+        counts[0] = 1  # a page whose count is -1 (the dense table's negative length)
+    indptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    indices = np.concatenate([tables[s, :c] for s, c in enumerate(counts)] + [np.zeros(0, np.int32)]).astype(np.int32)
+    last = np.array([int(x) - (c - 1) * page_size if c else 0 for x, c in zip(lens, counts)], np.int32)
+    if n and run["bad_length"] is not None:
+        last[0] = -1 if run["bad_length"] == -1 else page_size + 1
+    return dict(kv_indptr=indptr, kv_indices=indices, kv_last_page_len=last)
+
+
 def _run_torch(attn, arrays, out, lse, sinks, scales):
     """The same call through ``torch.ops.metrale_attn.paged_decode`` on torch CPU tensors."""
     import torch
 
     from metrale_attn.torch_op import from_numpy
 
-    q, k, v, bt, sl = (from_numpy(a) if isinstance(a, np.ndarray) and a.flags.writeable else a for a in arrays)
+    q, k, v, bt, sl = (from_numpy(a) if isinstance(a, np.ndarray) and a.flags.writeable else a
+                       for a in arrays + (None,) * (5 - len(arrays)))
     if out is None:
         out = np.full(arrays[0].shape, np.nan, np.float32 if attn.out_dtype == "float32" else arrays[0].dtype)
     if lse is None:
         lse = np.full(arrays[0].shape[:-1], np.nan, np.float32)
     t_out, t_lse = from_numpy(out), from_numpy(lse)
     t_sinks = None if sinks is None else torch.from_numpy(sinks)
-    t_k, t_v = (None if scales.get(name) is None else torch.from_numpy(scales[name]) for name in ("k_scales", "v_scales"))
+    t_k, t_v, t_ip, t_ix, t_lp = (None if scales.get(name) is None else torch.from_numpy(scales[name])
+                                  for name in ("k_scales", "v_scales", "kv_indptr", "kv_indices", "kv_last_page_len"))
     torch.ops.metrale_attn.paged_decode(attn.handle, q, k, v, bt, sl, t_out, t_lse, scales.get("k_scale", 1.0),
-                                        scales.get("v_scale", 1.0), t_sinks, t_k, t_v)
+                                        scales.get("v_scale", 1.0), t_sinks, t_k, t_v, t_ip, t_ix, t_lp)
     return t_out, t_lse
 
 

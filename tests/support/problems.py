@@ -48,9 +48,10 @@ def decoder(p: Problem, *, max_batch=None, backend="cpu", **options) -> DecodeAt
         max_batch=max_batch or max(len(p.seq_lens), 1), backend=backend, **options)
 
 
-def run_poisoned(attn: DecodeAttention, p: Problem, *, q=None, out_dtype=None, **kwargs):
+def run_poisoned(attn: DecodeAttention, p: Problem, *, q=None, out_dtype=None, csr=False, **kwargs):
     """Run with out and lse pre-filled with NaN, so anything the kernel fails to write shows.
-    ``q`` replaces the problem's (multi-token: ``[num_seqs, q_len, heads, head_dim]``); the
+    ``q`` replaces the problem's (multi-token: ``[num_seqs, q_len, heads, head_dim]``);
+    ``csr``: the page table comes in ``kwargs`` (``kv_indptr``, ...), not the problem's; the
     problem's scales go as host floats, or as device arrays to a layer built with
     ``device_scales``; on the CPU backend the arrays are the problem's own, on the device
     copies (outputs copied back)."""
@@ -58,7 +59,7 @@ def run_poisoned(attn: DecodeAttention, p: Problem, *, q=None, out_dtype=None, *
     be = attn.backend
     out = to_backend(be, np.full(q.shape, np.nan, dtype=out_dtype or q.dtype))
     lse = to_backend(be, np.full(q.shape[:-1], np.nan, dtype=np.float32))
-    arrays = [to_backend(be, a) for a in (q, p.k_cache, p.v_cache, p.block_tables, p.seq_lens)]
+    arrays = [to_backend(be, a) for a in (q, p.k_cache, p.v_cache) + (() if csr else (p.block_tables, p.seq_lens))]
     if attn.config.device_scales:  # the problem's scales as float32 arrays on the device (one, or one per KV head)
         scales = {f"{kv}_scales": np.atleast_1d(np.asarray(s, np.float32)) for kv, s in (("k", p.k_scale),
                                                                                          ("v", p.v_scale))}
@@ -99,3 +100,15 @@ class CountingBackend(CpuBackend):
                 module.launch(launch)
 
         return Counting()
+
+
+def to_csr(p: Problem) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``p``'s page table in FlashInfer's CSR form ``(kv_indptr, kv_indices, kv_last_page_len)``,
+    int32: each sequence's used pages, in order, one sequence after another (written here
+    independently of the library's own conversion)."""
+    page_size = p.k_cache.shape[1] if p.kv_layout == "NHD" else p.k_cache.shape[2]
+    pages = [-(-int(n) // page_size) for n in p.seq_lens]
+    indptr = np.concatenate([[0], np.cumsum(pages)]).astype(np.int32)
+    indices = np.concatenate([p.block_tables[s, :n] for s, n in enumerate(pages)] + [np.zeros(0, np.int32)])
+    last = np.array([int(n) - (k - 1) * page_size if k else 0 for n, k in zip(p.seq_lens, pages)], np.int32)
+    return indptr, indices.astype(np.int32), last
