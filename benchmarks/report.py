@@ -480,17 +480,18 @@ def _feature_sweep(result: dict) -> list[str]:
     if not rows:
         return out + ["Not run.", ""]
     r0 = rows[0]
-    out += [f"{r0['model']} ({r0['shape']}) KV {r0['kv_dtype']}, batch {r0['batch']} x {_ctx(r0['context'])}, mma "
-            "kernels, the policy's arm. % of copy counts the K/V each row must read (a window reads its keys "
-            "only); multi-token decodes 4 query tokens per sequence.", "",
-            "| feature | us | % of copy (K/V read) | vs plain | check |", "| --- | --- | --- | --- | --- |"]
+    out += [f"{r0['model']} ({r0['shape']}), batch {r0['batch']} x {_ctx(r0['context'])}, mma kernels, the "
+            "policy's arm; each row against plain decode (dense page table, host scales) on the same KV dtype. "
+            "% of copy counts the K/V each row must read (a window reads its keys only); multi-token decodes 4 "
+            "query tokens per sequence.", "",
+            "| KV | feature | us | % of copy (K/V read) | vs plain | check |", "| --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         pct = r.get("pct_of_copy")
         read = None if pct is None else pct * (r.get("kv_fraction") or 1.0)
         vs = r.get("vs_plain")
         check = (r.get("check") or {}).get("status", r["status"])
-        out.append(f"| {r.get('feature')} | {_us(r)} | {_fmt_pct(read)} | {'-' if vs is None else f'{vs:.2f}x'} | "
-                   f"{check} |")
+        out.append(f"| {r['kv_dtype']} | {r.get('feature')} | {_us(r)} | {_fmt_pct(read)} | "
+                   f"{'-' if vs is None else f'{vs:.2f}x'} | {check} |")
     return out + [""]
 
 

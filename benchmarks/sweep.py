@@ -24,7 +24,7 @@ What one row means (GPU):
   ``default`` on the forced spec with the same geometry: arm, splits, implementation,
   heads per CTA; or timed on its own). The ``heads_per_cta`` tier forces ``heads_per_cta=``
   on the mma kernels instead and marks the plan's choice; the ``features`` tier builds the
-  mma kernels with one feature each (``sweep_plan.FEATURES``), checks each against the
+  mma kernels with one feature each (``sweep_plan.features_for``), checks each against the
   float64 reference with that feature (``reference.paged_decode`` on the host) and gives
   its time over the plain row's (``vs_plain``). A row's ``kernel_impl`` and
   ``heads_per_cta`` are what the plan of the built object runs: where the mma self-test
@@ -586,11 +586,37 @@ class CpuSweep(Sweep):
                 sinks = feature_sinks(config.shape.num_q_heads, config.context)
             ref = p.reference(q=q, **reference_features(feature, self.args.feature_window, sinks))
         out = np.full(q.shape, np.nan, dtype=p.q.dtype)
-        call = lambda: attn.run(q, p.k_cache, p.v_cache, p.block_tables, p.seq_lens, k_scale=p.k_scale,  # noqa: E731
-                                v_scale=p.v_scale, out=out, sinks=sinks)
+        table = page_table_and_scales(feature, p.block_tables, p.seq_lens, config.page_size, p.k_scale, p.v_scale)
+        call = lambda: attn.run(q, p.k_cache, p.v_cache, out=out, sinks=sinks, **table)  # noqa: E731
         call()
         check = _check_numpy(out, ref, v_absmax, seqs=list(range(config.batch)))
         return check, time_host(call, min_iters=2, target_s=self.args.cpu_target_s)
+
+
+def page_table_and_scales(feature: Optional[str], block_tables: np.ndarray, seq_lens: np.ndarray, page_size: int,
+                          k_scale: float, v_scale: float) -> dict:
+    """``run``'s page-table and scale arguments for a feature row, as NumPy arrays: the dense table
+    and host floats, or (``csr``) the same pages in FlashInfer's CSR form, or (``device_scales``)
+    the same scales as one-element float32 arrays. Built before timing: no row times a conversion."""
+    if feature == "device_scales":
+        return dict(block_tables=block_tables, seq_lens=seq_lens, k_scales=np.array([k_scale], np.float32),
+                    v_scales=np.array([v_scale], np.float32))
+    if feature == "csr":
+        return dict(k_scale=k_scale, v_scale=v_scale, **csr_page_table(block_tables, seq_lens, page_size))
+    return dict(block_tables=block_tables, seq_lens=seq_lens, k_scale=k_scale, v_scale=v_scale)
+
+
+def csr_page_table(block_tables: np.ndarray, seq_lens: np.ndarray, page_size: int) -> dict:
+    """FlashInfer's ``kv_indptr``, ``kv_indices``, ``kv_last_page_len`` (int32) of a dense table:
+    each sequence's used pages, one sequence after another; a sequence of no keys has no page
+    (and a last-page length of 0)."""
+    lens = np.asarray(seq_lens, np.int64)
+    pages = -(-lens // page_size)
+    indptr = np.concatenate([[0], np.cumsum(pages)]).astype(np.int32)
+    used = np.arange(block_tables.shape[1])[None, :] < pages[:, None]
+    indices = np.asarray(block_tables)[used].astype(np.int32)  # row-major: sequence by sequence, in page order
+    last = np.where(pages > 0, lens - (pages - 1) * page_size, 0).astype(np.int32)
+    return dict(kv_indptr=indptr, kv_indices=indices, kv_last_page_len=last)
 
 
 def feature_sinks(num_q_heads: int, context: int) -> np.ndarray:
@@ -798,8 +824,10 @@ class GpuSweep(Sweep):
         if feature == "sinks":
             sinks = torch.from_numpy(feature_sinks(config.shape.num_q_heads, config.context)).to(case.q.device)
         out = torch.empty_like(q)
-        call = lambda: attn.run(q, case.k_pool, case.v_pool, case.block_tables, case.seq_lens,  # noqa: E731
-                                k_scale=case.k_scale, v_scale=case.v_scale, out=out, sinks=sinks)
+        table = {k: torch.from_numpy(v).to(case.q.device) if isinstance(v, np.ndarray) else v
+                 for k, v in page_table_and_scales(feature, case.block_tables.cpu().numpy(), case.seq_lens.cpu().numpy(),
+                                                   case.page_size, case.k_scale, case.v_scale).items()}
+        call = lambda: attn.run(q, case.k_pool, case.v_pool, out=out, sinks=sinks, **table)  # noqa: E731
         launch = self.timer.capture_poisoned(call, out)
         features = reference_features(feature, self.args.feature_window,
                                       None if sinks is None else sinks.cpu().numpy())
@@ -1009,6 +1037,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hpc-context", type=int, help="heads_per_cta tier: context")
     p.add_argument("--features", help="features tier: MODEL:BATCH:CONTEXT configurations, or none (each times "
                                       "plain decode and every feature of sweep_plan.FEATURES on the mma kernels)")
+    p.add_argument("--features-dtypes", help="features tier: KV dtypes (bf16 times sweep_plan.FEATURES, fp8 "
+                                             "sweep_plan.FP8_FEATURES)")
     p.add_argument("--feature-window", type=int, help="features tier: the window row's window_left")
     p.add_argument("--rest", choices=("on", "off"), help="run the rest tier (the grid)")
     p.add_argument("--arms", default=",".join(DEFAULT_ARMS), help="forced arms: unpacked, splitk, gqa_packed, splitk:N")

@@ -13,10 +13,12 @@ behind them (``plan_jobs``):
 3. ``heads_per_cta``: 32/8/128 and 64/8/128 bf16 at batch 1, 16 and 64 x 16k, the mma
    kernels with ``heads_per_cta`` forced to every choice of the group
    (``plan.heads_per_cta_choices``: 1, 2, 4 and 1, 2, 4, 8), the plan's choice marked.
-4. ``features``: Llama-3-8B bf16 batch 64 x 16k on the mma kernels, plain and with each
-   feature of the kernels' specializations (``FEATURES``: a 4k sliding window, multi-token
-   decode of 4 query tokens, a logits soft-cap, sinks), each row's time against the plain
-   row's (``vs_plain``).
+4. ``features``: Llama-3-8B batch 64 x 16k on the mma kernels, plain and with each
+   feature of the kernels' specializations, each row's time against the plain row's
+   (``vs_plain``): bf16 with ``FEATURES`` (a 4k sliding window, multi-token decode of 4 query
+   tokens, a logits soft-cap, sinks, FlashInfer's CSR page table, device-side scales), then
+   fp8 e4m3 with ``FP8_FEATURES`` (the serving engine's fp8 path: host-scale dense beside the
+   CSR page table and the scales read from the device).
 5. ``rest``: the grid (models x KV dtypes x batch 1, 16, 64, 256 x context 4k, 16k, 64k),
    less what the tiers above measured; ours only.
 
@@ -56,8 +58,12 @@ FlashInfer's JIT (nvcc, in the background) gets the whole run to finish."""
 
 HPC_MODELS = "llama-3-8b,llama-3-70b"
 """The heads_per_cta tier's shapes: groups of 4 (choices 1, 2, 4) and 8 (1, 2, 4, 8)."""
-FEATURES = ("plain", "window", "multi_token", "soft_cap", "sinks")
-"""The features tier's rows, in order: ``plain`` is the baseline the others are timed against."""
+FEATURES = ("plain", "window", "multi_token", "soft_cap", "sinks", "csr", "device_scales")
+"""The features tier's rows on a bf16 cache, in order: ``plain`` (the dense page table, host
+scales) is the baseline the others are timed against."""
+FP8_FEATURES = ("plain", "csr", "device_scales")
+"""The features tier's rows on an fp8 cache: where a serving engine's scales and page table
+matter (vLLM keeps ``k_scale``/``v_scale`` on the device; FlashInfer passes a CSR table)."""
 MULTI_TOKEN_Q_LEN = 4  # query tokens per sequence of the multi_token row (speculative decode's 3 + 1)
 SOFT_CAP = 30.0  # Gemma 2's attention logit soft-cap
 FEATURES_AT = "llama-3-8b:64:16384"
@@ -66,14 +72,15 @@ PROFILES = {
     "full": dict(models="llama-3-8b,llama-3-70b,qwen3.8-27b", kv_dtypes="bf16,fp8", batches="1,16,64,256",
                  contexts="4096,16384,65536", page_size=16, decisive=DECISIVE, decisive_dtypes="bf16,fp8",
                  hpc_models=HPC_MODELS, hpc_batches="1,16,64", hpc_context=16384, features=FEATURES_AT,
-                 feature_window=4095, rest=True, baselines=",".join(BASELINE_NAMES)),
+                 features_dtypes="bf16,fp8", feature_window=4095, rest=True, baselines=",".join(BASELINE_NAMES)),
     "quick": dict(models="llama-3-8b,llama-3-70b,qwen3.8-27b", kv_dtypes="bf16,fp8", batches="1,16,64,256",
                   contexts="4096,16384,65536", page_size=16, decisive=DECISIVE, decisive_dtypes="bf16,fp8",
                   hpc_models=HPC_MODELS, hpc_batches="1,16,64", hpc_context=16384, features="none",
-                  feature_window=4095, rest=False, baselines="none"),
+                  features_dtypes="bf16,fp8", feature_window=4095, rest=False, baselines="none"),
     "cpu": dict(models="6/1/256", kv_dtypes="bf16", batches="1,2", contexts="64,300", page_size=16,
                 decisive="6/1/256:2:300", decisive_dtypes="bf16,fp8", hpc_models="4/1/64,8/1/64", hpc_batches="1,2",
-                hpc_context=64, features="4/1/64:2:300", feature_window=63, rest=True, baselines="none"),
+                hpc_context=64, features="4/1/64:2:300", features_dtypes="bf16,fp8", feature_window=63, rest=True,
+                baselines="none"),
 }
 """The CPU profile uses the smallest shape that reaches all three arms (the GQA pack needs
 q_heads = 6 x kv_heads at head_dim 256), and for the heads_per_cta sweep the smallest shapes
@@ -165,12 +172,17 @@ class Slot:
         return out
 
 
+def features_for(kv_dtype: str) -> tuple:
+    """The features tier's rows on a ``kv_dtype`` cache."""
+    return FEATURES if kv_dtype == "bf16" else FP8_FEATURES
+
+
 def feature_options(feature: Optional[str], window_left: int) -> dict:
     """The ``DecodeAttention`` options of a feature row (``window_left``: the window's keys
     before a token's own, the profile's ``feature_window``)."""
     return {None: {}, "plain": {}, "window": dict(window_left=window_left),
             "multi_token": dict(max_q_len=MULTI_TOKEN_Q_LEN), "soft_cap": dict(logits_soft_cap=SOFT_CAP),
-            "sinks": dict(sinks=True)}[feature]
+            "sinks": dict(sinks=True), "csr": dict(page_table="csr"), "device_scales": dict(device_scales=True)}[feature]
 
 
 def feature_q_len(feature: Optional[str]) -> int:
@@ -286,8 +298,9 @@ def plan_jobs(args) -> list[Job]:
         for batch in ints(args.hpc_batches):
             add("heads_per_cta", model, "bf16", batch, int(args.hpc_context), kind="hpc",
                 hpc_values=heads_per_cta_choices(shape.group_size))
-    for model, batch, context in parse_decisive(args.features, "--features"):
-        add("features", model, "bf16", batch, context, kind="features")
+    for dtype in [d for d in args.features_dtypes.split(",") if d]:
+        for model, batch, context in parse_decisive(args.features, "--features"):
+            add("features", model, dtype, batch, context, kind="features")
     if args.rest:
         for dtype in args.kv_dtypes.split(","):
             for model, _ in parse_models(args.models):
@@ -303,5 +316,5 @@ def slots_for(job: Job, arms: list[str]) -> list[Slot]:
     if job.kind == "hpc":
         return [Slot("default", SWEEP_IMPL, h) for h in job.hpc_values]
     if job.kind == "features":
-        return [Slot("default", SWEEP_IMPL, feature=f) for f in FEATURES]
+        return [Slot("default", SWEEP_IMPL, feature=f) for f in features_for(job.config.kv_dtype)]
     return [Slot(arm, impl) for arm in arms_for(job.config.shape, arms) for impl in IMPLS]

@@ -27,6 +27,7 @@ import sys
 import tarfile
 import time
 
+import numpy as np
 import pytest
 
 from benchmarks import baselines, impls, l2_probe, predictions, report, steps, summary, sweep, sweep_plan
@@ -106,8 +107,11 @@ def test_gpu_check_cpu_dry_run_writes_every_output(tmp_path):
     # Tiers in order: decisive bf16, decisive fp8, the heads_per_cta sweep, the features, then the grid.
     assert list(dict.fromkeys(r["tier"] for r in ours)) == ["decisive-bf16", "decisive-fp8", "heads_per_cta",
                                                              "features", "rest"]
-    features = [r for r in ours if r["tier"] == "features"]
-    assert [r["feature"] for r in features] == list(sweep_plan.FEATURES) and features[0]["vs_plain"] == 1.0
+    # The features tier: every feature on bf16, then fp8's host-scale dense row beside its CSR and
+    # device-scale rows, each checked against the float64 reference.
+    features = [(r["kv_dtype"], r["feature"]) for r in ours if r["tier"] == "features"]
+    assert features == [("bf16", f) for f in sweep_plan.FEATURES] + [("fp8", f) for f in sweep_plan.FP8_FEATURES]
+    assert [r["vs_plain"] for r in ours if r["tier"] == "features" and r["feature"] == "plain"] == [1.0, 1.0]
     # Every forced arm on both implementations, each row saying what its plan ran; the default flagged once.
     caps = result["kernel_impls"]
     assert caps["impls"] == ["simt", "mma"] and caps["default_impl"] == "mma"
@@ -315,10 +319,11 @@ def test_the_full_profile_runs_the_decisive_configurations_first():
     assert [(j.kind, j.config.model, j.config.batch, j.config.context, j.hpc_values) for j in hpc] == [
         ("hpc", m, b, 16384, values) for m, values in (("llama-3-8b", (1, 2, 4)), ("llama-3-70b", (1, 2, 4, 8)))
         for b in (1, 16, 64)]
-    features = jobs[16]  # plain and every feature on one configuration
-    assert (features.kind, features.config.model, features.config.batch, features.config.context) == (
-        "features", "llama-3-8b", 64, 16384)
-    rest = jobs[17:]
+    features = jobs[16:18]  # plain and every feature on one configuration, bf16 then fp8
+    assert [(j.kind, j.config.model, j.config.kv_dtype, j.config.batch, j.config.context) for j in features] == [
+        ("features", "llama-3-8b", dt, 64, 16384) for dt in ("bf16", "fp8")]
+    assert [len(sweep_plan.slots_for(j, [])) for j in features] == [7, 3]
+    rest = jobs[18:]
     assert rest and all(j.tier == "rest" and not j.baselines for j in rest)
     assert {j.config.batch for j in rest} == {1, 16, 64, 256} and {j.config.context for j in rest} == {
         4096, 16384, 65536}  # no batch 4, no 1k contexts
@@ -797,9 +802,10 @@ class CpuBackedAttention:  # DecodeAttention on the CPU backend, taking and fill
         self._real = DecodeAttention(*args, backend="cpu", **kwargs)
     def plan(self, n, q_len=1): return self._real.plan(n, q_len)
     def target_line(self): return self._real.target_line()
-    def run(self, q, k, v, bt, sl, *, k_scale, v_scale, out, sinks=None):
-        o = self._real.run(*map(to_numpy, (q, k, v, bt, sl)), k_scale=k_scale, v_scale=v_scale,
-                           sinks=None if sinks is None else to_numpy(sinks))
+    def run(self, q, k, v, block_tables=None, seq_lens=None, *, out, **kw):
+        kw.update(block_tables=block_tables, seq_lens=seq_lens)
+        o = self._real.run(*map(to_numpy, (q, k, v)),
+                           **{n: to_numpy(x) if isinstance(x, torch.Tensor) else x for n, x in kw.items()})
         out.copy_(torch.from_numpy(o.view(np.int16)).view(torch.bfloat16))
         return out
 
@@ -857,7 +863,8 @@ def test_gpu_sweep_control_flow_with_fakes_on_the_cpu(tmp_path):
     assert re.search(r"^\[bench \d+s\] late phase: flex_paged, flashinfer", done.stdout, re.M)
     # The features tier on the GPU path: every feature checked against the float64 reference with it.
     features = [r for r in result["rows"] if r.get("sweep") == "features"]
-    assert [r["feature"] for r in features] == list(sweep_plan.FEATURES)
+    assert [(r["kv_dtype"], r["feature"]) for r in features] == [("bf16", f) for f in sweep_plan.FEATURES] + [
+        ("fp8", f) for f in sweep_plan.FP8_FEATURES]
     assert all(r["status"] == "ok" and r["check"]["status"] == "ok" for r in features), features
     assert features[0]["vs_plain"] == 1.0 and features[1]["kv_fraction"] == 16 / 40
 
@@ -881,3 +888,12 @@ def test_the_host_overhead_benchmark_runs_every_case(capsys):
     assert bench.main(["--calls", "20"]) == 0
     printed = capsys.readouterr().out
     assert printed.count(" us per run") >= 2 and "numpy, same buffers" in printed
+
+
+def test_the_csr_form_of_a_dense_table_lists_each_sequences_used_pages_in_order():
+    tables = np.array([[7, 3, 9], [4, 0, 0], [5, 6, 0], [1, 2, 8]], np.int32)
+    csr = sweep.csr_page_table(tables, np.array([33, 0, 16, 17], np.int32), page_size=16)
+    assert csr["kv_indptr"].tolist() == [0, 3, 3, 4, 6]
+    assert csr["kv_indices"].tolist() == [7, 3, 9, 5, 1, 2]
+    assert csr["kv_last_page_len"].tolist() == [1, 0, 16, 1]
+    assert all(a.dtype == np.int32 for a in csr.values())
