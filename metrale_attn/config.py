@@ -26,7 +26,12 @@ from typing import Callable, Optional
 from . import dtypes, policy
 from .targets import TargetPolicy
 
-HEAD_DIMS = (64, 128, 256)
+HEAD_DIMS = tuple(range(64, 257, 16))
+"""Head dims the ``mma`` kernels serve: every multiple of 16 from 64 to 256 (FlashAttention
+rounds head dims up to its compiled sizes the same way; the core pads to a multiple of 32)."""
+SIMT_HEAD_DIMS = (64, 128, 256)
+"""Head dims the ``simt`` reference kernels serve: a thread's slice tiles the row in a power
+of two of lanes (simt/simt_core.cuh refuses the others at compile time)."""
 LAYOUTS = ("NHD", "HND")
 MAX_PAGE_SIZE = 256
 MAX_Q_LEN = 8
@@ -74,7 +79,8 @@ class ModelShape:
                 f"num_q_heads ({self.num_q_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
             )
         if self.head_dim not in HEAD_DIMS:
-            raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {self.head_dim}")
+            raise ValueError(f"head_dim must be a multiple of 16 from 64 to 256 ({', '.join(map(str, HEAD_DIMS))}), "
+                             f"got {self.head_dim}")
 
     @property
     def group_size(self) -> int:
@@ -142,8 +148,11 @@ class LayerConfig:
 
     @property
     def mma_only(self) -> tuple[str, ...]:
-        """What this layer asks that only the ``mma`` kernels serve: its features, and an e5m2 cache."""
-        return tuple(sorted(self.features)) + (("fp8 e5m2 cache",) if self.kv_dtype == dtypes.FP8_E5M2 else ())
+        """What this layer asks that only the ``mma`` kernels serve: its features, an e5m2 cache, a
+        head dim outside ``SIMT_HEAD_DIMS``."""
+        head_dim = self.shape.head_dim
+        return (tuple(sorted(self.features)) + (("fp8 e5m2 cache",) if self.kv_dtype == dtypes.FP8_E5M2 else ())
+                + ((simt_head_dim_refusal(head_dim),) if head_dim not in SIMT_HEAD_DIMS else ()))
 
 
 FEATURES: dict[str, Callable[[LayerConfig], bool]] = {
@@ -228,6 +237,9 @@ def configure(
     out_dtype = q_dtype if out_dtype is None else dtypes.canonical(out_dtype, argument="out_dtype",
                                                                    allowed=(q_dtype, dtypes.FLOAT32))
     impl = resolve_impl(impl, env.get(ENV_IMPL))
+    if impl == "simt" and shape.head_dim not in SIMT_HEAD_DIMS:
+        raise ValueError(f"impl='simt' has no {simt_head_dim_refusal(shape.head_dim)}: use impl='mma' (impl or "
+                         f"{ENV_IMPL})")
     config = LayerConfig(shape, page_size, q_dtype, kv_dtype, max_batch, target_policy, layout, out_dtype, sm_scale,
                          max_decode_seqs, impl, None, max_q_len, window_left, logits_soft_cap, sinks, device_scales,
                          base, table)
@@ -262,6 +274,11 @@ def impl_chosen(impl: Optional[str], env_raw: Optional[str]) -> bool:
     ``METRALE_ATTN_DECODE_IMPL``) rather than taking the default: a chosen ``mma`` is never
     silently replaced."""
     return impl is not None or bool(policy.normalize(env_raw or ""))
+
+
+def simt_head_dim_refusal(head_dim: int) -> str:
+    """What the ``simt`` kernels lack at ``head_dim``, as the errors name it."""
+    return f"head_dim {head_dim} (the simt kernels take head_dim {', '.join(map(str, SIMT_HEAD_DIMS))})"
 
 
 def max_rows_per_cta(head_dim: int) -> int:

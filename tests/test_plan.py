@@ -219,7 +219,7 @@ def test_an_empty_batch_plans_zero_ctas():
 @pytest.mark.parametrize(
     "kwargs, match",
     [(dict(num_q_heads=25, num_kv_heads=4, head_dim=128), "multiple of num_kv_heads"),
-     (dict(num_q_heads=24, num_kv_heads=4, head_dim=96), "head_dim"),
+     (dict(num_q_heads=24, num_kv_heads=4, head_dim=72), "head_dim"),
      (dict(num_q_heads=0, num_kv_heads=4, head_dim=128), "num_q_heads"),
      (dict(num_q_heads=24, num_kv_heads=-4, head_dim=128), "num_kv_heads")],
 )

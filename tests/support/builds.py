@@ -14,6 +14,7 @@ from concurrent.futures import ProcessPoolExecutor
 import pytest
 
 from metrale_attn import kernels
+from metrale_attn.config import HEAD_DIMS, SIMT_HEAD_DIMS
 from metrale_attn.targets import TARGETS
 
 ARCHES = tuple(sorted({t.arch for t in TARGETS.values()}, key=lambda a: int(a[3:])))
@@ -23,6 +24,7 @@ sm_103) and consumer Blackwell (sm_120, sm_121)."""
 SPOT_SPECS = (
     kernels.KernelSpec("unpacked", 256, "fp16", "bf16", "mma", 1, set(kernels.FEATURES)),  # most registers
     kernels.KernelSpec("splitk", 256, "fp16", "bf16", "mma", 1),
+    kernels.KernelSpec("unpacked", 240, "fp16", "bf16", "mma", 2, set(kernels.FEATURES)),  # 16 rows, padded: 255 regs
     kernels.KernelSpec("unpacked", 128, "fp16", "bf16", "mma", 2, set(kernels.FEATURES)),
     kernels.KernelSpec("unpacked", 128, "bf16", "fp8", "mma"),
     kernels.KernelSpec("splitk", 64, "fp16", "fp8", "mma"),  # 4-stage rings
@@ -42,13 +44,23 @@ in a few instructions' availability, not in the kernels' code paths)."""
 
 
 def _sm90_sample() -> set:
-    """One plain spec per (impl, arm, head_dim, kv dtype, row tiles), the first in
-    ``all_specs`` order: the q dtype changes only q's conversion, which the spot
-    specs and the slow matrix cover."""
-    sample = {}
+    """One plain spec per (impl, arm, head_dim, kv dtype, row tiles) at the simt head dims
+    (64, 128, 256), the first in ``all_specs`` order: the q dtype changes only q's conversion,
+    which the spot specs and the slow matrix cover. The mma core's other head dims take the
+    same code with padding steps skipped at compile time: one spec per (arm, kv dtype, row
+    tiles), the head dim taken in turn so each of them compiles."""
+    sample, padded = {}, {}
     for v in kernels.all_specs():
-        if not v.features:
+        if v.features:
+            continue
+        if v.head_dim in SIMT_HEAD_DIMS:
             sample.setdefault((v.impl, v.arm, v.head_dim, v.kv_dtype, v.row_tiles), v)
+        else:
+            padded.setdefault((v.arm, v.kv_dtype, v.row_tiles), []).append(v)
+    others = sorted(set(HEAD_DIMS) - set(SIMT_HEAD_DIMS))
+    for i, (key, specs) in enumerate(sorted(padded.items())):
+        head_dim = others[i % len(others)]
+        sample[key] = next(v for v in specs if v.head_dim == head_dim)
     return set(sample.values())
 
 
