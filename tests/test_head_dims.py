@@ -146,3 +146,18 @@ def test_where_the_mma_kernels_do_not_fit_a_head_dim_simt_lacks_is_refused_namin
         decoder(problem(seq_lens=(5,), head_dim=112), target="gb10")
     with pytest.raises(ValueError, match=message):
         needed_specs([Layer("layer", 4, 4, 112)], TARGETS["gb10"], environ={})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arm", ["unpacked", "splitk"])
+@pytest.mark.parametrize("kv", ["bf16", "fp16", "fp8", "fp8_e5m2"])
+@pytest.mark.parametrize("q", ["bf16", "fp16"])
+@pytest.mark.parametrize("head_dim", [d for d in HEAD_DIMS if d not in SIMT_HEAD_DIMS])
+def test_every_new_head_dim_arm_and_dtype_pair_holds_the_one_ulp_bar(backend, head_dim, q, kv, arm):
+    """The whole grid at the head dims test_decode's grid leaves out (``slow``)."""
+    p = problem(seed=head_dim + len(kv), head_dim=head_dim, page_size=(1, 16, 7)[head_dim // 16 % 3],
+                seq_lens=(0, 1, 40, 300), kv_dtype=kv, q_dtype=q, layout=("NHD", "HND")[len(q + kv) % 2],
+                num_q_heads=6, num_kv_heads=2)
+    attn = decoder(p, backend=backend, splitk="off" if arm == "unpacked" else "3")
+    assert attn.plan(4).arm == arm
+    check_against_reference(p, *run_poisoned(attn, p))
