@@ -48,8 +48,12 @@ ENV_HEADS_PER_CTA = "METRALE_ATTN_DECODE_HEADS_PER_CTA"
 ROW_TILE = 8
 """Query rows (heads x query tokens) in one row tile of an ``mma`` CTA: the MMA's N side."""
 MAX_ROWS_PER_CTA = 2 * ROW_TILE
-"""Query rows one ``mma`` CTA can hold: two row tiles; ``max_rows_per_cta`` lowers it for
-head dim 256."""
+"""Query rows one ``mma`` CTA can hold: two row tiles; ``max_rows_per_cta`` lowers it from
+``ONE_ROW_TILE_HEAD_DIM`` on."""
+ONE_ROW_TILE_HEAD_DIM = 240
+"""From this head dim on an ``mma`` CTA holds one row tile: 16 rows' fp32 accumulators alone
+(16 x 240 / 32 lanes = 120 registers, 128 at 256) leave ptxas no room for the rest of the
+loop (plain split-K at 240 spilled 12 bytes on sm_120; 224 builds clean everywhere)."""
 
 LSE_BASES = {"e": "e", "2": "2", 2: "2"}  # a string (trimmed, any case) or an integer 2
 """The spellings of ``lse_base`` and the one each means."""
@@ -282,10 +286,9 @@ def simt_head_dim_refusal(head_dim: int) -> str:
 
 
 def max_rows_per_cta(head_dim: int) -> int:
-    """Query rows an ``mma`` CTA holds at ``head_dim``: 16, but 8 at head dim 256, where 16
-    rows' fp32 accumulators alone (16 x 256 / 32 lanes = 128 registers) leave ptxas no
-    room for the rest of the loop without spilling."""
-    return ROW_TILE if head_dim >= 256 else MAX_ROWS_PER_CTA
+    """Query rows an ``mma`` CTA holds at ``head_dim``: 16, but 8 from ``ONE_ROW_TILE_HEAD_DIM``
+    (240) on, where 16 rows' fp32 accumulators leave ptxas no room without spilling."""
+    return ROW_TILE if head_dim >= ONE_ROW_TILE_HEAD_DIM else MAX_ROWS_PER_CTA
 
 
 def heads_per_cta_choices(group_size: int, q_len: int = 1, max_rows: int = MAX_ROWS_PER_CTA) -> tuple[int, ...]:
@@ -314,7 +317,7 @@ def resolve_heads_per_cta(value, env_raw: Optional[str], group_size: int, max_q_
     if value not in choices:
         limit = f" ({max_q_len} query tokens each)" if max_q_len > 1 else ""
         if max_rows < MAX_ROWS_PER_CTA:
-            limit += f" (a CTA holds {max_rows} rows at head_dim 256)"
+            limit += f" (a CTA holds {max_rows} rows from head_dim {ONE_ROW_TILE_HEAD_DIM} on)"
         raise ValueError(f"{where} must divide the group size {group_size} and be at most "
                          f"{max_rows // max_q_len}{limit}: one of {', '.join(map(str, choices))}; got {value}")
     return value

@@ -370,7 +370,7 @@ class KernelSpec:
             raise ValueError(f"the {self.arm} kernel supports head_dim {allowed}, got {self.head_dim}")
         if self.row_tiles not in (tuple(range(1, max_rows_per_cta(self.head_dim) // 8 + 1)) if self.impl == "mma"
                                   else (1,)):
-            raise ValueError(f"row_tiles must be 1 or 2 (mma; 1 at head dim 256) or 1 (simt), got {self.row_tiles!r}")
+            raise ValueError(f"row_tiles must be 1 or 2 (mma; 1 from head dim 240 on) or 1 (simt), got {self.row_tiles!r}")
         object.__setattr__(self, "features", frozenset(self.features))
         unknown = self.features - set(FEATURES)
         if unknown:
@@ -500,7 +500,7 @@ def kernel_params(spec: KernelSpec) -> dict[str, tuple[Param, ...]]:
 def all_specs() -> list[KernelSpec]:
     """Every plain spec the dispatch can ask for, and the feature specs CI compiles:
     each feature alone on every mma arm (head dim 128, fp8 KV; the packed arm at 256),
-    and all of them together on the heaviest (8 rows of head dim 256, 16 of 240 and of 128)."""
+    and all of them together on the heaviest (8 rows of head dim 256, 16 of 224 and of 128)."""
     plain = [
         KernelSpec(arm, head_dim, q, kv, impl, row_tiles)
         for impl in IMPLS
@@ -520,7 +520,7 @@ def all_specs() -> list[KernelSpec]:
         if not (arm == "gqa_packed" and feature == "multi_token")  # the packed arm serves one query token
     ]
     every = [KernelSpec(arm, d, dtypes.FP16, dtypes.BF16, "mma", rt, set(FEATURES))
-             for arm in ("unpacked", "splitk") for d, rt in ((256, 1), (240, 2), (128, 2))]
+             for arm in ("unpacked", "splitk") for d, rt in ((256, 1), (224, 2), (128, 2))]
     return plain + featured + every
 
 

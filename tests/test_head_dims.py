@@ -13,7 +13,7 @@ import pytest
 
 from metrale_attn import hf_config, reference
 from metrale_attn.backends.cpu_backend import CpuBackend
-from metrale_attn.config import ENV_IMPL, HEAD_DIMS, SIMT_HEAD_DIMS, ModelShape
+from metrale_attn.config import ENV_IMPL, HEAD_DIMS, SIMT_HEAD_DIMS, ModelShape, max_rows_per_cta
 from metrale_attn.kernels import KernelSpec, mma_padded_dim, mma_tiling
 from metrale_attn.precompile import Layer, Options, layers_of, needed_specs
 from metrale_attn.targets import TARGETS
@@ -85,6 +85,14 @@ def test_at_a_padded_head_dim_a_heads_bytes_do_not_depend_on_its_batch_or_its_ct
                     p.kv_layout)
     out, lse = run_poisoned(decoder(alone, max_batch=4, splitk="auto"), alone)
     assert out[0].tobytes() == full[1][0][2].tobytes() and lse[0].tobytes() == full[1][1][2].tobytes()
+
+
+def test_from_head_dim_240_a_cta_holds_one_row_tile_so_nothing_spills():
+    """16 rows at 240 left ptxas at 255 registers, and plain split-K spilled on sm_120."""
+    assert [max_rows_per_cta(d) for d in (64, 208, 224, 240, 256)] == [16, 16, 16, 8, 8]
+    assert KernelSpec("splitk", 224, "bf16", "bf16", "mma", 2).max_rows == 16
+    with pytest.raises(ValueError, match="row_tiles"):
+        KernelSpec("splitk", 240, "bf16", "bf16", "mma", 2)
 
 
 @pytest.mark.parametrize("head_dim", [0, 32, 40, 48, 72, 100, 264, 272, 512])
