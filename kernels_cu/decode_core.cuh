@@ -70,7 +70,8 @@
 // order); on a GPU it rests on the tensor core computing each column independently,
 // which the GPU tests check.
 //
-// Defines (all required, from Python): PD_HEAD_DIM, PD_Q_DTYPE, PD_KV_DTYPE (pd_common.cuh),
+// Defines (all required, from Python): PD_HEAD_DIM (any multiple of 16 in 64..256), PD_Q_DTYPE,
+//   PD_KV_DTYPE (pd_common.cuh),
 //   PD_ROW_TILES   1 | 2      query-row tiles of 8 (rows <= 8 * PD_ROW_TILES)
 //   PD_TILE_TOKENS 16 | 32    tokens of one warp's stage
 //   PD_STAGES      2 .. 4     depth of each warp's cp.async ring
@@ -119,14 +120,21 @@
 
 namespace pd_mma {
 
+// The head dim D (a multiple of 16) is what q, K, V, out and the workspace hold; the core
+// computes at DP, D rounded up to a multiple of 32, since one ldmatrix.x4 takes two 16-dim
+// steps. The steps past D are never multiplied (KD bounds every MMA loop and the
+// accumulators), so the arithmetic is exactly the unpadded one, and their shared-memory
+// chunks are zero-filled, never read from global memory.
 constexpr int D = PD_HEAD_DIM;
+constexpr int DP = (D + 31) / 32 * 32;
 constexpr int W = PD_WARPS;
 constexpr int NT = PD_ROW_TILES;  // query-row tiles of 8 (the MMA's N)
 constexpr int ROWS = 8 * NT;
 constexpr int TT = PD_TILE_TOKENS;  // tokens of one warp's stage
 constexpr int MT = TT / 16;         // 16-token MMA tiles (the MMA's M) per stage
 constexpr int S = PD_STAGES;
-constexpr int KS = D / 16;  // 16-dim steps: the K dimension of QK, the M tiles of PV
+constexpr int KS = DP / 16;  // 16-dim steps of the padded row (ldmatrix walks these in pairs)
+constexpr int KD = D / 16;   // the real ones: the K dimension of QK, the M tiles of PV
 
 constexpr bool FP8 = PD_KV_DTYPE == PD_DTYPE_FP8_E4M3 || PD_KV_DTYPE == PD_DTYPE_FP8_E5M2;
 constexpr bool MMA_BF16 = PD_KV_DTYPE == PD_DTYPE_BF16;               // else fp16 operands
@@ -135,18 +143,21 @@ constexpr bool Q_SCALED = !MMA_BF16 && PD_Q_DTYPE == PD_DTYPE_BF16;    // q * 2^
 constexpr int PP = MMA_BF16 ? 3 : 2;                                   // p parts
 
 constexpr int ES = (int)sizeof(pd_kv_t);
-constexpr int RB = D * ES;        // bytes of one K or V row
-constexpr int RS = RB + 16;       // its shared-memory stride: 16-byte pad, conflict-free ldmatrix
-constexpr int CPR = RB / 16;      // 16-byte chunks per row
-constexpr int RPI = 32 / CPR;     // rows one warp-wide cp.async covers
+constexpr int RB = D * ES;        // bytes of one K or V row in global memory
+constexpr int RS = DP * ES + 16;  // a padded row's shared-memory stride: 16-byte pad, conflict-free ldmatrix
+constexpr int CPR = RB / 16;      // 16-byte chunks of a row's real bytes
+constexpr int CPP = DP * ES / 16; // of its padded row (chunks CPR .. CPP - 1 zero-filled)
+constexpr int CPL = CPP <= 4 ? 4 : CPP <= 8 ? 8 : CPP <= 16 ? 16 : 32;  // lanes per row: a power of two
+constexpr int RPI = 32 / CPL;     // rows one warp-wide cp.async covers
 constexpr int RPL = TT / RPI;     // rows each lane copies per tile
-constexpr int QS = 2 * D + 16;    // q row stride in shared memory (bytes)
+constexpr int QS = 2 * DP + 16;   // q row stride in shared memory (bytes)
 
 static_assert(W == 4 && PD_THREADS == 128, "the core is written for 4 warps");
 static_assert(NT == 1 || NT == 2, "one or two row tiles");
 static_assert(TT == 16 || TT == 32, "stages of 16 or 32 tokens");
 static_assert(S >= 2 && S <= 4, "2..4 stages");
-static_assert(CPR >= 4 && CPR <= 32 && 32 % CPR == 0 && TT % RPI == 0, "rows split evenly over lanes");
+static_assert(D % 16 == 0 && D >= 64 && DP <= 256, "head dims: multiples of 16 in 64..256");
+static_assert(CPP >= 4 && CPP <= CPL && CPL <= 32 && TT % RPI == 0, "rows split evenly over lanes");
 static_assert(KS % 2 == 0, "ldmatrix.x4 takes two 16-dim steps");
 
 // -- shared memory carve (bytes, every region 16-byte aligned) -------------------------
@@ -424,7 +435,7 @@ __device__ __forceinline__ void stage_q(unsigned char* smem, const QRow& q_row, 
     const int r = warp + k * W;
     unsigned bits[8];
     float x[8];
-    const bool mine = r < rows && lane < D / 8;
+    const bool mine = r < rows && lane < D / 8;  // dims >= D (and rows >= rows) are staged as zeros
     {
       unsigned w4[4] = {0u, 0u, 0u, 0u};
       if (mine) pd_load_words(q_row(r) + lane * 8, w4);
@@ -474,7 +485,7 @@ __device__ __forceinline__ void stage_q(unsigned char* smem, const QRow& q_row, 
           v[j] = bits[j];
         }
       }
-      if (lane < D / 8) {
+      if (lane < DP / 8) {
         unsigned char* row = smem + Q_OFF + (part * ROWS + r) * QS;
         PD_UNROLL
         for (int j = 0; j < 8; j += 2)
@@ -525,13 +536,15 @@ __device__ __forceinline__ void issue_tile(Stream& st, const long long (&strides
     }
     __syncwarp();
     const int first = (int)st.lo - tile_first, past = (int)st.hi - tile_first;  // the tile's valid rows [first, past)
-    const int row0 = lane / CPR;
+    const int row0 = lane / CPL, chunk = lane % CPL;  // rows row0 + j * RPI, 16-byte chunk `chunk`
+    const bool real = CPR == CPP || chunk < CPR;      // else a padding chunk: zero-filled (src-size 0 reads nothing)
+    const bool copies = CPL == CPP || chunk < CPP;    // lanes past the padded row copy nothing
     PD_UNROLL
-    for (int j = 0; j < RPL; ++j) {
+    for (int j = 0; j < RPL && copies; ++j) {
       const int r = row0 + j * RPI;
       const longlong2 off = *reinterpret_cast<const longlong2*>(table + r * 16);
-      const unsigned n = (r >= first && r < past) ? 16u : 0u;
-      unsigned char* dst = stage + r * RS + (lane % CPR) * 16;
+      const unsigned n = (r >= first && r < past && real) ? 16u : 0u;
+      unsigned char* dst = stage + r * RS + chunk * 16;
       pd_cp_async_cg_16(dst, st.k_lane + off.x, n);
       pd_cp_async_cg_16(dst + TILE_BYTES, st.v_lane + off.y, n);
     }
@@ -596,7 +609,7 @@ __device__ __forceinline__ void p_operands(const float (&p)[4], unsigned (&b)[PP
 struct State {
   float m[NT][2];
   float l[NT][2];
-  float o[KS][NT][4];
+  float o[KD][NT][4];
 };
 
 // Dim of O^T fragment element e (0..3) of block dt held by lane (g, t): rows g and g + 8
@@ -627,7 +640,7 @@ __device__ __forceinline__ void attend(unsigned char* smem, const Rows& rw, cons
       st.l[nt][j] = 0.f;
     }
   PD_UNROLL
-  for (int dt = 0; dt < KS; ++dt)
+  for (int dt = 0; dt < KD; ++dt)
     PD_UNROLL
     for (int nt = 0; nt < NT; ++nt)
       PD_UNROLL
@@ -653,8 +666,9 @@ __device__ __forceinline__ void attend(unsigned char* smem, const Rows& rw, cons
   unsigned char* table = smem + TABLE_OFF + warp * TT * 16;
 
   Stream s;
-  s.k_lane = k_head + (lane % CPR) * 16;
-  s.v_lane = v_head + (lane % CPR) * 16;
+  const int chunk = (CPR == CPL || lane % CPL < CPR) ? lane % CPL : 0;  // a zero-filled chunk points at a real one
+  s.k_lane = k_head + chunk * 16;
+  s.v_lane = v_head + chunk * 16;
   const long long strides[4] = {k_stride_page, k_stride_token, v_stride_page, v_stride_token};
   s.bt_row = bt_row;
   s.page_size = page_size;
@@ -704,6 +718,7 @@ __device__ __forceinline__ void attend(unsigned char* smem, const Rows& rw, cons
           pd_ldmatrix_x4(r, kt + mt * 16 * RS + kk * 32 + kv_lane);
           PD_UNROLL
           for (int h = 0; h < 2; ++h) {
+            if (2 * kk + h >= KD) continue;  // a padding step (compile time)
             a[h][0] = fp8_lo(r[2 * h]);
             a[h][1] = fp8_lo(r[2 * h + 1]);
             a[h][2] = fp8_hi(r[2 * h]);
@@ -712,6 +727,7 @@ __device__ __forceinline__ void attend(unsigned char* smem, const Rows& rw, cons
         } else {  // chunks of 8 dims: two per step
           PD_UNROLL
           for (int h = 0; h < 2; ++h) {
+            if (2 * kk + h >= KD) continue;
             unsigned r[4];
             pd_ldmatrix_x4(r, kt + mt * 16 * RS + (2 * kk + h) * 32 + kv_lane);
             a[h][0] = r[0];
@@ -730,6 +746,7 @@ __device__ __forceinline__ void attend(unsigned char* smem, const Rows& rw, cons
             pd_ldmatrix_x4(qb, q_lane + (part * ROWS + nt * 8) * QS + kk * 64);
             PD_UNROLL
             for (int h = 0; h < 2; ++h) {
+              if (2 * kk + h >= KD) continue;
               const unsigned b[2] = {qb[2 * h], qb[2 * h + 1]};
               mma(sc[mt][nt], a[h], b);
             }
@@ -782,7 +799,7 @@ __device__ __forceinline__ void attend(unsigned char* smem, const Rows& rw, cons
         st.l[nt][j] = fmaf(st.l[nt][j], alpha[nt][j], lsum);
       }
     PD_UNROLL
-    for (int dt = 0; dt < KS; ++dt)
+    for (int dt = 0; dt < KD; ++dt)
       PD_UNROLL
       for (int nt = 0; nt < NT; ++nt)
         PD_UNROLL
@@ -802,6 +819,7 @@ __device__ __forceinline__ void attend(unsigned char* smem, const Rows& rw, cons
           pd_ldmatrix_x4_trans(r, vt + mt * 16 * RS + dp * 32 + kv_lane);
           PD_UNROLL
           for (int h = 0; h < 2; ++h) {
+            if (2 * dp + h >= KD) continue;
             const unsigned lo8 = pd_prmt(r[2 * h], 0u, 0x3120u);      // tokens 0..7: (dim 2g | dim 2g + 1) pairs
             const unsigned hi8 = pd_prmt(r[2 * h + 1], 0u, 0x3120u);  // tokens 8..15
             a[h][0] = fp8_lo(lo8);
@@ -812,6 +830,7 @@ __device__ __forceinline__ void attend(unsigned char* smem, const Rows& rw, cons
         } else {  // two chunks of 8 dims per block
           PD_UNROLL
           for (int h = 0; h < 2; ++h) {
+            if (2 * dp + h >= KD) continue;
             unsigned r[4];
             pd_ldmatrix_x4_trans(r, vt + mt * 16 * RS + (2 * (2 * dp + h)) * 16 + kv_lane);
             a[h][0] = r[0];
@@ -825,7 +844,8 @@ __device__ __forceinline__ void attend(unsigned char* smem, const Rows& rw, cons
           PD_UNROLL
           for (int nt = 0; nt < NT; ++nt)
             PD_UNROLL
-            for (int part = 0; part < PP; ++part) mma(st.o[2 * dp + h][nt], a[h], pb[nt][part]);
+            for (int part = 0; part < PP; ++part)
+              if (2 * dp + h < KD) mma(st.o[2 * dp + h][nt], a[h], pb[nt][part]);
       }
     }
   }
@@ -861,7 +881,7 @@ __device__ __forceinline__ void publish(unsigned char* smem, const State& st) {
         s_l[h * W + warp] = st.l[nt][j];
       }
       PD_UNROLL
-      for (int dt = 0; dt < KS; ++dt)
+      for (int dt = 0; dt < KD; ++dt)
         PD_UNROLL
         for (int e = j; e < 4; e += 2) s_o[(h * W + warp) * D + out_dim(dt, g, e)] = st.o[dt][nt][e];
     }

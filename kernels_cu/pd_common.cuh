@@ -18,7 +18,7 @@
 // (v_t as stored, v_scale applied at the end).
 //
 // Defines (all required, given by Python as -D):
-//   PD_HEAD_DIM  64 | 128 | 256
+//   PD_HEAD_DIM  a multiple of 16 in 64 .. 256 (the mma core; the simt kernels: 64 | 128 | 256)
 //   PD_Q_DTYPE   PD_DTYPE_BF16 (0) | PD_DTYPE_FP16 (1)            (q and out)
 //   PD_KV_DTYPE  PD_DTYPE_BF16 (0) | PD_DTYPE_FP16 (1) | PD_DTYPE_FP8_E4M3 (2) |
 //                PD_DTYPE_FP8_E5M2 (3, the tensor-core kernels only)
@@ -42,7 +42,7 @@
 
 
 #ifndef PD_HEAD_DIM
-#error "PD_HEAD_DIM must be defined (-DPD_HEAD_DIM=64|128|256)"
+#error "PD_HEAD_DIM must be defined (-DPD_HEAD_DIM=64..256, a multiple of 16)"
 #endif
 #ifndef PD_Q_DTYPE
 #error "PD_Q_DTYPE must be defined (-DPD_Q_DTYPE=0 bf16 | 1 fp16)"
@@ -50,8 +50,8 @@
 #ifndef PD_KV_DTYPE
 #error "PD_KV_DTYPE must be defined (-DPD_KV_DTYPE=0 bf16 | 1 fp16 | 2 fp8_e4m3)"
 #endif
-#if PD_HEAD_DIM != 64 && PD_HEAD_DIM != 128 && PD_HEAD_DIM != 256
-#error "PD_HEAD_DIM must be 64, 128 or 256"
+#if PD_HEAD_DIM < 64 || PD_HEAD_DIM > 256 || PD_HEAD_DIM % 16 != 0
+#error "PD_HEAD_DIM must be a multiple of 16 in 64..256"
 #endif
 #if PD_Q_DTYPE != PD_DTYPE_BF16 && PD_Q_DTYPE != PD_DTYPE_FP16
 #error "PD_Q_DTYPE must be PD_DTYPE_BF16 (0) or PD_DTYPE_FP16 (1)"

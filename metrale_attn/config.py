@@ -26,7 +26,12 @@ from typing import Callable, Optional
 from . import dtypes, policy
 from .targets import TargetPolicy
 
-HEAD_DIMS = (64, 128, 256)
+HEAD_DIMS = tuple(range(64, 257, 16))
+"""Head dims the ``mma`` kernels serve: every multiple of 16 from 64 to 256 (FlashAttention
+rounds head dims up to its compiled sizes the same way; the core pads to a multiple of 32)."""
+SIMT_HEAD_DIMS = (64, 128, 256)
+"""Head dims the ``simt`` reference kernels serve: a thread's slice tiles the row in a power
+of two of lanes (simt/simt_core.cuh refuses the others at compile time)."""
 LAYOUTS = ("NHD", "HND")
 MAX_PAGE_SIZE = 256
 MAX_Q_LEN = 8
@@ -43,8 +48,12 @@ ENV_HEADS_PER_CTA = "METRALE_ATTN_DECODE_HEADS_PER_CTA"
 ROW_TILE = 8
 """Query rows (heads x query tokens) in one row tile of an ``mma`` CTA: the MMA's N side."""
 MAX_ROWS_PER_CTA = 2 * ROW_TILE
-"""Query rows one ``mma`` CTA can hold: two row tiles; ``max_rows_per_cta`` lowers it for
-head dim 256."""
+"""Query rows one ``mma`` CTA can hold: two row tiles; ``max_rows_per_cta`` lowers it from
+``ONE_ROW_TILE_HEAD_DIM`` on."""
+ONE_ROW_TILE_HEAD_DIM = 240
+"""From this head dim on an ``mma`` CTA holds one row tile: 16 rows' fp32 accumulators alone
+(16 x 240 / 32 lanes = 120 registers, 128 at 256) leave ptxas no room for the rest of the
+loop (plain split-K at 240 spilled 12 bytes on sm_120; 224 builds clean everywhere)."""
 
 LSE_BASES = {"e": "e", "2": "2", 2: "2"}  # a string (trimmed, any case) or an integer 2
 """The spellings of ``lse_base`` and the one each means."""
@@ -74,7 +83,8 @@ class ModelShape:
                 f"num_q_heads ({self.num_q_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
             )
         if self.head_dim not in HEAD_DIMS:
-            raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {self.head_dim}")
+            raise ValueError(f"head_dim must be a multiple of 16 from 64 to 256 ({', '.join(map(str, HEAD_DIMS))}), "
+                             f"got {self.head_dim}")
 
     @property
     def group_size(self) -> int:
@@ -142,8 +152,11 @@ class LayerConfig:
 
     @property
     def mma_only(self) -> tuple[str, ...]:
-        """What this layer asks that only the ``mma`` kernels serve: its features, and an e5m2 cache."""
-        return tuple(sorted(self.features)) + (("fp8 e5m2 cache",) if self.kv_dtype == dtypes.FP8_E5M2 else ())
+        """What this layer asks that only the ``mma`` kernels serve: its features, an e5m2 cache, a
+        head dim outside ``SIMT_HEAD_DIMS``."""
+        head_dim = self.shape.head_dim
+        return (tuple(sorted(self.features)) + (("fp8 e5m2 cache",) if self.kv_dtype == dtypes.FP8_E5M2 else ())
+                + ((simt_head_dim_refusal(head_dim),) if head_dim not in SIMT_HEAD_DIMS else ()))
 
 
 FEATURES: dict[str, Callable[[LayerConfig], bool]] = {
@@ -228,6 +241,9 @@ def configure(
     out_dtype = q_dtype if out_dtype is None else dtypes.canonical(out_dtype, argument="out_dtype",
                                                                    allowed=(q_dtype, dtypes.FLOAT32))
     impl = resolve_impl(impl, env.get(ENV_IMPL))
+    if impl == "simt" and shape.head_dim not in SIMT_HEAD_DIMS:
+        raise ValueError(f"impl='simt' has no {simt_head_dim_refusal(shape.head_dim)}: use impl='mma' (impl or "
+                         f"{ENV_IMPL})")
     config = LayerConfig(shape, page_size, q_dtype, kv_dtype, max_batch, target_policy, layout, out_dtype, sm_scale,
                          max_decode_seqs, impl, None, max_q_len, window_left, logits_soft_cap, sinks, device_scales,
                          base, table)
@@ -264,11 +280,15 @@ def impl_chosen(impl: Optional[str], env_raw: Optional[str]) -> bool:
     return impl is not None or bool(policy.normalize(env_raw or ""))
 
 
+def simt_head_dim_refusal(head_dim: int) -> str:
+    """What the ``simt`` kernels lack at ``head_dim``, as the errors name it."""
+    return f"head_dim {head_dim} (the simt kernels take head_dim {', '.join(map(str, SIMT_HEAD_DIMS))})"
+
+
 def max_rows_per_cta(head_dim: int) -> int:
-    """Query rows an ``mma`` CTA holds at ``head_dim``: 16, but 8 at head dim 256, where 16
-    rows' fp32 accumulators alone (16 x 256 / 32 lanes = 128 registers) leave ptxas no
-    room for the rest of the loop without spilling."""
-    return ROW_TILE if head_dim >= 256 else MAX_ROWS_PER_CTA
+    """Query rows an ``mma`` CTA holds at ``head_dim``: 16, but 8 from ``ONE_ROW_TILE_HEAD_DIM``
+    (240) on, where 16 rows' fp32 accumulators leave ptxas no room without spilling."""
+    return ROW_TILE if head_dim >= ONE_ROW_TILE_HEAD_DIM else MAX_ROWS_PER_CTA
 
 
 def heads_per_cta_choices(group_size: int, q_len: int = 1, max_rows: int = MAX_ROWS_PER_CTA) -> tuple[int, ...]:
@@ -297,7 +317,7 @@ def resolve_heads_per_cta(value, env_raw: Optional[str], group_size: int, max_q_
     if value not in choices:
         limit = f" ({max_q_len} query tokens each)" if max_q_len > 1 else ""
         if max_rows < MAX_ROWS_PER_CTA:
-            limit += f" (a CTA holds {max_rows} rows at head_dim 256)"
+            limit += f" (a CTA holds {max_rows} rows from head_dim {ONE_ROW_TILE_HEAD_DIM} on)"
         raise ValueError(f"{where} must divide the group size {group_size} and be at most "
                          f"{max_rows // max_q_len}{limit}: one of {', '.join(map(str, choices))}; got {value}")
     return value

@@ -37,8 +37,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from . import dtypes, policy
-from .config import (DEFAULT_IMPL, FEATURES, HEAD_DIMS, IMPLS, ROW_TILE, LayerConfig, feature_define,
-                     heads_per_cta_choices, max_rows_per_cta)
+from .config import (DEFAULT_IMPL, FEATURES, HEAD_DIMS, IMPLS, ROW_TILE, SIMT_HEAD_DIMS, LayerConfig,
+                     feature_define, heads_per_cta_choices, max_rows_per_cta)
 from .plan import ARMS, KERNELS, make_plan
 from .targets import FP8_CVT_CAPABILITY
 
@@ -258,11 +258,25 @@ STAGE_TARGET_BYTES = 8192
 loads in flight, twice what Little's law asks of one SM at 4.3 TB/s and 800 ns."""
 
 
+MMA_DIM_STEP = 32
+"""The ``mma`` core computes at the head dim rounded up to this (``decode_core.cuh``'s ``DP``:
+one ``ldmatrix.x4`` takes two 16-dim steps); the core's carve, which the host's
+``PD_SMEM_BYTES`` must equal at compile time, checks that both sides round alike."""
+
+
+def mma_padded_dim(head_dim: int) -> int:
+    """The dim the ``mma`` core's shared-memory rows hold for ``head_dim`` (80 -> 96, 128 -> 128):
+    the dims past ``head_dim`` are zeros and never multiplied."""
+    return -(-head_dim // MMA_DIM_STEP) * MMA_DIM_STEP
+
+
 def mma_tiling(head_dim: int, q_dtype: str, kv_dtype: str, row_tiles: int,
                smem_limit: int = SMEM_LIMIT_BYTES) -> Tiling | None:
     """The stage shape of an ``mma`` spec: 32-token stages where 32 rows of K and V
     fit ``STAGE_TARGET_BYTES``, else 16 (an MMA needs 16 tokens); 4 stages for stages
-    of 4 KiB, else 3, or fewer when ``smem_limit`` says so; None when not even 2 fit."""
+    of 4 KiB, else 3, or fewer when ``smem_limit`` says so; None when not even 2 fit.
+    Rows are sized at ``mma_padded_dim(head_dim)``, as the core carves them."""
+    head_dim = mma_padded_dim(head_dim)
     row_bytes = head_dim * dtypes.NUMPY_DTYPES[kv_dtype].itemsize
     tile = 32 if 2 * 32 * row_bytes <= STAGE_TARGET_BYTES else 16
     q_parts = 2 if (kv_dtype, q_dtype) == (dtypes.BF16, dtypes.FP16) else 1
@@ -311,13 +325,15 @@ def launchable_config(config: LayerConfig, disagree, chosen: bool) -> tuple[Laye
     if disagree:  # never return bytes from instructions that differ from their emulation
         if config.mma_only:
             raise RuntimeError(f"this device's {', '.join(disagree)} disagree with the emulation the mma "
-                               "kernels were verified on, and only they serve the features asked for")
+                               f"kernels were verified on, and only they serve the features asked for "
+                               f"({', '.join(config.mma_only)})")
         return replace(config, impl="simt"), (f"this device's {', '.join(disagree)} disagree with the emulation "
                                               "the mma kernels were verified on")
     why = mma_refusal(config)
     if why:  # a kernel the target cannot run never launches
         if config.mma_only or chosen:
-            raise ValueError(f"{why}: they cannot launch there (impl='simt' has no features and no e5m2)")
+            lacks = ", ".join(config.mma_only) or "features, no e5m2"
+            raise ValueError(f"{why}: they cannot launch there (impl='simt' has no {lacks})")
         return replace(config, impl="simt"), why
     return config, None
 
@@ -348,12 +364,13 @@ class KernelSpec:
             raise ValueError(f"arm must be one of {', '.join(ARMS)}, got {self.arm!r}")
         if self.q_dtype not in dtypes.Q_DTYPES or self.kv_dtype not in dtypes.KV_DTYPES:
             raise ValueError(f"unsupported dtypes q={self.q_dtype!r} kv={self.kv_dtype!r}")
-        allowed = (policy.DECODE_GQA_PACK_HEAD_DIM,) if self.arm == "gqa_packed" else HEAD_DIMS
+        allowed = ((policy.DECODE_GQA_PACK_HEAD_DIM,) if self.arm == "gqa_packed"
+                   else HEAD_DIMS if self.impl == "mma" else SIMT_HEAD_DIMS)
         if self.head_dim not in allowed:
             raise ValueError(f"the {self.arm} kernel supports head_dim {allowed}, got {self.head_dim}")
         if self.row_tiles not in (tuple(range(1, max_rows_per_cta(self.head_dim) // 8 + 1)) if self.impl == "mma"
                                   else (1,)):
-            raise ValueError(f"row_tiles must be 1 or 2 (mma; 1 at head dim 256) or 1 (simt), got {self.row_tiles!r}")
+            raise ValueError(f"row_tiles must be 1 or 2 (mma; 1 from head dim 240 on) or 1 (simt), got {self.row_tiles!r}")
         object.__setattr__(self, "features", frozenset(self.features))
         unknown = self.features - set(FEATURES)
         if unknown:
@@ -483,12 +500,13 @@ def kernel_params(spec: KernelSpec) -> dict[str, tuple[Param, ...]]:
 def all_specs() -> list[KernelSpec]:
     """Every plain spec the dispatch can ask for, and the feature specs CI compiles:
     each feature alone on every mma arm (head dim 128, fp8 KV; the packed arm at 256),
-    and all of them together on the heaviest (8 rows of head dim 256, 16 of 128)."""
+    and all of them together on the heaviest (8 rows of head dim 256, 16 of 224 and of 128)."""
     plain = [
         KernelSpec(arm, head_dim, q, kv, impl, row_tiles)
         for impl in IMPLS
         for arm in ARMS
-        for head_dim in ((policy.DECODE_GQA_PACK_HEAD_DIM,) if arm == "gqa_packed" else HEAD_DIMS)
+        for head_dim in ((policy.DECODE_GQA_PACK_HEAD_DIM,) if arm == "gqa_packed"
+                         else HEAD_DIMS if impl == "mma" else SIMT_HEAD_DIMS)
         for row_tiles in (range(1, max_rows_per_cta(head_dim) // 8 + 1) if impl == "mma" and arm != "gqa_packed"
                           else (1,))
         for q in dtypes.Q_DTYPES
@@ -502,7 +520,7 @@ def all_specs() -> list[KernelSpec]:
         if not (arm == "gqa_packed" and feature == "multi_token")  # the packed arm serves one query token
     ]
     every = [KernelSpec(arm, d, dtypes.FP16, dtypes.BF16, "mma", rt, set(FEATURES))
-             for arm in ("unpacked", "splitk") for d, rt in ((256, 1), (128, 2))]
+             for arm in ("unpacked", "splitk") for d, rt in ((256, 1), (224, 2), (128, 2))]
     return plain + featured + every
 
 

@@ -86,6 +86,7 @@ CASES = {
     "pinned heads per cta": (Layer("layer", 32, 4, 128), Options(heads_per_cta=4), "hopper"),
     "gb10 shared memory: simt": (Layer("layer", 4, 4, 64), Options(), "gb10"),
     "simt chosen": (Layer("layer", 32, 8, 128), Options(impl="simt"), "hopper"),
+    "head dim 80, fp8 cache (mma only)": (Layer("layer", 32, 32, 80), Options(kv_dtype="fp8_e4m3"), "b200"),
 }
 
 
@@ -252,8 +253,9 @@ SMALL = ("--q-heads", "4", "--kv-heads", "4", "--head-dim", "64")
     (("--target", "hopper", *HF_LLAMA, "--tensor-parallel-size", "3"), "--tensor-parallel-size 3 must divide"),
     (("--target", "hopper", "--hf-config", "/nonexistent/config.json"), "--hf-config /nonexistent/config.json: "
                                                                         "cannot read it"),
-    (("--target", "hopper", "--q-heads", "4", "--kv-heads", "4", "--head-dim", "80"),
-     "head_dim must be one of (64, 128, 256), got 80"),
+    (("--target", "hopper", "--q-heads", "4", "--kv-heads", "4", "--head-dim", "72"),
+     "head_dim must be a multiple of 16 from 64 to 256 (64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240, 256), "
+     "got 72"),
     (("--target", "hopper", "--q-heads", "6", "--kv-heads", "4", "--head-dim", "64"),
      "num_q_heads (6) must be a multiple of num_kv_heads (4)"),
     (("--target", "hopper", *SMALL, "--kv-dtype", "int8"), "kv_dtype must be one of"),

@@ -134,7 +134,7 @@ def _reasons(capability=HOPPER, **changes) -> list[str]:
 
 
 @pytest.mark.parametrize("changes", [
-    dict(), dict(dtype=torch.float16), dict(head_size=64), dict(head_size=256), dict(kv_cache_dtype="fp8"),
+    dict(), dict(dtype=torch.float16), dict(head_size=64), dict(head_size=256), dict(head_size=80), dict(kv_cache_dtype="fp8"),
     dict(kv_cache_dtype="fp8_e4m3"), dict(kv_cache_dtype="bfloat16"), dict(has_sink=True),
     dict(has_sliding_window=True), dict(block_size=256), dict(block_size=512), dict(use_batch_invariant=True),
 ], ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()) or "default")
@@ -143,7 +143,7 @@ def test_vllms_cuda_selector_accepts_what_we_serve(changes):
 
 
 @pytest.mark.parametrize("changes, reason", [
-    (dict(head_size=80), "head_size not supported"),
+    (dict(head_size=72), "head_size not supported"),
     (dict(head_size=512), "head_size not supported"),
     (dict(dtype=torch.float32), "dtype not supported"),
     (dict(kv_cache_dtype="fp8_e5m2"), "fp8_e5m2 has no prefill backend"),

@@ -84,7 +84,7 @@ def test_a_fast_kernel_at_a_large_batch_is_held_to_the_copy_bandwidth_and_loses_
     assert slow.pct < p.pct and slow.binding == "chain latency"
 
 
-def test_every_mma_variant_fits_a_block_on_sm90_sm100_sm103_and_only_head_dim_64_fp8_fits_on_sm120_sm121():
+def test_every_mma_variant_fits_a_block_on_sm90_sm100_sm103_and_on_sm120_sm121_only_the_small_ring_ones_fit():
     fit = sr.smem_fit()
     assert set(fit) == {"sm_80", "sm_86", "sm_89", "sm_90", "sm_100", "sm_103", "sm_120", "sm_121"}
     for arch in ("sm_90", "sm_100", "sm_103"):
@@ -93,7 +93,10 @@ def test_every_mma_variant_fits_a_block_on_sm90_sm100_sm103_and_only_head_dim_64
     for arch in ("sm_86", "sm_89", "sm_120", "sm_121"):  # 99 KiB
         assert fit[arch]["limit_bytes"] == 101376
         fits = {v.name for v in sr.all_specs() if v.impl == "mma"} - {m["spec"] for m in fit[arch]["do_not_fit"]}
-        assert fits and all("_hd64_" in name and "kvfp8" in name for name in fits)
+        # 99 KiB holds head dim 64 fp8, the 16-token rings of head dims 80 and 96 (rows padded to 96), and
+        # fp8 from 144 to 224 (16-token rings); the tiling is sized for sm_90, not for the target
+        small = {f"_hd{d}_" for d in (80, 96)} | {f"kvfp8{e}_hd{d}_" for e in ("", "e5m2") for d in (64, *range(144, 225, 16))}
+        assert fits and all(any(part in name for part in small) for name in fits), sorted(fits)
         assert min(m["bytes"] for m in fit[arch]["do_not_fit"]) > 101376
 
 

@@ -37,6 +37,11 @@
 #include "pd_common.cuh"
 #include "pd_splitk.cuh"
 
+// A thread's slice of VEC dims must tile the row in a power-of-two number of lanes.
+#if PD_HEAD_DIM != 64 && PD_HEAD_DIM != 128 && PD_HEAD_DIM != 256
+#error "the simt kernels take PD_HEAD_DIM 64, 128 or 256 (the mma core takes every multiple of 16 in 64..256)"
+#endif
+
 #if PD_KV_DTYPE == PD_DTYPE_FP8_E5M2
 #error "the simt kernels do not read fp8 e5m2 caches (impl mma does)"
 #endif

@@ -5,6 +5,7 @@ calls ``start_prebuilds``)."""
 
 from __future__ import annotations
 
+import collections
 import functools
 import importlib
 import multiprocessing
@@ -14,6 +15,7 @@ from concurrent.futures import ProcessPoolExecutor
 import pytest
 
 from metrale_attn import kernels
+from metrale_attn.config import SIMT_HEAD_DIMS
 from metrale_attn.targets import TARGETS
 
 ARCHES = tuple(sorted({t.arch for t in TARGETS.values()}, key=lambda a: int(a[3:])))
@@ -23,6 +25,7 @@ sm_103) and consumer Blackwell (sm_120, sm_121)."""
 SPOT_SPECS = (
     kernels.KernelSpec("unpacked", 256, "fp16", "bf16", "mma", 1, set(kernels.FEATURES)),  # most registers
     kernels.KernelSpec("splitk", 256, "fp16", "bf16", "mma", 1),
+    kernels.KernelSpec("unpacked", 224, "fp16", "bf16", "mma", 2, set(kernels.FEATURES)),  # the widest 16-row dim
     kernels.KernelSpec("unpacked", 128, "fp16", "bf16", "mma", 2, set(kernels.FEATURES)),
     kernels.KernelSpec("unpacked", 128, "bf16", "fp8", "mma"),
     kernels.KernelSpec("splitk", 64, "fp16", "fp8", "mma"),  # 4-stage rings
@@ -42,13 +45,24 @@ in a few instructions' availability, not in the kernels' code paths)."""
 
 
 def _sm90_sample() -> set:
-    """One plain spec per (impl, arm, head_dim, kv dtype, row tiles), the first in
-    ``all_specs`` order: the q dtype changes only q's conversion, which the spot
-    specs and the slow matrix cover."""
-    sample = {}
+    """One plain spec per (impl, arm, head_dim, kv dtype, row tiles) at the simt head dims
+    (64, 128, 256), the first in ``all_specs`` order: the q dtype changes only q's conversion,
+    which the spot specs and the slow matrix cover. The mma core's other head dims take the
+    same code with padding steps skipped at compile time: one spec per (arm, kv dtype, row
+    tiles), each taking the head dim compiled least so far, so every one of them compiles."""
+    sample, padded = {}, {}
     for v in kernels.all_specs():
-        if not v.features:
+        if v.features:
+            continue
+        if v.head_dim in SIMT_HEAD_DIMS:
             sample.setdefault((v.impl, v.arm, v.head_dim, v.kv_dtype, v.row_tiles), v)
+        else:
+            padded.setdefault((v.arm, v.kv_dtype, v.row_tiles), []).append(v)
+    used = collections.Counter()
+    for key, specs in sorted(padded.items()):
+        head_dim = min({v.head_dim for v in specs}, key=lambda d: (used[d], d))  # the least compiled so far
+        used[head_dim] += 1
+        sample[key] = next(v for v in specs if v.head_dim == head_dim)
     return set(sample.values())
 
 

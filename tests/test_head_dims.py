@@ -1,0 +1,171 @@
+"""Head dims: the mma core serves every multiple of 16 from 64 to 256 (models use 64, 80, 96,
+112, 128, 160, 192, 256), computing at the dim rounded up to 32 (decode_core.cuh's DP) and
+reading and writing only the real ones, so each meets the same 1-ulp bar as 64, 128 and 256;
+the simt kernels keep 64, 128 and 256, and anything else is refused naming head_dim."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import numpy as np
+import pytest
+
+from metrale_attn import hf_config, reference
+from metrale_attn.backends.cpu_backend import CpuBackend
+from metrale_attn.config import ENV_IMPL, HEAD_DIMS, SIMT_HEAD_DIMS, ModelShape, max_rows_per_cta
+from metrale_attn.kernels import KernelSpec, mma_padded_dim, mma_tiling
+from metrale_attn.precompile import Layer, Options, layers_of, needed_specs
+from metrale_attn.targets import TARGETS
+
+from support.problems import check_against_reference, decoder, problem, run_poisoned
+
+PADDED = tuple(d for d in HEAD_DIMS if d % 32)
+"""The head dims whose rows the core pads by 16 dims: 80, 112, ..., 240."""
+
+
+def test_the_mma_head_dims_are_every_multiple_of_16_from_64_to_256_and_simt_keeps_64_128_256():
+    assert HEAD_DIMS == (64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240, 256)
+    assert SIMT_HEAD_DIMS == (64, 128, 256)
+    assert [mma_padded_dim(d) for d in (64, 80, 96, 112, 128, 240, 256)] == [64, 96, 96, 128, 128, 256, 256]
+
+
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+def test_every_multiple_of_16_from_64_to_256_holds_the_one_ulp_bar(backend, head_dim, kv):
+    """Unpacked, small: a few tokens across ragged pages, both layouts and q dtypes in turn."""
+    p = problem(seed=head_dim, head_dim=head_dim, page_size=7, seq_lens=(0, 1, 9, 40), kv_dtype=kv,
+                q_dtype=("bf16", "fp16")[head_dim // 16 % 2], layout=("NHD", "HND")[head_dim // 32 % 2])
+    attn = decoder(p, backend=backend, splitk="off")
+    assert (attn.plan(4).arm, attn.plan(4).impl) == ("unpacked", "mma")
+    check_against_reference(p, *run_poisoned(attn, p))
+
+
+@pytest.mark.parametrize("head_dim, kv, q", [(80, "fp16", "fp16"), (144, "bf16", "fp16"), (240, "fp8_e5m2", "bf16")])
+def test_split_k_at_padded_head_dims_holds_the_bar_and_keeps_the_workspace_layout_of_head_dim_plus_2(backend, head_dim, kv, q):
+    """The workspace slot stays head_dim + 2 fp32 of the real dim: the padding never reaches it."""
+    p = problem(seed=head_dim, head_dim=head_dim, page_size=16, seq_lens=(0, 3, 300, 700), kv_dtype=kv, q_dtype=q,
+                num_q_heads=8, num_kv_heads=2)
+    attn = decoder(p, backend=backend, splitk="3")
+    plan = attn.plan(4)
+    assert plan.arm == "splitk" and plan.workspace.head_dim == head_dim
+    check_against_reference(p, *run_poisoned(attn, p))
+    if backend != "cpu":
+        return
+    n, h, d = p.q.shape
+    ws = attn.workspace[: n * h * 3 * (d + 2)].reshape(n, h, 3, d + 2).astype(np.float64)
+    ref = reference.splitk_partials(p.q, p.k_cache, p.v_cache, p.block_tables, p.seq_lens, 3, kv_layout=p.kv_layout,
+                                    k_scale=p.k_scale, v_scale=p.v_scale)
+    seen = ref[..., -1] != 0
+    np.testing.assert_allclose(ws[seen], ref[seen], rtol=1e-5, atol=1e-5)
+
+
+def test_a_padded_head_dim_serves_multi_token_decode_with_a_window_sinks_a_soft_cap_and_fp32_out(backend):
+    p = problem(seed=7, head_dim=112, page_size=5, seq_lens=(3, 60, 200), num_q_heads=4, num_kv_heads=1,
+                kv_dtype="fp8")
+    q = np.random.default_rng(7).standard_normal((3, 2, 4, 112)).astype(p.q.dtype)
+    sinks = np.random.default_rng(8).normal(0, 2, 4).astype(np.float32)
+    features = dict(window_left=50, logits_soft_cap=15.0)
+    attn = decoder(p, backend=backend, max_q_len=2, sinks=True, out_dtype="float32", splitk="off", **features)
+    out, lse = run_poisoned(attn, p, q=q, sinks=sinks, out_dtype=np.float32)
+    ref_out, ref_lse = p.reference(return_lse=True, q=q, sinks=sinks, **features)
+    np.testing.assert_allclose(out, ref_out, rtol=2e-6, atol=2e-6 * p.v_absmax())
+    np.testing.assert_allclose(lse, ref_lse, rtol=2e-6, atol=2e-6)
+
+
+def test_at_a_padded_head_dim_a_heads_bytes_do_not_depend_on_its_batch_or_its_cta():
+    p = problem(seed=5, head_dim=80, page_size=16, seq_lens=(300, 5, 41, 0), num_q_heads=8, num_kv_heads=2)
+    full = {h: run_poisoned(decoder(p, heads_per_cta=h, splitk="auto"), p) for h in (1, 2, 4)}
+    check_against_reference(p, *full[1])
+    for out, lse in full.values():
+        assert out.tobytes() == full[1][0].tobytes() and lse.tobytes() == full[1][1].tobytes()
+    from metrale_attn.problems import Problem
+
+    alone = Problem(p.q[2:3], p.k_cache, p.v_cache, p.block_tables[2:3], p.seq_lens[2:3], p.k_scale, p.v_scale,
+                    p.kv_layout)
+    out, lse = run_poisoned(decoder(alone, max_batch=4, splitk="auto"), alone)
+    assert out[0].tobytes() == full[1][0][2].tobytes() and lse[0].tobytes() == full[1][1][2].tobytes()
+
+
+def test_from_head_dim_240_a_cta_holds_one_row_tile_so_nothing_spills():
+    """16 rows at 240 left ptxas at 255 registers, and plain split-K spilled on sm_120."""
+    assert [max_rows_per_cta(d) for d in (64, 208, 224, 240, 256)] == [16, 16, 16, 8, 8]
+    assert KernelSpec("splitk", 224, "bf16", "bf16", "mma", 2).max_rows == 16
+    with pytest.raises(ValueError, match="row_tiles"):
+        KernelSpec("splitk", 240, "bf16", "bf16", "mma", 2)
+
+
+@pytest.mark.parametrize("head_dim", [0, 32, 40, 48, 72, 100, 264, 272, 512])
+def test_any_other_head_dim_is_refused_naming_head_dim_and_the_supported_ones(head_dim):
+    with pytest.raises(ValueError, match=rf"head_dim must be a multiple of 16 from 64 to 256 .*got {head_dim}"
+                       if head_dim else "head_dim must be a positive int"):
+        ModelShape(4, 2, head_dim)
+
+
+def test_simt_chosen_by_argument_or_environment_refuses_a_head_dim_it_lacks(monkeypatch):
+    p = problem(seq_lens=(5,), head_dim=96)
+    message = r"impl='simt' has no head_dim 96 \(the simt kernels take head_dim 64, 128, 256\)"
+    with pytest.raises(ValueError, match=message):
+        decoder(p, impl="simt")
+    monkeypatch.setenv(ENV_IMPL, "simt")
+    with pytest.raises(ValueError, match=message):
+        decoder(p)
+    with pytest.raises(ValueError, match="head_dim"):
+        KernelSpec("unpacked", 96, "bf16", "bf16", "simt")
+
+
+class _DisagreeingDevice(CpuBackend):
+    """A backend whose known-answer test of the mma instructions fails."""
+
+    def verify_mma(self):
+        return ["mma.m16n8k16 bf16"]
+
+
+def test_a_failed_self_test_never_falls_back_to_simt_at_a_head_dim_simt_lacks():
+    with pytest.raises(RuntimeError, match=r"only they serve .*head_dim 80 \(the simt kernels take"):
+        decoder(problem(seq_lens=(5,), head_dim=80), backend=_DisagreeingDevice())
+    with pytest.warns(RuntimeWarning, match="using impl='simt'"):  # 64, 128, 256 still fall back
+        assert decoder(problem(seq_lens=(5,), head_dim=128), backend=_DisagreeingDevice()).impl == "simt"
+
+
+def test_spec_names_carry_the_real_head_dim_and_the_tiling_sizes_rows_at_the_padded_one():
+    assert KernelSpec("splitk", 80, "bf16", "fp8", "mma", 2).name == "decode_splitk_qbf16_kvfp8_hd80_r16"
+    for d in PADDED:
+        for kv in ("bf16", "fp8"):
+            assert mma_tiling(d, "bf16", kv, 1) == mma_tiling(d + 16, "bf16", kv, 1)
+            assert KernelSpec("unpacked", d, "bf16", kv).defines()["PD_HEAD_DIM"] == d
+
+
+def test_precompile_of_a_hugging_face_config_at_head_dim_80_builds_the_mma_kernels_and_no_simt_fallback():
+    raw = json.loads((pathlib.Path(__file__).parent / "hf_configs" / "llama-3-8b.json").read_text())
+    raw.update(head_dim=80, hidden_size=2560)
+    model = hf_config.from_dict(raw)
+    assert model.head_dim == 80
+    plan = needed_specs(layers_of(model), TARGETS["hopper"], Options(), environ={})
+    names = [n.name for n in plan.needed]
+    assert names[0] == "pd_selftest" and all("_hd80_" in n for n in names[1:]) and len(names) > 1
+    assert not any(n.startswith("simt_") for n in names)
+
+
+def test_where_the_mma_kernels_do_not_fit_a_head_dim_simt_lacks_is_refused_naming_it():
+    """gb10's 99 KiB holds no bf16 ring at head dim 112, and simt cannot take the layer over."""
+    message = r"allows 101376: they cannot launch there \(impl='simt' has no head_dim 112 \(the simt kernels take"
+    with pytest.raises(ValueError, match=message):
+        decoder(problem(seq_lens=(5,), head_dim=112), target="gb10")
+    with pytest.raises(ValueError, match=message):
+        needed_specs([Layer("layer", 4, 4, 112)], TARGETS["gb10"], environ={})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arm", ["unpacked", "splitk"])
+@pytest.mark.parametrize("kv", ["bf16", "fp16", "fp8", "fp8_e5m2"])
+@pytest.mark.parametrize("q", ["bf16", "fp16"])
+@pytest.mark.parametrize("head_dim", [d for d in HEAD_DIMS if d not in SIMT_HEAD_DIMS])
+def test_every_new_head_dim_arm_and_dtype_pair_holds_the_one_ulp_bar(backend, head_dim, q, kv, arm):
+    """The whole grid at the head dims test_decode's grid leaves out (``slow``)."""
+    p = problem(seed=head_dim + len(kv), head_dim=head_dim, page_size=(1, 16, 7)[head_dim // 16 % 3],
+                seq_lens=(0, 1, 40, 300), kv_dtype=kv, q_dtype=q, layout=("NHD", "HND")[len(q + kv) % 2],
+                num_q_heads=6, num_kv_heads=2)
+    attn = decoder(p, backend=backend, splitk="off" if arm == "unpacked" else "3")
+    assert attn.plan(4).arm == arm
+    check_against_reference(p, *run_poisoned(attn, p))
