@@ -422,18 +422,21 @@ def impl_pairs(result: dict) -> dict:
 
 
 def _impl_comparison(result: dict) -> list[str]:
-    """Old (simt) against new (mma) kernels, arm by arm, on every configuration both ran."""
-    out = ["## Old vs new kernels (simt vs mma)", "", selftest_line(result) + ".", ""]
+    """Old against new kernels (simt, the previous mma kernel v2, mma v2.1), arm by arm, on every
+    configuration two of them ran: the speed-ups of mma over simt and of v2.1 over v2."""
+    out = ["## Old vs new kernels (simt vs mma v2 vs mma v2.1)", "", selftest_line(result) + ".", ""]
     pairs = impl_pairs(result)
     if not any(len(by) > 1 for by in pairs.values()):
-        return out + ["Not compared: no configuration timed both implementations.", ""]
-    out += ["| configuration | arm | simt us (% copy) | mma us (% copy) | mma speed-up |", "| --- | --- | --- | --- | --- |"]
+        return out + ["Not compared: no configuration timed two implementations.", ""]
+    out += ["| configuration | arm | simt us (% copy) | mma v2 us (% copy) | mma us (% copy) | mma speed-up | "
+            "v2.1 / v2 |", "| --- | --- | --- | --- | --- | --- | --- |"]
     for (key, arm), by in pairs.items():
-        old, new = by.get("simt"), by.get("mma")
+        old, v2, new = by.get("simt"), by.get("mma_v2"), by.get("mma")
         speed = f"{old['median_us'] / new['median_us']:.2f}x" if old and new else "-"
-        r = old or new
+        step = f"{v2['median_us'] / new['median_us']:.2f}x" if v2 and new else "-"
+        r = old or v2 or new
         out.append(f"| {r['model']} {r['kv_dtype']} b{r['batch']} {_ctx(r['context'])} | {arm} | {_us_pct(old)} | "
-                   f"{_us_pct(new)} | {speed} |")
+                   f"{_us_pct(v2)} | {_us_pct(new)} | {speed} | {step} |")
     return out + [""]
 
 

@@ -122,7 +122,7 @@ def make_row(config: Config, impl: str, *, timing: Optional[Timing], copy_tb_per
         row.update(plan_arm=plan.arm, num_splits=plan.num_splits, ctas=plan.ctas,
                    grids=[list(g.grid) for g in plan.launches], plan_reason=plan.reason,
                    kernels=[g.kernel for g in plan.launches], plan_heads_per_cta=plan.heads_per_cta,
-                   kernel_impl=plan.impl, heads_per_cta=plan.heads_per_cta)
+                   kernel_impl=impls.ran(plan.impl, slot.impl if slot else None), heads_per_cta=plan.heads_per_cta)
     if slot is not None and slot.heads_per_cta is not None:
         row["heads_per_cta"] = slot.heads_per_cta  # forced (plan_heads_per_cta says what the plan made of it)
     if timing is not None:
@@ -463,7 +463,8 @@ class Sweep:
         prediction = self.predictions.lookup(
             arm=plan.arm, q_heads=config.shape.num_q_heads, kv_heads=config.shape.num_kv_heads,
             head_dim=config.shape.head_dim, q_dtype="bf16", kv_dtype=config.kv_dtype,
-            heads_per_cta=plan.heads_per_cta, impl=plan.impl, batch=config.batch, context=config.context)
+            heads_per_cta=plan.heads_per_cta, impl=impls.ran(plan.impl, slot.impl), batch=config.batch,
+            context=config.context)  # mma_v2 rows find no row of the (v2.1) report: no prediction
         row.update(sass=prediction, pred_ratio=prediction_ratio(row.get("pct_of_copy"), prediction),
                    call_ratio=call_ratio(row.get("pct_of_copy"), prediction))
         return row

@@ -25,6 +25,7 @@ from typing import Callable, Optional
 
 from . import dtypes, policy
 from .targets import TargetPolicy
+from .tiling import DEFAULT_MMA_KERNEL, MMA_KERNELS
 
 HEAD_DIMS = (64, 128, 256)
 LAYOUTS = ("NHD", "HND")
@@ -39,6 +40,7 @@ IMPLS = ("mma", "simt")
 DEFAULT_IMPL = "mma"
 ENV_IMPL = "METRALE_ATTN_DECODE_IMPL"
 ENV_HEADS_PER_CTA = "METRALE_ATTN_DECODE_HEADS_PER_CTA"
+ENV_MMA_KERNEL = "METRALE_ATTN_DECODE_MMA_KERNEL"
 
 ROW_TILE = 8
 """Query rows (heads x query tokens) in one row tile of an ``mma`` CTA: the MMA's N side."""
@@ -94,7 +96,8 @@ class LayerConfig:
     base-2 states); ``page_table`` ``"dense"`` (``block_tables`` and ``seq_lens``, vLLM's) or
     ``"csr"`` (FlashInfer's ``kv_indptr``, ``kv_indices``, ``kv_last_page_len``, read by the
     kernels as they are); ``heads_per_cta`` None (the plan's rule) or the override; ``impl``
-    the implementation after any fallback.
+    the implementation after any fallback; ``mma_kernel`` which ``mma`` kernel
+    (``tiling.MMA_KERNELS``: ``v2.1``, or the previous ``v2``, kept for side-by-side timing).
     """
 
     shape: ModelShape
@@ -116,6 +119,7 @@ class LayerConfig:
     device_scales: bool = False
     lse_base: str = "e"
     page_table: str = "dense"
+    mma_kernel: str = DEFAULT_MMA_KERNEL
     features: frozenset = field(init=False)
     """The ``FEATURES`` this layer compiles (``multi_token`` for calls of ``q_len > 1`` only)."""
 
@@ -190,13 +194,15 @@ def configure(
     device_scales: bool = False,
     lse_base="e",
     page_table: str = "dense",
+    mma_kernel: Optional[str] = None,
     environ=None,
 ) -> LayerConfig:
     """A ``LayerConfig`` from ``DecodeAttention``'s keyword arguments, each checked here and
     refused with its name: integers may be any ``numbers.Integral`` (never a bool), dtypes
     strings or NumPy/ml_dtypes/torch dtypes, and ``impl``/``heads_per_cta`` fall back to
     ``METRALE_ATTN_DECODE_IMPL``/``METRALE_ATTN_DECODE_HEADS_PER_CTA`` (read from
-    ``environ``, default ``os.environ``) when None. ``defaults``: the target and its resolved
+    ``environ``, default ``os.environ``) when None, and ``mma_kernel`` to
+    ``METRALE_ATTN_DECODE_MMA_KERNEL``, else ``v2.1``. ``defaults``: the target and its resolved
     policy (``targets.resolve_target_policy``)."""
     env = os.environ if environ is None else environ
     shape = ModelShape(num_q_heads, num_kv_heads, head_dim)
@@ -230,7 +236,7 @@ def configure(
     impl = resolve_impl(impl, env.get(ENV_IMPL))
     config = LayerConfig(shape, page_size, q_dtype, kv_dtype, max_batch, target_policy, layout, out_dtype, sm_scale,
                          max_decode_seqs, impl, None, max_q_len, window_left, logits_soft_cap, sinks, device_scales,
-                         base, table)
+                         base, table, resolve_mma_kernel(mma_kernel, env.get(ENV_MMA_KERNEL)))
     if config.impl == "simt" and config.mma_only:
         raise ValueError(f"impl='simt' has no {', '.join(config.mma_only)} (features: multi_token = max_q_len > 1, "
                          "window = window_left, soft_cap = logits_soft_cap, sinks = sinks, out_f32 = out_dtype "
@@ -255,6 +261,21 @@ def resolve_impl(impl: Optional[str], env_raw: Optional[str]) -> str:
             raise ValueError(f"{where} must be one of {', '.join(IMPLS)}, got {value!r}")
         return name
     return DEFAULT_IMPL
+
+
+def resolve_mma_kernel(kernel: Optional[str], env_raw: Optional[str]) -> str:
+    """The ``mma`` kernel: the ``mma_kernel`` argument, else a non-empty
+    ``METRALE_ATTN_DECODE_MMA_KERNEL``, else ``v2.1``; one of ``tiling.MMA_KERNELS`` (trimmed,
+    case-insensitive, the leading ``v`` optional: ``"2"`` is ``v2``)."""
+    for value, where in ((kernel, "mma_kernel"), (env_raw, ENV_MMA_KERNEL)):
+        if value is None or (where == ENV_MMA_KERNEL and not policy.normalize(value)):
+            continue
+        name = policy.normalize(str(value))
+        name = name if name.startswith("v") else f"v{name}"
+        if name not in MMA_KERNELS:
+            raise ValueError(f"{where} must be one of {', '.join(MMA_KERNELS)}, got {value!r}")
+        return name
+    return DEFAULT_MMA_KERNEL
 
 
 def impl_chosen(impl: Optional[str], env_raw: Optional[str]) -> bool:
