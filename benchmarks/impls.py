@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from metrale_attn.config import ENV_IMPL, ENV_MMA_KERNEL, resolve_impl, resolve_mma_kernel
+from metrale_attn.tiling import DEFAULT_MMA_KERNEL
 
 IMPLS = ("simt", "mma_v2", "mma")
 """The implementations the harness forces, in the order rows are timed and shown: old to new."""
@@ -60,7 +61,7 @@ class Built:
     @property
     def impl(self) -> str:
         """What was built: the plan's implementation, and its mma kernel (one of ``IMPLS``)."""
-        return label(self.attn.plan(1).impl, self.attn.config.mma_kernel)
+        return label(self.attn.plan(1).impl, kernel_of(self.attn))
 
     @property
     def fell_back(self) -> bool:
@@ -74,6 +75,11 @@ class Built:
 def label(impl: str, mma_kernel: str) -> str:
     """The harness's name (one of ``IMPLS``) of a plan's implementation and its layer's mma kernel."""
     return "mma_v2" if (impl, mma_kernel) == ("mma", "v2") else impl
+
+
+def kernel_of(attn) -> str:
+    """The mma kernel of a built ``DecodeAttention`` (a stand-in without a config: the default)."""
+    return getattr(getattr(attn, "config", None), "mma_kernel", DEFAULT_MMA_KERNEL)
 
 
 def ran(plan_impl: str, asked: Optional[str]) -> str:

@@ -53,12 +53,14 @@ FEATURE_SHORT = {"window": "win", "multi_token": "mt", "soft_cap": "cap", "sinks
 
 
 def short_label(r: dict) -> str:
-    """A row on a short line: ``spk/mma``, ``dflt/mma/h4``, ``sdpa+g``, ``+win`` (a feature row)."""
+    """A row on a short line: ``spk/mma``, ``spk/v2`` (the previous mma kernel), ``dflt/mma/h4``, ``sdpa+g``,
+    ``+win`` (a feature row)."""
     if r["impl"] != "metrale":
         return BASELINE_SHORT.get(r["impl"], r["impl"])
     if r.get("feature"):
         return "+" + FEATURE_SHORT.get(r["feature"], r["feature"])
     arm, _, rest = (r.get("arm_label") or r.get("arm") or "ours").partition("/")
+    rest = "v2" + rest[len("mma_v2"):] if rest.startswith("mma_v2") else rest
     return ARM_SHORT.get(arm, arm) + (f"/{rest}" if rest else "")
 
 

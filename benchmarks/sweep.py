@@ -367,8 +367,10 @@ class Sweep:
         print(f"[bench {self.elapsed():.0f}s] mma self-test: {record['status']} ({record['detail']})", flush=True)
 
     @staticmethod
-    def geometry(plan) -> tuple:
-        return (plan.arm, plan.num_splits, plan.impl, plan.heads_per_cta)
+    def geometry(attn, plan) -> tuple:
+        """What makes a forced slot the policy's choice: its arm, splits, implementation (the mma
+        kernel too: ``mma_v2`` is not the default) and heads per CTA."""
+        return (plan.arm, plan.num_splits, impls.label(plan.impl, impls.kernel_of(attn)), plan.heads_per_cta)
 
     def _run_arms(self, job: Job, case) -> None:
         config, rows = job.config, self.result["rows"]
@@ -376,7 +378,7 @@ class Sweep:
         default_plan = default_attn.plan(config.batch)
         if self.result["kernel_impls"]["default_impl"] is None:
             self.result["kernel_impls"]["default_impl"] = default_plan.impl
-        want, matched = self.geometry(default_plan), False
+        want, matched = self.geometry(default_attn, default_plan), False
         for slot in slots_for(job, self.arms):
             try:
                 attn = self.attn(config, slot)
@@ -387,7 +389,7 @@ class Sweep:
                 rows.append(self._unavailable(job, slot, _short(err)))
                 continue
             plan = attn.plan(config.batch)
-            is_default = not matched and self.geometry(plan) == want
+            is_default = not matched and self.geometry(attn, plan) == want
             matched |= is_default
             rows.append(self.measure_ours(job, case, attn, slot, plan, is_default))
         if not matched:  # the policy's geometry is none of the forced specs': time it as its own row

@@ -302,10 +302,12 @@ def plan_jobs(args) -> list[Job]:
 
 
 def slots_for(job: Job, arms: list[str]) -> list[Slot]:
-    """The specs of ours a job times: each forced arm on each implementation, (``hpc``) each
-    ``heads_per_cta`` on the mma kernels, or (``features``) each feature on them."""
+    """The specs of ours a job times: each forced arm on each implementation (the previous mma
+    kernel, ``mma_v2``, on the decisive tiers only: the grid behind them stays as long as it was),
+    (``hpc``) each ``heads_per_cta`` on the mma kernels, or (``features``) each feature on them."""
     if job.kind == "hpc":
         return [Slot("default", SWEEP_IMPL, h) for h in job.hpc_values]
     if job.kind == "features":
         return [Slot("default", SWEEP_IMPL, feature=f) for f in FEATURES]
-    return [Slot(arm, impl) for arm in arms_for(job.config.shape, arms) for impl in IMPLS]
+    impls = IMPLS if job.tier.startswith("decisive") else tuple(i for i in IMPLS if i != "mma_v2")
+    return [Slot(arm, impl) for arm in arms_for(job.config.shape, arms) for impl in impls]

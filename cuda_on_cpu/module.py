@@ -72,7 +72,7 @@ class Module:
         limit = min(int(max_shared_bytes), MAX_SHARED_BYTES)
         if shared_bytes > limit:
             raise CudaOnCpuError(f"kernel '{kernel}': {shared_bytes} bytes of dynamic shared memory exceed the "
-                                 f"{limit} bytes per block of the device emulated")
+                                 f"{limit // 1024} KiB per block ({limit} bytes) of the device emulated")
         policy, seed = parse_order(order)
         values = prepare_args(kernel, self._params[kernel], args)
         stack = stack_bytes(self.asan)

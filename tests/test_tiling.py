@@ -83,7 +83,7 @@ def test_the_cpu_backend_refuses_a_launch_past_the_shared_memory_of_the_target_i
                  for p in kernel_params(small)[small.kernels[0]])
     big = KernelSpec("unpacked", 64, "bf16", "bf16").shared_bytes
     assert big > 99 * 1024 >= small.shared_bytes
-    with pytest.raises(CudaOnCpuError, match=r"101376 bytes per block of the device emulated"):
+    with pytest.raises(CudaOnCpuError, match=r"exceed the 99 KiB per block \(101376 bytes\) of the device emulated"):
         module.launch(Launch(small.kernels[0], (1, 1, 1), (small.threads, 1, 1), big, args))
 
 
