@@ -47,6 +47,7 @@ from metrale_attn.config import LayerConfig, ModelShape
 from metrale_attn.kernels import KernelSpec
 from metrale_attn.plan import DecodePlan, make_plan
 from metrale_attn.targets import get_target, resolve_target_policy
+from metrale_attn.tiling import DEFAULT_MMA_KERNEL
 
 from . import warp_chain as wc
 from .model_assumptions import a, cycles_of_ns
@@ -96,9 +97,10 @@ def plan_for(call: Call, impl: str = "mma") -> DecodePlan:
     return make_plan(config, call.batch)
 
 
-def variant_for(call: Call, plan: DecodePlan) -> KernelSpec:
-    """The spec the plan launches."""
-    return KernelSpec(plan.arm, call.head_dim, call.q_dtype, call.kv_dtype, plan.impl, plan.row_tiles)
+def variant_for(call: Call, plan: DecodePlan, mma_kernel: str = DEFAULT_MMA_KERNEL) -> KernelSpec:
+    """The spec the plan launches (``mma_kernel``: ``v2.1``, or the previous ``v2``), on hopper."""
+    return KernelSpec(plan.arm, call.head_dim, call.q_dtype, call.kv_dtype, plan.impl, plan.row_tiles,
+                      mma_kernel=mma_kernel)
 
 
 def split_range(seq_len: int, split: int, num_splits: int) -> tuple[int, int]:

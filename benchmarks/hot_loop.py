@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass
 
 from metrale_attn import dtypes, policy
-from metrale_attn.kernels import KernelSourceError, KernelSpec, read_define, source_constants
+from metrale_attn.kernels import KernelSourceError, KernelSpec, read_define
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ def hot_loop(spec: KernelSpec) -> HotLoop:
     row, so a warp covers ``R = 32 / (D / VEC)`` rows per load and an iteration takes
     ``R * UNROLL`` tokens; ``VEC`` and ``UNROLL`` are the arm file's ``constexpr``s."""
     itemsize = dtypes.NUMPY_DTYPES[spec.kv_dtype].itemsize
-    warps = source_constants().threads // 32
+    warps = spec.threads // 32
     if spec.tiling:
         tokens = spec.tiling.tile_tokens
         stage = tokens * spec.head_dim * itemsize * 2

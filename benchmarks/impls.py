@@ -2,9 +2,12 @@
 
 ``metrale_attn`` has two (``metrale_attn.plan.IMPLS``): ``mma``, the default, the tensor-core
 kernels whose CTA serves ``heads_per_cta`` query heads of one KV head; and ``simt``, the first
-CUDA-core kernels, one head per CTA. The sweep and the L2 probe force each (``IMPLS``, the old one
-first); the ``heads_per_cta`` tier forces every choice of a group (``plan.heads_per_cta_choices``)
-on ``SWEEP_IMPL``.
+CUDA-core kernels, one head per CTA. The ``mma`` core has two kernels (``tiling.MMA_KERNELS``):
+the default ``v2.1`` and the previous ``v2``, kept so that one GPU run times both side by side.
+The harness names three (``IMPLS``, old to new: ``simt``, ``mma_v2``, ``mma``, each a set of
+``DecodeAttention`` arguments, ``ARGUMENTS``); the sweep and the L2 probe force each; the
+``heads_per_cta`` tier forces every choice of a group (``plan.heads_per_cta_choices``) on
+``SWEEP_IMPL``.
 
 On a GPU the first ``mma`` construction per device runs a known-answer test of the PTX the mma
 kernels use (``metrale_attn/backends/selftest.py``). Where the device disagrees with the emulation
@@ -22,10 +25,14 @@ import warnings
 from dataclasses import dataclass
 from typing import Optional
 
-from metrale_attn.config import ENV_IMPL, resolve_impl
+from metrale_attn.config import ENV_IMPL, ENV_MMA_KERNEL, resolve_impl, resolve_mma_kernel
+from metrale_attn.tiling import DEFAULT_MMA_KERNEL
 
-IMPLS = ("simt", "mma")
-"""``impl=`` values the harness forces, in the order rows are timed and shown: old, new."""
+IMPLS = ("simt", "mma_v2", "mma")
+"""The implementations the harness forces, in the order rows are timed and shown: old to new."""
+ARGUMENTS = {"simt": dict(impl="simt"), "mma_v2": dict(impl="mma", mma_kernel="v2"),
+             "mma": dict(impl="mma", mma_kernel="v2.1")}
+"""What each of ``IMPLS`` asks ``DecodeAttention`` for."""
 SWEEP_IMPL = "mma"
 """The implementation the ``heads_per_cta`` tier forces (``simt`` serves one head per CTA)."""
 
@@ -44,13 +51,17 @@ class Built:
 
     @property
     def wanted(self) -> str:
-        """The implementation the request resolves to (``impl=``, else the environment, else ``mma``)."""
-        return resolve_impl(self.asked, os.environ.get(ENV_IMPL))
+        """The implementation the request resolves to (one of ``IMPLS``; None: the environment,
+        else ``mma`` v2.1)."""
+        if self.asked is not None:
+            return self.asked
+        return label(resolve_impl(None, os.environ.get(ENV_IMPL)), resolve_mma_kernel(None, os.environ.get(
+            ENV_MMA_KERNEL)))
 
     @property
     def impl(self) -> str:
-        """What was built: the plan's implementation."""
-        return self.attn.plan(1).impl
+        """What was built: the plan's implementation, and its mma kernel (one of ``IMPLS``)."""
+        return label(self.attn.plan(1).impl, kernel_of(self.attn))
 
     @property
     def fell_back(self) -> bool:
@@ -61,13 +72,29 @@ class Built:
         return f"asked for {self.wanted}, built {self.impl} (mma self-test failed on this device: {said})"[:400]
 
 
+def label(impl: str, mma_kernel: str) -> str:
+    """The harness's name (one of ``IMPLS``) of a plan's implementation and its layer's mma kernel."""
+    return "mma_v2" if (impl, mma_kernel) == ("mma", "v2") else impl
+
+
+def kernel_of(attn) -> str:
+    """The mma kernel of a built ``DecodeAttention`` (a stand-in without a config: the default)."""
+    return getattr(getattr(attn, "config", None), "mma_kernel", DEFAULT_MMA_KERNEL)
+
+
+def ran(plan_impl: str, asked: Optional[str]) -> str:
+    """What a row of a slot that asked for ``asked`` ran: the plan's implementation, ``mma_v2``
+    where the slot asked for it and the plan runs mma."""
+    return "mma_v2" if (plan_impl, asked) == ("mma", "mma_v2") else plan_impl
+
+
 def build(decode_attention, *args, impl: Optional[str] = None, **kwargs) -> Built:
-    """``decode_attention(*args, impl=impl, **kwargs)``, the ``RuntimeWarning``s of its construction
-    recorded (not shown); a construction error (``ValueError``: a ``heads_per_cta`` the group refuses)
-    propagates."""
+    """``decode_attention(*args, **ARGUMENTS[impl], **kwargs)`` (``impl`` None: ``impl=None``, the
+    default), the ``RuntimeWarning``s of its construction recorded (not shown); a construction error
+    (``ValueError``: a ``heads_per_cta`` the group refuses) propagates."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", RuntimeWarning)
-        attn = decode_attention(*args, impl=impl, **kwargs)
+        attn = decode_attention(*args, **(ARGUMENTS[impl] if impl is not None else dict(impl=None)), **kwargs)
     said = tuple(str(w.message) for w in caught if issubclass(w.category, RuntimeWarning))
     return Built(attn, impl, said)
 

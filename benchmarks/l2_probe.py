@@ -3,7 +3,7 @@ implementation, to tell whether a low number comes from L2 amplification.
 
 Three shapes with the same KV bytes and group sizes G = 1, 4 and 8 (8/8/128, 32/8/128,
 64/8/128; batch 16 x 16k tokens, KV bf16: 1.07 GB each, far more than the 50-60 MB L2),
-on the unpacked and split-K arms, with each kernel implementation (``impls.IMPLS``: simt,
+on the unpacked and split-K arms, with each kernel implementation (``PROBE_IMPLS``: simt,
 the one-head-per-CTA CUDA-core kernels, and mma, whose CTA serves the plan's
 ``heads_per_cta`` heads of a KV head). ncu profiles the attention kernels only
 (``attention_kernel_regex``: the first kernel of each launch in ``plan.KERNELS``; not the merges, not
@@ -61,6 +61,9 @@ MINIMAL_METRICS = METRICS[:3]
 """The fallback pass, if the first is refused for a metric or section name this ncu does not know."""
 GPU_SHAPES = ((8, 8, 128), (32, 8, 128), (64, 8, 128))
 CPU_SHAPES = ((2, 2, 256), (8, 2, 256), (16, 2, 256))
+PROBE_IMPLS = ("simt", "mma")
+"""The implementations the probe profiles: ``impls.IMPLS`` less ``mma_v2``, the previous mma kernel, which
+reads the same K/V bytes in the same order as ``mma`` (and each profiled kernel costs an ncu pass)."""
 ARMS = ("unpacked", "splitk")
 REFUSALS = ("ERR_NVGPUCTRPERM", "LibraryNotLoaded", "Failed to initialize", "not supported", "permission",
             "Permission")
@@ -83,13 +86,13 @@ def run_target(manifest_path: str, *, cpu: bool, batch: int, context: int) -> di
     backend = "cpu" if cpu else "cupy"
     shapes = CPU_SHAPES if cpu else GPU_SHAPES
     data = _cpu_data if cpu else _gpu_data
-    manifest = {"batch": batch, "context": context, "kv_dtype": "bf16", "launches": [], "impls": list(impls.IMPLS),
+    manifest = {"batch": batch, "context": context, "kv_dtype": "bf16", "launches": [], "impls": list(PROBE_IMPLS),
                 "selftest": impls.selftest_record(None, backend)}
     for q_heads, kv_heads, head_dim in shapes:
         inputs, run_once = data(q_heads, kv_heads, head_dim, batch, context)
         kv_bytes = batch * context * kv_heads * head_dim * 2 * 2
         for arm in ARMS:
-            for impl in impls.IMPLS:
+            for impl in PROBE_IMPLS:
                 entry = dict(shape=f"{q_heads}/{kv_heads}/{head_dim}", group=q_heads // kv_heads, arm=arm,
                              impl=impl, kv_bytes=kv_bytes)
                 try:
@@ -103,7 +106,7 @@ def run_target(manifest_path: str, *, cpu: bool, batch: int, context: int) -> di
                     else:
                         plan = built.attn.plan(batch)
                         run_once(built.attn, inputs)
-                        entry.update(plan_arm=plan.arm, num_splits=plan.num_splits, impl=plan.impl,
+                        entry.update(plan_arm=plan.arm, num_splits=plan.num_splits, impl=impls.ran(plan.impl, impl),
                                      heads_per_cta=plan.heads_per_cta, kernels=[g.kernel for g in plan.launches])
                 except Exception as err:  # recorded per launch: the others still run
                     entry.update(error=f"{type(err).__name__}: {err}"[:300], kernels=[])

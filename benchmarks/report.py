@@ -53,12 +53,14 @@ FEATURE_SHORT = {"window": "win", "multi_token": "mt", "soft_cap": "cap", "sinks
 
 
 def short_label(r: dict) -> str:
-    """A row on a short line: ``spk/mma``, ``dflt/mma/h4``, ``sdpa+g``, ``+win`` (a feature row)."""
+    """A row on a short line: ``spk/mma``, ``spk/v2`` (the previous mma kernel), ``dflt/mma/h4``, ``sdpa+g``,
+    ``+win`` (a feature row)."""
     if r["impl"] != "metrale":
         return BASELINE_SHORT.get(r["impl"], r["impl"])
     if r.get("feature"):
         return "+" + FEATURE_SHORT.get(r["feature"], r["feature"])
     arm, _, rest = (r.get("arm_label") or r.get("arm") or "ours").partition("/")
+    rest = "v2" + rest[len("mma_v2"):] if rest.startswith("mma_v2") else rest
     return ARM_SHORT.get(arm, arm) + (f"/{rest}" if rest else "")
 
 
@@ -422,18 +424,21 @@ def impl_pairs(result: dict) -> dict:
 
 
 def _impl_comparison(result: dict) -> list[str]:
-    """Old (simt) against new (mma) kernels, arm by arm, on every configuration both ran."""
-    out = ["## Old vs new kernels (simt vs mma)", "", selftest_line(result) + ".", ""]
+    """Old against new kernels (simt, the previous mma kernel v2, mma v2.1), arm by arm, on every
+    configuration two of them ran: the speed-ups of mma over simt and of v2.1 over v2."""
+    out = ["## Old vs new kernels (simt vs mma v2 vs mma v2.1)", "", selftest_line(result) + ".", ""]
     pairs = impl_pairs(result)
     if not any(len(by) > 1 for by in pairs.values()):
-        return out + ["Not compared: no configuration timed both implementations.", ""]
-    out += ["| configuration | arm | simt us (% copy) | mma us (% copy) | mma speed-up |", "| --- | --- | --- | --- | --- |"]
+        return out + ["Not compared: no configuration timed two implementations.", ""]
+    out += ["| configuration | arm | simt us (% copy) | mma v2 us (% copy) | mma us (% copy) | mma speed-up | "
+            "v2.1 / v2 |", "| --- | --- | --- | --- | --- | --- | --- |"]
     for (key, arm), by in pairs.items():
-        old, new = by.get("simt"), by.get("mma")
+        old, v2, new = by.get("simt"), by.get("mma_v2"), by.get("mma")
         speed = f"{old['median_us'] / new['median_us']:.2f}x" if old and new else "-"
-        r = old or new
+        step = f"{v2['median_us'] / new['median_us']:.2f}x" if v2 and new else "-"
+        r = old or v2 or new
         out.append(f"| {r['model']} {r['kv_dtype']} b{r['batch']} {_ctx(r['context'])} | {arm} | {_us_pct(old)} | "
-                   f"{_us_pct(new)} | {speed} |")
+                   f"{_us_pct(v2)} | {_us_pct(new)} | {speed} | {step} |")
     return out + [""]
 
 

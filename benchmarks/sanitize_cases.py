@@ -2,7 +2,8 @@
 
 This script owns the cases ``gpu_check.sh`` runs under ``compute-sanitizer``: every
 arm (unpacked, split-K + merge, GQA-packed) on each implementation (mma first: the
-default, with its cp.async rings in shared memory; then simt) once per case below, at
+default, with its cp.async rings in shared memory; then mma_v2, the previous mma kernel;
+then simt) once per case below, at
 small shapes, each output checked against the float64 reference. It exits 0 only if
 every output met the correctness bar; the sanitizer's own verdict is its ERROR SUMMARY.
 A line says which implementation the plan ran (an mma request that fell back to simt
@@ -37,7 +38,7 @@ import numpy as np
 
 from metrale_attn import DecodeAttention, problems, tolerance
 
-from .impls import IMPLS
+from .impls import ARGUMENTS, IMPLS, label
 from .sweep_plan import ARM_OPTIONS as ARMS
 
 CASES = [
@@ -59,7 +60,7 @@ def run_case(arm: str, impl: str, kv: str, layout: str, page: int, head_dim: int
                               head_dim=D, page_size=page, seq_lens=list(SEQ_LENS), kv_dtype=kv, q_dtype="bf16",
                               layout=layout)
     attn = DecodeAttention(H, KV, D, page, q_dtype="bf16", kv_dtype=kv, kv_layout=layout, max_batch=len(SEQ_LENS),
-                           backend=backend, impl=impl, **ARMS[arm])
+                           backend=backend, **ARGUMENTS[impl], **ARMS[arm])
     plan = attn.plan(len(SEQ_LENS))
     if plan.arm != arm:
         raise AssertionError(f"forcing {arm} gave the {plan.arm} arm")
@@ -85,7 +86,7 @@ def run_case(arm: str, impl: str, kv: str, layout: str, page: int, head_dim: int
     if not np.all(np.isneginf(lse[empty])):
         raise AssertionError(f"lse of empty sequences should be -inf, got {lse[empty]}")
     np.testing.assert_allclose(lse[~empty], ref_lse[~empty], rtol=2e-6, atol=2e-6)
-    return (f"{plan.impl} ({plan.heads_per_cta} head(s)/CTA), {plan.num_splits} split(s), grids "
+    return (f"{label(plan.impl, attn.config.mma_kernel)} ({plan.heads_per_cta} head(s)/CTA), {plan.num_splits} split(s), grids "
             f"{[g.grid for g in plan.launches]}")
 
 

@@ -56,9 +56,10 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 
 from metrale_attn import dtypes
-from metrale_attn.kernels import KernelSpec, all_specs
+from metrale_attn.kernels import KernelSourceError, KernelSpec, all_specs
 from metrale_attn.config import max_rows_per_cta
 from metrale_attn.targets import TARGETS, get_target
+from metrale_attn.tiling import DEFAULT_MMA_KERNEL, MMA_KERNELS
 
 from . import call_model
 from .call_model import Call, KernelTiming, Levers, kernel_timing
@@ -113,8 +114,8 @@ def analyse(spec: KernelSpec, arch: str, nvdisasm: str, build: tuple[bytes, str]
     ctas, limiter = occupancy(resources["registers"], resources["static_smem_bytes"] + loop.dynamic_smem_bytes,
                               loop.warps_per_cta)
     in_flight = loads_in_flight(hot.instrs) if hot else None
-    vector_bytes = sum(global_load_bytes(i) for i in hot.instrs if _width_bytes(i) >= 8 or i.base == "LDGSTS") \
-        if hot else 0
+    # K/V: vector loads and 16-byte cp.async (a 4-byte cp.async is a block-table entry, staged)
+    vector_bytes = sum(global_load_bytes(i) for i in hot.instrs if _width_bytes(i) >= 8) if hot else 0
     iters = max(1, round(vector_bytes / loop.kv_bytes_per_warp_iter)) if vector_bytes else 1
     pro, epi = prologue_epilogue_instructions(instrs, labels, hot) if hot else (0, 0)
     return SpecFacts(spec, arch, resources, hot, in_flight, ctas, limiter, vector_bytes, iters, pro, epi,
@@ -297,10 +298,11 @@ def serves(spec: KernelSpec, q_heads: int, kv_heads: int, head_dim: int) -> bool
     return (best > 8) == (loop.heads_per_cta > 8)
 
 
-def select(patterns, shapes, kv_dtypes, q_dtypes) -> list[tuple[KernelSpec, tuple[int, int, int]]]:
+def select(patterns, shapes, kv_dtypes, q_dtypes, mma_kernel: str = DEFAULT_MMA_KERNEL
+           ) -> list[tuple[KernelSpec, tuple[int, int, int]]]:
     chosen = []
     for shape in shapes:
-        for v in all_specs():
+        for v in (replace(v, mma_kernel=mma_kernel) for v in all_specs()):
             if v.kv_dtype not in kv_dtypes or v.q_dtype not in q_dtypes or not serves(v, *shape):
                 continue
             if v.features and not (patterns and any(fnmatch.fnmatch(v.name, p) for p in patterns)):
@@ -326,14 +328,14 @@ def decisive_calls(shapes, kv_dtypes, q_dtype: str = "bf16") -> list[Call]:
             for batch, ctx in call_model.DECISIVE_BATCHES]
 
 
-def predict_calls(calls: list[Call], facts_of, levers=(Levers(),)) -> list[dict]:
+def predict_calls(calls: list[Call], facts_of, levers=(Levers(),), mma_kernel: str = DEFAULT_MMA_KERNEL) -> list[dict]:
     """One row per call and lever (``call_model.simulate`` on the plan ``DecodeAttention``
     makes); ``facts_of(spec)`` gives the spec's ``SpecFacts`` (compiling it if
     needed). A lever whose carve does not fit gives a row with ``predicted_pct`` None."""
     out = []
     for call in calls:
         plan = call_model.plan_for(call)
-        spec = call_model.variant_for(call, plan)
+        spec = call_model.variant_for(call, plan, mma_kernel)
         facts = facts_of(spec)
         for lever in levers:
             k = timing(facts, lever)
@@ -447,13 +449,22 @@ def smem_limits() -> dict[str, int]:
 
 def smem_fit(specs=None, static_smem: dict[str, int] | None = None) -> dict:
     """Per architecture, which ``mma`` specs' shared memory (the launch's dynamic bytes plus
-    the static bytes ptxas reported, where this run compiled the spec) fits a block."""
+    the static bytes ptxas reported, where this run compiled the spec) fits a block, each spec
+    sized for that architecture's limit (``KernelSpec.smem_limit``; ``v2`` keeps its sm_90
+    sizing, so where that does not fit it counts with its sm_90 bytes)."""
     specs = [v for v in (specs or all_specs()) if v.impl == "mma"]
     static_smem = static_smem or {}
     out = {}
     for arch, limit in smem_limits().items():
-        misfits = [{"spec": v.name, "bytes": v.shared_bytes + static_smem.get(v.name, 0)} for v in specs
-                   if v.shared_bytes + static_smem.get(v.name, 0) > limit]
+        misfits = []
+        for v in specs:
+            sized = replace(v, smem_limit=limit)
+            try:
+                name, need = sized.name, sized.shared_bytes + static_smem.get(v.name, 0)
+            except KernelSourceError:  # no tiling of its kernel fits this limit
+                name, need = v.name, v.shared_bytes + static_smem.get(v.name, 0)
+            if need > limit:
+                misfits.append({"spec": name, "bytes": need})
         out[arch] = {"limit_bytes": limit, "specs": len(specs), "fit": len(specs) - len(misfits),
                      "do_not_fit": misfits}
     return out
@@ -583,6 +594,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also compute every lever of issue 19 on those calls (default all)")
     p.add_argument("--hmma-latency", type=float, default=None, metavar="CYCLES",
                    help="a sensitivity: the calls with this HMMA latency instead of the table's lat_hmma")
+    p.add_argument("--mma-kernel", choices=MMA_KERNELS, default=DEFAULT_MMA_KERNEL,
+                   help="the mma kernel modelled: v2.1 (default) or v2, the previous one, for old vs new")
     p.add_argument("--assumptions", action="store_true", help="print the assumption table and exit")
     return p
 
@@ -596,7 +609,7 @@ def main(argv=None) -> int:
     if nvdisasm is None:
         print("nvdisasm not found: pip install nvidia-cuda-nvdisasm (or set NVDISASM)", file=sys.stderr)
         return 2
-    chosen = select(args.specs, args.shapes, args.kv_dtypes, args.q_dtypes)
+    chosen = select(args.specs, args.shapes, args.kv_dtypes, args.q_dtypes, args.mma_kernel)
     if not chosen:
         print("no spec matches", file=sys.stderr)
         return 2
@@ -617,11 +630,13 @@ def main(argv=None) -> int:
         levers = (Levers(),) if args.levers == "none" else call_model.LEVERS
         if args.hmma_latency:
             levers = tuple(replace(lv, hmma_latency=args.hmma_latency) for lv in levers)
-        calls = predict_calls(decisive_calls(args.shapes, args.kv_dtypes, args.q_dtypes[0]), facts_of, levers)
+        calls = predict_calls(decisive_calls(args.shapes, args.kv_dtypes, args.q_dtypes[0]), facts_of, levers,
+                              args.mma_kernel)
     fit = smem_fit(static_smem={name: f.resources["static_smem_bytes"] for (name, _), f in facts.items()})
     print(markdown(rows, calls, fit), end="")
     if args.json:
         report = {"format": "sass_model/2", "modelled": True, "toolchain": toolchain(nvdisasm),
+                  "mma_kernel": args.mma_kernel,
                   "note": "Every figure is MODELLED from NVRTC's SASS and the assumption table; nothing is measured.",
                   "steady_state_rule": STEADY_STATE_RULE, "rows": rows, "calls": calls, "smem_fit": fit,
                   "assumptions": {k: {"value": x.value, "unit": x.unit, "source": x.source}

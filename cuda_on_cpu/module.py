@@ -50,7 +50,7 @@ class Module:
             raise CudaOnCpuError(f"module {self.name} has no kernel {kernel!r} (has: {', '.join(self.kernels)})")
 
     def launch(self, kernel: str, grid, block, shared_bytes: int, args, *,
-               order: str | None = None, isolate: bool = False) -> None:
+               order: str | None = None, isolate: bool = False, max_shared_bytes: int = MAX_SHARED_BYTES) -> None:
         """Run ``kernel<<<grid, block, shared_bytes>>>(*args)`` with CUDA semantics.
 
         args: per pointer parameter a C-contiguous NumPy array (its data pointer is passed;
@@ -60,15 +60,19 @@ class Module:
         numpy.int64 for long long, numpy.float32 for float, ...). ``order``: see
         parse_order. ``isolate``: run in a child process (arrays are shipped there and
         copied back), so a crash becomes a CudaOnCpuError; always the case with asan.
+        ``max_shared_bytes``: the dynamic shared memory per block of the device emulated
+        (227 KiB on sm_90 and sm_100, the most; 99 KiB on sm_86, sm_89, sm_120 and sm_121); a
+        launch past it is refused, as that device would refuse it.
         """
         self._check_kernel(kernel)
         grid, block = dim3(grid, "grid"), dim3(block, "block")
         if isinstance(shared_bytes, bool) or not isinstance(shared_bytes, (int, np.integer)) or shared_bytes < 0:
             raise CudaOnCpuError(f"kernel '{kernel}': shared_bytes must be a non-negative int")
         shared_bytes = int(shared_bytes)
-        if shared_bytes > MAX_SHARED_BYTES:
-            raise CudaOnCpuError(
-                f"kernel '{kernel}': {shared_bytes} bytes of dynamic shared memory exceed the 227 KiB per block")
+        limit = min(int(max_shared_bytes), MAX_SHARED_BYTES)
+        if shared_bytes > limit:
+            raise CudaOnCpuError(f"kernel '{kernel}': {shared_bytes} bytes of dynamic shared memory exceed the "
+                                 f"{limit // 1024} KiB per block ({limit} bytes) of the device emulated")
         policy, seed = parse_order(order)
         values = prepare_args(kernel, self._params[kernel], args)
         stack = stack_bytes(self.asan)

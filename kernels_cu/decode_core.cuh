@@ -9,7 +9,7 @@
 // every arm, and its body), with the split-K merge.
 //
 // What one CTA computes
-//   PD_THREADS threads (W = 4 warps) attend `rows` = heads_per_cta x q_len query rows of
+//   PD_MMA_THREADS threads (W = PD_MMA_WARPS warps) attend `rows` = heads_per_cta x q_len query rows of
 //   one sequence, all reading one KV head: row r = t * heads_per_cta + h is query token
 //   t (0 .. q_len - 1) of head head0 + h. Each row r sees the keys [lo_r, hi_r) (its
 //   causal prefix, its sliding window, its split: row_range), and the CTA leaves per row
@@ -36,9 +36,12 @@
 //     in the scores, so full and ragged tiles run the same branch-free code. Page
 //     lookups: lane i < TT owns token i of the warp's next tile; its (page, offset in
 //     page) advances by W * TT tokens per tile without a division, its block-table entry
-//     is loaded one tile ahead (only for keys of the CTA's range: entries outside it are
-//     never read), and the 64-bit K and V row offsets are computed once per token and
-//     handed to the copying lanes through a small shared-memory table.
+//     is staged (PD_BT_STAGED: copied by a 4-byte cp.async into the pad of a K row of
+//     the stage its tile will use, with the copies of the tile S - 1 before, so it lands
+//     S - 1 tiles, more than a DRAM round trip, before it is read) or loaded one tile
+//     ahead (kernel v2); only entries of keys in the CTA's range are read; the 64-bit K and V row
+//     offsets are computed once per token and handed to the copying lanes through a small
+//     shared-memory table.
 //   * Scores on tensor cores, transposed: S^T[token][row] = K Q^T, mma.m16n8k16 with the
 //     16 tokens of an MMA tile as M and the query rows (heads x q tokens) as N, 8 per
 //     row tile. Decode has at most 16 query rows per KV head, so putting them on the
@@ -75,6 +78,11 @@
 //   PD_ROW_TILES   1 | 2      query-row tiles of 8 (rows <= 8 * PD_ROW_TILES)
 //   PD_TILE_TOKENS 16 | 32    tokens of one warp's stage
 //   PD_STAGES      2 .. 4     depth of each warp's cp.async ring
+//   PD_MMA_WARPS   2 | 4      W, the warps of a CTA (block PD_MMA_THREADS = 32 W); with TT
+//                             what a row's bytes depend on (tiling.warps_for fixes it per
+//                             head dim, cache dtype and target)
+//   PD_BT_STAGED   0 | 1      block-table entries staged in shared memory S - 1 tiles
+//                             ahead (kernel v2.1) or loaded one tile ahead (v2)
 //   PD_SMEM_BYTES             the dynamic shared memory the launch gives; must equal
 //                             pd_mma::SMEM_BYTES (checked at compile time), so the host's
 //                             sizing and this carve cannot drift apart.
@@ -110,6 +118,15 @@
 #ifndef PD_SMEM_BYTES
 #error "PD_SMEM_BYTES must be defined (the dynamic shared memory of the launch)"
 #endif
+#ifndef PD_MMA_WARPS
+#error "PD_MMA_WARPS must be defined (-DPD_MMA_WARPS=2|4: the warps of a CTA)"
+#endif
+#ifndef PD_BT_STAGED
+#error "PD_BT_STAGED must be defined (0 or 1: the block-table entries staged in shared memory)"
+#endif
+
+// The attention kernel's block (a define, not a constexpr: __launch_bounds__ takes it).
+#define PD_MMA_THREADS (PD_MMA_WARPS * 32)
 #if !defined(PD_MULTI_TOKEN) || !defined(PD_WINDOW) || !defined(PD_SOFT_CAP) || !defined(PD_SINKS) || \
     !defined(PD_OUT_F32) || !defined(PD_DEVICE_SCALES) || !defined(PD_CSR)
 #error "PD_MULTI_TOKEN, PD_WINDOW, PD_SOFT_CAP, PD_SINKS, PD_OUT_F32, PD_DEVICE_SCALES and PD_CSR must be defined (0 or 1)"
@@ -127,7 +144,8 @@ namespace pd_mma {
 // chunks are zero-filled, never read from global memory.
 constexpr int D = PD_HEAD_DIM;
 constexpr int DP = (D + 31) / 32 * 32;
-constexpr int W = PD_WARPS;
+constexpr int W = PD_MMA_WARPS;
+constexpr int THREADS = PD_MMA_THREADS;
 constexpr int NT = PD_ROW_TILES;  // query-row tiles of 8 (the MMA's N)
 constexpr int ROWS = 8 * NT;
 constexpr int TT = PD_TILE_TOKENS;  // tokens of one warp's stage
@@ -151,8 +169,10 @@ constexpr int CPL = CPP <= 4 ? 4 : CPP <= 8 ? 8 : CPP <= 16 ? 16 : 32;  // lanes
 constexpr int RPI = 32 / CPL;     // rows one warp-wide cp.async covers
 constexpr int RPL = TT / RPI;     // rows each lane copies per tile
 constexpr int QS = 2 * DP + 16;   // q row stride in shared memory (bytes)
+constexpr int PAD_OFF = RS - 16;  // a row's pad: past the padded row, so no copy and no ldmatrix touches it
 
-static_assert(W == 4 && PD_THREADS == 128, "the core is written for 4 warps");
+static_assert(W == 2 || W == 4, "2 or 4 warps (tiling.WARP_CANDIDATES)");
+static_assert(ROWS % W == 0, "stage_q: each warp converts ROWS / W rows");
 static_assert(NT == 1 || NT == 2, "one or two row tiles");
 static_assert(TT == 16 || TT == 32, "stages of 16 or 32 tokens");
 static_assert(S >= 2 && S <= 4, "2..4 stages");
@@ -498,10 +518,26 @@ __device__ __forceinline__ void stage_q(unsigned char* smem, const QRow& q_row, 
 
 // -- the K/V stream ------------------------------------------------------------------
 
+// bt_staged (PD_BT_STAGED, kernel v2.1): the block-table entries through shared memory.
+// Loaded one tile ahead (v2), an entry arrives ~450 cycles before its use: less than a
+// DRAM miss, so a tile whose entry misses waits. Staged, lane i < TT copies the entry of
+// its token of the warp's tile j + S - 1 with the K/V copies of tile j, in the same commit
+// group (a 4-byte cp.async), into the 16-byte pad of K row i of the stage that tile will
+// use (entry_at): no K/V copy and no ldmatrix touches a pad, so the entry waits there
+// beside the tile the stage still holds, and costs no shared memory. The wait_group that
+// lets tile j be read has landed it too, and issue_tile reads it S - 1 tiles later, just
+// before that stage is refilled. Each lane reads only the entries it copied, so no barrier
+// is needed beyond wait_group. The first S - 1 tiles' entries are loaded in the prologue
+// (start_entries).
+struct BtStaged {
+  enum { on = PD_BT_STAGED };
+};
+
 // One warp's producer: lane i < TT owns token i of the warp's next tile to issue.
 // Token positions and page indices are unsigned: the producer advances up to S x W x TT
-// tokens past the last key it loads, past 2^31 near INT32_MAX keys (never near 2^32);
-// unsigned, that is defined and every comparison with [lo, hi) stays exact.
+// tokens past the last key it loads (the staged entry producer S - 1 tiles more), past
+// 2^31 near INT32_MAX keys (never near 2^32); unsigned, that is defined and every
+// comparison with [lo, hi) stays exact.
 struct Stream {
   const unsigned char* k_lane;  // k_cache + kv_head * k_stride_head + this lane's 16-byte chunk
   const unsigned char* v_lane;
@@ -509,17 +545,38 @@ struct Stream {
   int page_size;
   unsigned lo, hi;          // the CTA's keys [lo, hi)
   unsigned tok, page;          // this lane's token of the next tile and its page index
-  int in_page, row;            // the token's offset in its page, the page's id
+  int in_page, row;            // the token's offset in its page; unstaged: the page's id
   int step_pages, step_in_page;  // W * TT tokens as whole pages + an offset in page
+  unsigned etok, epage;        // staged: this lane's token (and its page index) of the tile
+  int ein_page;                //   whose entry is copied next, S - 1 of this warp's tiles on
+  unsigned char* ring;         // this warp's ring of S stages
 };
 
+// Staged: where lane `lane` keeps the block-table entry of the tile stage `slot` takes next
+// (the pad of K row `lane`, past the zero-filled dims of a padded row).
+__device__ __forceinline__ int* entry_at(unsigned char* ring, int slot, int lane) {
+  return reinterpret_cast<int*>(ring + slot * STAGE_BYTES + lane * RS + PAD_OFF);
+}
+
+// W * TT tokens on from (tok, page, in_page), without a division.
+__device__ __forceinline__ void advance(const Stream& st, unsigned& tok, unsigned& page, int& in_page) {
+  tok += W * TT;
+  in_page += st.step_in_page;
+  page += st.step_pages;
+  if (in_page >= st.page_size) {
+    in_page -= st.page_size;
+    page += 1;
+  }
+}
+
 // A __syncwarp, then the offsets of the next tile's rows into the warp's table, its
-// cp.async copies into `stage` (keys outside the CTA's range zero-filled), and one
-// commit (an empty group when the tile does not exist, so the wait_group arithmetic
-// stays uniform). Advances the producer by W tiles and prefetches the block-table
-// entry that tile will need.
+// cp.async copies into `stage` (keys outside the CTA's range zero-filled), (staged) the
+// block-table entry of this lane's token S - 1 tiles on, and one commit (an empty group of
+// K/V when the tile does not exist, so the wait_group arithmetic stays uniform). Advances
+// the producer by W tiles; unstaged, it then loads the block-table entry that tile will
+// need. `slot`: the tile's stage in the ring (its warp-local index mod S; `stage` is that).
 __device__ __forceinline__ void issue_tile(Stream& st, const long long (&strides)[4], bool exists, int tile,
-                                           unsigned char* stage, unsigned char* table) {
+                                           unsigned char* stage, unsigned char* table, int slot) {
   const int lane = threadIdx.x & 31;
   __syncwarp();  // every lane is done with the table, the stage and the copies it waited for
   if (exists) {
@@ -528,9 +585,10 @@ __device__ __forceinline__ void issue_tile(Stream& st, const long long (&strides
       const bool valid = st.tok >= st.lo && st.tok < st.hi;
       long long koff = 0, voff = 0;  // an invalid row is copied with src-size 0 from row 0
       if (valid) {
+        const int row = BtStaged::on ? *entry_at(st.ring, slot, lane) : st.row;  // staged: landed S - 1 tiles ago
         // strides in elements (kernel parameters, not held in registers); bytes = elements * ES
-        koff = ((long long)st.row * strides[0] + (long long)st.in_page * strides[1]) * ES;
-        voff = ((long long)st.row * strides[2] + (long long)st.in_page * strides[3]) * ES;
+        koff = ((long long)row * strides[0] + (long long)st.in_page * strides[1]) * ES;
+        voff = ((long long)row * strides[2] + (long long)st.in_page * strides[3]) * ES;
       }
       *reinterpret_cast<longlong2*>(table + lane * 16) = make_longlong2(koff, voff);
     }
@@ -549,16 +607,34 @@ __device__ __forceinline__ void issue_tile(Stream& st, const long long (&strides
       pd_cp_async_cg_16(dst + TILE_BYTES, st.v_lane + off.y, n);
     }
   }
+  if (BtStaged::on && lane < TT && st.etok >= st.lo && st.etok < st.hi)  // the entry S - 1 tiles on, in range only
+    pd_cp_async_ca_4(entry_at(st.ring, (slot + S - 1) % S, lane), st.bt_row + st.epage, 4u);
   pd_cp_async_commit();
   // Advance to the warp's next tile: W * TT tokens on, no division.
-  st.tok += W * TT;
-  st.in_page += st.step_in_page;
-  st.page += st.step_pages;
-  if (st.in_page >= st.page_size) {
-    st.in_page -= st.page_size;
-    st.page += 1;
+  advance(st, st.tok, st.page, st.in_page);
+  if (BtStaged::on)
+    advance(st, st.etok, st.epage, st.ein_page);
+  else
+    st.row = (lane < TT && st.tok >= st.lo && st.tok < st.hi) ? st.bt_row[st.page] : 0;
+}
+
+// Staged: this lane's entries of the warp's first S - 1 tiles, loaded into stages 0 .. S - 2
+// (keys in the range only), and the entry producer set S - 1 tiles on. Unstaged: the first
+// tile's entry. One round trip, the loads independent.
+__device__ __forceinline__ void start_entries(Stream& st) {
+  const int lane = threadIdx.x & 31;
+  if (!BtStaged::on) {
+    st.row = (lane < TT && st.tok >= st.lo && st.tok < st.hi) ? st.bt_row[st.page] : 0;
+    return;
   }
-  st.row = (lane < TT && st.tok >= st.lo && st.tok < st.hi) ? st.bt_row[st.page] : 0;
+  st.etok = st.tok;
+  st.epage = st.page;
+  st.ein_page = st.in_page;
+  PD_UNROLL
+  for (int j = 0; j < S - 1; ++j) {
+    if (lane < TT && st.etok >= st.lo && st.etok < st.hi) *entry_at(st.ring, j, lane) = st.bt_row[st.epage];
+    advance(st, st.etok, st.epage, st.ein_page);
+  }
 }
 
 // -- MMA operand builders -------------------------------------------------------------
@@ -679,11 +755,13 @@ __device__ __forceinline__ void attend(unsigned char* smem, const Rows& rw, cons
   s.tok = (unsigned)first_tile * TT + lane;
   s.page = s.tok / (unsigned)page_size;  // one division per lane per CTA; the rest are increments
   s.in_page = (int)(s.tok - s.page * page_size);
-  s.row = (lane < TT && s.tok >= s.lo && s.tok < s.hi) ? bt_row[s.page] : 0;
+  s.ring = ring;
+  s.row = 0;
+  start_entries(s);
 
   PD_UNROLL
   for (int k = 0; k < S - 1; ++k)
-    issue_tile(s, strides, k < my_tiles, first_tile + k * W, ring + k * STAGE_BYTES, table);
+    issue_tile(s, strides, k < my_tiles, first_tile + k * W, ring + k * STAGE_BYTES, table, k);
 
   // ldmatrix row address of this lane within a tile: token ((lane >> 3) & 1) * 8 +
   // (lane & 7) of a 16-token block, 16-byte chunk lane >> 4 of a chunk pair.
@@ -694,7 +772,7 @@ __device__ __forceinline__ void attend(unsigned char* smem, const Rows& rw, cons
     pd_cp_async_wait<S - 2>();  // this lane's copies of tile k have landed; issue_tile's
                                 // __syncwarp makes every lane's visible and frees the stage read last
     issue_tile(s, strides, k + S - 1 < my_tiles, first_tile + (k + S - 1) * W, ring + ((k + S - 1) % S) * STAGE_BYTES,
-               table);
+               table, (k + S - 1) % S);
 
     const unsigned char* kt = ring + (k % S) * STAGE_BYTES;
     const unsigned char* vt = kt + TILE_BYTES;
@@ -931,7 +1009,7 @@ __device__ __forceinline__ void run_cta(unsigned char* smem, const Rows& rw, con
 __device__ __forceinline__ void store_rows(unsigned char* smem, const Rows& rw, const Features& f, int num_q_heads,
                                            float v_scale, float lse_scale, OutF32::out_t* out_row0, float* lse_row0) {
   unsigned short* s_out = reinterpret_cast<unsigned short*>(smem + Q_OFF);
-  for (int idx = threadIdx.x; idx < rw.rows * D; idx += PD_THREADS) {
+  for (int idx = threadIdx.x; idx < rw.rows * D; idx += THREADS) {
     const int r = idx / D, d = idx - r * D;
     float M, L, O;
     cta_combine(smem, r, d, M, L, O);
@@ -989,7 +1067,7 @@ __device__ __forceinline__ void store_rows(unsigned char* smem, const Rows& rw, 
 // Split-K writes, instead of out and lse, each row's state over its split of the keys to
 // the workspace (pd_splitk.cuh).
 //
-// Grid: the arm's (see its .cu); block PD_THREADS (4 warps), dynamic shared memory
+// Grid: the arm's (see its .cu); block PD_MMA_THREADS (PD_MMA_WARPS warps), dynamic shared memory
 // PD_SMEM_BYTES. A CTA serves the heads head0 .. head0 + heads_per_cta - 1 of one sequence
 // (heads of one KV head: heads_per_cta divides G) and its q_len query tokens,
 // heads_per_cta * q_len <= 8 * PD_ROW_TILES; the host guarantees both (and q_len == 1
@@ -1005,7 +1083,7 @@ __device__ __forceinline__ void store_rows(unsigned char* smem, const Rows& rw, 
 
 typedef pd_mma::OutF32::out_t pd_out_t;  // out's element: q's dtype, or fp32 (out_f32)
 
-extern "C" __global__ void PD_LAUNCH_BOUNDS(PD_THREADS, 1) PD_ENTRY(
+extern "C" __global__ void PD_LAUNCH_BOUNDS(PD_MMA_THREADS, 1) PD_ENTRY(
     // q: [num_seqs, q_len, num_q_heads, D] by strides in elements
     const pd_q_t* __restrict__ q,
     long long q_stride_seq, long long q_stride_token, long long q_stride_head,
@@ -1062,7 +1140,7 @@ extern "C" __global__ void PD_LAUNCH_BOUNDS(PD_THREADS, 1) PD_ENTRY(
                   v_cache + kv_head * v_stride_head, v_stride_page, v_stride_token,
                   pd_mma::Csr::on ? csr.row(seq) : block_tables + seq * block_tables_stride, page_size);
 #if PD_ARM == PD_ARM_SPLITK
-  for (int idx = threadIdx.x; idx < rw.rows * PD_HEAD_DIM; idx += PD_THREADS) {
+  for (int idx = threadIdx.x; idx < rw.rows * PD_HEAD_DIM; idx += pd_mma::THREADS) {
     const int r = idx / PD_HEAD_DIM, d = idx - r * PD_HEAD_DIM;
     float M, L, O;
     pd_mma::cta_combine(smem, r, d, M, L, O);

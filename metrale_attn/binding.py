@@ -147,7 +147,8 @@ class CallBinder:
     ``modules``: ``(arm, row_tiles, multi_token) -> (spec, module)``; ``abi``: kernel ->
     ``kernel_abi``; ``plan``: the layer's memoized ``plan(num_seqs, q_len)``; ``group``: the
     ``WorkspaceGroup`` (its byte range is what inputs may not overlap); ``block``: the
-    attention kernels' and the merge's block sizes.
+    attention kernels' and the merge's block sizes (an ``mma`` spec's attention kernel takes
+    its tiling's, ``KernelSpec.threads``).
     """
 
     def __init__(self, config: LayerConfig, backend, device, modules: dict, abi: dict, plan, group,
@@ -284,8 +285,8 @@ class CallBinder:
             holes = tuple((j, index[name]) for j, (name, typ) in enumerate(abi) if typ is None and name in index)
             for j, _ in holes:  # filled per call; the template keeps no array alive
                 values[j] = None
-            if i == 0:  # the attention kernel
-                block, shared = (self._block[0], 1, 1), spec.shared_bytes
+            if i == 0:  # the attention kernel: its spec's block (mma: the tiling's warps)
+                block, shared = (spec.threads, 1, 1), spec.shared_bytes
             else:  # the merge
                 block, shared = (self._block[1], 1, 1), 0
             template.append((module, grid.kernel, grid.grid, block, shared, values, holes))

@@ -25,6 +25,7 @@ from typing import Callable, Optional
 
 from . import dtypes, policy
 from .targets import TargetPolicy
+from .tiling import DEFAULT_MMA_KERNEL, MMA_KERNELS, ONE_ROW_TILE_HEAD_DIM, max_row_tiles
 
 HEAD_DIMS = tuple(range(64, 257, 16))
 """Head dims the ``mma`` kernels serve: every multiple of 16 from 64 to 256 (FlashAttention
@@ -44,17 +45,13 @@ IMPLS = ("mma", "simt")
 DEFAULT_IMPL = "mma"
 ENV_IMPL = "METRALE_ATTN_DECODE_IMPL"
 ENV_HEADS_PER_CTA = "METRALE_ATTN_DECODE_HEADS_PER_CTA"
+ENV_MMA_KERNEL = "METRALE_ATTN_DECODE_MMA_KERNEL"
 
 ROW_TILE = 8
 """Query rows (heads x query tokens) in one row tile of an ``mma`` CTA: the MMA's N side."""
 MAX_ROWS_PER_CTA = 2 * ROW_TILE
 """Query rows one ``mma`` CTA can hold: two row tiles; ``max_rows_per_cta`` lowers it from
-``ONE_ROW_TILE_HEAD_DIM`` on."""
-ONE_ROW_TILE_HEAD_DIM = 240
-"""From this head dim on an ``mma`` CTA holds one row tile: 16 rows' fp32 accumulators alone
-(16 x 240 / 32 lanes = 120 registers, 128 at 256) leave ptxas no room for the rest of the
-loop (plain split-K at 240 spilled 12 bytes on sm_120; 224 builds clean everywhere)."""
-
+``tiling.ONE_ROW_TILE_HEAD_DIM`` on."""
 LSE_BASES = {"e": "e", "2": "2", 2: "2"}  # a string (trimmed, any case) or an integer 2
 """The spellings of ``lse_base`` and the one each means."""
 PAGE_TABLES = ("dense", "csr")
@@ -104,7 +101,8 @@ class LayerConfig:
     base-2 states); ``page_table`` ``"dense"`` (``block_tables`` and ``seq_lens``, vLLM's) or
     ``"csr"`` (FlashInfer's ``kv_indptr``, ``kv_indices``, ``kv_last_page_len``, read by the
     kernels as they are); ``heads_per_cta`` None (the plan's rule) or the override; ``impl``
-    the implementation after any fallback.
+    the implementation after any fallback; ``mma_kernel`` which ``mma`` kernel
+    (``tiling.MMA_KERNELS``: ``v2.1``, or the previous ``v2``, kept for side-by-side timing).
     """
 
     shape: ModelShape
@@ -126,6 +124,7 @@ class LayerConfig:
     device_scales: bool = False
     lse_base: str = "e"
     page_table: str = "dense"
+    mma_kernel: str = DEFAULT_MMA_KERNEL
     features: frozenset = field(init=False)
     """The ``FEATURES`` this layer compiles (``multi_token`` for calls of ``q_len > 1`` only)."""
 
@@ -203,13 +202,15 @@ def configure(
     device_scales: bool = False,
     lse_base="e",
     page_table: str = "dense",
+    mma_kernel: Optional[str] = None,
     environ=None,
 ) -> LayerConfig:
     """A ``LayerConfig`` from ``DecodeAttention``'s keyword arguments, each checked here and
     refused with its name: integers may be any ``numbers.Integral`` (never a bool), dtypes
     strings or NumPy/ml_dtypes/torch dtypes, and ``impl``/``heads_per_cta`` fall back to
     ``METRALE_ATTN_DECODE_IMPL``/``METRALE_ATTN_DECODE_HEADS_PER_CTA`` (read from
-    ``environ``, default ``os.environ``) when None. ``defaults``: the target and its resolved
+    ``environ``, default ``os.environ``) when None, and ``mma_kernel`` to
+    ``METRALE_ATTN_DECODE_MMA_KERNEL``, else ``v2.1``. ``defaults``: the target and its resolved
     policy (``targets.resolve_target_policy``)."""
     env = os.environ if environ is None else environ
     shape = ModelShape(num_q_heads, num_kv_heads, head_dim)
@@ -246,7 +247,7 @@ def configure(
                          f"{ENV_IMPL})")
     config = LayerConfig(shape, page_size, q_dtype, kv_dtype, max_batch, target_policy, layout, out_dtype, sm_scale,
                          max_decode_seqs, impl, None, max_q_len, window_left, logits_soft_cap, sinks, device_scales,
-                         base, table)
+                         base, table, resolve_mma_kernel(mma_kernel, env.get(ENV_MMA_KERNEL)))
     if config.impl == "simt" and config.mma_only:
         raise ValueError(f"impl='simt' has no {', '.join(config.mma_only)} (features: multi_token = max_q_len > 1, "
                          "window = window_left, soft_cap = logits_soft_cap, sinks = sinks, out_f32 = out_dtype "
@@ -273,6 +274,21 @@ def resolve_impl(impl: Optional[str], env_raw: Optional[str]) -> str:
     return DEFAULT_IMPL
 
 
+def resolve_mma_kernel(kernel: Optional[str], env_raw: Optional[str]) -> str:
+    """The ``mma`` kernel: the ``mma_kernel`` argument, else a non-empty
+    ``METRALE_ATTN_DECODE_MMA_KERNEL``, else ``v2.1``; one of ``tiling.MMA_KERNELS`` (trimmed,
+    case-insensitive, the leading ``v`` optional: ``"2"`` is ``v2``)."""
+    for value, where in ((kernel, "mma_kernel"), (env_raw, ENV_MMA_KERNEL)):
+        if value is None or (where == ENV_MMA_KERNEL and not policy.normalize(value)):
+            continue
+        name = policy.normalize(str(value))
+        name = name if name.startswith("v") else f"v{name}"
+        if name not in MMA_KERNELS:
+            raise ValueError(f"{where} must be one of {', '.join(MMA_KERNELS)}, got {value!r}")
+        return name
+    return DEFAULT_MMA_KERNEL
+
+
 def impl_chosen(impl: Optional[str], env_raw: Optional[str]) -> bool:
     """Whether the caller chose the implementation (the ``impl`` argument, or a non-empty
     ``METRALE_ATTN_DECODE_IMPL``) rather than taking the default: a chosen ``mma`` is never
@@ -287,8 +303,9 @@ def simt_head_dim_refusal(head_dim: int) -> str:
 
 def max_rows_per_cta(head_dim: int) -> int:
     """Query rows an ``mma`` CTA holds at ``head_dim``: 16, but 8 from ``ONE_ROW_TILE_HEAD_DIM``
-    (240) on, where 16 rows' fp32 accumulators leave ptxas no room without spilling."""
-    return ROW_TILE if head_dim >= ONE_ROW_TILE_HEAD_DIM else MAX_ROWS_PER_CTA
+    (208) on, where 16 rows' fp32 accumulators leave ptxas no room without spilling
+    (``tiling.max_row_tiles``)."""
+    return ROW_TILE * max_row_tiles(head_dim)
 
 
 def heads_per_cta_choices(group_size: int, q_len: int = 1, max_rows: int = MAX_ROWS_PER_CTA) -> tuple[int, ...]:

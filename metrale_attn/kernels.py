@@ -41,6 +41,7 @@ from .config import (DEFAULT_IMPL, FEATURES, HEAD_DIMS, IMPLS, ROW_TILE, SIMT_HE
                      feature_define, heads_per_cta_choices, max_rows_per_cta)
 from .plan import ARMS, KERNELS, make_plan
 from .targets import FP8_CVT_CAPABILITY
+from .tiling import DEFAULT_MMA_KERNEL, MMA_KERNELS, SMEM_LIMIT_BYTES, Tiling, max_row_tiles, mma_tiling
 
 SOURCE_PACKAGE = "metrale_attn.kernels_cu"
 COMMON_HEADER = "pd_common.cuh"
@@ -55,9 +56,6 @@ SOURCE_FILES = {
     ("simt", "gqa_packed"): "simt/simt_decode_gqa_packed.cu",
 }
 """(impl, arm) -> the source that defines the kernels ``plan.KERNELS`` names."""
-
-SMEM_LIMIT_BYTES = 227 * 1024
-"""Dynamic shared memory one block may use on sm_90 and sm_100 (opt-in maximum)."""
 
 _INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"[ \t]*$', re.MULTILINE)
 
@@ -240,75 +238,29 @@ def parse_kernel_params(text: str) -> dict[str, tuple[Param, ...]]:
 # ---------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Tiling:
-    """How an ``mma`` spec streams K and V: each of the 4 warps owns a ring of
-    ``stages`` stages of ``tile_tokens`` tokens (K and V rows, 16 bytes of padding
-    per row), and the launch gives ``smem_bytes`` of dynamic shared memory (the
-    carve of ``decode_core.cuh``, which checks this number at compile time)."""
-
-    tile_tokens: int
-    stages: int
-    smem_bytes: int
-
-
-WARPS = 4
-STAGE_TARGET_BYTES = 8192
-"""K+V bytes one warp's stage aims at: with 3 stages and 4 warps a CTA keeps 64 KiB of
-loads in flight, twice what Little's law asks of one SM at 4.3 TB/s and 800 ns."""
-
-
-MMA_DIM_STEP = 32
-"""The ``mma`` core computes at the head dim rounded up to this (``decode_core.cuh``'s ``DP``:
-one ``ldmatrix.x4`` takes two 16-dim steps); the core's carve, which the host's
-``PD_SMEM_BYTES`` must equal at compile time, checks that both sides round alike."""
-
-
-def mma_padded_dim(head_dim: int) -> int:
-    """The dim the ``mma`` core's shared-memory rows hold for ``head_dim`` (80 -> 96, 128 -> 128):
-    the dims past ``head_dim`` are zeros and never multiplied."""
-    return -(-head_dim // MMA_DIM_STEP) * MMA_DIM_STEP
-
-
-def mma_tiling(head_dim: int, q_dtype: str, kv_dtype: str, row_tiles: int,
-               smem_limit: int = SMEM_LIMIT_BYTES) -> Tiling | None:
-    """The stage shape of an ``mma`` spec: 32-token stages where 32 rows of K and V
-    fit ``STAGE_TARGET_BYTES``, else 16 (an MMA needs 16 tokens); 4 stages for stages
-    of 4 KiB, else 3, or fewer when ``smem_limit`` says so; None when not even 2 fit.
-    Rows are sized at ``mma_padded_dim(head_dim)``, as the core carves them."""
-    head_dim = mma_padded_dim(head_dim)
-    row_bytes = head_dim * dtypes.NUMPY_DTYPES[kv_dtype].itemsize
-    tile = 32 if 2 * 32 * row_bytes <= STAGE_TARGET_BYTES else 16
-    q_parts = 2 if (kv_dtype, q_dtype) == (dtypes.BF16, dtypes.FP16) else 1
-    rows = 8 * row_tiles
-    front = q_parts * rows * (2 * head_dim + 16) + rows * 4 + WARPS * tile * 16
-    ring_off = -(-front // 128) * 128
-    for stages in ((4, 3, 2) if 2 * tile * row_bytes <= 4096 else (3, 2)):
-        smem = ring_off + WARPS * stages * 2 * tile * (row_bytes + 16)
-        if smem <= smem_limit:
-            return Tiling(tile, stages, smem)
-    return None
-
-
-def mma_smem_bytes(head_dim: int, q_dtype: str, kv_dtype: str) -> int:
-    """Dynamic shared memory the smallest ``mma`` spec of this shape and these dtypes
-    asks for (one row tile; the tiling is sized for sm_90's ``SMEM_LIMIT_BYTES``)."""
-    return mma_tiling(head_dim, q_dtype, kv_dtype, 1).smem_bytes
+def mma_smem_bytes(head_dim: int, q_dtype: str, kv_dtype: str, smem_limit: int = SMEM_LIMIT_BYTES,
+                   kernel: str = DEFAULT_MMA_KERNEL) -> int | None:
+    """Dynamic shared memory the smallest ``mma`` spec of this shape and these dtypes asks
+    for on a target of ``smem_limit`` bytes per block (one row tile), None when none fits."""
+    tiling = mma_tiling(head_dim, q_dtype, kv_dtype, 1, smem_limit, kernel)
+    return None if tiling is None else tiling.smem_bytes
 
 
 def mma_refusal(config: LayerConfig) -> str | None:
     """Why the ``mma`` kernels of this layer cannot run on its target, or None when they can:
     its fp8 cache needs the fp8 ``cvt`` the target lacks (sm_80, sm_86; the ``simt``
-    kernels convert in software), or they ask for more dynamic shared memory per block than
-    the target allows."""
+    kernels convert in software), or no tiling of its kernel (``config.mma_kernel``) fits the
+    target's shared memory per block (``v2.1`` fits every target; ``v2`` only 163 KiB and up
+    at head dim 256 and bf16 head dim 128)."""
     target = config.target
     if config.kv_dtype in dtypes.FP8_KINDS and not target.converts_fp8:
         return (f"the mma kernels read fp8 caches with PTX's fp8 cvt, which {target.name} ({target.arch}) lacks "
                 f"(sm_89 and later have it)")
-    need = mma_smem_bytes(config.shape.head_dim, config.q_dtype, config.kv_dtype)
-    if need > target.smem_per_block:
-        return (f"the mma kernels of this shape ask for {need} bytes of shared memory per block; "
-                f"{target.name} ({target.arch}) allows {target.smem_per_block}")
+    shape = (config.shape.head_dim, config.q_dtype, config.kv_dtype, max_row_tiles(config.shape.head_dim))
+    if mma_tiling(*shape, target.smem_per_block, config.mma_kernel) is None:
+        need = mma_tiling(*shape, SMEM_LIMIT_BYTES, config.mma_kernel)
+        return (f"the mma kernels ({config.mma_kernel}) of this shape ask for {need.smem_bytes} bytes of shared memory "
+                f"per block; {target.name} ({target.arch}) allows {target.smem_per_block}")
     return None
 
 
@@ -344,7 +296,10 @@ class KernelSpec:
 
     ``row_tiles`` (``mma`` only): query-row tiles of 8 the CTA holds, so it serves up
     to ``8 * row_tiles`` heads. The KV layout is not a parameter: kernels address the
-    cache by strides.
+    cache by strides. ``smem_limit`` (``mma``): the dynamic shared memory per block of the
+    target it is built for (bytes), which sizes its ``tiling`` (``tiling.mma_tiling``);
+    ``mma_kernel``: ``v2.1`` or the previous ``v2`` (``tiling.MMA_KERNELS``). The name carries
+    the tiling wherever it differs from the sm_90 one (``_w2t16s2``), and ``_v2``.
     """
 
     arm: str
@@ -356,8 +311,14 @@ class KernelSpec:
     features: frozenset = frozenset()
     """``mma`` only: which of ``FEATURES`` this spec is compiled with (each a
     specialization: the plain path compiles none of their code)."""
+    smem_limit: int = SMEM_LIMIT_BYTES
+    mma_kernel: str = DEFAULT_MMA_KERNEL
 
     def __post_init__(self) -> None:
+        if self.mma_kernel not in MMA_KERNELS:
+            raise ValueError(f"mma_kernel must be one of {', '.join(MMA_KERNELS)}, got {self.mma_kernel!r}")
+        if isinstance(self.smem_limit, bool) or not isinstance(self.smem_limit, int) or self.smem_limit <= 0:
+            raise ValueError(f"smem_limit must be a positive int (bytes per block), got {self.smem_limit!r}")
         if self.impl not in IMPLS:
             raise ValueError(f"impl must be one of {', '.join(IMPLS)}, got {self.impl!r}")
         if self.arm not in ARMS:
@@ -370,7 +331,7 @@ class KernelSpec:
             raise ValueError(f"the {self.arm} kernel supports head_dim {allowed}, got {self.head_dim}")
         if self.row_tiles not in (tuple(range(1, max_rows_per_cta(self.head_dim) // 8 + 1)) if self.impl == "mma"
                                   else (1,)):
-            raise ValueError(f"row_tiles must be 1 or 2 (mma; 1 from head dim 240 on) or 1 (simt), got {self.row_tiles!r}")
+            raise ValueError(f"row_tiles must be 1 or 2 (mma; 1 from head dim 208 on) or 1 (simt), got {self.row_tiles!r}")
         object.__setattr__(self, "features", frozenset(self.features))
         unknown = self.features - set(FEATURES)
         if unknown:
@@ -384,8 +345,10 @@ class KernelSpec:
         dt = f"q{self.q_dtype}_kv{self.kv_dtype}_hd{self.head_dim}"
         if self.impl == "simt":
             return f"simt_decode_{self.arm}_{dt}"
-        return f"decode_{self.arm}_{dt}_r{ROW_TILE * self.row_tiles}" + "".join(
-            f"_{f}" for f in FEATURES if f in self.features)
+        sm90 = mma_tiling(self.head_dim, self.q_dtype, self.kv_dtype, self.row_tiles, kernel=self.mma_kernel)
+        return (f"decode_{self.arm}_{dt}_r{ROW_TILE * self.row_tiles}" + "".join(
+            f"_{f}" for f in FEATURES if f in self.features) + ("_v2" if self.mma_kernel == "v2" else "")
+            + (f"_{self.tiling.label}" if self.tiling != sm90 else ""))
 
     def builds_for(self, arch: str) -> bool:
         """Whether this spec compiles for ``arch`` (``sm_XY``): the ``mma`` core reads fp8
@@ -408,17 +371,26 @@ class KernelSpec:
 
     @functools.cached_property
     def tiling(self) -> Tiling | None:
-        """The K/V stream of an ``mma`` spec (None for ``simt``)."""
+        """The K/V stream of an ``mma`` spec on its target (None for ``simt``)."""
         if self.impl != "mma":
             return None
-        tiling = mma_tiling(self.head_dim, self.q_dtype, self.kv_dtype, self.row_tiles)
-        assert tiling is not None, "every mma spec fits sm_90's shared memory"
+        tiling = mma_tiling(self.head_dim, self.q_dtype, self.kv_dtype, self.row_tiles, self.smem_limit,
+                            self.mma_kernel)
+        if tiling is None:
+            raise KernelSourceError(f"no tiling of the {self.mma_kernel} mma kernel at head dim {self.head_dim} "
+                                    f"({self.kv_dtype} cache, {self.row_tiles} row tile(s)) fits {self.smem_limit} "
+                                    "bytes of shared memory per block (kernels.mma_refusal says so first)")
         return tiling
 
     @property
     def shared_bytes(self) -> int:
         """Dynamic shared memory of the attention kernel's launch (the merge takes none)."""
         return self.tiling.smem_bytes if self.tiling else 0
+
+    @property
+    def threads(self) -> int:
+        """The attention kernel's block size: the tiling's warps (``mma``), ``PD_THREADS`` (``simt``)."""
+        return self.tiling.threads if self.tiling else source_constants().threads
 
     def source(self, text: str | None = None) -> str:
         """The self-contained source; ``text`` replaces the arm's file (tests)."""
@@ -437,8 +409,9 @@ class KernelSpec:
             "PD_MIN_KV_PER_SPLIT": policy.PD_MIN_KV_PER_SPLIT,
         }
         if self.tiling:
-            out.update(PD_ROW_TILES=self.row_tiles, PD_TILE_TOKENS=self.tiling.tile_tokens,
-                       PD_STAGES=self.tiling.stages, PD_SMEM_BYTES=self.tiling.smem_bytes)
+            t = self.tiling
+            out.update(PD_ROW_TILES=self.row_tiles, PD_TILE_TOKENS=t.tile_tokens, PD_STAGES=t.stages,
+                       PD_MMA_WARPS=t.warps, PD_BT_STAGED=int(t.bt_staged), PD_SMEM_BYTES=t.smem_bytes)
             out.update({feature_define(f): int(f in self.features) for f in FEATURES})
         return out
 
@@ -520,7 +493,7 @@ def all_specs() -> list[KernelSpec]:
         if not (arm == "gqa_packed" and feature == "multi_token")  # the packed arm serves one query token
     ]
     every = [KernelSpec(arm, d, dtypes.FP16, dtypes.BF16, "mma", rt, set(FEATURES))
-             for arm in ("unpacked", "splitk") for d, rt in ((256, 1), (224, 2), (128, 2))]
+             for arm in ("unpacked", "splitk") for d, rt in ((256, 1), (192, 2), (128, 2))]
     return plain + featured + every
 
 
@@ -542,5 +515,5 @@ def specs_for(config: LayerConfig) -> dict[tuple[str, int, bool], KernelSpec]:
             for row_tiles in sorted({plan.row_tiles_for(r) for r in rows}):
                 specs.setdefault((plan.arm, row_tiles, q_len > 1), KernelSpec(
                     plan.arm, config.shape.head_dim, config.q_dtype, config.kv_dtype, plan.impl, row_tiles,
-                    config.features_at(q_len)))
+                    config.features_at(q_len), config.target.smem_per_block, config.mma_kernel))
     return specs

@@ -14,7 +14,8 @@ import pytest
 from metrale_attn import hf_config, reference
 from metrale_attn.backends.cpu_backend import CpuBackend
 from metrale_attn.config import ENV_IMPL, HEAD_DIMS, SIMT_HEAD_DIMS, ModelShape, max_rows_per_cta
-from metrale_attn.kernels import KernelSpec, mma_padded_dim, mma_tiling
+from metrale_attn.kernels import KernelSpec, mma_tiling
+from metrale_attn.tiling import mma_padded_dim
 from metrale_attn.precompile import Layer, Options, layers_of, needed_specs
 from metrale_attn.targets import TARGETS
 
@@ -87,12 +88,13 @@ def test_at_a_padded_head_dim_a_heads_bytes_do_not_depend_on_its_batch_or_its_ct
     assert out[0].tobytes() == full[1][0][2].tobytes() and lse[0].tobytes() == full[1][1][2].tobytes()
 
 
-def test_from_head_dim_240_a_cta_holds_one_row_tile_so_nothing_spills():
-    """16 rows at 240 left ptxas at 255 registers, and plain split-K spilled on sm_120."""
-    assert [max_rows_per_cta(d) for d in (64, 208, 224, 240, 256)] == [16, 16, 16, 8, 8]
-    assert KernelSpec("splitk", 224, "bf16", "bf16", "mma", 2).max_rows == 16
+def test_from_head_dim_208_a_cta_holds_one_row_tile_so_nothing_spills():
+    """16 rows at 240 left ptxas at 255 registers and plain split-K spilled on sm_120; every
+    feature with fp16 q spilled at 224 in a 99 KiB target's 2-warp tiling and at 208 on sm_100."""
+    assert [max_rows_per_cta(d) for d in (64, 176, 192, 208, 224, 256)] == [16, 16, 16, 8, 8, 8]
+    assert KernelSpec("splitk", 192, "bf16", "bf16", "mma", 2).max_rows == 16
     with pytest.raises(ValueError, match="row_tiles"):
-        KernelSpec("splitk", 240, "bf16", "bf16", "mma", 2)
+        KernelSpec("splitk", 208, "bf16", "bf16", "mma", 2)
 
 
 @pytest.mark.parametrize("head_dim", [0, 32, 40, 48, 72, 100, 264, 272, 512])
@@ -147,13 +149,21 @@ def test_precompile_of_a_hugging_face_config_at_head_dim_80_builds_the_mma_kerne
     assert not any(n.startswith("simt_") for n in names)
 
 
+def test_gb10_runs_head_dim_112_on_mma_with_a_ring_sized_for_its_99_kib():
+    p = problem(seq_lens=(5, 40), head_dim=112)
+    attn = decoder(p, target="gb10")
+    assert attn.plan(2).impl == "mma"
+    check_against_reference(p, *run_poisoned(attn, p))
+
+
 def test_where_the_mma_kernels_do_not_fit_a_head_dim_simt_lacks_is_refused_naming_it():
-    """gb10's 99 KiB holds no bf16 ring at head dim 112, and simt cannot take the layer over."""
+    """The previous kernel (``mma_kernel="v2"``), sized for sm_90, holds no bf16 ring at head
+    dim 112 in gb10's 99 KiB, and simt cannot take the layer over."""
     message = r"allows 101376: they cannot launch there \(impl='simt' has no head_dim 112 \(the simt kernels take"
     with pytest.raises(ValueError, match=message):
-        decoder(problem(seq_lens=(5,), head_dim=112), target="gb10")
+        decoder(problem(seq_lens=(5,), head_dim=112), target="gb10", mma_kernel="v2")
     with pytest.raises(ValueError, match=message):
-        needed_specs([Layer("layer", 4, 4, 112)], TARGETS["gb10"], environ={})
+        needed_specs([Layer("layer", 4, 4, 112)], TARGETS["gb10"], Options(mma_kernel="v2"), environ={})
 
 
 @pytest.mark.slow

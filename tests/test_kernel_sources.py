@@ -96,8 +96,8 @@ def test_variant_names_carry_every_specialization_parameter():
         "decode_unpacked_qfp16_kvfp8e5m2_hd64_r8_multi_token_sinks"
     names = [v.name for v in all_specs()]
     simt = 3 * 2 * 3 + 3 * 2 * 3 + 1 * 2 * 3  # three KV dtypes (no e5m2)
-    # four KV dtypes; unpacked and split-K at the 13 head dims, 1 or 2 row tiles (hd240, hd256: 1)
-    mma = 2 * ((11 * 2 + 2) * 2 * 4) + 1 * 2 * 4
+    # four KV dtypes; unpacked and split-K at the 13 head dims, 1 or 2 row tiles (hd208 on: 1)
+    mma = 2 * ((9 * 2 + 4) * 2 * 4) + 1 * 2 * 4
     featured = 3 * len(FEATURES) - 1 + 6  # each feature alone per arm (the packed arm has no multi-token), all 6 times
     assert len(names) == len(set(names)) == simt + mma + featured
 

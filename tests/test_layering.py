@@ -12,6 +12,7 @@ SHIM = ROOT / "cuda_on_cpu"
 LAYERS = [
     {"policy", "cache"},
     {"targets", "dtypes", "reference", "tolerance", "hf_config"},
+    {"tiling"},
     {"config"},
     {"plan", "problems"},
     {"kernels"},

@@ -4,7 +4,7 @@ the sources' own constants."""
 import pytest
 
 from benchmarks.hot_loop import hot_loop, read_constexpr
-from metrale_attn.kernels import KernelSourceError, KernelSpec, source_constants
+from metrale_attn.kernels import KernelSourceError, KernelSpec
 
 
 @pytest.mark.parametrize("spec, vec, tokens, kv_bytes, heads", [
@@ -19,7 +19,7 @@ def test_the_hot_loop_is_described_from_the_sources_own_constants(spec, vec, tok
     assert read_constexpr(spec.source(), "UNROLL", kv_itemsize=itemsize) == 4
     loop = hot_loop(spec)
     assert (loop.tokens_per_warp_iter, loop.kv_bytes_per_warp_iter, loop.heads_per_cta) == (tokens, kv_bytes, heads)
-    assert loop.kernel == spec.kernels[0] and loop.warps_per_cta == source_constants().threads // 32
+    assert loop.kernel == spec.kernels[0] and loop.warps_per_cta == spec.threads // 32
     assert (loop.pipeline_stages, loop.stage_bytes, loop.dynamic_smem_bytes) == (0, 0, 0)  # plain loads
 
 

@@ -22,20 +22,24 @@ from typing import Optional
 import numpy as np
 
 from ..cache import CACHE_DIR, cache_root
-from ..kernels import KernelSpec
+from ..kernels import SMEM_LIMIT_BYTES, KernelSpec
 from . import ArrayInfo, Launch
 
 logger = logging.getLogger(__name__)
 
 
 class _CpuModule:
-    def __init__(self, module, order: Optional[str]):
+    """A spec's module; a launch past the shared memory per block of the target the spec was
+    built for (``KernelSpec.smem_limit``) is refused, as that GPU would refuse it."""
+
+    def __init__(self, module, order: Optional[str], max_shared_bytes: int):
         self._module = module
         self._order = order
+        self._max_shared = max_shared_bytes
 
     def launch(self, launch: Launch) -> None:
         self._module.launch(launch.kernel, launch.grid, launch.block, launch.shared_bytes, launch.args,
-                            order=self._order)
+                            order=self._order, max_shared_bytes=self._max_shared)
 
 
 class CpuBackend:
@@ -62,7 +66,7 @@ class CpuBackend:
 
         module = compile_module(spec.source(), name=spec.name, defines=spec.defines(), asan=self.asan,
                                 cache_dir=cache_root() / "cuda_on_cpu", cache_setting=CACHE_DIR, logger=logger)
-        return _CpuModule(module, self.order)
+        return _CpuModule(module, self.order, getattr(spec, "smem_limit", SMEM_LIMIT_BYTES))
 
     def describe(self, array, argument: str) -> ArrayInfo:
         if isinstance(array, np.ndarray):

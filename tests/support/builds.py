@@ -25,7 +25,7 @@ sm_103) and consumer Blackwell (sm_120, sm_121)."""
 SPOT_SPECS = (
     kernels.KernelSpec("unpacked", 256, "fp16", "bf16", "mma", 1, set(kernels.FEATURES)),  # most registers
     kernels.KernelSpec("splitk", 256, "fp16", "bf16", "mma", 1),
-    kernels.KernelSpec("unpacked", 224, "fp16", "bf16", "mma", 2, set(kernels.FEATURES)),  # the widest 16-row dim
+    kernels.KernelSpec("unpacked", 192, "fp16", "bf16", "mma", 2, set(kernels.FEATURES)),  # the widest 16-row dim
     kernels.KernelSpec("unpacked", 128, "fp16", "bf16", "mma", 2, set(kernels.FEATURES)),
     kernels.KernelSpec("unpacked", 128, "bf16", "fp8", "mma"),
     kernels.KernelSpec("splitk", 64, "fp16", "fp8", "mma"),  # 4-stage rings

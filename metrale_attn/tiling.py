@@ -1,0 +1,165 @@
+"""The ``mma`` core's tiling: how a CTA streams K and V, sized from the target's shared memory.
+
+Pure arithmetic, no kernel source: ``kernels.py`` carries a spec's ``Tiling`` into its
+defines, and ``decode_core.cuh`` checks the carve at compile time (``PD_SMEM_BYTES`` must
+equal its own sum), so the host's sizing and the kernel's carve cannot drift apart.
+
+A tiling is W warps per CTA, each owning a ring of S shared-memory stages of TT tokens of K
+and V (every row padded by 16 bytes; ``v2.1`` keeps the block-table entries in those pads),
+behind a front of q rows, score scales and the offsets table. Two kernels (``MMA_KERNELS``):
+
+* ``v2.1`` (the default): W and S sized from the target's per-block limit (so every spec
+  launches on sm_90, sm_100, sm_103, sm_120 and sm_121: 99 KiB there), the block-table
+  entries staged through shared memory S - 1 tiles ahead (``decode_core.cuh``, "bt_staged");
+* ``v2``: kernel v2 as it was before (4 warps, the entry loaded one tile ahead, sized for
+  sm_90's 227 KiB whatever the target), kept so that one GPU run can time both
+  (``benchmarks/impls.py``: ``mma_v2``). It fits no 99 KiB target at head dim 256 / bf16 128.
+
+What decides a row's bytes is (W, TT): the tile -> warp order and the combine over the warps.
+So ``warps_for`` chooses W from the head dim, the cache dtype and the target's limit only,
+never from the row tiles (which follow the batch through ``heads_per_cta``), q's dtype or the
+batch; TT follows the head dim and the cache dtype. The row tiles, q's dtype and the kernel
+move only S and the front, which change no byte.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from . import dtypes
+
+MMA_KERNELS = ("v2.1", "v2")
+"""The ``mma`` core's kernels: the default first."""
+DEFAULT_MMA_KERNEL = "v2.1"
+
+SMEM_LIMIT_BYTES = 227 * 1024
+"""Dynamic shared memory one block may use on sm_90 and sm_100 (opt-in maximum): what ``v2``
+is sized for, and the default of a spec built without a target."""
+
+STAGE_TARGET_BYTES = 8192
+"""K+V bytes one warp's stage aims at: 32-token stages where 32 rows of K and V fit, else 16
+(an MMA needs 16 tokens). With 3 stages and 4 warps a CTA keeps 64 KiB of loads in flight,
+twice what Little's law asks of one SM at 4.3 TB/s and 800 ns."""
+ROW_PAD = 16
+"""Bytes of padding per K/V row in shared memory (conflict-free ldmatrix)."""
+MMA_DIM_STEP = 32
+"""The ``mma`` core computes at the head dim rounded up to this (``decode_core.cuh``'s ``DP``:
+one ``ldmatrix.x4`` takes two 16-dim steps); the core's carve, which the host's
+``PD_SMEM_BYTES`` must equal at compile time, checks that both sides round alike."""
+ONE_ROW_TILE_HEAD_DIM = 208
+"""From this head dim on an ``mma`` CTA holds one row tile (8 query rows): 16 rows' fp32
+accumulators alone (16 x 208 / 32 lanes = 104 registers, 128 at 256) leave ptxas no room for
+the rest of the loop (plain split-K at 240 spilled 12 bytes on sm_120; every feature with
+fp16 q on a bf16 cache spilled at 224 in a 99 KiB target's 2-warp tiling and at 208 on
+sm_100; 192 and 176 build clean for every architecture in both tilings)."""
+
+WARP_CANDIDATES = (4, 2)
+"""W of a ``v2.1`` spec, most first: the first whose CTA fits the target decides
+(``warps_for``). 8 warps were modelled and not kept (benchmarks/NOTES.md, "Kernel v2.1,
+lever 2"): one 8-warp CTA per SM loses 8-17 points at batch 64 without persistent CTAs.
+2 warps serve the 99 KiB targets at head dim 256 bf16, where 4 warps' rings of 2 stages of
+16.5 KiB do not fit."""
+
+
+@dataclass(frozen=True)
+class Tiling:
+    """How an ``mma`` spec streams K and V: ``warps`` warps, each with a ring of ``stages``
+    stages of ``tile_tokens`` tokens, ``smem_bytes`` of dynamic shared memory (the carve of
+    ``decode_core.cuh``); ``bt_staged``: the block-table entries copied into shared memory
+    S - 1 tiles ahead (``v2.1``) rather than loaded one tile ahead (``v2``)."""
+
+    warps: int
+    tile_tokens: int
+    stages: int
+    smem_bytes: int
+    bt_staged: bool = True
+
+    @property
+    def threads(self) -> int:
+        """The attention kernel's block size."""
+        return 32 * self.warps
+
+    @property
+    def label(self) -> str:
+        """``w<W>t<TT>s<S>``: what a spec's name adds when its tiling is not the sm_90 one."""
+        return f"w{self.warps}t{self.tile_tokens}s{self.stages}"
+
+
+def mma_padded_dim(head_dim: int) -> int:
+    """The dim the ``mma`` core's shared-memory rows hold for ``head_dim`` (80 -> 96, 128 -> 128):
+    the dims past ``head_dim`` are zeros and never multiplied."""
+    return -(-head_dim // MMA_DIM_STEP) * MMA_DIM_STEP
+
+
+def kv_row_bytes(head_dim: int, kv_dtype: str) -> int:
+    """Bytes of one K or V row in shared memory (its padded dims, not its pad)."""
+    return mma_padded_dim(head_dim) * dtypes.NUMPY_DTYPES[kv_dtype].itemsize
+
+
+def q_parts(q_dtype: str, kv_dtype: str) -> int:
+    """q's parts in shared memory: fp16 q on a bf16 MMA is split into two bf16 parts."""
+    return 2 if (kv_dtype, q_dtype) == (dtypes.BF16, dtypes.FP16) else 1
+
+
+def tile_tokens_for(head_dim: int, kv_dtype: str) -> int:
+    """TT: 32 where 32 rows of K and V fit ``STAGE_TARGET_BYTES``, else 16."""
+    return 32 if 2 * 32 * kv_row_bytes(head_dim, kv_dtype) <= STAGE_TARGET_BYTES else 16
+
+
+def max_stages(head_dim: int, kv_dtype: str) -> int:
+    """4 stages for stages of <= 4 KiB, else 3."""
+    return 4 if 2 * tile_tokens_for(head_dim, kv_dtype) * kv_row_bytes(head_dim, kv_dtype) <= 4096 else 3
+
+
+def carve(head_dim: int, parts: int, kv_dtype: str, row_tiles: int, warps: int, stages: int) -> int:
+    """Bytes of ``decode_core.cuh``'s carve: q (parts x rows x (2 DP + 16), DP the padded
+    dim), the rows' score scales (4 B each), the offsets table (W x TT x 16), 128-byte
+    aligned, then W rings of S stages of K and V (the staged block-table entries live in the
+    rows' pads: no bytes)."""
+    tt = tile_tokens_for(head_dim, kv_dtype)
+    rows = 8 * row_tiles
+    front = parts * rows * (2 * mma_padded_dim(head_dim) + 16) + rows * 4 + warps * tt * 16
+    ring_off = -(-front // 128) * 128
+    return ring_off + warps * stages * 2 * tt * (kv_row_bytes(head_dim, kv_dtype) + ROW_PAD)
+
+
+def max_row_tiles(head_dim: int) -> int:
+    """Row tiles an ``mma`` CTA holds at ``head_dim`` (``config.max_rows_per_cta`` / 8): one from
+    ``ONE_ROW_TILE_HEAD_DIM`` on, else two."""
+    return 1 if head_dim >= ONE_ROW_TILE_HEAD_DIM else 2
+
+
+def warps_for(head_dim: int, kv_dtype: str, smem_limit: int) -> Optional[int]:
+    """W of a ``v2.1`` spec: the first of ``WARP_CANDIDATES`` whose CTA of the most row tiles
+    fits ``smem_limit`` bytes with rings of 2 stages, whatever q's dtype (q in two parts where
+    it can be); None when none does. A function of (head dim, cache dtype, limit) only: the
+    invariant that keeps a row's bytes the same for every ``heads_per_cta`` and batch."""
+    parts = max(q_parts(q, kv_dtype) for q in dtypes.Q_DTYPES)
+    for warps in WARP_CANDIDATES:
+        if carve(head_dim, parts, kv_dtype, max_row_tiles(head_dim), warps, 2) <= smem_limit:
+            return warps
+    return None
+
+
+def mma_tiling(head_dim: int, q_dtype: str, kv_dtype: str, row_tiles: int, smem_limit: int = SMEM_LIMIT_BYTES,
+               kernel: str = DEFAULT_MMA_KERNEL) -> Optional[Tiling]:
+    """The tiling of an ``mma`` spec on a target of ``smem_limit`` bytes per block, or None
+    when it does not fit. ``v2.1``: W from ``warps_for``, then the deepest ring (4 stages of
+    <= 4 KiB, else 3) that fits, at least 2. ``v2``: kernel v2's own rule, 4 warps sized for
+    sm_90 (``SMEM_LIMIT_BYTES``) whatever ``smem_limit`` says; None where that does not fit
+    ``smem_limit``."""
+    if kernel not in MMA_KERNELS:
+        raise ValueError(f"mma kernel must be one of {', '.join(MMA_KERNELS)}, got {kernel!r}")
+    tt = tile_tokens_for(head_dim, kv_dtype)
+    parts = q_parts(q_dtype, kv_dtype)
+    staged = kernel == "v2.1"
+    warps = warps_for(head_dim, kv_dtype, smem_limit) if staged else 4
+    sized_for = smem_limit if staged else SMEM_LIMIT_BYTES
+    if warps is None:
+        return None
+    for stages in range(max_stages(head_dim, kv_dtype), 1, -1):
+        smem = carve(head_dim, parts, kv_dtype, row_tiles, warps, stages)
+        if smem <= sized_for:
+            return Tiling(warps, tt, stages, smem, staged) if smem <= smem_limit else None
+    return None
