@@ -166,15 +166,22 @@ def test_vllms_cuda_selector_refuses_what_we_do_not_serve_with_our_reason(change
     assert any(reason in found for found in _reasons(**changes)), _reasons(**changes)
 
 
-@pytest.mark.parametrize("capability", [DeviceCapability(8, 0), DeviceCapability(8, 9), DeviceCapability(12, 0),
-                                        DeviceCapability(12, 1)])
+@pytest.mark.parametrize("capability", [DeviceCapability(7, 5), DeviceCapability(11, 0)])
 def test_devices_our_kernels_do_not_launch_on_are_refused_at_selection(capability):
     assert "compute capability not supported" in _reasons(capability)
 
 
-@pytest.mark.parametrize("capability", [DeviceCapability(9, 0), DeviceCapability(10, 0), DeviceCapability(10, 3)])
-def test_hopper_and_blackwell_datacenter_devices_are_accepted(capability):
+@pytest.mark.parametrize("capability", [DeviceCapability(8, 0), DeviceCapability(8, 6), DeviceCapability(8, 9),
+                                        DeviceCapability(9, 0), DeviceCapability(10, 0), DeviceCapability(10, 3),
+                                        DeviceCapability(12, 0), DeviceCapability(12, 1)])
+def test_every_target_of_ours_ampere_to_consumer_blackwell_is_accepted(capability):
     assert _reasons(capability) == []
+
+
+@pytest.mark.parametrize("capability", [DeviceCapability(8, 0), DeviceCapability(8, 6)])
+def test_an_fp8_cache_is_refused_where_the_gpu_has_no_fp8_conversion(capability):
+    assert any("fp8 cvt of sm_89" in r for r in _reasons(capability, kv_cache_dtype="fp8")), _reasons(capability)
+    assert _reasons(DeviceCapability(8, 9), kv_cache_dtype="fp8") == []
 
 
 def test_batch_invariance_is_declared_under_auto_and_pinned_and_refused_under_legacy(monkeypatch):

@@ -195,9 +195,14 @@ class MetraleAttentionBackend(AttentionBackend):
     def supports_combination(cls, head_size, dtype, kv_cache_dtype, block_size, use_mla, has_sink, use_sparse,
                              use_mm_prefix, device_capability) -> Optional[str]:
         """Refusals the single ``supports_*`` checks cannot make: fp8 e5m2 (no prefill
-        backend reads it), and any configuration the prefill backend refuses."""
+        backend reads it), fp8 on sm_80/86 (no fp8 cvt), and any configuration the prefill
+        backend refuses."""
         if kv_cache_dtype in options.REFUSED_KV_CACHE_DTYPES:
             return options.REFUSED_KV_CACHE_DTYPES[kv_cache_dtype]
+        capability = None if device_capability is None else (device_capability.major, device_capability.minor)
+        fp8 = options.fp8_refusal(kv_cache_dtype, capability)
+        if fp8 is not None:
+            return fp8
         if use_mla or use_sparse or use_mm_prefix:
             return None  # validate_configuration reports each with its own reason
         return _prefill_reason(head_size=head_size, dtype=dtype, kv_cache_dtype=kv_cache_dtype, block_size=block_size,

@@ -18,6 +18,7 @@ import math
 from typing import Optional
 
 from ...config import HEAD_DIMS, MAX_PAGE_SIZE, MAX_Q_LEN
+from ...targets import FP8_CVT_CAPABILITY, TARGETS
 
 MODEL_DTYPES = {"torch.bfloat16": "bfloat16", "torch.float16": "float16"}
 """vLLM's activation dtypes we take, by ``str(torch dtype)``: our q and out."""
@@ -31,10 +32,9 @@ REFUSED_KV_CACHE_DTYPES = {
                 "Triton reads the cache as e4m3), so the prefill tokens of a batch would be wrong; use fp8 (e4m3)",
 }
 
-SUPPORTED_CAPABILITIES = {(9, 0): "hopper", (10, 0): "b200", (10, 3): "b300"}
-"""Compute capabilities whose every kernel spec launches, and their targets. sm_120/121
-(RTX 50xx, RTX PRO 6000, GB10) are not among them: the tensor-core kernels' shared memory
-exceeds those GPUs' 99 KiB per block."""
+SUPPORTED_CAPABILITIES = {tuple(t.compute_capability): t.name for t in TARGETS.values()}
+"""Compute capabilities whose every kernel spec launches (the ``mma`` tiling is sized from each
+target's shared memory), and their targets: sm_80, 86, 89, 90, 100, 103, 120, 121."""
 
 
 def kv_dtype(kv_cache_dtype: str, model_dtype: str) -> str:
@@ -110,6 +110,19 @@ def capability_refusal(capability: tuple[int, int]) -> Optional[str]:
     if tuple(capability) in SUPPORTED_CAPABILITIES:
         return None
     major, minor = capability
-    known = ", ".join(f"sm_{a}{b}" for a, b in SUPPORTED_CAPABILITIES)
-    return (f"compute capability {major}.{minor} not supported (metrale-attn launches on {known}; sm_120/121 lack the "
-            "shared memory per block, sm_8x lack targets)")
+    known = ", ".join(f"sm_{a}{b}" for a, b in sorted(SUPPORTED_CAPABILITIES))
+    return f"compute capability {major}.{minor} not supported (metrale-attn launches on {known})"
+
+
+def fp8_refusal(kv_cache_dtype: Optional[str], capability: Optional[tuple[int, int]]) -> Optional[str]:
+    """Why an fp8 cache is not ours on this device, or None: the tensor-core kernels read fp8
+    with PTX's fp8 ``cvt``, which sm_80 and sm_86 lack (the ``simt`` kernels that convert in
+    software serve none of the features a model may bring, so the layer is refused here, at
+    selection, rather than at start-up)."""
+    if kv_cache_dtype is None or not is_fp8(kv_cache_dtype) or capability is None:
+        return None
+    if tuple(capability) >= FP8_CVT_CAPABILITY:
+        return None
+    major, minor = capability
+    return (f"kv_cache_dtype {kv_cache_dtype} not supported on compute capability {major}.{minor} (metrale-attn's "
+            "tensor-core kernels read fp8 with the fp8 cvt of sm_89 and later)")
