@@ -73,7 +73,12 @@ def test_registers_recorded_in_the_cubin_match_ptxas():
         assert f"Used {registers} registers" in section.split("Compiling entry function")[0]
 
 
-@pytest.mark.parametrize("arch", ARCHES)
+FAMILY_ARCHES = ("sm_80", "sm_90", "sm_100", "sm_120")
+"""One architecture per family the default run disassembles (Ampere, Hopper, Blackwell,
+consumer Blackwell; ~4 s each); the others (sm_86, sm_89, sm_103, sm_121) run under ``slow``."""
+
+
+@pytest.mark.parametrize("arch", [a if a in FAMILY_ARCHES else pytest.param(a, marks=pytest.mark.slow) for a in ARCHES])
 def test_nvdisasm_accepts_the_cached_cubins_unpatched(arch, tmp_path, monkeypatch):
     nvdisasm = find_nvdisasm()
     if nvdisasm is None:
