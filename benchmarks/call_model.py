@@ -141,7 +141,9 @@ class Levers:
     (the CTA's block-table slice staged in shared memory in the prologue), ``persistent``
     (persistent CTAs: the next item's prologue overlapped with the current epilogue),
     ``fp8_selectors`` (the fp8 unpack reads a word's high half directly: no shifts),
-    ``hmma_latency`` (a sensitivity, not a lever)."""
+    ``hmma_latency`` (a sensitivity, not a lever); ``warm_next`` is no lever but what kernel
+    v2.2 does (set by ``sass_model`` for its persistent specs): persistent CTAs that bring
+    the next item's q rows and first block-table entries into L2 (``prologue_cycles``)."""
 
     name: str = "today"
     warps_per_cta: int | None = None
@@ -151,6 +153,7 @@ class Levers:
     persistent: bool = False
     fp8_selectors: bool = False
     hmma_latency: float | None = None
+    warm_next: bool = False
 
     def rewrite(self, ops: list[wc.Op]) -> tuple[list[wc.Op], dict[str, int]]:
         """``ops`` with this hypothetical's SASS rewrites, and how many instructions each touched."""
@@ -270,6 +273,14 @@ def prologue_cycles(k: KernelTiming, dram: float) -> float:
     and the prologue's instructions issued by one warp. The persistent-CTA lever hides the
     round trips behind the previous item (all but the first on a slot)."""
     return 3 * dram + a("bar_sync") + k.prologue_instructions
+
+
+def warm_prologue_cycles(k: KernelTiming, dram: float) -> float:
+    """The prologue of a persistent CTA's later item in kernel v2.2 (``Levers.warm_next``):
+    its q rows and its first block-table entries were brought into L2 while the previous
+    item streamed (decode_core.cuh, ``warm_item``), so those two round trips are L2 hits;
+    the first stage's copies still wait on DRAM (their addresses need the entries)."""
+    return dram + 2 * a("lat_l2_hit") + a("bar_sync") + k.prologue_instructions
 
 
 def epilogue_cycles(k: KernelTiming, head_dim: int) -> float:
@@ -424,6 +435,8 @@ def simulate(call: Call, plan: DecodePlan, k: KernelTiming, lockstep: bool = Fal
         spread = 0.0 if lockstep else _spread(nxt) * half_range
         if k.levers.persistent and items_done[slot] > 0:  # its round trips overlapped with the previous item
             left[slot] = k.prologue_instructions + a("bar_sync")
+        elif k.levers.warm_next and items_done[slot] > 0:  # kernel v2.2: q and the entries in L2
+            left[slot] = warm_prologue_cycles(k, dram(u) + spread)
         else:
             left[slot] = prologue_cycles(k, dram(u) + spread)
         nxt += 1

@@ -519,10 +519,11 @@ def value_flags(ins: Instr, acc: Access, state: dict[str, int]) -> int:
     return _lane(srcs)
 
 
-def lane_flags(instrs: list[Instr], blocks: list["Block"]) -> list[dict[str, int]]:
+def lane_flags(instrs: list[Instr], blocks: list["Block"], ignore: frozenset = frozenset()) -> list[dict[str, int]]:
     """Per block, the flags of every register and predicate at its END (a forward
     dataflow to a fixed point; a join takes the union; a predicated write keeps the old
-    flags too)."""
+    flags too). Edges ``(u, v)`` in ``ignore`` carry nothing (``steady_state``: the back
+    edges of loops around the hot loop)."""
     out: list[dict[str, int]] = [dict() for _ in blocks]
     accesses = [access(i) for i in instrs]
     changed = True
@@ -531,6 +532,8 @@ def lane_flags(instrs: list[Instr], blocks: list["Block"]) -> list[dict[str, int
         for block in blocks:
             state: dict[str, int] = {}
             for p in block.preds:
+                if (p, block.index) in ignore:
+                    continue
                 for reg, flags in out[p].items():
                     state[reg] = state.get(reg, 0) | flags
             for i in range(block.start, block.end):
@@ -545,10 +548,11 @@ def lane_flags(instrs: list[Instr], blocks: list["Block"]) -> list[dict[str, int
     return out
 
 
-def branch_kinds(instrs: list[Instr], blocks: list["Block"]) -> dict[int, str]:
+def branch_kinds(instrs: list[Instr], blocks: list["Block"], ignore: frozenset = frozenset()) -> dict[int, str]:
     """``{block: kind}`` for every block that ends in a conditional branch: ``div``
-    (``BRA.DIV``), ``uniform``, ``lane`` (lane-divergent) or ``data`` (data-dependent)."""
-    flags = lane_flags(instrs, blocks)
+    (``BRA.DIV``), ``uniform``, ``lane`` (lane-divergent) or ``data`` (data-dependent);
+    ``ignore``: edges that carry no flags (``lane_flags``)."""
+    flags = lane_flags(instrs, blocks, ignore)
     kinds = {}
     for block in blocks:
         last = instrs[block.end - 1]
@@ -559,6 +563,8 @@ def branch_kinds(instrs: list[Instr], blocks: list["Block"]) -> dict[int, str]:
             continue
         state: dict[str, int] = {}
         for p in block.preds:
+            if (p, block.index) in ignore:
+                continue
             for reg, f in flags[p].items():
                 state[reg] = state.get(reg, 0) | f
         for i in range(block.start, block.end - 1):
@@ -607,7 +613,12 @@ def find_hot_path(instrs: list[Instr], labels: dict[str, int]) -> HotPath | None
 def steady_state(instrs: list[Instr], blocks: list[Block], dom, loop: Loop, loads: dict[int, int]) -> HotPath | None:
     """Every block a warp issues in one steady-state iteration of ``loop`` (the module's
     docstring states the rule), in program order; None when no latch is reachable."""
-    kinds = {b: k for b, k in branch_kinds(instrs, blocks).items() if b in loop.body}
+    # A loop around the hot loop (persistent CTAs' walk over work items, kernel v2.2) carries
+    # only the item index into its next iteration, every other value being recomputed from it;
+    # its back edges would join the previous item's lane-varying registers into a predicated
+    # write's old flags (ptxas reuses registers), so they carry none here.
+    outer = frozenset((u, lp.header) for lp in natural_loops(blocks, dom) if lp.body > loop.body for u in lp.latches)
+    kinds = {b: k for b, k in branch_kinds(instrs, blocks, outer).items() if b in loop.body}
     size = {b: blocks[b].end - blocks[b].start for b in loop.body}
     END, EXIT = "end", "exit"
     memo: dict[int, tuple[frozenset, frozenset, bool]] = {}

@@ -338,6 +338,8 @@ def predict_calls(calls: list[Call], facts_of, levers=(Levers(),), mma_kernel: s
         spec = call_model.variant_for(call, plan, mma_kernel)
         facts = facts_of(spec)
         for lever in levers:
+            if spec.tiling is not None and spec.tiling.persistent:  # kernel v2.2 warms the next item
+                lever = replace(lever, warm_next=True)
             k = timing(facts, lever)
             if k is None:
                 out.append({"call": call.label(), "lever": lever.name, "spec": spec.name,
@@ -595,7 +597,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hmma-latency", type=float, default=None, metavar="CYCLES",
                    help="a sensitivity: the calls with this HMMA latency instead of the table's lat_hmma")
     p.add_argument("--mma-kernel", choices=MMA_KERNELS, default=DEFAULT_MMA_KERNEL,
-                   help="the mma kernel modelled: v2.1 (default) or v2, the previous one, for old vs new")
+                   help="the mma kernel modelled: v2.1 (default), v2 (the previous one) or v2.2 (persistent CTAs), for old vs new")
     p.add_argument("--assumptions", action="store_true", help="print the assumption table and exit")
     return p
 

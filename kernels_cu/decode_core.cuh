@@ -83,6 +83,9 @@
 //                             head dim, cache dtype and target)
 //   PD_BT_STAGED   0 | 1      block-table entries staged in shared memory S - 1 tiles
 //                             ahead (kernel v2.1) or loaded one tile ahead (v2)
+//   PD_PERSISTENT  0 | 1      persistent CTAs (kernel v2.2): a launch grid of P CTAs walks
+//                             the plan's items_x * items_y * items_z items (THE SCHEDULE);
+//                             0: one CTA per item (v2.1, v2)
 //   PD_SMEM_BYTES             the dynamic shared memory the launch gives; must equal
 //                             pd_mma::SMEM_BYTES (checked at compile time), so the host's
 //                             sizing and this carve cannot drift apart.
@@ -120,6 +123,9 @@
 #endif
 #ifndef PD_MMA_WARPS
 #error "PD_MMA_WARPS must be defined (-DPD_MMA_WARPS=2|4: the warps of a CTA)"
+#endif
+#ifndef PD_PERSISTENT
+#error "PD_PERSISTENT must be defined (0 or 1: persistent CTAs walking the plan's items, kernel v2.2)"
 #endif
 #ifndef PD_BT_STAGED
 #error "PD_BT_STAGED must be defined (0 or 1: the block-table entries staged in shared memory)"
@@ -989,14 +995,38 @@ __device__ __forceinline__ void cta_combine(const unsigned char* smem, int r, in
   O = o * o_unscale();  // exact
 }
 
-// The whole CTA: stage q (q_row(r) = row r's D elements), attend, publish. Afterwards
-// cta_combine(r, d) gives row r's state; the caller writes the outputs of rows < rows.
+// Persistent CTAs (PD_PERSISTENT): bring into L2 what the prologue of the CTA's next item
+// (rows rw of q_row, its keys on bt_row) waits on: its q rows and the block-table entries of
+// the tiles its warps take first (S tiles each from the first tile of its range). Only
+// lines it will read are touched (no entry of a key outside its range); nothing is written,
+// so no byte depends on it. Every thread calls it; a few issue prefetches.
 template <class QRow>
+__device__ __forceinline__ void warm_item(const Rows& rw, const Features& f, const QRow& q_row,
+                                          const int* __restrict__ bt_row, int page_size) {
+  constexpr int LINE = 128, ROW_LINES = (D * 2 + LINE - 1) / LINE + 1;  // + 1: a row need not start a line
+  for (int i = threadIdx.x; i < rw.rows * ROW_LINES; i += THREADS) {
+    const int r = i / ROW_LINES, k = i - r * ROW_LINES;
+    const int byte = k * LINE < D * 2 ? k * LINE : D * 2 - 1;
+    pd_prefetch_l2(reinterpret_cast<const unsigned char*>(q_row(r)) + byte);
+  }
+  int lo, hi;
+  cta_range(rw, f, lo, hi);
+  if (lo >= hi) return;
+  const int first = lo / TT * TT, end = first + S * W * TT < hi ? first + S * W * TT : hi;
+  const int pages = (end - 1) / page_size - lo / page_size + 1;
+  for (int i = threadIdx.x; i < pages; i += THREADS) pd_prefetch_l2(bt_row + lo / page_size + i);
+}
+
+// The whole CTA: stage q (q_row(r) = row r's D elements), call between(), attend, publish. Afterwards
+// cta_combine(r, d) gives row r's state; the caller writes the outputs of rows < rows.
+template <class QRow, class Between>
 __device__ __forceinline__ void run_cta(unsigned char* smem, const Rows& rw, const Features& f, const QRow& q_row,
                                         float qk_scale, const pd_kv_t* k_head, long long k_stride_page,
                                         long long k_stride_token, const pd_kv_t* v_head, long long v_stride_page,
-                                        long long v_stride_token, const int* __restrict__ bt_row, int page_size) {
+                                        long long v_stride_token, const int* __restrict__ bt_row, int page_size,
+                                        const Between& between) {
   stage_q(smem, q_row, rw.rows, qk_scale);
+  between();  // persistent CTAs: warm the next item (warm_item); plain: nothing
   State st;
   attend(smem, rw, f, reinterpret_cast<const unsigned char*>(k_head), k_stride_page, k_stride_token,
          reinterpret_cast<const unsigned char*>(v_head), v_stride_page, v_stride_token, bt_row, page_size, st);
@@ -1081,6 +1111,64 @@ __device__ __forceinline__ void store_rows(unsigned char* smem, const Rows& rw, 
 // or null, sinks [num_q_heads] fp32 (read only with sinks), workspace [num_seqs * q_len,
 // num_q_heads, num_splits, D + 2] fp32 (split-K only).
 
+namespace pd_mma {
+// One work item of the plan's grid: what a plain CTA (bx, by, bz) of a gx x gy x gz grid
+// serves (the arm's grid, its .cu): the query heads head0 .. head0 + heads - 1 (all of KV
+// head kv_head) of sequence seq, split `split` of num_splits of its keys.
+struct Item {
+  int seq, split, num_splits, head0, heads, kv_head, num_q_heads;
+};
+
+// Where a sequence's length and its row of page ids come from: block_tables and seq_lens,
+// or the CSR table (csr).
+struct Tables {
+  const int* block_tables;
+  long long block_tables_stride;
+  const int* seq_lens;
+  Csr csr;
+  int page_size;
+  __device__ __forceinline__ int seq_len(int seq) const {
+    return Csr::on ? csr.seq_len(seq, page_size) : seq_lens[seq];
+  }
+  __device__ __forceinline__ const int* row(int seq) const {
+    return Csr::on ? csr.row(seq) : block_tables + seq * block_tables_stride;
+  }
+};
+}  // namespace pd_mma
+
+// The sequence of item `at` (x fastest) of a gx x gy x (any) grid: its by, or its bz on split-K.
+__device__ __forceinline__ int pd_item_seq(int at, int gx, int gy) {
+  return PD_ARM == PD_ARM_SPLITK ? at / (gx * gy) : (at / gx) % gy;
+}
+
+// The item of plain CTA (bx, by, bz) in a grid of gx x gy x (any) CTAs.
+__device__ __forceinline__ pd_mma::Item pd_item(int bx, int by, int bz, int gx, int gy, int num_kv_heads,
+                                                int heads_per_cta) {
+  pd_mma::Item it;
+#if PD_ARM == PD_ARM_SPLITK
+  it.split = by, it.seq = bz, it.num_splits = gy;
+#else
+  it.split = 0, it.seq = by, it.num_splits = 1;
+  (void)bz;
+  (void)gy;
+#endif
+#if PD_ARM == PD_ARM_GQA_PACKED
+  // The pack: the PD_GQA heads of KV head bx, a row count the compiler knows.
+  it.heads = PD_GQA;
+  it.kv_head = bx;
+  it.num_q_heads = num_kv_heads * PD_GQA;
+  it.head0 = bx * PD_GQA;
+  (void)heads_per_cta;
+  (void)gx;
+#else
+  it.heads = heads_per_cta;
+  it.num_q_heads = gx * heads_per_cta;
+  it.head0 = bx * heads_per_cta;
+  it.kv_head = it.head0 / (it.num_q_heads / num_kv_heads);
+#endif
+  return it;
+}
+
 typedef pd_mma::OutF32::out_t pd_out_t;  // out's element: q's dtype, or fp32 (out_f32)
 
 extern "C" __global__ void PD_LAUNCH_BOUNDS(PD_MMA_THREADS, 1) PD_ENTRY(
@@ -1106,55 +1194,84 @@ extern "C" __global__ void PD_LAUNCH_BOUNDS(PD_MMA_THREADS, 1) PD_ENTRY(
     const float* __restrict__ k_scales, long long k_scales_stride, const float* __restrict__ v_scales,
     long long v_scales_stride, double sm_scale, double soft_cap, float lse_scale,
     // csr: FlashInfer's page table in place of block_tables and seq_lens
-    const int* __restrict__ kv_indptr, const int* __restrict__ kv_indices, const int* __restrict__ kv_last_page_len) {
+    const int* __restrict__ kv_indptr, const int* __restrict__ kv_indices, const int* __restrict__ kv_last_page_len,
+    // the plan's grid of work items (x fastest): the launch grid with plain CTAs; persistent CTAs
+    // (PD_PERSISTENT) walk it, CTA b taking items b, b + gridDim.x, ... (THE SCHEDULE)
+    int items_x, int items_y, int items_z) {
   DYNAMIC_SHARED(unsigned char, smem);
-#if PD_ARM == PD_ARM_SPLITK
-  const int split = blockIdx.y, seq = blockIdx.z, num_splits = gridDim.y;
-#else
-  const int split = 0, seq = blockIdx.y, num_splits = 1;
-#endif
-#if PD_ARM == PD_ARM_GQA_PACKED
-  // The pack: the PD_GQA heads of KV head blockIdx.x, a row count the compiler knows.
-  constexpr int heads = PD_GQA;
-  const int kv_head = blockIdx.x;
-  const int num_q_heads = num_kv_heads * PD_GQA;
-  const int head0 = kv_head * PD_GQA;
-  (void)heads_per_cta;
-#else
-  const int heads = heads_per_cta;
-  const int num_q_heads = gridDim.x * heads_per_cta;
-  const int head0 = blockIdx.x * heads_per_cta;
-  const int kv_head = head0 / (num_q_heads / num_kv_heads);
-#endif
   const pd_mma::Csr csr{kv_indptr, kv_indices, kv_last_page_len};
-  const int seq_len = pd_mma::Csr::on ? csr.seq_len(seq, page_size) : seq_lens[seq];
-  const pd_mma::Rows rw{heads, q_len, heads * q_len, seq_len > 0 ? seq_len : 0, split, num_splits};
-  // The features' values, as their hooks take them (sinks: no offset from a null pointer without the feature)
-  const pd_mma::Features f{{window_left}, {cap_log2}, {pd_mma::Sinks::on ? sinks + head0 : nullptr},
-                           {k_scales, k_scales_stride, v_scales, v_scales_stride, sm_scale, soft_cap}};
-  if (pd_mma::DeviceScales::on) f.device_scales.fold(kv_head, qk_scale, v_scale);
-
-  const pd_mma::QRows q_rows{q + seq * q_stride_seq + head0 * q_stride_head, q_stride_token, q_stride_head, heads};
-  pd_mma::run_cta(smem, rw, f, q_rows,
-                  qk_scale, k_cache + kv_head * k_stride_head, k_stride_page, k_stride_token,
-                  v_cache + kv_head * v_stride_head, v_stride_page, v_stride_token,
-                  pd_mma::Csr::on ? csr.row(seq) : block_tables + seq * block_tables_stride, page_size);
-#if PD_ARM == PD_ARM_SPLITK
-  for (int idx = threadIdx.x; idx < rw.rows * PD_HEAD_DIM; idx += pd_mma::THREADS) {
-    const int r = idx / PD_HEAD_DIM, d = idx - r * PD_HEAD_DIM;
-    float M, L, O;
-    pd_mma::cta_combine(smem, r, d, M, L, O);
-    const int row = seq * q_len + r / heads, head = head0 + r % heads;
-    pd_store_split(pd_split_slot(workspace, row, num_q_heads, head, split, num_splits), d, M, L, O, v_scale);
-  }
-  (void)out;  // split-K writes states: out, lse and the sinks are the merge's
-  (void)lse;
+  const pd_mma::Tables tables{block_tables, block_tables_stride, seq_lens, csr, page_size};
+#if PD_PERSISTENT
+  // THE SCHEDULE: the launch grid is (P, 1, 1), P <= items (binding.launch_grid_of: the CTAs
+  // the device holds at once); CTA b serves items b, b + P, b + 2P, ... in that order. An
+  // item is what a plain CTA (bx, by, bz) of the plan's grid computes, with the same code,
+  // so a row's bytes are the plain kernel's: the schedule changes only which CTA computes an
+  // item and when. While an item streams its keys, its CTA brings the next item's q rows and
+  // the block-table entries of its first tiles into L2 (warm_item), so that item's prologue
+  // waits on L2, not DRAM, for both.
+  const int items = items_x * items_y * items_z;
+  for (int at = blockIdx.x; at < items; at += gridDim.x) {
+    if (at != (int)blockIdx.x) __syncthreads();  // the previous item's epilogue is done with shared memory
+    const pd_mma::Item item = pd_item(at % items_x, (at / items_x) % items_y, at / (items_x * items_y), items_x,
+                                      items_y, num_kv_heads, heads_per_cta);
+    const int next = at + gridDim.x;
+    // The next item's length, loaded now so that it lands while this item stages q.
+    const int upcoming_len = next < items ? tables.seq_len(pd_item_seq(next, items_x, items_y)) : 0;
 #else
-  const long long row0 = (long long)seq * q_len * num_q_heads + head0;  // out[seq, 0, head0]
-  pd_mma::store_rows(smem, rw, f, num_q_heads, v_scale, lse_scale, out + row0 * PD_HEAD_DIM,
-                     lse == nullptr ? nullptr : lse + row0);
-  (void)workspace;
+  {
+    const pd_mma::Item item = pd_item(blockIdx.x, blockIdx.y, blockIdx.z, gridDim.x, gridDim.y, num_kv_heads,
+                                      heads_per_cta);
+    (void)items_x;  // the launch grid is the plan's
+    (void)items_y;
+    (void)items_z;
 #endif
+    const int seq = item.seq, head0 = item.head0, heads = item.heads, num_q_heads = item.num_q_heads;
+    const int seq_len = tables.seq_len(seq);
+    const pd_mma::Rows rw{heads, q_len, heads * q_len, seq_len > 0 ? seq_len : 0, item.split, item.num_splits};
+    // The features' values, as their hooks take them (sinks: no offset from a null pointer without the feature)
+    const pd_mma::Features f{{window_left}, {cap_log2}, {pd_mma::Sinks::on ? sinks + head0 : nullptr},
+                             {k_scales, k_scales_stride, v_scales, v_scales_stride, sm_scale, soft_cap}};
+    float item_qk_scale = qk_scale, item_v_scale = v_scale;  // this item's KV head's (device_scales)
+    if (pd_mma::DeviceScales::on) f.device_scales.fold(item.kv_head, item_qk_scale, item_v_scale);
+
+    const pd_mma::QRows q_rows{q + seq * q_stride_seq + head0 * q_stride_head, q_stride_token, q_stride_head, heads};
+#if PD_PERSISTENT
+    const auto between = [&]() {
+      if (next >= items) return;
+      // recomputed here, not kept from the loop's top: fewer registers live across stage_q
+      const pd_mma::Item upcoming = pd_item(next % items_x, (next / items_x) % items_y, next / (items_x * items_y),
+                                            items_x, items_y, num_kv_heads, heads_per_cta);
+      const pd_mma::Rows next_rw{upcoming.heads, q_len, upcoming.heads * q_len, upcoming_len > 0 ? upcoming_len : 0,
+                                 upcoming.split, upcoming.num_splits};
+      const pd_mma::QRows next_q{q + upcoming.seq * q_stride_seq + upcoming.head0 * q_stride_head, q_stride_token,
+                                 q_stride_head, upcoming.heads};
+      pd_mma::warm_item(next_rw, f, next_q, tables.row(upcoming.seq), page_size);
+    };
+#else
+    const auto between = []() {};
+#endif
+    pd_mma::run_cta(smem, rw, f, q_rows,
+                    item_qk_scale, k_cache + item.kv_head * k_stride_head, k_stride_page, k_stride_token,
+                    v_cache + item.kv_head * v_stride_head, v_stride_page, v_stride_token, tables.row(seq), page_size,
+                    between);
+#if PD_ARM == PD_ARM_SPLITK
+    for (int idx = threadIdx.x; idx < rw.rows * PD_HEAD_DIM; idx += pd_mma::THREADS) {
+      const int r = idx / PD_HEAD_DIM, d = idx - r * PD_HEAD_DIM;
+      float M, L, O;
+      pd_mma::cta_combine(smem, r, d, M, L, O);
+      const int row = seq * q_len + r / heads, head = head0 + r % heads;
+      pd_store_split(pd_split_slot(workspace, row, num_q_heads, head, item.split, item.num_splits), d, M, L, O,
+                     item_v_scale);
+    }
+    (void)out;  // split-K writes states: out, lse and the sinks are the merge's
+    (void)lse;
+#else
+    const long long row0 = (long long)seq * q_len * num_q_heads + head0;  // out[seq, 0, head0]
+    pd_mma::store_rows(smem, rw, f, num_q_heads, item_v_scale, lse_scale, out + row0 * PD_HEAD_DIM,
+                       lse == nullptr ? nullptr : lse + row0);
+    (void)workspace;
+#endif
+  }
 }
 
 #if PD_ARM == PD_ARM_SPLITK

@@ -96,6 +96,18 @@ __device__ __forceinline__ void pd_cp_async_ca_16(void* smem_dst, const void* gm
   pd_cp_async_sized<16, true>(smem_dst, gmem_src, src_bytes PD_PTX_AT);
 }
 
+// prefetch.global.L2 [gmem_src];  (PTX ISA, "prefetch, prefetchu") brings the line holding gmem_src into L2: a
+// hint, no result, no ordering. The shim reads one byte of it (so a prefetch outside every
+// allocation shows there as a bad read) and otherwise does nothing.
+__device__ __forceinline__ void pd_prefetch_l2(const void* gmem_src PD_PTX_SITE) {
+#ifdef __CUDA_ON_CPU__
+  (void)cocpu_file, (void)cocpu_line;
+  (void)*(const volatile unsigned char*)gmem_src;
+#else
+  asm volatile("prefetch.global.L2 [%0];\n" ::"l"(gmem_src));
+#endif
+}
+
 // cp.async.commit_group;  (§9.7.9.25.3.2) closes this thread's open group of copies.
 __device__ __forceinline__ void pd_cp_async_commit(PD_PTX_SITE_ONLY) {
 #ifdef __CUDA_ON_CPU__

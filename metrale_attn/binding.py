@@ -22,6 +22,8 @@ from typing import Callable, Optional
 from .backends import Launch
 from .config import LayerConfig
 from .kernels import kernel_params
+from .plan import KernelGrid
+from .tiling import resident_ctas
 from .validation import (ARRAY_ARGUMENTS, CHECKERS, CSR, DENSE, INPUTS, VECTOR_BYTES, check_together, logit_scales,
                          refuse_page_table, refuse_scales, refuse_sinks, scales)
 from .workspace import where
@@ -57,6 +59,9 @@ ARGUMENTS: dict[str, Callable[["_Values"], object]] = {
     "heads_per_cta": lambda v: v.plan.heads_per_cta,
     "num_splits": lambda v: v.plan.num_splits,
     "q_len": lambda v: v.plan.q_len,
+    "items_x": lambda v: v.plan.launches[0].grid[0],  # the attention kernel's grid of work items
+    "items_y": lambda v: v.plan.launches[0].grid[1],
+    "items_z": lambda v: v.plan.launches[0].grid[2],
     # the host scales, folded (validation.scales, validation.logit_scales)
     "qk_scale": lambda v: v.scalars["qk_scale"],
     "cap_log2": lambda v: v.scalars["cap_log2"],
@@ -66,6 +71,24 @@ ARGUMENTS: dict[str, Callable[["_Values"], object]] = {
 layer's own fields, ``page_size`` or ``window_left``, are found by name in ``LayerConfig``)."""
 POINTER_ARGUMENTS = ARRAY_ARGUMENTS + ("workspace",)
 """The parameters that are pointers: the arrays of ``run`` and the workspace."""
+
+
+def launch_grid_of(spec, items: KernelGrid, target) -> tuple[int, int, int]:
+    """The grid ``spec``'s attention kernel launches for the plan's grid of work items
+    ``items``: that grid, or with persistent CTAs (``mma`` kernel ``v2.2``) ``(P, 1, 1)``,
+    P = min(items, ``tiling.resident_ctas`` x the target's SMs): a function of the target,
+    the spec and the item count only."""
+    tiling = spec.tiling
+    if tiling is None or not tiling.persistent:
+        return items.grid
+    return (min(items.ctas, persistent_ctas(tiling, target)), 1, 1)
+
+
+def persistent_ctas(tiling, target) -> int:
+    """The CTAs a persistent launch of ``tiling`` starts on ``target``: as many as its SMs
+    hold at once (``tiling.resident_ctas`` x ``sm_count``), so none waits for another to
+    exit before it starts, and each walks its share of the items."""
+    return resident_ctas(tiling, target.smem_per_block) * target.sm_count
 
 
 def argument_source(name: str) -> Optional[str]:
@@ -285,9 +308,11 @@ class CallBinder:
             holes = tuple((j, index[name]) for j, (name, typ) in enumerate(abi) if typ is None and name in index)
             for j, _ in holes:  # filled per call; the template keeps no array alive
                 values[j] = None
+            launch_grid = grid.grid
             if i == 0:  # the attention kernel: its spec's block (mma: the tiling's warps)
                 block, shared = (spec.threads, 1, 1), spec.shared_bytes
+                launch_grid = launch_grid_of(spec, grid, self.config.target)
             else:  # the merge
                 block, shared = (self._block[1], 1, 1), 0
-            template.append((module, grid.kernel, grid.grid, block, shared, values, holes))
+            template.append((module, grid.kernel, launch_grid, block, shared, values, holes))
         return tuple(template)

@@ -6,14 +6,17 @@ equal its own sum), so the host's sizing and the kernel's carve cannot drift apa
 
 A tiling is W warps per CTA, each owning a ring of S shared-memory stages of TT tokens of K
 and V (every row padded by 16 bytes; ``v2.1`` keeps the block-table entries in those pads),
-behind a front of q rows, score scales and the offsets table. Two kernels (``MMA_KERNELS``):
+behind a front of q rows, score scales and the offsets table. Three kernels (``MMA_KERNELS``):
 
 * ``v2.1`` (the default): W and S sized from the target's per-block limit (so every spec
   launches on sm_90, sm_100, sm_103, sm_120 and sm_121: 99 KiB there), the block-table
   entries staged through shared memory S - 1 tiles ahead (``decode_core.cuh``, "bt_staged");
 * ``v2``: kernel v2 as it was before (4 warps, the entry loaded one tile ahead, sized for
   sm_90's 227 KiB whatever the target), kept so that one GPU run can time both
-  (``benchmarks/impls.py``: ``mma_v2``). It fits no 99 KiB target at head dim 256 / bf16 128.
+  (``benchmarks/impls.py``: ``mma_v2``). It fits no 99 KiB target at head dim 256 / bf16 128;
+* ``v2.2``: v2.1's tiling and arithmetic with persistent CTAs: ``resident_ctas`` x SMs CTAs
+  (at most one per item) walk the plan's work items in a fixed order (``decode_core.cuh``,
+  "THE SCHEDULE"), so a row's bytes are v2.1's.
 
 What decides a row's bytes is (W, TT): the tile -> warp order and the combine over the warps.
 So ``warps_for`` chooses W from the head dim, the cache dtype and the target's limit only,
@@ -29,7 +32,7 @@ from typing import Optional
 
 from . import dtypes
 
-MMA_KERNELS = ("v2.1", "v2")
+MMA_KERNELS = ("v2.1", "v2", "v2.2")
 """The ``mma`` core's kernels: the default first."""
 DEFAULT_MMA_KERNEL = "v2.1"
 
@@ -74,6 +77,9 @@ class Tiling:
     stages: int
     smem_bytes: int
     bt_staged: bool = True
+    persistent: bool = False
+    """Persistent CTAs (``v2.2``): the launch grid is the CTAs resident on the device
+    (``resident_ctas``), each walking the plan's work items in a fixed order."""
 
     @property
     def threads(self) -> int:
@@ -84,6 +90,28 @@ class Tiling:
     def label(self) -> str:
         """``w<W>t<TT>s<S>``: what a spec's name adds when its tiling is not the sm_90 one."""
         return f"w{self.warps}t{self.tile_tokens}s{self.stages}"
+
+
+SMEM_RESERVED_PER_BLOCK = 1024
+"""Shared memory the driver reserves per resident block (CUDA C++ Programming Guide,
+"Shared Memory": 1 KiB on sm_80 and later); a target's shared memory per SM is its opt-in
+per-block maximum plus this (227 + 1 = 228 KiB on sm_90, 99 + 1 on sm_86/89/120/121)."""
+REGISTERS_PER_SM = 65536
+MAX_REGISTERS_PER_THREAD = 255
+"""The launch bounds ``(threads, 1)`` leave ptxas up to 255 registers a thread: the
+resident count assumes all of them (a lower bound on what the device holds)."""
+
+
+def resident_ctas(tiling: Tiling, smem_limit: int) -> int:
+    """CTAs of ``tiling`` one SM holds at once on a target of ``smem_limit`` bytes of
+    shared memory per block, by shared memory (``smem_limit`` + 1 KiB per SM, 1 KiB
+    reserved per block) and by registers at 255 a thread (65536 per SM, allocated per warp
+    in 256s); at least 1. A function of the tiling and the target only: never of the batch.
+    Kernel ``v2.2`` launches ``min(items, resident_ctas x SMs)`` persistent CTAs."""
+    by_smem = (smem_limit + SMEM_RESERVED_PER_BLOCK) // (tiling.smem_bytes + SMEM_RESERVED_PER_BLOCK)
+    per_warp = (MAX_REGISTERS_PER_THREAD * 32 + 255) // 256 * 256
+    by_registers = REGISTERS_PER_SM // (per_warp * tiling.warps)
+    return max(1, min(by_smem, by_registers))
 
 
 def mma_padded_dim(head_dim: int) -> int:
@@ -153,7 +181,7 @@ def mma_tiling(head_dim: int, q_dtype: str, kv_dtype: str, row_tiles: int, smem_
         raise ValueError(f"mma kernel must be one of {', '.join(MMA_KERNELS)}, got {kernel!r}")
     tt = tile_tokens_for(head_dim, kv_dtype)
     parts = q_parts(q_dtype, kv_dtype)
-    staged = kernel == "v2.1"
+    staged = kernel in ("v2.1", "v2.2")  # v2.2: v2.1's tiling, its CTAs persistent
     warps = warps_for(head_dim, kv_dtype, smem_limit) if staged else 4
     sized_for = smem_limit if staged else SMEM_LIMIT_BYTES
     if warps is None:
@@ -161,5 +189,5 @@ def mma_tiling(head_dim: int, q_dtype: str, kv_dtype: str, row_tiles: int, smem_
     for stages in range(max_stages(head_dim, kv_dtype), 1, -1):
         smem = carve(head_dim, parts, kv_dtype, row_tiles, warps, stages)
         if smem <= sized_for:
-            return Tiling(warps, tt, stages, smem, staged) if smem <= smem_limit else None
+            return Tiling(warps, tt, stages, smem, staged, kernel == "v2.2") if smem <= smem_limit else None
     return None
