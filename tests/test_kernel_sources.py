@@ -1,11 +1,10 @@
 """Kernel sources: inlining, constants read back from the CUDA text, and NVRTC compiles without a GPU."""
 
-import importlib
 import pathlib
 import re
 
 import pytest
-from support.builds import ARCHES, arch_matrix, nvrtc_build, nvrtc_ptx, spec_matrix
+from support.builds import ARCHES, arch_matrix, needs_nvrtc, nvrtc_build, nvrtc_ptx, spec_matrix, spill_frames
 
 from metrale_attn import policy
 from metrale_attn.kernels import (
@@ -27,19 +26,6 @@ from metrale_attn.targets import TARGETS
 
 """Every target's architecture, from the one table (sm_90, sm_100, sm_103, sm_121): each
 is the exact sm_XY the backend compiles for on that target's device."""
-
-
-def _importable(module: str) -> bool:
-    try:
-        importlib.import_module(module)
-    except ImportError:
-        return False
-    return True
-
-
-needs_nvrtc = pytest.mark.skipif(not _importable("cupy_backends.cuda.libs.nvrtc"),
-                                 reason="NVRTC (cupy) is not installed")
-"""Only the tests that compile skip without CuPy; the pure-Python ones always run."""
 
 
 def test_headers_are_inlined_with_line_directives_naming_the_real_files():
@@ -185,7 +171,7 @@ def test_every_variant_compiles_through_nvrtc_with_no_stack_frame_and_no_spills(
     """No stack frame means every register array is indexed by constants and nothing spilled."""
     cubin, log = nvrtc_build(spec, arch)
     assert len(cubin) > 1000
-    frames = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    frames = spill_frames(log)
     assert len(frames) == len(spec.kernels), log
     assert all(f == ("0", "0", "0") for f in frames), log
 

@@ -13,6 +13,7 @@ from metrale_attn.problems import Problem
 from metrale_attn.targets import TARGETS
 from metrale_attn.tiling import mma_tiling, resident_ctas
 
+from support.builds import needs_nvrtc, nvrtc_build, spill_frames
 from support.problems import check_against_reference, decoder, problem, run_poisoned, to_csr
 
 ARMS = {"unpacked": dict(splitk="off"), "splitk": dict(splitk="3"), "gqa_packed": dict(splitk="off", gqa_pack=True)}
@@ -112,29 +113,17 @@ def test_persistent_ctas_read_a_csr_page_table_and_device_scales_with_the_bytes_
     assert _bytes(*run_poisoned(decoder(p, mma_kernel="v2.2", **options), p, **csr)) == _bytes(*plain)
 
 
-def _nvrtc_missing() -> bool:
-    try:
-        import cupy_backends.cuda.libs.nvrtc  # noqa: F401
-    except Exception:
-        return True
-    return False
-
-
-@pytest.mark.skipif(_nvrtc_missing(), reason="NVRTC (cupy) is not installed")
+@needs_nvrtc
 @pytest.mark.parametrize("head_dim, row_tiles, arch, limit", [(192, 2, "sm_100", 227 * 1024),
                                                               (256, 1, "sm_120", 99 * 1024)])
 def test_the_tightest_persistent_specs_compile_with_no_stack_frame_and_no_spills(head_dim, row_tiles, arch, limit):
     """Every feature at once: head dim 192 with 16 rows (255 registers on sm_100; the item loop
     spilled 8 bytes there before the next item's indices were recomputed where they are used)
     and head dim 256 in a 99 KiB target's 2-warp tiling."""
-    import re
-
-    from support.builds import nvrtc_build
-
     from metrale_attn.kernels import FEATURES
 
     spec = KernelSpec("unpacked", head_dim, "fp16", "bf16", "mma", row_tiles, set(FEATURES), smem_limit=limit,
                       mma_kernel="v2.2")
     _, log = nvrtc_build(spec, arch)
-    frames = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    frames = spill_frames(log)
     assert len(frames) == len(spec.kernels) and all(f == ("0", "0", "0") for f in frames), (spec.name, log)

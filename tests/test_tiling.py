@@ -19,6 +19,7 @@ from metrale_attn.problems import Problem
 from metrale_attn.targets import TARGETS
 from metrale_attn.tiling import MMA_KERNELS, max_row_tiles, mma_tiling, tile_tokens_for, warps_for
 
+from support.builds import needs_nvrtc, nvrtc_build, spill_frames
 from support.problems import check_against_reference, decoder, problem, run_poisoned
 
 LIMITS = sorted({t.smem_per_block for t in TARGETS.values()})
@@ -134,26 +135,14 @@ def test_the_mma_kernel_spellings():
         resolve_mma_kernel(None, "fast")
 
 
-def _nvrtc_missing() -> bool:
-    try:
-        import cupy_backends.cuda.libs.nvrtc  # noqa: F401
-    except ImportError:
-        return True
-    return False
-
-
-@pytest.mark.skipif(_nvrtc_missing(), reason="NVRTC (cupy) is not installed")
+@needs_nvrtc
 @pytest.mark.parametrize("arch", ["sm_120", pytest.param("sm_121", marks=pytest.mark.slow)])  # ~10 s each
 def test_the_heaviest_99_kib_tilings_compile_for_consumer_blackwell_with_no_stack_frame_and_no_spills(arch):
     """Every feature at once, 2 warps at head dim 256 and 4 warps of 2 stages at 128 x 16 rows: the
     99 KiB specs CI's arch matrix (sized for sm_90) does not build."""
-    import re
-
-    from support.builds import nvrtc_build
-
     heaviest = [replace(v, smem_limit=99 * 1024) for v in all_specs() if len(v.features) > 1]
     assert {v.tiling.warps for v in heaviest} == {2, 4}
     for v in heaviest:
         _, log = nvrtc_build(v, arch)
-        frames = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log)
+        frames = spill_frames(log)
         assert len(frames) == len(v.kernels) and all(f == ("0", "0", "0") for f in frames), (v.name, log)

@@ -10,6 +10,7 @@ import functools
 import importlib
 import multiprocessing
 import os
+import re
 from concurrent.futures import ProcessPoolExecutor
 
 import pytest
@@ -164,3 +165,16 @@ def _nvrtc_missing() -> bool:
     except ImportError:
         return True
     return False
+
+
+needs_nvrtc = pytest.mark.skipif(_nvrtc_missing(), reason="NVRTC (cupy) is not installed")
+"""Only the tests that compile skip without CuPy; the pure-Python ones always run."""
+
+_FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+
+
+def spill_frames(log: str) -> list[tuple[str, str, str]]:
+    """``(stack frame, spill stores, spill loads)`` bytes, as ptxas -v prints them, of each
+    kernel of a build's log (``("0", "0", "0")``: every register array indexed by constants,
+    nothing spilled)."""
+    return _FRAME.findall(log)
