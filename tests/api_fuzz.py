@@ -51,7 +51,7 @@ PROFILES = {
     "default": dict(head_dims=[64], heads=[(4, 2), (2, 2), (4, 1)], kv=["bf16", "fp8_e4m3"], q=["bf16"],
                     q_lens=[1, 2]),
     # The slow run's: every head dim, dtype pair and multi-token length.
-    "wide": dict(head_dims=[64, 128, 256], heads=[(4, 2), (2, 2), (4, 1), (6, 1), (8, 2), (16, 2)],
+    "wide": dict(head_dims=[64, 80, 128, 144, 256], heads=[(4, 2), (2, 2), (4, 1), (6, 1), (8, 2), (16, 2)],
                  kv=list(KV_DTYPES), q=["bf16", "fp16"], q_lens=[1, 2, 3, 8]),
 }
 
@@ -71,6 +71,7 @@ CTOR_OPTIONS = {  # argument -> (valid values, invalid values)
     "device_scales": ([False, False, True], ["yes", 1]),
     "lse_base": (["e", "e", 2], [10, "ln"]),
     "page_table": (["dense", "dense", "csr"], ["coo"]),
+    "mma_kernel": ([None, None, "v2.2", "v2"], ["v3", 2.5]),
 }
 RUN_OPTIONS = {
     "bad_length": ([None], [-1, "over"]),
@@ -97,7 +98,7 @@ def _pick(draw, options: dict, *, valid_share: int):
 def decode_cases(draw, profile: dict):
     heads, kv_heads = draw(st.sampled_from(profile["heads"]))
     shape = {"num_q_heads": ([heads], [3, 0, -4, 2.0, True]), "num_kv_heads": ([kv_heads], [0, 5, None]),
-             "head_dim": (profile["head_dims"], [80, 0, 512]), "q_dtype": (profile["q"], ["float32", "int8", None]),
+             "head_dim": (profile["head_dims"], [72, 0, 512]), "q_dtype": (profile["q"], ["float32", "int8", None]),
              "kv_dtype": (profile["kv"], ["float32", "int4"]), "max_q_len": (profile["q_lens"], [0, 9])}
     ctor = _pick(draw, {**shape, **CTOR_OPTIONS}, valid_share=24)
     max_batch = ctor["max_batch"] if isinstance(ctor["max_batch"], int) and ctor["max_batch"] > 0 else 1
