@@ -41,7 +41,7 @@ from .config import (DEFAULT_IMPL, FEATURES, HEAD_DIMS, IMPLS, ROW_TILE, SIMT_HE
                      feature_define, heads_per_cta_choices, max_rows_per_cta)
 from .plan import ARMS, KERNELS, make_plan
 from .targets import FP8_CVT_CAPABILITY
-from .tiling import DEFAULT_MMA_KERNEL, MMA_KERNELS, SMEM_LIMIT_BYTES, Tiling, max_row_tiles, mma_tiling
+from .tiling import DEFAULT_MMA_KERNEL, MMA_KERNELS, ONE_ROW_TILE_HEAD_DIM, SMEM_LIMIT_BYTES, Tiling, max_row_tiles, mma_tiling
 
 SOURCE_PACKAGE = "metrale_attn.kernels_cu"
 COMMON_HEADER = "pd_common.cuh"
@@ -238,14 +238,6 @@ def parse_kernel_params(text: str) -> dict[str, tuple[Param, ...]]:
 # ---------------------------------------------------------------------------------------
 
 
-def mma_smem_bytes(head_dim: int, q_dtype: str, kv_dtype: str, smem_limit: int = SMEM_LIMIT_BYTES,
-                   kernel: str = DEFAULT_MMA_KERNEL) -> int | None:
-    """Dynamic shared memory the smallest ``mma`` spec of this shape and these dtypes asks
-    for on a target of ``smem_limit`` bytes per block (one row tile), None when none fits."""
-    tiling = mma_tiling(head_dim, q_dtype, kv_dtype, 1, smem_limit, kernel)
-    return None if tiling is None else tiling.smem_bytes
-
-
 def mma_refusal(config: LayerConfig) -> str | None:
     """Why the ``mma`` kernels of this layer cannot run on its target, or None when they can:
     its fp8 cache needs the fp8 ``cvt`` the target lacks (sm_80, sm_86; the ``simt``
@@ -332,7 +324,8 @@ class KernelSpec:
             raise ValueError(f"the {self.arm} kernel supports head_dim {allowed}, got {self.head_dim}")
         if self.row_tiles not in (tuple(range(1, max_rows_per_cta(self.head_dim) // 8 + 1)) if self.impl == "mma"
                                   else (1,)):
-            raise ValueError(f"row_tiles must be 1 or 2 (mma; 1 from head dim 208 on) or 1 (simt), got {self.row_tiles!r}")
+            raise ValueError(f"row_tiles must be 1 or 2 (mma; 1 from head dim {ONE_ROW_TILE_HEAD_DIM} on) "
+                             f"or 1 (simt), got {self.row_tiles!r}")
         object.__setattr__(self, "features", frozenset(self.features))
         unknown = self.features - set(FEATURES)
         if unknown:
@@ -475,7 +468,7 @@ def kernel_params(spec: KernelSpec) -> dict[str, tuple[Param, ...]]:
 def all_specs() -> list[KernelSpec]:
     """Every plain spec the dispatch can ask for, and the feature specs CI compiles:
     each feature alone on every mma arm (head dim 128, fp8 KV; the packed arm at 256),
-    and all of them together on the heaviest (8 rows of head dim 256, 16 of 224 and of 128)."""
+    and all of them together on the heaviest (8 rows of head dim 256, 16 of 192 and of 128)."""
     plain = [
         KernelSpec(arm, head_dim, q, kv, impl, row_tiles)
         for impl in IMPLS
