@@ -2,10 +2,11 @@
 
 ``metrale_attn`` has two (``metrale_attn.plan.IMPLS``): ``mma``, the default, the tensor-core
 kernels whose CTA serves ``heads_per_cta`` query heads of one KV head; and ``simt``, the first
-CUDA-core kernels, one head per CTA. The ``mma`` core has two kernels (``tiling.MMA_KERNELS``):
-the default ``v2.1`` and the previous ``v2``, kept so that one GPU run times both side by side.
-The harness names three (``IMPLS``, old to new: ``simt``, ``mma_v2``, ``mma``, each a set of
-``DecodeAttention`` arguments, ``ARGUMENTS``); the sweep and the L2 probe force each; the
+CUDA-core kernels, one head per CTA. The ``mma`` core has three kernels (``tiling.MMA_KERNELS``):
+the default ``v2.2`` (persistent CTAs) and the earlier ``v2.1`` and ``v2``, kept so that one GPU
+run times them side by side. The harness names four (``IMPLS``, old to new: ``simt``, ``mma_v2``,
+``mma_v21``, ``mma``, each a set of ``DecodeAttention`` arguments, ``ARGUMENTS``); the sweep and
+the L2 probe force each; the
 ``heads_per_cta`` tier forces every choice of a group (``plan.heads_per_cta_choices``) on
 ``SWEEP_IMPL``.
 
@@ -28,10 +29,13 @@ from typing import Optional
 from metrale_attn.config import ENV_IMPL, ENV_MMA_KERNEL, resolve_impl, resolve_mma_kernel
 from metrale_attn.tiling import DEFAULT_MMA_KERNEL
 
-IMPLS = ("simt", "mma_v2", "mma")
+OLD_MMA = {"mma_v2": "v2", "mma_v21": "v2.1"}
+"""The earlier mma kernels the harness names, old to new: timed on the decisive tiers only, beside
+``mma`` (the default kernel), so that a GPU run gives each step as a ratio."""
+IMPLS = ("simt", *OLD_MMA, "mma")
 """The implementations the harness forces, in the order rows are timed and shown: old to new."""
-ARGUMENTS = {"simt": dict(impl="simt"), "mma_v2": dict(impl="mma", mma_kernel="v2"),
-             "mma": dict(impl="mma", mma_kernel="v2.1")}
+ARGUMENTS = {"simt": dict(impl="simt"), **{name: dict(impl="mma", mma_kernel=k) for name, k in OLD_MMA.items()},
+             "mma": dict(impl="mma", mma_kernel=DEFAULT_MMA_KERNEL)}
 """What each of ``IMPLS`` asks ``DecodeAttention`` for."""
 SWEEP_IMPL = "mma"
 """The implementation the ``heads_per_cta`` tier forces (``simt`` serves one head per CTA)."""
@@ -52,7 +56,7 @@ class Built:
     @property
     def wanted(self) -> str:
         """The implementation the request resolves to (one of ``IMPLS``; None: the environment,
-        else ``mma`` v2.1)."""
+        else ``mma``, the default kernel)."""
         if self.asked is not None:
             return self.asked
         return label(resolve_impl(None, os.environ.get(ENV_IMPL)), resolve_mma_kernel(None, os.environ.get(
@@ -74,7 +78,7 @@ class Built:
 
 def label(impl: str, mma_kernel: str) -> str:
     """The harness's name (one of ``IMPLS``) of a plan's implementation and its layer's mma kernel."""
-    return "mma_v2" if (impl, mma_kernel) == ("mma", "v2") else impl
+    return next((name for name, k in OLD_MMA.items() if (impl, mma_kernel) == ("mma", k)), impl)
 
 
 def kernel_of(attn) -> str:
@@ -83,9 +87,9 @@ def kernel_of(attn) -> str:
 
 
 def ran(plan_impl: str, asked: Optional[str]) -> str:
-    """What a row of a slot that asked for ``asked`` ran: the plan's implementation, ``mma_v2``
-    where the slot asked for it and the plan runs mma."""
-    return "mma_v2" if (plan_impl, asked) == ("mma", "mma_v2") else plan_impl
+    """What a row of a slot that asked for ``asked`` ran: the plan's implementation, or the earlier
+    mma kernel (``OLD_MMA``) the slot asked for where the plan runs mma."""
+    return asked if plan_impl == "mma" and asked in OLD_MMA else plan_impl
 
 
 def build(decode_attention, *args, impl: Optional[str] = None, **kwargs) -> Built:

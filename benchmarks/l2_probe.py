@@ -62,8 +62,8 @@ MINIMAL_METRICS = METRICS[:3]
 GPU_SHAPES = ((8, 8, 128), (32, 8, 128), (64, 8, 128))
 CPU_SHAPES = ((2, 2, 256), (8, 2, 256), (16, 2, 256))
 PROBE_IMPLS = ("simt", "mma")
-"""The implementations the probe profiles: ``impls.IMPLS`` less ``mma_v2``, the previous mma kernel, which
-reads the same K/V bytes in the same order as ``mma`` (and each profiled kernel costs an ncu pass)."""
+"""The implementations the probe profiles: ``impls.IMPLS`` less the earlier mma kernels (``impls.OLD_MMA``),
+which read the same K/V bytes in the same order as ``mma`` (and each profiled kernel costs an ncu pass)."""
 ARMS = ("unpacked", "splitk")
 REFUSALS = ("ERR_NVGPUCTRPERM", "LibraryNotLoaded", "Failed to initialize", "not supported", "permission",
             "Permission")

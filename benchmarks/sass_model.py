@@ -597,7 +597,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hmma-latency", type=float, default=None, metavar="CYCLES",
                    help="a sensitivity: the calls with this HMMA latency instead of the table's lat_hmma")
     p.add_argument("--mma-kernel", choices=MMA_KERNELS, default=DEFAULT_MMA_KERNEL,
-                   help="the mma kernel modelled: v2.1 (default), v2 (the previous one) or v2.2 (persistent CTAs), for old vs new")
+                   help="the mma kernel modelled: v2.2 (default, persistent CTAs), v2.1 or v2 (the earlier ones), for old vs new")
     p.add_argument("--assumptions", action="store_true", help="print the assumption table and exit")
     return p
 

@@ -60,9 +60,9 @@ class DecodeAttention:
     ``METRALE_ATTN_DECODE_IMPL``. ``heads_per_cta`` (``mma``: query heads one CTA
     serves, a divisor of the group size up to 16) overrides
     ``METRALE_ATTN_DECODE_HEADS_PER_CTA`` and the plan's rule; a head's output bytes
-    are the same for every value. ``mma_kernel`` (``"v2.1"``, the default; ``"v2.2"``,
-    persistent CTAs with v2.1's bytes; ``"v2"``, the previous mma kernel, kept so that one
-    GPU run can time both) overrides
+    are the same for every value. ``mma_kernel`` (``"v2.2"``, persistent CTAs, the default;
+    ``"v2.1"``, one CTA per work item, the same bytes; ``"v2"``, the kernel before it, kept so
+    that one GPU run can time all three) overrides
     ``METRALE_ATTN_DECODE_MMA_KERNEL``. ``max_decode_seqs`` is the
     floor of the reference batch only ``legacy`` reads. ``check_indices`` copies
     block_tables and seq_lens (and device scales) to the host on every call to prove

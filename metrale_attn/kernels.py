@@ -242,7 +242,7 @@ def mma_refusal(config: LayerConfig) -> str | None:
     """Why the ``mma`` kernels of this layer cannot run on its target, or None when they can:
     its fp8 cache needs the fp8 ``cvt`` the target lacks (sm_80, sm_86; the ``simt``
     kernels convert in software), or no tiling of its kernel (``config.mma_kernel``) fits the
-    target's shared memory per block (``v2.1`` and ``v2.2`` fit every target; ``v2`` only 163 KiB and up
+    target's shared memory per block (``v2.2`` and ``v2.1`` fit every target; ``v2`` only 163 KiB and up
     at head dim 256 and bf16 head dim 128)."""
     target = config.target
     if config.kv_dtype in dtypes.FP8_KINDS and not target.converts_fp8:
@@ -290,9 +290,9 @@ class KernelSpec:
     to ``8 * row_tiles`` heads. The KV layout is not a parameter: kernels address the
     cache by strides. ``smem_limit`` (``mma``): the dynamic shared memory per block of the
     target it is built for (bytes), which sizes its ``tiling`` (``tiling.mma_tiling``);
-    ``mma_kernel``: ``v2.1``, the previous ``v2`` or the persistent ``v2.2``
+    ``mma_kernel``: the persistent ``v2.2`` (the default), or the earlier ``v2.1`` / ``v2``
     (``tiling.MMA_KERNELS``). The name carries the tiling wherever it differs from the sm_90
-    one (``_w2t16s2``), and ``_v2`` / ``_v22``.
+    one (``_w2t16s2``), and ``_v21`` / ``_v2``.
     """
 
     arm: str
@@ -341,7 +341,7 @@ class KernelSpec:
             return f"simt_decode_{self.arm}_{dt}"
         sm90 = mma_tiling(self.head_dim, self.q_dtype, self.kv_dtype, self.row_tiles, kernel=self.mma_kernel)
         return (f"decode_{self.arm}_{dt}_r{ROW_TILE * self.row_tiles}" + "".join(
-            f"_{f}" for f in FEATURES if f in self.features) + {"v2": "_v2", "v2.2": "_v22"}.get(self.mma_kernel, "")
+            f"_{f}" for f in FEATURES if f in self.features) + {"v2": "_v2", "v2.1": "_v21"}.get(self.mma_kernel, "")
             + (f"_{self.tiling.label}" if self.tiling != sm90 else ""))
 
     def builds_for(self, arch: str) -> bool:

@@ -8,15 +8,17 @@ A tiling is W warps per CTA, each owning a ring of S shared-memory stages of TT 
 and V (every row padded by 16 bytes; ``v2.1`` keeps the block-table entries in those pads),
 behind a front of q rows, score scales and the offsets table. Three kernels (``MMA_KERNELS``):
 
-* ``v2.1`` (the default): W and S sized from the target's per-block limit (so every spec
+* ``v2.2`` (the default): v2.1's tiling and arithmetic with persistent CTAs: ``resident_ctas``
+  x SMs CTAs (at most one per item) walk the plan's work items in a fixed order
+  (``decode_core.cuh``, "THE SCHEDULE"), so a row's bytes are v2.1's;
+* ``v2.1``: W and S sized from the target's per-block limit (so every spec
   launches on sm_90, sm_100, sm_103, sm_120 and sm_121: 99 KiB there), the block-table
   entries staged through shared memory S - 1 tiles ahead (``decode_core.cuh``, "bt_staged");
 * ``v2``: kernel v2 as it was before (4 warps, the entry loaded one tile ahead, sized for
   sm_90's 227 KiB whatever the target), kept so that one GPU run can time both
-  (``benchmarks/impls.py``: ``mma_v2``). It fits no 99 KiB target at head dim 256 / bf16 128;
-* ``v2.2``: v2.1's tiling and arithmetic with persistent CTAs: ``resident_ctas`` x SMs CTAs
-  (at most one per item) walk the plan's work items in a fixed order (``decode_core.cuh``,
-  "THE SCHEDULE"), so a row's bytes are v2.1's.
+  (``benchmarks/impls.py``: ``mma_v2``). It fits no 99 KiB target at head dim 256 / bf16 128.
+
+``v2.1`` and ``v2`` stay selectable so that one GPU run times the three side by side.
 
 What decides a row's bytes is (W, TT): the tile -> warp order and the combine over the warps.
 So ``warps_for`` chooses W from the head dim, the cache dtype and the target's limit only,
@@ -32,9 +34,9 @@ from typing import Optional
 
 from . import dtypes
 
-MMA_KERNELS = ("v2.1", "v2", "v2.2")
-"""The ``mma`` core's kernels: the default first."""
-DEFAULT_MMA_KERNEL = "v2.1"
+MMA_KERNELS = ("v2.2", "v2.1", "v2")
+"""The ``mma`` core's kernels: the default first, then older to oldest."""
+DEFAULT_MMA_KERNEL = "v2.2"
 
 SMEM_LIMIT_BYTES = 227 * 1024
 """Dynamic shared memory one block may use on sm_90 and sm_100 (opt-in maximum): what ``v2``

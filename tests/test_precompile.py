@@ -84,7 +84,7 @@ CASES = {
                                             "hopper"),
     "gqa pack on": (Layer("layer", 24, 4, 256), Options(splitk="off", gqa_pack=True), "hopper"),
     "pinned heads per cta": (Layer("layer", 32, 4, 128), Options(heads_per_cta=4), "hopper"),
-    "gb10, 99 KiB: v2.1 sized for it": (Layer("layer", 4, 4, 256), Options(), "gb10"),
+    "gb10, 99 KiB: the default kernel sized for it": (Layer("layer", 4, 4, 256), Options(), "gb10"),
     "gb10, the previous kernel: simt": (Layer("layer", 4, 4, 64), Options(mma_kernel="v2"), "gb10"),
     "simt chosen": (Layer("layer", 32, 8, 128), Options(impl="simt"), "hopper"),
     "head dim 80, fp8 cache (mma only)": (Layer("layer", 32, 32, 80), Options(kv_dtype="fp8_e4m3"), "b200"),

@@ -1,7 +1,8 @@
 """The mma core's tiling (metrale_attn/tiling.py): sized from each target's shared memory per
 block, so every spec launches on every target; W and TT (what a row's bytes depend on) a
 function of head dim, cache dtype and target only; the CPU backend refusing what the target
-GPU would; and the previous kernel (v2) kept selectable beside the default (v2.1)."""
+GPU would; and the previous kernel (v2) kept selectable beside v2.1 and the default v2.2
+(which share one tiling)."""
 
 from __future__ import annotations
 
@@ -126,10 +127,10 @@ def test_the_previous_kernel_is_selectable_and_within_the_bar(kv_dtype, monkeypa
 
 
 def test_the_mma_kernel_spellings():
-    assert resolve_mma_kernel(None, None) == resolve_mma_kernel(None, " ") == "v2.1"
+    assert resolve_mma_kernel(None, None) == resolve_mma_kernel(None, " ") == "v2.2"
     assert resolve_mma_kernel(" V2 ", "v2.1") == resolve_mma_kernel(None, "2") == "v2"
-    assert resolve_mma_kernel("2.2", None) == resolve_mma_kernel(None, "V2.2") == "v2.2"
-    with pytest.raises(ValueError, match="mma_kernel must be one of v2.1, v2"):
+    assert resolve_mma_kernel("2.1", None) == resolve_mma_kernel(None, "V2.1") == "v2.1"
+    with pytest.raises(ValueError, match="mma_kernel must be one of v2.2, v2.1, v2"):
         resolve_mma_kernel("v3", None)
     with pytest.raises(ValueError, match=f"{ENV_MMA_KERNEL} must be one of"):
         resolve_mma_kernel(None, "fast")
