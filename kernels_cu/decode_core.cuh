@@ -637,20 +637,21 @@ __device__ __forceinline__ void issue_tile(Stream& st, const long long (&strides
     st.row = (lane < TT && st.tok >= st.lo && st.tok < st.hi) ? st.bt_row[st.page] : 0;
 }
 
-// lever 5 (PREFETCH > 0, persistent CTAs): what a warp's issue_ahead leaves its next item's
-// prologue. on: the item's first PREFETCH tiles are in flight (their copies and commit groups
-// issued, the entries of tiles S .. S + PREFETCH - 2 copied with them); entry[j], j in
-// PREFETCH .. S - 1: this lane's entry of tile j (0 outside the range), held in registers
-// because stage j kept the warp's state until the combine.
+// lever 5 (PREFETCH > 0, persistent CTAs): every item's first PREFETCH tiles are in flight
+// when its prologue starts (issue_ahead: the CTA's first item's at the kernel's start, a later
+// one's before the previous item's epilogue; their copies and commit groups issued, the
+// entries of tiles S .. S + PREFETCH - 2 copied with them); entry[j], j in PREFETCH .. S - 1:
+// this lane's entry of tile j (0 outside the range), held in registers because stage j kept
+// the warp's state until the combine. One path for every item: a first item started cold
+// and a later one carried made the loop ~9 instructions a tile longer (ptxas).
 struct Carry {
-  bool on;
   int entry[S];
 };
 
 // Staged: this lane's entries of the warp's first S - 1 tiles, loaded into stages 0 .. S - 2
 // (keys in the range only), and the entry producer set S - 1 tiles on. Unstaged: the first
-// tile's entry. One round trip, the loads independent. carry.on: the stream starts at tile
-// PREFETCH; the entries of its stages PREFETCH .. S - 1 come from carry, no load.
+// tile's entry. One round trip, the loads independent. PREFETCH > 0: the stream starts at
+// tile PREFETCH; the entries of its stages PREFETCH .. S - 1 come from carry, no load.
 __device__ __forceinline__ void start_entries(Stream& st, const Carry& carry) {
   const int lane = threadIdx.x & 31;
   if (!BtStaged::on) {
@@ -660,7 +661,7 @@ __device__ __forceinline__ void start_entries(Stream& st, const Carry& carry) {
   st.etok = st.tok;
   st.epage = st.page;
   st.ein_page = st.in_page;
-  if (PREFETCH > 0 && carry.on) {
+  if (PREFETCH > 0) {
     PD_UNROLL
     for (int j = PREFETCH; j < S; ++j)
       if (lane < TT) *entry_at(st.ring, j, lane) = carry.entry[j];
@@ -775,7 +776,7 @@ __device__ __forceinline__ void open_stream(Stream& s, long long (&strides)[4], 
 
 // Attend every row's keys and leave the warp state in `st`: the plain algorithm, the
 // features entering through their hooks (f, MultiToken). `smem` is the launch's dynamic
-// shared memory, Q staged (stage_q). carry.on (lever 5): the first PREFETCH of this warp's
+// shared memory, Q staged (stage_q). PREFETCH > 0 (lever 5): the first PREFETCH of this warp's
 // tiles are in flight already (issue_ahead), the prologue issues the rest.
 __device__ __forceinline__ void attend(unsigned char* smem, const Rows& rw, const Features& f,
                                        const unsigned char* k_head, long long k_stride_page, long long k_stride_token,
@@ -816,7 +817,7 @@ __device__ __forceinline__ void attend(unsigned char* smem, const Rows& rw, cons
   unsigned char* ring = smem + RING_OFF + warp * RING_BYTES;
   unsigned char* table = smem + TABLE_OFF + warp * TT * 16;
 
-  const int from = PREFETCH > 0 && carry.on ? PREFETCH : 0;  // tiles in flight already
+  constexpr int from = PREFETCH;  // tiles in flight already (issue_ahead)
   // The producer (open_stream's lines, inline here: calling it moved kernel v2.1's SASS)
   Stream s;
   const int chunk = (CPR == CPL || lane % CPL < CPR) ? lane % CPL : 0;  // a zero-filled chunk points at a real one
@@ -1118,17 +1119,17 @@ __device__ __forceinline__ void cta_combine(const unsigned char* smem, int r, in
 // (rows rw of q_row, its keys on bt_row) waits on: its q rows and the block-table entries of
 // the tiles its warps take first (S tiles each from the first tile of its range). Only
 // lines it will read are touched (no entry of a key outside its range); nothing is written,
-// so no byte depends on it. Every thread calls it; a few issue prefetches.
+// so no byte depends on it. Every thread calls it; a few issue prefetches. Leaves the item's
+// keys [lo, hi) (cta_range) for issue_ahead.
 template <class QRow>
 __device__ __forceinline__ void warm_item(const Rows& rw, const Features& f, const QRow& q_row,
-                                          const int* __restrict__ bt_row, int page_size) {
+                                          const int* __restrict__ bt_row, int page_size, int& lo, int& hi) {
   constexpr int LINE = 128, ROW_LINES = (D * 2 + LINE - 1) / LINE + 1;  // + 1: a row need not start a line
   for (int i = threadIdx.x; i < rw.rows * ROW_LINES; i += THREADS) {
     const int r = i / ROW_LINES, k = i - r * ROW_LINES;
     const int byte = k * LINE < D * 2 ? k * LINE : D * 2 - 1;
     pd_prefetch_l2(reinterpret_cast<const unsigned char*>(q_row(r)) + byte);
   }
-  int lo, hi;
   cta_range(rw, f, lo, hi);
   if (lo >= hi) return;
   const int first = lo / TT * TT, end = first + S * W * TT < hi ? first + S * W * TT : hi;
@@ -1137,7 +1138,8 @@ __device__ __forceinline__ void warm_item(const Rows& rw, const Features& f, con
 }
 
 // Lever 5 (PREFETCH > 0, persistent CTAs): issue this warp's first PREFETCH tiles of the
-// CTA's next item (rows rw, its KV head's k_head / v_head, its keys on bt_row) into stages
+// CTA's next item (its keys [lo, hi): cta_range, its KV head's k_head / v_head, its page ids
+// bt_row) into stages
 // 0 .. PREFETCH - 1 of its ring, once it has published the current item's state past them:
 // the copies, the entries S - 1 tiles on and the commit groups attend's prologue would
 // issue, so its cp.async.wait_group arithmetic is unchanged and the round trip runs under
@@ -1146,14 +1148,13 @@ __device__ __forceinline__ void warm_item(const Rows& rw, const Features& f, con
 // S - 1's into stage S - 1) go to carry, loaded with the first ones in one round trip;
 // attend stores them once the stages are free. The same producer, tiles and order as
 // attend: no byte changes.
-__device__ __forceinline__ void issue_ahead(unsigned char* smem, const Rows& rw, const Features& f,
-                                            const unsigned char* k_head, long long k_stride_page,
+__device__ __forceinline__ void issue_ahead(unsigned char* smem, int lo, int hi, const unsigned char* k_head,
+                                            long long k_stride_page,
                                             long long k_stride_token, const unsigned char* v_head,
                                             long long v_stride_page, long long v_stride_token,
                                             const int* __restrict__ bt_row, int page_size, Carry& carry) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  int lo, hi, first_tile, my_tiles;
-  cta_range(rw, f, lo, hi);
+  int first_tile, my_tiles;
   warp_tiles(lo, hi, first_tile, my_tiles);
   unsigned char* ring = smem + RING_OFF + warp * RING_BYTES;
   unsigned char* table = smem + TABLE_OFF + warp * TT * 16;
@@ -1177,7 +1178,6 @@ __device__ __forceinline__ void issue_ahead(unsigned char* smem, const Rows& rw,
   PD_UNROLL
   for (int k = 0; k < PREFETCH; ++k)  // tile 0's entry copy would land in stage S - 1: carried instead
     issue_tile(s, strides, k < my_tiles, first_tile + k * W, ring + k * STAGE_BYTES, table, k, k > 0);
-  carry.on = true;
 }
 
 // The whole CTA: stage q (q_row(r) = row r's D elements), call between(), attend (carry: lever
@@ -1374,7 +1374,26 @@ extern "C" __global__ void PD_LAUNCH_BOUNDS(PD_MMA_THREADS, 1) PD_ENTRY(
   // the block-table entries of its first tiles into L2 (warm_item), so that item's prologue
   // waits on L2, not DRAM, for both.
   const int items = items_x * items_y * items_z;
-  pd_mma::Carry carry{};  // lever 5: the item's first tiles in flight (set by the previous item's issue_ahead)
+  pd_mma::Carry carry{};  // lever 5: what issue_ahead leaves the item's prologue
+  // Lever 5: item `at`'s first PREFETCH tiles, this warp's share, its keys [lo, hi) (issue_ahead).
+  const auto issue_item = [&](int at, int lo, int hi) {
+    const pd_mma::Item it = pd_item(at % items_x, (at / items_x) % items_y, at / (items_x * items_y), items_x,
+                                    items_y, num_kv_heads, heads_per_cta);
+    pd_mma::issue_ahead(smem, lo, hi, reinterpret_cast<const unsigned char*>(k_cache + it.kv_head * k_stride_head),
+                        k_stride_page, k_stride_token,
+                        reinterpret_cast<const unsigned char*>(v_cache + it.kv_head * v_stride_head), v_stride_page,
+                        v_stride_token, tables.row(it.seq), page_size, carry);
+  };
+  if (pd_mma::PREFETCH > 0 && (int)blockIdx.x < items) {  // the first item's, before anything else
+    const pd_mma::Item it = pd_item(blockIdx.x % items_x, (blockIdx.x / items_x) % items_y,
+                                    blockIdx.x / (items_x * items_y), items_x, items_y, num_kv_heads, heads_per_cta);
+    const int len = tables.seq_len(it.seq);
+    const pd_mma::Rows it_rw{it.heads, q_len, it.heads * q_len, len > 0 ? len : 0, it.split, it.num_splits};
+    const pd_mma::Features keys{{window_left}, {cap_log2}, {nullptr}, {}};  // cta_range reads the window only
+    int lo, hi;
+    pd_mma::cta_range(it_rw, keys, lo, hi);
+    issue_item(blockIdx.x, lo, hi);
+  }
   for (int at = blockIdx.x; at < items; at += gridDim.x) {
     if (at != (int)blockIdx.x) __syncthreads();  // the previous item's epilogue is done with shared memory
     const pd_mma::Item item = pd_item(at % items_x, (at / items_x) % items_y, at / (items_x * items_y), items_x,
@@ -1401,6 +1420,7 @@ extern "C" __global__ void PD_LAUNCH_BOUNDS(PD_MMA_THREADS, 1) PD_ENTRY(
 
     const pd_mma::QRows q_rows{q + seq * q_stride_seq + head0 * q_stride_head, q_stride_token, q_stride_head, heads};
 #if PD_PERSISTENT
+    int next_lo = 0, next_hi = 0;  // the next item's keys, from warm_item (kept: recomputed cost the loop 16 instructions)
     const auto between = [&]() {
       if (next >= items) return;
       // recomputed here, not kept from the loop's top: fewer registers live across stage_q
@@ -1410,21 +1430,12 @@ extern "C" __global__ void PD_LAUNCH_BOUNDS(PD_MMA_THREADS, 1) PD_ENTRY(
                                  upcoming.split, upcoming.num_splits};
       const pd_mma::QRows next_q{q + upcoming.seq * q_stride_seq + upcoming.head0 * q_stride_head, q_stride_token,
                                  q_stride_head, upcoming.heads};
-      pd_mma::warm_item(next_rw, f, next_q, tables.row(upcoming.seq), page_size);
+      pd_mma::warm_item(next_rw, f, next_q, tables.row(upcoming.seq), page_size, next_lo, next_hi);
     };
     // Lever 5: once a warp has published this item's state, the next item's first tiles. The
     // last item of a CTA issues none: no copy may be outstanding into shared memory at exit.
     const auto ahead = [&]() {
-      if (pd_mma::PREFETCH == 0 || next >= items) return;
-      const pd_mma::Item upcoming = pd_item(next % items_x, (next / items_x) % items_y, next / (items_x * items_y),
-                                            items_x, items_y, num_kv_heads, heads_per_cta);
-      const pd_mma::Rows next_rw{upcoming.heads, q_len, upcoming.heads * q_len, upcoming_len > 0 ? upcoming_len : 0,
-                                 upcoming.split, upcoming.num_splits};
-      pd_mma::issue_ahead(smem, next_rw, f,
-                          reinterpret_cast<const unsigned char*>(k_cache + upcoming.kv_head * k_stride_head),
-                          k_stride_page, k_stride_token,
-                          reinterpret_cast<const unsigned char*>(v_cache + upcoming.kv_head * v_stride_head),
-                          v_stride_page, v_stride_token, tables.row(upcoming.seq), page_size, carry);
+      if (pd_mma::PREFETCH > 0 && next < items) issue_item(next, next_lo, next_hi);
     };
 #else
     const auto between = []() {};
