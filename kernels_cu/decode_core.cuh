@@ -1139,9 +1139,8 @@ __device__ __forceinline__ void warm_item(const Rows& rw, const Features& f, con
 
 // Lever 5 (PREFETCH > 0, persistent CTAs): issue this warp's first PREFETCH tiles of the
 // CTA's next item (its keys [lo, hi): cta_range, its KV head's k_head / v_head, its page ids
-// bt_row) into stages
-// 0 .. PREFETCH - 1 of its ring, once it has published the current item's state past them:
-// the copies, the entries S - 1 tiles on and the commit groups attend's prologue would
+// bt_row) into stages 0 .. PREFETCH - 1 of its ring, once it has published the current item's
+// state past them (the CTA's first item: at the kernel's start): the copies, the entries S - 1 tiles on and the commit groups attend's prologue would
 // issue, so its cp.async.wait_group arithmetic is unchanged and the round trip runs under
 // the epilogue and the next q staging. Stages PREFETCH .. S - 1 hold the state until the
 // combine is done, so the entries of tiles PREFETCH .. S - 1 (issue_tile would copy tile
@@ -1372,7 +1371,9 @@ extern "C" __global__ void PD_LAUNCH_BOUNDS(PD_MMA_THREADS, 1) PD_ENTRY(
   // so a row's bytes are the plain kernel's: the schedule changes only which CTA computes an
   // item and when. While an item streams its keys, its CTA brings the next item's q rows and
   // the block-table entries of its first tiles into L2 (warm_item), so that item's prologue
-  // waits on L2, not DRAM, for both.
+  // waits on L2, not DRAM, for both; and each warp, done with its last tile of an item and
+  // its state published, issues its first tiles of the next (lever 5: issue_ahead), which
+  // land while the CTA combines, stores and stages the next q.
   const int items = items_x * items_y * items_z;
   pd_mma::Carry carry{};  // lever 5: what issue_ahead leaves the item's prologue
   // Lever 5: item `at`'s first PREFETCH tiles, this warp's share, its keys [lo, hi) (issue_ahead).
