@@ -141,9 +141,12 @@ class Levers:
     (the CTA's block-table slice staged in shared memory in the prologue), ``persistent``
     (persistent CTAs: the next item's prologue overlapped with the current epilogue),
     ``fp8_selectors`` (the fp8 unpack reads a word's high half directly: no shifts),
-    ``hmma_latency`` (a sensitivity, not a lever); ``warm_next`` is no lever but what kernel
-    v2.2 does (set by ``sass_model`` for its persistent specs): persistent CTAs that bring
-    the next item's q rows and first block-table entries into L2 (``prologue_cycles``)."""
+    ``hmma_latency`` (a sensitivity, not a lever); ``warm_next`` and ``next_in_flight`` are
+    no levers but what kernel v2.2 does (set by ``sass_model`` for its persistent specs):
+    persistent CTAs that bring the next item's q rows and first block-table entries into L2
+    (``warm_prologue_cycles``), and whose warps issue the next item's first
+    ``next_in_flight`` stages (the spec's ``Tiling.prefetch``) before the epilogue
+    (``ahead_prologue_cycles``)."""
 
     name: str = "today"
     warps_per_cta: int | None = None
@@ -154,6 +157,7 @@ class Levers:
     fp8_selectors: bool = False
     hmma_latency: float | None = None
     warm_next: bool = False
+    next_in_flight: int = 0
 
     def rewrite(self, ops: list[wc.Op]) -> tuple[list[wc.Op], dict[str, int]]:
         """``ops`` with this hypothetical's SASS rewrites, and how many instructions each touched."""
@@ -204,6 +208,13 @@ class KernelTiming:
     epilogue_instructions: int
     levers: Levers = field(default_factory=Levers)
     rewrites: dict[str, int] = field(default_factory=dict)
+    stages: int = 0  # each warp's ring
+    item_prologue_instructions: int | None = None  # a persistent kernel's later item (None: prologue_instructions)
+
+    @property
+    def item_prologue(self) -> int:
+        """Instructions of a later item's prologue (kernel v2.2: from the item loop's top)."""
+        return self.prologue_instructions if self.item_prologue_instructions is None else self.item_prologue_instructions
 
     @property
     def any_chain(self) -> wc.Chain:
@@ -236,6 +247,7 @@ class KernelTiming:
 def kernel_timing(name: str, hot_instrs, tile_tokens: int, tile_bytes: int, warps_per_cta: int,
                   registers: int, dynamic_smem: int, static_smem: int, stages: int, stage_bytes_per_warp: int,
                   prologue_instructions: int, epilogue_instructions: int, levers: Levers = Levers(),
+                  item_prologue_instructions: int | None = None,
                   smem_limit: int = 227 * 1024) -> KernelTiming | None:
     """Simulate the chain of the (rewritten) hot loop at both DRAM latencies, with the
     block-table load an L2 hit or a DRAM miss, and size the CTAs per SM. For
@@ -263,7 +275,7 @@ def kernel_timing(name: str, hot_instrs, tile_tokens: int, tile_bytes: int, warp
                 bt_lat = a("lat_shared")
             chains[(ns, bt)] = wc.simulate(ops, wc.Latencies.of(mem, bt_lat, levers.hmma_latency))
     return KernelTiming(name, tile_tokens, tile_bytes, warps, ctas, limiter, smem, 0, chains,
-                        prologue_instructions, epilogue_instructions, levers, rewrites)
+                        prologue_instructions, epilogue_instructions, levers, rewrites, depth, item_prologue_instructions)
 
 
 def prologue_cycles(k: KernelTiming, dram: float) -> float:
@@ -280,16 +292,34 @@ def warm_prologue_cycles(k: KernelTiming, dram: float) -> float:
     its q rows and its first block-table entries were brought into L2 while the previous
     item streamed (decode_core.cuh, ``warm_item``), so those two round trips are L2 hits;
     the first stage's copies still wait on DRAM (their addresses need the entries)."""
-    return dram + 2 * a("lat_l2_hit") + a("bar_sync") + k.prologue_instructions
+    return dram + 2 * a("lat_l2_hit") + a("bar_sync") + k.item_prologue
+
+
+def ahead_prologue_cycles(k: KernelTiming, dram: float, epilogue: float) -> float:
+    """The prologue of a persistent CTA's later item in kernel v2.2 with its first P =
+    ``Levers.next_in_flight`` stages issued before the previous item's epilogue (decode_core.cuh,
+    ``issue_ahead``): each warp, its state published, loads the item's first block-table entries
+    (L2 hits, ``warm_item``: the barrier waits for them) and issues its first P tiles, whose
+    DRAM round trip then runs under the rest of the epilogue (``epilogue``), the item's q
+    staging from L2 and its barrier, and the prologue's instructions; the first tile waits what
+    the round trip outlasts them by. With P < S - 1 the prologue issues the rest, and tile P's
+    round trip outlasts that wait and the P tiles computed before it by the rest of its wait."""
+    covered = epilogue + a("lat_l2_hit") + a("bar_sync") + k.item_prologue
+    first = max(0.0, dram - covered)
+    short = k.levers.next_in_flight < k.stages - 1
+    rest = max(0.0, dram - first - k.levers.next_in_flight * k.any_chain.cycles) if short else 0.0
+    return 2 * a("lat_l2_hit") + a("bar_sync") + k.item_prologue + first + rest
 
 
 def epilogue_cycles(k: KernelTiming, head_dim: int) -> float:
-    """A CTA's fixed cost after its last tile: the warp states published (two barriers and
+    """A CTA's fixed cost after its last tile: the warp states published (two barriers, one
+    where each warp publishes into its own ring: ``Levers.next_in_flight``, kernel v2.2; and
     the epilogue's instructions issued), then per output element a thread combines the W
     warp states (a shared load, exp2, the sums: ``lat_shared + lat_xu + 2 lat_alu``), for
     ``rows x D / threads`` elements in turn; the stores are not waited for."""
     per_thread = math.ceil(max(k.rows, 1) * head_dim / (32 * k.warps_per_cta))
-    return 2 * a("bar_sync") + k.epilogue_instructions + per_thread * (
+    barriers = 1 if k.levers.next_in_flight else 2
+    return barriers * a("bar_sync") + k.epilogue_instructions + per_thread * (
         a("lat_shared") + a("lat_xu") + 2 * a("lat_alu"))
 
 
@@ -435,7 +465,9 @@ def simulate(call: Call, plan: DecodePlan, k: KernelTiming, lockstep: bool = Fal
         spread = 0.0 if lockstep else _spread(nxt) * half_range
         if k.levers.persistent and items_done[slot] > 0:  # its round trips overlapped with the previous item
             left[slot] = k.prologue_instructions + a("bar_sync")
-        elif k.levers.warm_next and items_done[slot] > 0:  # kernel v2.2: q and the entries in L2
+        elif k.levers.next_in_flight and items_done[slot] > 0:  # kernel v2.2: its first stages in flight
+            left[slot] = ahead_prologue_cycles(k, dram(u) + spread, epi)
+        elif k.levers.warm_next and items_done[slot] > 0:  # q and the entries in L2
             left[slot] = warm_prologue_cycles(k, dram(u) + spread)
         else:
             left[slot] = prologue_cycles(k, dram(u) + spread)

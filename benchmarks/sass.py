@@ -779,11 +779,12 @@ def occupancy(registers: int, smem_bytes: int, warps_per_cta: int) -> tuple[int,
 
 
 def region_instructions(instrs: list[Instr], blocks: list[Block], dom, start: int, stop: set[int],
-                        kinds: dict[int, str]) -> int:
+                        kinds: dict[int, str], within: set[int] | None = None) -> int:
     """Instructions one warp issues from block ``start`` until it reaches a block of ``stop``
     or an ``EXIT``, by the rule of ``steady_state`` (uniform and data-dependent: the side
     with the most global loads, then the fewest instructions; lane-divergent: both;
-    ``BRA.DIV``: never); a loop met on the way counts once (its back edge ends the walk)."""
+    ``BRA.DIV``: never); a loop met on the way counts once (its back edge ends the walk).
+    ``within``: the blocks the walk may enter (None: all)."""
     memo: dict[int, tuple[frozenset, bool]] = {}
     size = {b.index: b.end - b.start for b in blocks}
     loads = {b.index: sum(category(instrs[i]) == "ldg" for i in range(b.start, b.end)) for b in blocks}
@@ -796,7 +797,7 @@ def region_instructions(instrs: list[Instr], blocks: list[Block], dom, start: in
         memo[u] = (frozenset({u}), True)  # a cycle through u ends here
         outs = []
         for v, kind in blocks[u].succs:
-            if kind == "div":
+            if kind == "div" or (within is not None and v not in within and v not in stop):
                 continue
             outs.append((frozenset(), True) if v in dom.get(u, set()) or v == u else walk(v))
         if not outs:
@@ -812,13 +813,34 @@ def region_instructions(instrs: list[Instr], blocks: list[Block], dom, start: in
     return sum(size[b] for b in walk(start)[0])
 
 
-def prologue_epilogue_instructions(instrs: list[Instr], labels: dict[str, int], hot: HotPath) -> tuple[int, int]:
-    """Instructions one warp issues before the hot loop (kernel entry to its header) and
-    after it (its exit to ``EXIT``), each loop on the way counted once."""
+def prologue_epilogue_instructions(instrs: list[Instr], labels: dict[str, int], hot: HotPath,
+                                   item_prologue: list | None = None) -> tuple[int, int]:
+    """Instructions one warp issues before the hot loop (kernel entry to its header, on the
+    paths that reach it without a back edge: a branch around the loop into what follows it, as
+    a persistent kernel's warp without tiles takes, is no prologue) and after it (its exit to ``EXIT``), each loop on the
+    way counted once. ``item_prologue``: a list that receives the prologue of a persistent
+    kernel's later item (from the header of the smallest loop around the hot loop; the
+    prologue where there is none)."""
     blocks = build_cfg(instrs, labels)
     dom = dominators(blocks)
     kinds = branch_kinds(instrs, blocks)
-    prologue = region_instructions(instrs, blocks, dom, 0, {hot.loop.header}, kinds)
+    preds: dict[int, list[int]] = {}  # forward edges only: a back edge (into a dominator) starts another item
+    for b in blocks:
+        for v, _ in b.succs:
+            if v not in dom.get(b.index, set()):
+                preds.setdefault(v, []).append(b.index)
+    reach, todo = {hot.loop.header}, [hot.loop.header]
+    while todo:
+        for u in preds.get(todo.pop(), []):
+            if u not in reach:
+                reach.add(u)
+                todo.append(u)
+    prologue = region_instructions(instrs, blocks, dom, 0, {hot.loop.header}, kinds, reach)
+    if item_prologue is not None:  # a later item of a persistent kernel: from the loop around the hot loop
+        around = [lp for lp in natural_loops(blocks, dom) if hot.loop.header in lp.body and lp.header != hot.loop.header]
+        outer = min(around, key=lambda lp: len(lp.body), default=None)
+        item_prologue.append(prologue if outer is None else
+                             region_instructions(instrs, blocks, dom, outer.header, {hot.loop.header}, kinds, reach))
     exits = [v for u in hot.loop.body for v, kind in blocks[u].succs if v not in hot.loop.body and kind != "div"]
     epilogue = max((region_instructions(instrs, blocks, dom, e, set(), kinds) for e in exits), default=0)
     return prologue, epilogue

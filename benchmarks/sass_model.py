@@ -93,6 +93,7 @@ class SpecFacts:
     warp_iters_per_sass_iter: int
     prologue_instructions: int = 0
     epilogue_instructions: int = 0
+    item_prologue_instructions: int = 0  # a persistent kernel's later item (from the item loop's top)
     launch_bounds: tuple[int, int] | None = None  # (max threads, min CTAs per SM) of the kernel
     timings: dict = field(default_factory=dict)  # Levers -> call_model.KernelTiming (None: does not fit)
 
@@ -117,9 +118,10 @@ def analyse(spec: KernelSpec, arch: str, nvdisasm: str, build: tuple[bytes, str]
     # K/V: vector loads and 16-byte cp.async (a 4-byte cp.async is a block-table entry, staged)
     vector_bytes = sum(global_load_bytes(i) for i in hot.instrs if _width_bytes(i) >= 8) if hot else 0
     iters = max(1, round(vector_bytes / loop.kv_bytes_per_warp_iter)) if vector_bytes else 1
-    pro, epi = prologue_epilogue_instructions(instrs, labels, hot) if hot else (0, 0)
+    item: list = []
+    pro, epi = prologue_epilogue_instructions(instrs, labels, hot, item) if hot else (0, 0)
     return SpecFacts(spec, arch, resources, hot, in_flight, ctas, limiter, vector_bytes, iters, pro, epi,
-                        launch_bounds(spec, loop.kernel, loop.warps_per_cta))
+                        item[0] if item else pro, launch_bounds(spec, loop.kernel, loop.warps_per_cta))
 
 
 def launch_bounds(spec: KernelSpec, kernel: str, warps: int) -> tuple[int, int] | None:
@@ -152,7 +154,7 @@ def timing(facts: SpecFacts, levers: Levers = Levers()) -> KernelTiming | None:
                 v.name, hot.instrs, v.tiling.tile_tokens, loop.kv_bytes_per_warp_iter, loop.warps_per_cta,
                 facts.resources["registers"], loop.dynamic_smem_bytes, facts.resources["static_smem_bytes"],
                 v.tiling.stages, stage_pad, facts.prologue_instructions, facts.epilogue_instructions, levers,
-                smem_limit=get_target("hopper").smem_per_block)
+                smem_limit=get_target("hopper").smem_per_block, item_prologue_instructions=facts.item_prologue_instructions)
     return facts.timings[levers]
 
 
@@ -272,6 +274,7 @@ def tile_chain(facts: SpecFacts) -> dict:
         "bt_miss_probability": miss, "cycles_per_tile_per_warp": round(per_warp, 1),
         "cycles_per_tile_per_sm": round(per_warp / (4 * w), 1), "tile_binding": l2.binding(w),
         "prologue_instructions": facts.prologue_instructions, "epilogue_instructions": facts.epilogue_instructions,
+        "item_prologue_instructions": facts.item_prologue_instructions,
     }
 
 
@@ -338,8 +341,8 @@ def predict_calls(calls: list[Call], facts_of, levers=(Levers(),), mma_kernel: s
         spec = call_model.variant_for(call, plan, mma_kernel)
         facts = facts_of(spec)
         for lever in levers:
-            if spec.tiling is not None and spec.tiling.persistent:  # kernel v2.2 warms the next item
-                lever = replace(lever, warm_next=True)
+            if spec.tiling is not None and spec.tiling.persistent:  # kernel v2.2: the next item warmed, in flight
+                lever = replace(lever, warm_next=True, next_in_flight=spec.tiling.prefetch)
             k = timing(facts, lever)
             if k is None:
                 out.append({"call": call.label(), "lever": lever.name, "spec": spec.name,

@@ -86,6 +86,9 @@
 //   PD_PERSISTENT  0 | 1      persistent CTAs (kernel v2.2): a launch grid of P CTAs walks
 //                             the plan's items_x * items_y * items_z items (THE SCHEDULE);
 //                             0: one CTA per item (v2.1, v2)
+//   PD_PREFETCH    0 .. S - 1 persistent: the stages of the next item each warp fills before
+//                             the current item's epilogue (tiling.prefetch_stages; "lever 5"
+//                             below); 0: none (and always with PD_PERSISTENT 0)
 //   PD_SMEM_BYTES             the dynamic shared memory the launch gives; must equal
 //                             pd_mma::SMEM_BYTES (checked at compile time), so the host's
 //                             sizing and this carve cannot drift apart.
@@ -126,6 +129,9 @@
 #endif
 #ifndef PD_PERSISTENT
 #error "PD_PERSISTENT must be defined (0 or 1: persistent CTAs walking the plan's items, kernel v2.2)"
+#endif
+#ifndef PD_PREFETCH
+#error "PD_PREFETCH must be defined (0 .. PD_STAGES - 1: the next item's stages issued before the epilogue)"
 #endif
 #ifndef PD_BT_STAGED
 #error "PD_BT_STAGED must be defined (0 or 1: the block-table entries staged in shared memory)"
@@ -195,7 +201,13 @@ constexpr int TILE_BYTES = TT * RS;                    // one K or one V tile
 constexpr int STAGE_BYTES = 2 * TILE_BYTES;            // K then V
 constexpr int RING_BYTES = S * STAGE_BYTES;            // one warp's ring
 constexpr int SMEM_BYTES = RING_OFF + W * RING_BYTES;
-// After the loop the rings hold the warp states: m, l [ROWS * W] and o [ROWS * W * D].
+// After the loop the rings hold the warp states: m, l [ROWS * W] and o [ROWS * W * D]; with
+// PREFETCH > 0 each warp's own in stages PREFETCH .. S - 1 of its ring (m, l [ROWS], o [ROWS * D]).
+constexpr int PREFETCH = PD_PREFETCH;
+constexpr int STATE_BYTES = ROWS * (D + 2) * 4;  // one warp's m, l and o
+constexpr int OWN_STATE_OFF = PREFETCH * STAGE_BYTES;  // in its ring
+static_assert(PREFETCH >= 0 && PREFETCH <= S - 1 && (PD_PERSISTENT || PREFETCH == 0), "prefetch: persistent, <= S - 1");
+static_assert(PREFETCH == 0 || OWN_STATE_OFF + STATE_BYTES <= RING_BYTES, "a warp's state fits past its prefetch");
 constexpr int EPI_M_OFF = RING_OFF;
 constexpr int EPI_L_OFF = EPI_M_OFF + ROWS * W * 4;
 constexpr int EPI_O_OFF = EPI_L_OFF + ROWS * W * 4;
@@ -581,8 +593,9 @@ __device__ __forceinline__ void advance(const Stream& st, unsigned& tok, unsigne
 // K/V when the tile does not exist, so the wait_group arithmetic stays uniform). Advances
 // the producer by W tiles; unstaged, it then loads the block-table entry that tile will
 // need. `slot`: the tile's stage in the ring (its warp-local index mod S; `stage` is that).
+// `entry`: false leaves the entry's copy out (issue_ahead: that stage holds the warp's state).
 __device__ __forceinline__ void issue_tile(Stream& st, const long long (&strides)[4], bool exists, int tile,
-                                           unsigned char* stage, unsigned char* table, int slot) {
+                                           unsigned char* stage, unsigned char* table, int slot, bool entry = true) {
   const int lane = threadIdx.x & 31;
   __syncwarp();  // every lane is done with the table, the stage and the copies it waited for
   if (exists) {
@@ -613,7 +626,7 @@ __device__ __forceinline__ void issue_tile(Stream& st, const long long (&strides
       pd_cp_async_cg_16(dst + TILE_BYTES, st.v_lane + off.y, n);
     }
   }
-  if (BtStaged::on && lane < TT && st.etok >= st.lo && st.etok < st.hi)  // the entry S - 1 tiles on, in range only
+  if (BtStaged::on && entry && lane < TT && st.etok >= st.lo && st.etok < st.hi)  // the entry S - 1 tiles on, in range only
     pd_cp_async_ca_4(entry_at(st.ring, (slot + S - 1) % S, lane), st.bt_row + st.epage, 4u);
   pd_cp_async_commit();
   // Advance to the warp's next tile: W * TT tokens on, no division.
@@ -624,10 +637,22 @@ __device__ __forceinline__ void issue_tile(Stream& st, const long long (&strides
     st.row = (lane < TT && st.tok >= st.lo && st.tok < st.hi) ? st.bt_row[st.page] : 0;
 }
 
+// lever 5 (PREFETCH > 0, persistent CTAs): every item's first PREFETCH tiles are in flight
+// when its prologue starts (issue_ahead: the CTA's first item's at the kernel's start, a later
+// one's before the previous item's epilogue; their copies and commit groups issued, the
+// entries of tiles S .. S + PREFETCH - 2 copied with them); entry[j], j in PREFETCH .. S - 1:
+// this lane's entry of tile j (0 outside the range), held in registers because stage j kept
+// the warp's state until the combine. One path for every item: a first item started cold
+// and a later one carried made the loop ~9 instructions a tile longer (ptxas).
+struct Carry {
+  int entry[S];
+};
+
 // Staged: this lane's entries of the warp's first S - 1 tiles, loaded into stages 0 .. S - 2
 // (keys in the range only), and the entry producer set S - 1 tiles on. Unstaged: the first
-// tile's entry. One round trip, the loads independent.
-__device__ __forceinline__ void start_entries(Stream& st) {
+// tile's entry. One round trip, the loads independent. PREFETCH > 0: the stream starts at
+// tile PREFETCH; the entries of its stages PREFETCH .. S - 1 come from carry, no load.
+__device__ __forceinline__ void start_entries(Stream& st, const Carry& carry) {
   const int lane = threadIdx.x & 31;
   if (!BtStaged::on) {
     st.row = (lane < TT && st.tok >= st.lo && st.tok < st.hi) ? st.bt_row[st.page] : 0;
@@ -636,6 +661,14 @@ __device__ __forceinline__ void start_entries(Stream& st) {
   st.etok = st.tok;
   st.epage = st.page;
   st.ein_page = st.in_page;
+  if (PREFETCH > 0) {
+    PD_UNROLL
+    for (int j = PREFETCH; j < S; ++j)
+      if (lane < TT) *entry_at(st.ring, j, lane) = carry.entry[j];
+    PD_UNROLL
+    for (int j = 0; j < S - 1; ++j) advance(st, st.etok, st.epage, st.ein_page);
+    return;
+  }
   PD_UNROLL
   for (int j = 0; j < S - 1; ++j) {
     if (lane < TT && st.etok >= st.lo && st.etok < st.hi) *entry_at(st.ring, j, lane) = st.bt_row[st.epage];
@@ -702,14 +735,54 @@ __device__ __forceinline__ int out_dim(int dt, int g, int e) {
   return FP8 ? dt * 16 + 2 * g + upper : dt * 16 + 8 * upper + g;
 }
 
+// This warp's tiles of the keys [lo, hi): tiles k of [k0, k1) at absolute positions k * TT,
+// warp w taking k = w mod W; the first and how many. The ceiling without hi + TT - 1, which
+// overflows for hi > INT32_MAX - TT + 1.
+__device__ __forceinline__ void warp_tiles(int lo, int hi, int& first_tile, int& my_tiles) {
+  const int warp = threadIdx.x >> 5;
+  const int k0 = lo / TT, k1 = hi > lo ? hi / TT + (hi % TT != 0 ? 1 : 0) : k0;
+  first_tile = k0 + ((warp - k0) & (W - 1));
+  my_tiles = first_tile < k1 ? (k1 - first_tile + W - 1) / W : 0;
+}
+
+// A producer for this warp's tiles of the keys [lo, hi) of one KV head (K and V rows by
+// strides in elements, which it returns in issue_tile's order), from its tile `from` of those
+// starting at first_tile (lane i < TT: token i of that tile).
+__device__ __forceinline__ void open_stream(Stream& s, long long (&strides)[4], const unsigned char* k_head,
+                                            long long k_stride_page, long long k_stride_token,
+                                            const unsigned char* v_head, long long v_stride_page,
+                                            long long v_stride_token, const int* __restrict__ bt_row, int page_size,
+                                            int lo, int hi, int first_tile, int from, unsigned char* ring) {
+  const int lane = threadIdx.x & 31;
+  const int chunk = (CPR == CPL || lane % CPL < CPR) ? lane % CPL : 0;  // a zero-filled chunk points at a real one
+  s.k_lane = k_head + chunk * 16;
+  s.v_lane = v_head + chunk * 16;
+  strides[0] = k_stride_page;
+  strides[1] = k_stride_token;
+  strides[2] = v_stride_page;
+  strides[3] = v_stride_token;
+  s.bt_row = bt_row;
+  s.page_size = page_size;
+  s.lo = lo;
+  s.hi = hi;
+  s.step_pages = (W * TT) / page_size;
+  s.step_in_page = W * TT - s.step_pages * page_size;
+  s.tok = (unsigned)first_tile * TT + from * W * TT + lane;
+  s.page = s.tok / (unsigned)page_size;  // one division per lane per item; the rest are increments
+  s.in_page = (int)(s.tok - s.page * page_size);
+  s.ring = ring;
+  s.row = 0;
+}
+
 // Attend every row's keys and leave the warp state in `st`: the plain algorithm, the
 // features entering through their hooks (f, MultiToken). `smem` is the launch's dynamic
-// shared memory, Q staged (stage_q).
+// shared memory, Q staged (stage_q). PREFETCH > 0 (lever 5): the first PREFETCH of this warp's
+// tiles are in flight already (issue_ahead), the prologue issues the rest.
 __device__ __forceinline__ void attend(unsigned char* smem, const Rows& rw, const Features& f,
                                        const unsigned char* k_head, long long k_stride_page, long long k_stride_token,
                                        const unsigned char* v_head, long long v_stride_page,
                                        long long v_stride_token, const int* __restrict__ bt_row, int page_size,
-                                       State& st) {
+                                       const Carry& carry, State& st) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const float neg_inf = pd_neg_inf();
@@ -738,15 +811,14 @@ __device__ __forceinline__ void attend(unsigned char* smem, const Rows& rw, cons
   cta_range(rw, f, lo, hi);
   int col_lo[NT][2], col_hi[NT][2];  // multi_token: the keys each of this lane's columns sees
   if (MultiToken::on) MultiToken::columns(rw, f, t, col_lo, col_hi);
-  // Tiles k of [k0, k1) at absolute positions k * TT; warp w takes k = w mod W. The ceiling
-  // without hi + TT - 1, which overflows for hi > INT32_MAX - TT + 1.
-  const int k0 = lo / TT, k1 = hi > lo ? hi / TT + (hi % TT != 0 ? 1 : 0) : k0;
-  const int first_tile = k0 + ((warp - k0) & (W - 1));
-  const int my_tiles = first_tile < k1 ? (k1 - first_tile + W - 1) / W : 0;
+  int first_tile, my_tiles;
+  warp_tiles(lo, hi, first_tile, my_tiles);
 
   unsigned char* ring = smem + RING_OFF + warp * RING_BYTES;
   unsigned char* table = smem + TABLE_OFF + warp * TT * 16;
 
+  constexpr int from = PREFETCH;  // tiles in flight already (issue_ahead)
+  // The producer (open_stream's lines, inline here: calling it moved kernel v2.1's SASS)
   Stream s;
   const int chunk = (CPR == CPL || lane % CPL < CPR) ? lane % CPL : 0;  // a zero-filled chunk points at a real one
   s.k_lane = k_head + chunk * 16;
@@ -758,16 +830,16 @@ __device__ __forceinline__ void attend(unsigned char* smem, const Rows& rw, cons
   s.hi = hi;
   s.step_pages = (W * TT) / page_size;
   s.step_in_page = W * TT - s.step_pages * page_size;
-  s.tok = (unsigned)first_tile * TT + lane;
-  s.page = s.tok / (unsigned)page_size;  // one division per lane per CTA; the rest are increments
+  s.tok = (unsigned)first_tile * TT + from * W * TT + lane;
+  s.page = s.tok / (unsigned)page_size;  // one division per lane per item; the rest are increments
   s.in_page = (int)(s.tok - s.page * page_size);
   s.ring = ring;
   s.row = 0;
-  start_entries(s);
+  start_entries(s, carry);
 
   PD_UNROLL
   for (int k = 0; k < S - 1; ++k)
-    issue_tile(s, strides, k < my_tiles, first_tile + k * W, ring + k * STAGE_BYTES, table, k);
+    if (k >= from) issue_tile(s, strides, k < my_tiles, first_tile + k * W, ring + k * STAGE_BYTES, table, k);
 
   // ldmatrix row address of this lane within a tile: token ((lane >> 3) & 1) * 8 +
   // (lane & 7) of a 16-token block, 16-byte chunk lane >> 4 of a chunk pair.
@@ -945,12 +1017,50 @@ __device__ __forceinline__ void attend(unsigned char* smem, const Rows& rw, cons
       for (int off = 4; off <= 16; off <<= 1) st.l[nt][j] += __shfl_xor_sync(PD_FULL_MASK, st.l[nt][j], off);
 }
 
-// Publish every warp's state to shared memory (the rings are free once every warp has
-// left `attend`: the first __syncthreads here ensures it) for cta_combine. Ends with
-// __syncthreads(); every thread of the CTA calls it.
-__device__ __forceinline__ void publish(unsigned char* smem, const State& st) {
+// Where warp w's state lies after publish, for cta_combine: m and l of row r, o of row r
+// dim d. PREFETCH > 0 (lever 5): in its own ring past the stages issue_ahead fills.
+__device__ __forceinline__ int state_m(int r, int w) {
+  return PREFETCH > 0 ? RING_OFF + w * RING_BYTES + OWN_STATE_OFF + r * 4 : EPI_M_OFF + (r * W + w) * 4;
+}
+__device__ __forceinline__ int state_l(int r, int w) {
+  return PREFETCH > 0 ? state_m(r, w) + ROWS * 4 : EPI_L_OFF + (r * W + w) * 4;
+}
+__device__ __forceinline__ int state_o(int r, int w, int d) {
+  return PREFETCH > 0 ? state_m(0, w) + (2 * ROWS + r * D + d) * 4 : EPI_O_OFF + ((r * W + w) * D + d) * 4;
+}
+
+// Publish every warp's state to shared memory for cta_combine, call ahead(), and end with
+// __syncthreads(); every thread of the CTA calls it. PREFETCH == 0: into the rings of every
+// warp (free once every warp has left `attend`: the first __syncthreads here ensures it).
+// PREFETCH > 0 (lever 5): into the warp's own ring, past stages 0 .. PREFETCH - 1, so no
+// barrier first (a fast warp publishes while others still stream), and ahead() then issues
+// the next item's first tiles into those stages, in flight across the barrier and the
+// combine.
+template <class Ahead>
+__device__ __forceinline__ void publish(unsigned char* smem, const State& st, const Ahead& ahead) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
+#if PD_PREFETCH
+  __syncwarp();  // every lane of the warp is done with its ring (attend waited for its copies)
+  PD_UNROLL
+  for (int nt = 0; nt < NT; ++nt)
+    PD_UNROLL
+    for (int j = 0; j < 2; ++j) {
+      const int h = nt * 8 + 2 * t + j;
+      if (g == 0) {
+        *reinterpret_cast<float*>(smem + state_m(h, warp)) = st.m[nt][j];
+        *reinterpret_cast<float*>(smem + state_l(h, warp)) = st.l[nt][j];
+      }
+      PD_UNROLL
+      for (int dt = 0; dt < KD; ++dt)
+        PD_UNROLL
+        for (int e = j; e < 4; e += 2)
+          *reinterpret_cast<float*>(smem + state_o(h, warp, out_dim(dt, g, e))) = st.o[dt][nt][e];
+    }
+  ahead();
+  __syncthreads();
+#else
+  (void)ahead;
   __syncthreads();
   float* s_m = reinterpret_cast<float*>(smem + EPI_M_OFF);
   float* s_l = reinterpret_cast<float*>(smem + EPI_L_OFF);
@@ -970,25 +1080,35 @@ __device__ __forceinline__ void publish(unsigned char* smem, const State& st) {
         for (int e = j; e < 4; e += 2) s_o[(h * W + warp) * D + out_dim(dt, g, e)] = st.o[dt][nt][e];
     }
   __syncthreads();
+#endif
 }
 
 // The CTA's state of row r, dim d over the warps in order 0..W-1: M = max m_w (-inf when
 // the CTA saw no key), L = sum l_w 2^(m_w - M), O = sum o_w 2^(m_w - M).
 __device__ __forceinline__ void cta_combine(const unsigned char* smem, int r, int d, float& M, float& L, float& O) {
-  const float* s_m = reinterpret_cast<const float*>(smem + EPI_M_OFF);
-  const float* s_l = reinterpret_cast<const float*>(smem + EPI_L_OFF);
-  const float* s_o = reinterpret_cast<const float*>(smem + EPI_O_OFF);
+#if PD_PREFETCH
+  const auto s_m = [&](int w) { return *reinterpret_cast<const float*>(smem + state_m(r, w)); };
+  const auto s_l = [&](int w) { return *reinterpret_cast<const float*>(smem + state_l(r, w)); };
+  const auto s_o = [&](int w) { return *reinterpret_cast<const float*>(smem + state_o(r, w, d)); };
+#else
+  const float* m_at = reinterpret_cast<const float*>(smem + EPI_M_OFF);
+  const float* l_at = reinterpret_cast<const float*>(smem + EPI_L_OFF);
+  const float* o_at = reinterpret_cast<const float*>(smem + EPI_O_OFF);
+  const auto s_m = [&](int w) { return m_at[r * W + w]; };
+  const auto s_l = [&](int w) { return l_at[r * W + w]; };
+  const auto s_o = [&](int w) { return o_at[(r * W + w) * D + d]; };
+#endif
   const float neg_inf = pd_neg_inf();
   float mx = neg_inf;
   PD_UNROLL
-  for (int w = 0; w < W; ++w) mx = fmaxf(mx, s_m[r * W + w]);
+  for (int w = 0; w < W; ++w) mx = fmaxf(mx, s_m(w));
   const float ms = mx == neg_inf ? 0.f : mx;  // every warp empty: avoid -inf - -inf
   float lsum = 0.f, o = 0.f;
   PD_UNROLL
   for (int w = 0; w < W; ++w) {
-    const float wt = exp2f(s_m[r * W + w] - ms);  // an empty warp: 2^-inf = 0, and its l = o = 0
-    lsum = fmaf(s_l[r * W + w], wt, lsum);
-    o = fmaf(s_o[(r * W + w) * D + d], wt, o);
+    const float wt = exp2f(s_m(w) - ms);  // an empty warp: 2^-inf = 0, and its l = o = 0
+    lsum = fmaf(s_l(w), wt, lsum);
+    o = fmaf(s_o(w), wt, o);
   }
   M = mx;
   L = lsum;
@@ -999,17 +1119,17 @@ __device__ __forceinline__ void cta_combine(const unsigned char* smem, int r, in
 // (rows rw of q_row, its keys on bt_row) waits on: its q rows and the block-table entries of
 // the tiles its warps take first (S tiles each from the first tile of its range). Only
 // lines it will read are touched (no entry of a key outside its range); nothing is written,
-// so no byte depends on it. Every thread calls it; a few issue prefetches.
+// so no byte depends on it. Every thread calls it; a few issue prefetches. Leaves the item's
+// keys [lo, hi) (cta_range) for issue_ahead.
 template <class QRow>
 __device__ __forceinline__ void warm_item(const Rows& rw, const Features& f, const QRow& q_row,
-                                          const int* __restrict__ bt_row, int page_size) {
+                                          const int* __restrict__ bt_row, int page_size, int& lo, int& hi) {
   constexpr int LINE = 128, ROW_LINES = (D * 2 + LINE - 1) / LINE + 1;  // + 1: a row need not start a line
   for (int i = threadIdx.x; i < rw.rows * ROW_LINES; i += THREADS) {
     const int r = i / ROW_LINES, k = i - r * ROW_LINES;
     const int byte = k * LINE < D * 2 ? k * LINE : D * 2 - 1;
     pd_prefetch_l2(reinterpret_cast<const unsigned char*>(q_row(r)) + byte);
   }
-  int lo, hi;
   cta_range(rw, f, lo, hi);
   if (lo >= hi) return;
   const int first = lo / TT * TT, end = first + S * W * TT < hi ? first + S * W * TT : hi;
@@ -1017,20 +1137,63 @@ __device__ __forceinline__ void warm_item(const Rows& rw, const Features& f, con
   for (int i = threadIdx.x; i < pages; i += THREADS) pd_prefetch_l2(bt_row + lo / page_size + i);
 }
 
-// The whole CTA: stage q (q_row(r) = row r's D elements), call between(), attend, publish. Afterwards
+// Lever 5 (PREFETCH > 0, persistent CTAs): issue this warp's first PREFETCH tiles of the
+// CTA's next item (its keys [lo, hi): cta_range, its KV head's k_head / v_head, its page ids
+// bt_row) into stages 0 .. PREFETCH - 1 of its ring, once it has published the current item's
+// state past them (the CTA's first item: at the kernel's start): the copies, the entries S - 1 tiles on and the commit groups attend's prologue would
+// issue, so its cp.async.wait_group arithmetic is unchanged and the round trip runs under
+// the epilogue and the next q staging. Stages PREFETCH .. S - 1 hold the state until the
+// combine is done, so the entries of tiles PREFETCH .. S - 1 (issue_tile would copy tile
+// S - 1's into stage S - 1) go to carry, loaded with the first ones in one round trip;
+// attend stores them once the stages are free. The same producer, tiles and order as
+// attend: no byte changes.
+__device__ __forceinline__ void issue_ahead(unsigned char* smem, int lo, int hi, const unsigned char* k_head,
+                                            long long k_stride_page,
+                                            long long k_stride_token, const unsigned char* v_head,
+                                            long long v_stride_page, long long v_stride_token,
+                                            const int* __restrict__ bt_row, int page_size, Carry& carry) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  int first_tile, my_tiles;
+  warp_tiles(lo, hi, first_tile, my_tiles);
+  unsigned char* ring = smem + RING_OFF + warp * RING_BYTES;
+  unsigned char* table = smem + TABLE_OFF + warp * TT * 16;
+  Stream s;
+  long long strides[4];
+  open_stream(s, strides, k_head, k_stride_page, k_stride_token, v_head, v_stride_page, v_stride_token, bt_row,
+              page_size, lo, hi, first_tile, 0, ring);
+  s.etok = s.tok;
+  s.epage = s.page;
+  s.ein_page = s.in_page;
+  PD_UNROLL
+  for (int j = 0; j < S; ++j) {  // tiles 0 .. S - 1, the producer left at S - 1 (start_entries')
+    const int e = lane < TT && s.etok >= s.lo && s.etok < s.hi ? bt_row[s.epage] : 0;
+    if (j < PREFETCH) {
+      if (lane < TT) *entry_at(ring, j, lane) = e;
+    } else {
+      carry.entry[j] = e;
+    }
+    if (j < S - 1) advance(s, s.etok, s.epage, s.ein_page);
+  }
+  PD_UNROLL
+  for (int k = 0; k < PREFETCH; ++k)  // tile 0's entry copy would land in stage S - 1: carried instead
+    issue_tile(s, strides, k < my_tiles, first_tile + k * W, ring + k * STAGE_BYTES, table, k, k > 0);
+}
+
+// The whole CTA: stage q (q_row(r) = row r's D elements), call between(), attend (carry: lever
+// 5's tiles in flight), publish (calling ahead(): lever 5's issue_ahead). Afterwards
 // cta_combine(r, d) gives row r's state; the caller writes the outputs of rows < rows.
-template <class QRow, class Between>
+template <class QRow, class Between, class Ahead>
 __device__ __forceinline__ void run_cta(unsigned char* smem, const Rows& rw, const Features& f, const QRow& q_row,
                                         float qk_scale, const pd_kv_t* k_head, long long k_stride_page,
                                         long long k_stride_token, const pd_kv_t* v_head, long long v_stride_page,
                                         long long v_stride_token, const int* __restrict__ bt_row, int page_size,
-                                        const Between& between) {
+                                        const Between& between, const Carry& carry, const Ahead& ahead) {
   stage_q(smem, q_row, rw.rows, qk_scale);
   between();  // persistent CTAs: warm the next item (warm_item); plain: nothing
   State st;
   attend(smem, rw, f, reinterpret_cast<const unsigned char*>(k_head), k_stride_page, k_stride_token,
-         reinterpret_cast<const unsigned char*>(v_head), v_stride_page, v_stride_token, bt_row, page_size, st);
-  publish(smem, st);
+         reinterpret_cast<const unsigned char*>(v_head), v_stride_page, v_stride_token, bt_row, page_size, carry, st);
+  publish(smem, st, ahead);
 }
 
 // Write every row's normalized output and, when lse != nullptr, its lse. Row r = t *
@@ -1208,8 +1371,30 @@ extern "C" __global__ void PD_LAUNCH_BOUNDS(PD_MMA_THREADS, 1) PD_ENTRY(
   // so a row's bytes are the plain kernel's: the schedule changes only which CTA computes an
   // item and when. While an item streams its keys, its CTA brings the next item's q rows and
   // the block-table entries of its first tiles into L2 (warm_item), so that item's prologue
-  // waits on L2, not DRAM, for both.
+  // waits on L2, not DRAM, for both; and each warp, done with its last tile of an item and
+  // its state published, issues its first tiles of the next (lever 5: issue_ahead), which
+  // land while the CTA combines, stores and stages the next q.
   const int items = items_x * items_y * items_z;
+  pd_mma::Carry carry{};  // lever 5: what issue_ahead leaves the item's prologue
+  // Lever 5: item `at`'s first PREFETCH tiles, this warp's share, its keys [lo, hi) (issue_ahead).
+  const auto issue_item = [&](int at, int lo, int hi) {
+    const pd_mma::Item it = pd_item(at % items_x, (at / items_x) % items_y, at / (items_x * items_y), items_x,
+                                    items_y, num_kv_heads, heads_per_cta);
+    pd_mma::issue_ahead(smem, lo, hi, reinterpret_cast<const unsigned char*>(k_cache + it.kv_head * k_stride_head),
+                        k_stride_page, k_stride_token,
+                        reinterpret_cast<const unsigned char*>(v_cache + it.kv_head * v_stride_head), v_stride_page,
+                        v_stride_token, tables.row(it.seq), page_size, carry);
+  };
+  if (pd_mma::PREFETCH > 0 && (int)blockIdx.x < items) {  // the first item's, before anything else
+    const pd_mma::Item it = pd_item(blockIdx.x % items_x, (blockIdx.x / items_x) % items_y,
+                                    blockIdx.x / (items_x * items_y), items_x, items_y, num_kv_heads, heads_per_cta);
+    const int len = tables.seq_len(it.seq);
+    const pd_mma::Rows it_rw{it.heads, q_len, it.heads * q_len, len > 0 ? len : 0, it.split, it.num_splits};
+    const pd_mma::Features keys{{window_left}, {cap_log2}, {nullptr}, {}};  // cta_range reads the window only
+    int lo, hi;
+    pd_mma::cta_range(it_rw, keys, lo, hi);
+    issue_item(blockIdx.x, lo, hi);
+  }
   for (int at = blockIdx.x; at < items; at += gridDim.x) {
     if (at != (int)blockIdx.x) __syncthreads();  // the previous item's epilogue is done with shared memory
     const pd_mma::Item item = pd_item(at % items_x, (at / items_x) % items_y, at / (items_x * items_y), items_x,
@@ -1236,6 +1421,7 @@ extern "C" __global__ void PD_LAUNCH_BOUNDS(PD_MMA_THREADS, 1) PD_ENTRY(
 
     const pd_mma::QRows q_rows{q + seq * q_stride_seq + head0 * q_stride_head, q_stride_token, q_stride_head, heads};
 #if PD_PERSISTENT
+    int next_lo = 0, next_hi = 0;  // the next item's keys, from warm_item (kept: recomputed cost the loop 16 instructions)
     const auto between = [&]() {
       if (next >= items) return;
       // recomputed here, not kept from the loop's top: fewer registers live across stage_q
@@ -1245,15 +1431,22 @@ extern "C" __global__ void PD_LAUNCH_BOUNDS(PD_MMA_THREADS, 1) PD_ENTRY(
                                  upcoming.split, upcoming.num_splits};
       const pd_mma::QRows next_q{q + upcoming.seq * q_stride_seq + upcoming.head0 * q_stride_head, q_stride_token,
                                  q_stride_head, upcoming.heads};
-      pd_mma::warm_item(next_rw, f, next_q, tables.row(upcoming.seq), page_size);
+      pd_mma::warm_item(next_rw, f, next_q, tables.row(upcoming.seq), page_size, next_lo, next_hi);
+    };
+    // Lever 5: once a warp has published this item's state, the next item's first tiles. The
+    // last item of a CTA issues none: no copy may be outstanding into shared memory at exit.
+    const auto ahead = [&]() {
+      if (pd_mma::PREFETCH > 0 && next < items) issue_item(next, next_lo, next_hi);
     };
 #else
     const auto between = []() {};
+    const pd_mma::Carry carry{};
+    const auto ahead = []() {};
 #endif
     pd_mma::run_cta(smem, rw, f, q_rows,
                     item_qk_scale, k_cache + item.kv_head * k_stride_head, k_stride_page, k_stride_token,
                     v_cache + item.kv_head * v_stride_head, v_stride_page, v_stride_token, tables.row(seq), page_size,
-                    between);
+                    between, carry, ahead);
 #if PD_ARM == PD_ARM_SPLITK
     for (int idx = threadIdx.x; idx < rw.rows * PD_HEAD_DIM; idx += pd_mma::THREADS) {
       const int r = idx / PD_HEAD_DIM, d = idx - r * PD_HEAD_DIM;

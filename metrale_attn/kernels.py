@@ -406,7 +406,8 @@ class KernelSpec:
             t = self.tiling
             out.update(PD_ROW_TILES=self.row_tiles, PD_TILE_TOKENS=t.tile_tokens, PD_STAGES=t.stages,
                        PD_MMA_WARPS=t.warps, PD_BT_STAGED=int(t.bt_staged),
-                       PD_PERSISTENT=int(t.persistent), PD_SMEM_BYTES=t.smem_bytes)
+                       PD_PERSISTENT=int(t.persistent), PD_PREFETCH=t.prefetch,
+                       PD_SMEM_BYTES=t.smem_bytes)
             out.update({feature_define(f): int(f in self.features) for f in FEATURES})
         return out
 

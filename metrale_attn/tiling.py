@@ -82,6 +82,9 @@ class Tiling:
     persistent: bool = False
     """Persistent CTAs (``v2.2``): the launch grid is the CTAs resident on the device
     (``resident_ctas``), each walking the plan's work items in a fixed order."""
+    prefetch: int = 0
+    """``v2.2``: the next item's tiles each warp issues before the current item's epilogue
+    (``prefetch_stages``; ``PD_PREFETCH``, which the kernel checks against its carve); 0: none."""
 
     @property
     def threads(self) -> int:
@@ -154,6 +157,18 @@ def carve(head_dim: int, parts: int, kv_dtype: str, row_tiles: int, warps: int, 
     return ring_off + warps * stages * 2 * tt * (kv_row_bytes(head_dim, kv_dtype) + ROW_PAD)
 
 
+def prefetch_stages(head_dim: int, kv_dtype: str, row_tiles: int, stages: int) -> int:
+    """Kernel ``v2.2``: the stages of its ring each warp fills with the next item's first tiles
+    before the current item's epilogue (``decode_core.cuh``, "lever 5"), the most (<= S - 1)
+    that leave the rest of the ring room for the warp's state (m, l and o of every row, fp32:
+    rows x (D + 2) x 4 bytes), which the epilogue publishes there; 0 when one stage short of
+    the ring does not hold it."""
+    tt = tile_tokens_for(head_dim, kv_dtype)
+    stage = 2 * tt * (kv_row_bytes(head_dim, kv_dtype) + ROW_PAD)
+    state = 8 * row_tiles * (head_dim + 2) * 4
+    return max(0, stages - -(-state // stage))
+
+
 def max_row_tiles(head_dim: int) -> int:
     """Row tiles an ``mma`` CTA holds at ``head_dim`` (``config.max_rows_per_cta`` / 8): one from
     ``ONE_ROW_TILE_HEAD_DIM`` on, else two."""
@@ -191,5 +206,9 @@ def mma_tiling(head_dim: int, q_dtype: str, kv_dtype: str, row_tiles: int, smem_
     for stages in range(max_stages(head_dim, kv_dtype), 1, -1):
         smem = carve(head_dim, parts, kv_dtype, row_tiles, warps, stages)
         if smem <= sized_for:
-            return Tiling(warps, tt, stages, smem, staged, kernel == "v2.2") if smem <= smem_limit else None
+            if smem > smem_limit:
+                return None
+            persistent = kernel == "v2.2"
+            ahead = prefetch_stages(head_dim, kv_dtype, row_tiles, stages) if persistent else 0
+            return Tiling(warps, tt, stages, smem, staged, persistent, ahead)
     return None

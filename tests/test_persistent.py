@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from metrale_attn import binding
+from metrale_attn import binding, tiling
 from metrale_attn.kernels import KernelSpec
 from metrale_attn.problems import Problem
 from metrale_attn.targets import TARGETS
@@ -99,11 +99,62 @@ def test_the_persistent_kernel_keeps_the_tiling_of_v21_on_every_target():
                 old.warps, old.tile_tokens, old.stages, old.smem_bytes, True)
 
 
+@pytest.mark.parametrize("depth", ["the most", 1, 0])
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
+@pytest.mark.parametrize("arm", list(ARMS))
+def test_the_next_items_tiles_in_flight_across_the_epilogue_keep_the_bytes_of_v21(arm, kv_dtype, depth,
+                                                                                   monkeypatch):
+    """Lever 5: each warp issues its first PREFETCH tiles of the CTA's next item before the
+    epilogue and publishes its state past them. Two CTAs walk items of long sequences (every
+    warp's tiles S - 1 and S exist, so the entries carried across the epilogue are used)
+    between empty ones, with a window, sinks and two query tokens; the spec's own depth
+    (S - 1 here), a shallower one (1 of 2: the prologue issues the rest) and none (the
+    warp states in every ring, as v2.1) all give v2.1's bytes."""
+    p = problem(seed=71, page_size=16, seq_lens=(520, 0, 300, 1, 0, 700), kv_dtype=kv_dtype, **_heads(arm))
+    q = np.random.default_rng(72).standard_normal((6, 2) + p.q.shape[1:]).astype(p.q.dtype)
+    sinks = np.random.default_rng(73).normal(0, 2, p.q.shape[1]).astype(np.float32)
+    arm_options = dict(ARMS[arm], splitk="2") if arm == "splitk" else ARMS[arm]
+    options = dict(max_q_len=2, window_left=260, sinks=True, **arm_options)
+    plain = run_poisoned(decoder(p, mma_kernel="v2.1", **options), p, q=q, sinks=sinks)
+    most = tiling.prefetch_stages
+    if depth != "the most":
+        monkeypatch.setattr(tiling, "prefetch_stages", lambda *a: min(depth, most(*a)))
+    monkeypatch.setattr(binding, "persistent_ctas", lambda tiling, target: 2)
+    attn = decoder(p, mma_kernel="v2.2", **options)
+    expected = {v.tiling.stages - 1 if depth == "the most" else depth for v in _specs(attn)}
+    assert {v.tiling.prefetch for v in _specs(attn)} == expected and _launch_grids(attn, p) == {(2, 1, 1)}
+    assert _bytes(*run_poisoned(attn, p, q=q, sinks=sinks)) == _bytes(*plain)
+
+
+def test_each_warps_state_fits_past_the_stages_it_prefetches_and_one_more_stage_would_not_leave_room():
+    """PREFETCH per spec family: S - 1 where a warp's state (rows x (D + 2) x 4 bytes) fits one
+    stage (bf16 hd128 16 rows: 8320 <= 8704 bytes), S - 2 where it takes two (fp8 hd192 16
+    rows: 12416 bytes, stages of 6656), and only kernel v2.2 prefetches."""
+    from metrale_attn.tiling import kv_row_bytes, tile_tokens_for
+
+    for target in TARGETS.values():
+        for head_dim in range(64, 257, 16):
+            for kv in ("bf16", "fp8"):
+                for row_tiles in (1, 2) if head_dim < tiling.ONE_ROW_TILE_HEAD_DIM else (1,):
+                    t = mma_tiling(head_dim, "bf16", kv, row_tiles, target.smem_per_block, "v2.2")
+                    if t is None:
+                        continue
+                    stage = 2 * t.tile_tokens * (kv_row_bytes(head_dim, kv) + tiling.ROW_PAD)
+                    state = 8 * row_tiles * (head_dim + 2) * 4
+                    assert 0 <= t.prefetch <= t.stages - 1 and (t.stages - t.prefetch) * stage >= state
+                    assert t.prefetch == t.stages - 1 or (t.stages - t.prefetch - 1) * stage < state
+                    assert t.tile_tokens == tile_tokens_for(head_dim, kv)
+                    assert mma_tiling(head_dim, "bf16", kv, row_tiles, target.smem_per_block, "v2.1").prefetch == 0
+    assert mma_tiling(128, "bf16", "bf16", 2, kernel="v2.2").prefetch == 2
+    assert mma_tiling(192, "bf16", "fp8", 2, kernel="v2.2").prefetch == 1
+
+
 @pytest.mark.parametrize("arm", ["unpacked", "splitk"])
 def test_persistent_ctas_read_a_csr_page_table_and_device_scales_with_the_bytes_of_v21(arm, monkeypatch):
     """The next item's length and page row come from the CSR table, its scales from the
-    device, per KV head: each item folds its own (two KV heads walked by one CTA)."""
-    p = problem(seed=65, page_size=16, seq_lens=(130, 0, 45), kv_dtype="fp8", num_q_heads=4, num_kv_heads=2,
+    device, per KV head: each item folds its own (two KV heads walked by one CTA); the
+    sequences are long enough that lever 5's carried entries are read."""
+    p = problem(seed=65, page_size=16, seq_lens=(400, 0, 45, 333), kv_dtype="fp8", num_q_heads=4, num_kv_heads=2,
                 head_dim=128, per_head_scales=True)
     indptr, indices, last = to_csr(p)
     options = dict(page_table="csr", device_scales=True, **ARMS[arm])

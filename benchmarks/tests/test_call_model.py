@@ -179,3 +179,22 @@ def test_a_measured_call_gets_the_call_models_prediction_where_the_report_predic
         got = committed.lookup(impl=plan.impl, arm=plan.arm, q_heads=32, kv_heads=8, head_dim=128, q_dtype="bf16",
                                kv_dtype=kv, heads_per_cta=plan.heads_per_cta, batch=batch, context=context)
         assert got and 0 < got["predicted_pct"] <= 100 and got["predicted_binding"]
+
+
+def test_a_later_item_with_its_first_stages_in_flight_waits_only_what_the_round_trip_outlasts_the_epilogue_by():
+    """Kernel v2.2, lever 5 (``ahead_prologue_cycles``): the entries and q from L2, a barrier and
+    the item's own instructions always; the first stage's DRAM round trip only past the
+    epilogue, the q staging, the barrier and those instructions; with P < S - 1 stages in
+    flight, tile P's round trip past the P tiles computed before it too."""
+    k = replace(fake_kernel(300.0), stages=3, prologue_instructions=900, item_prologue_instructions=400,
+                levers=cm.Levers(warm_next=True, next_in_flight=2))
+    fixed = 2 * a("lat_l2_hit") + a("bar_sync") + 400
+    covered = a("lat_l2_hit") + a("bar_sync") + 400
+    assert cm.ahead_prologue_cycles(k, 3000.0, 1000.0) == pytest.approx(fixed + 3000.0 - 1000.0 - covered)
+    assert cm.ahead_prologue_cycles(k, 500.0, 1000.0) == pytest.approx(fixed)  # hidden
+    short = replace(k, levers=cm.Levers(warm_next=True, next_in_flight=1))
+    first = 3000.0 - 1000.0 - covered
+    assert cm.ahead_prologue_cycles(short, 3000.0, 1000.0) == pytest.approx(fixed + first + (3000.0 - first - 300.0))
+    # one barrier fewer in the epilogue: each warp publishes into its own ring
+    assert cm.epilogue_cycles(replace(k, rows=8), 128) == pytest.approx(cm.epilogue_cycles(replace(
+        k, rows=8, levers=cm.Levers()), 128) - a("bar_sync"))
