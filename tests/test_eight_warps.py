@@ -14,7 +14,7 @@ import pytest
 from metrale_attn import binding, dtypes, tolerance
 from metrale_attn.backends.cpu_backend import CpuBackend
 from metrale_attn.config import FEATURES, HEAD_DIMS, resolve_mma_kernel
-from metrale_attn.kernels import KernelSpec, all_specs, specs_for
+from metrale_attn.kernels import KernelSpec, all_specs, mma_refusal, specs_for
 from metrale_attn.plan import KernelGrid
 from metrale_attn.problems import Problem
 from metrale_attn.targets import TARGETS
@@ -53,6 +53,18 @@ def test_every_v23_spec_fits_the_shared_memory_of_every_target_and_launches_its_
             assert t.persistent and t.bt_staged and "_v23" in sized.name, sized.name
             assert sized.threads == 32 * t.warps and sized.defines()["PD_MMA_WARPS"] == t.warps
             assert sized.defines()["PD_PERSISTENT"] == 1
+
+
+@pytest.mark.filterwarnings("ignore:metrale-attn.*fp8 cvt:RuntimeWarning")  # sm_80, sm_86 fall back to simt
+def test_v23_is_refused_on_a_target_exactly_where_v22_is():
+    """Only an fp8 cache without the fp8 cvt (sm_80, sm_86): every v2.3 tiling fits every target."""
+    for name, target in TARGETS.items():
+        for kv in ("bf16", "fp8"):
+            p = problem(seq_lens=(5,), head_dim=256, num_q_heads=4, num_kv_heads=1, kv_dtype=kv)
+            configs = [decoder(p, target=name, mma_kernel=k).config for k in ("v2.2", "v2.3")]
+            assert configs[1].mma_kernel == "v2.3"
+            new, old = (mma_refusal(replace(c, impl="mma")) for c in configs)
+            assert new == old and (new is None) == (kv == "bf16" or target.converts_fp8), (name, kv, new)
 
 
 def _eight_warp_head_dims(limit: int, kv_dtype: str) -> set:
@@ -109,7 +121,7 @@ def _heads(arm):
 @pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
 @pytest.mark.parametrize("arm", list(ARMS))
 def test_v23_is_within_one_ulp_of_the_reference_on_every_arm_and_dtype_with_a_window_sinks_and_query_tokens(
-        arm, kv_dtype, monkeypatch):
+        arm, kv_dtype, backend, monkeypatch):
     """Three query tokens (one on the packed arm), a window of 300 keys and sinks, on 3
     persistent CTAs (fewer than the items, so each walks several) and on as many as the
     device holds: the same bytes, within the bar. 8 warps but on the packed arm's bf16 hd256."""
@@ -118,7 +130,7 @@ def test_v23_is_within_one_ulp_of_the_reference_on_every_arm_and_dtype_with_a_wi
     q = np.random.default_rng(82).standard_normal((4, q_len) + p.q.shape[1:]).astype(p.q.dtype)
     sinks = np.random.default_rng(83).normal(0, 2, p.q.shape[1]).astype(np.float32)
     options = dict(max_q_len=q_len, window_left=300, sinks=True, mma_kernel="v2.3", **ARMS[arm])
-    attn = decoder(p, **options)
+    attn = decoder(p, backend=backend, **options)
     assert {v.tiling.warps for v in _v23(attn)} == ({4} if (arm, kv_dtype) == ("gqa_packed", "bf16") else {8})
     full = run_poisoned(attn, p, q=q, sinks=sinks)
     ref_out, ref_lse = p.reference(return_lse=True, q=q, window_left=300, sinks=sinks)
@@ -127,25 +139,25 @@ def test_v23_is_within_one_ulp_of_the_reference_on_every_arm_and_dtype_with_a_wi
     assert np.all(np.isneginf(full[1][neg]))
     np.testing.assert_allclose(full[1][~neg], ref_lse[~neg], rtol=2e-6, atol=2e-6)
     monkeypatch.setattr(binding, "persistent_ctas", lambda tiling, target: 3)
-    few = decoder(p, **options)
+    few = decoder(p, backend=backend, **options)
     assert few.plan(4).launches[0].ctas > 3
     assert _bytes(*run_poisoned(few, p, q=q, sinks=sinks)) == _bytes(*full)
 
 
 @pytest.mark.parametrize("arm", ["unpacked", "splitk"])
-def test_v23_reads_a_csr_page_table_and_device_scales_within_one_ulp(arm, monkeypatch):
+def test_v23_reads_a_csr_page_table_and_device_scales_within_one_ulp(arm, backend, monkeypatch):
     """Per-KV-head device scales, each item folding its own (two KV heads walked by 2 CTAs)."""
     p = problem(seed=84, page_size=16, seq_lens=(530, 0, 45), kv_dtype="fp8", num_q_heads=4, num_kv_heads=2,
                 head_dim=128, per_head_scales=True)
     indptr, indices, last = to_csr(p)
     csr = dict(kv_indptr=indptr, kv_indices=indices, kv_last_page_len=last, csr=True)
     monkeypatch.setattr(binding, "persistent_ctas", lambda tiling, target: 2)
-    attn = decoder(p, page_table="csr", device_scales=True, mma_kernel="v2.3", **ARMS[arm])
+    attn = decoder(p, backend=backend, page_table="csr", device_scales=True, mma_kernel="v2.3", **ARMS[arm])
     assert {v.tiling.warps for v in _v23(attn)} == {8}
     check_against_reference(p, *run_poisoned(attn, p, **csr))
 
 
-def test_a_v23_rows_bytes_do_not_depend_on_heads_per_cta_its_company_or_its_position():
+def test_a_v23_rows_bytes_do_not_depend_on_heads_per_cta_its_company_or_its_position(backend):
     """bf16 hd128, 16 query heads on one KV head: heads_per_cta 1, 2, 4, 8 and 16 (one and two
     row tiles: 2 rows a warp in stage_q) give one set of bytes; a sequence alone or among
     others, at any position, gives its own; all within the bar."""
@@ -153,14 +165,14 @@ def test_a_v23_rows_bytes_do_not_depend_on_heads_per_cta_its_company_or_its_posi
                 num_kv_heads=1, kv_dtype="bf16")
     first = None
     for h in (1, 2, 4, 8, 16):
-        attn = decoder(p, heads_per_cta=h, splitk="4", mma_kernel="v2.3")
+        attn = decoder(p, backend=backend, heads_per_cta=h, splitk="4", mma_kernel="v2.3")
         assert attn.plan(5).heads_per_cta == h and {v.tiling.warps for v in _v23(attn)} == {8}
         got = run_poisoned(attn, p)
         if first is None:
             check_against_reference(p, *got)
             first = got
         assert _bytes(*got) == _bytes(*first), h
-    attn = decoder(p, splitk="4", mma_kernel="v2.3", max_batch=5)
+    attn = decoder(p, backend=backend, splitk="4", mma_kernel="v2.3", max_batch=5)
     assert _bytes(*run_poisoned(attn, p)) == _bytes(*first)
     for rows in ([3], [4, 3], [1, 3, 0], [0, 2, 4, 1, 3]):
         out, lse = run_poisoned(attn, _pick(p, rows))
