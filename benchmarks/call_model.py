@@ -98,7 +98,7 @@ def plan_for(call: Call, impl: str = "mma") -> DecodePlan:
 
 
 def variant_for(call: Call, plan: DecodePlan, mma_kernel: str = DEFAULT_MMA_KERNEL) -> KernelSpec:
-    """The spec the plan launches (``mma_kernel``: the default ``v2.2``, or the earlier ``v2.1`` / ``v2``), on hopper."""
+    """The spec the plan launches (``mma_kernel``: the default ``v2.2``, ``v2.3``, or the earlier ``v2.1`` / ``v2``), on hopper."""
     return KernelSpec(plan.arm, call.head_dim, call.q_dtype, call.kv_dtype, plan.impl, plan.row_tiles,
                       mma_kernel=mma_kernel)
 

@@ -78,12 +78,12 @@
 //   PD_ROW_TILES   1 | 2      query-row tiles of 8 (rows <= 8 * PD_ROW_TILES)
 //   PD_TILE_TOKENS 16 | 32    tokens of one warp's stage
 //   PD_STAGES      2 .. 4     depth of each warp's cp.async ring
-//   PD_MMA_WARPS   2 | 4      W, the warps of a CTA (block PD_MMA_THREADS = 32 W); with TT
+//   PD_MMA_WARPS   2 | 4 | 8  W, the warps of a CTA (block PD_MMA_THREADS = 32 W); with TT
 //                             what a row's bytes depend on (tiling.warps_for fixes it per
-//                             head dim, cache dtype and target)
+//                             head dim, cache dtype, target and kernel: 8 only in v2.3)
 //   PD_BT_STAGED   0 | 1      block-table entries staged in shared memory S - 1 tiles
 //                             ahead (kernel v2.1) or loaded one tile ahead (v2)
-//   PD_PERSISTENT  0 | 1      persistent CTAs (kernel v2.2): a launch grid of P CTAs walks
+//   PD_PERSISTENT  0 | 1      persistent CTAs (kernels v2.2, v2.3): a launch grid of P CTAs walks
 //                             the plan's items_x * items_y * items_z items (THE SCHEDULE);
 //                             0: one CTA per item (v2.1, v2)
 //   PD_PREFETCH    0 .. S - 1 persistent: the stages of the next item each warp fills before
@@ -125,10 +125,10 @@
 #error "PD_SMEM_BYTES must be defined (the dynamic shared memory of the launch)"
 #endif
 #ifndef PD_MMA_WARPS
-#error "PD_MMA_WARPS must be defined (-DPD_MMA_WARPS=2|4: the warps of a CTA)"
+#error "PD_MMA_WARPS must be defined (-DPD_MMA_WARPS=2|4|8: the warps of a CTA)"
 #endif
 #ifndef PD_PERSISTENT
-#error "PD_PERSISTENT must be defined (0 or 1: persistent CTAs walking the plan's items, kernel v2.2)"
+#error "PD_PERSISTENT must be defined (0 or 1: persistent CTAs walking the plan's items, kernels v2.2, v2.3)"
 #endif
 #ifndef PD_PREFETCH
 #error "PD_PREFETCH must be defined (0 .. PD_STAGES - 1: the next item's stages issued before the epilogue)"
@@ -183,8 +183,10 @@ constexpr int RPL = TT / RPI;     // rows each lane copies per tile
 constexpr int QS = 2 * DP + 16;   // q row stride in shared memory (bytes)
 constexpr int PAD_OFF = RS - 16;  // a row's pad: past the padded row, so no copy and no ldmatrix touches it
 
-static_assert(W == 2 || W == 4, "2 or 4 warps (tiling.WARP_CANDIDATES)");
-static_assert(ROWS % W == 0, "stage_q: each warp converts ROWS / W rows");
+// W a power of two: the first tile of warp w is k0 + ((w - k0) & (W - 1)) (attend). 8 warps
+// (kernel v2.3) x 32 threads x 255 registers fit an SM's 65536 (launch bounds (256, 1)).
+static_assert(W == 2 || W == 4 || W == 8, "2, 4 or 8 warps (tiling.WARP_CANDIDATES, WARP_CANDIDATES_V23)");
+static_assert(ROWS % W == 0, "stage_q: each warp converts ROWS / W rows (1 or 2 with 8 warps)");
 static_assert(NT == 1 || NT == 2, "one or two row tiles");
 static_assert(TT == 16 || TT == 32, "stages of 16 or 32 tokens");
 static_assert(S >= 2 && S <= 4, "2..4 stages");

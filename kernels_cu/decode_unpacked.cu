@@ -2,7 +2,7 @@
 // kernel of decode_core.cuh (what it computes, its parameters, the layout, the features)
 // on the unpacked arm.
 //
-// Grid (num_q_heads / heads_per_cta, num_seqs), block PD_THREADS (4 warps), dynamic
+// Grid (num_q_heads / heads_per_cta, num_seqs), block PD_MMA_THREADS (PD_MMA_WARPS warps), dynamic
 // shared memory PD_SMEM_BYTES. CTA (x, s) serves the heads_per_cta heads x *
 // heads_per_cta .. of sequence s and its q_len query tokens over all of each row's keys,
 // and writes their out and lse rows.

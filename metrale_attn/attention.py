@@ -61,8 +61,9 @@ class DecodeAttention:
     serves, a divisor of the group size up to 16) overrides
     ``METRALE_ATTN_DECODE_HEADS_PER_CTA`` and the plan's rule; a head's output bytes
     are the same for every value. ``mma_kernel`` (``"v2.2"``, persistent CTAs, the default;
-    ``"v2.1"``, one CTA per work item, the same bytes; ``"v2"``, the kernel before it, kept so
-    that one GPU run can time all three) overrides
+    ``"v2.3"``, v2.2 with 8 warps per CTA where they fit (its own bytes, as invariant);
+    ``"v2.1"``, one CTA per work item, the same bytes as v2.2; ``"v2"``, the kernel before it,
+    kept so that one GPU run can time them all) overrides
     ``METRALE_ATTN_DECODE_MMA_KERNEL``. ``max_decode_seqs`` is the
     floor of the reference batch only ``legacy`` reads. ``check_indices`` copies
     block_tables and seq_lens (and device scales) to the host on every call to prove

@@ -6,11 +6,24 @@ equal its own sum), so the host's sizing and the kernel's carve cannot drift apa
 
 A tiling is W warps per CTA, each owning a ring of S shared-memory stages of TT tokens of K
 and V (every row padded by 16 bytes; ``v2.1`` keeps the block-table entries in those pads),
-behind a front of q rows, score scales and the offsets table. Three kernels (``MMA_KERNELS``):
+behind a front of q rows, score scales and the offsets table. Four kernels (``MMA_KERNELS``):
 
 * ``v2.2`` (the default): v2.1's tiling and arithmetic with persistent CTAs: ``resident_ctas``
   x SMs CTAs (at most one per item) walk the plan's work items in a fixed order
   (``decode_core.cuh``, "THE SCHEDULE"), so a row's bytes are v2.1's;
+* ``v2.3`` (selectable, not the default): v2.2 with up to 8 warps per CTA
+  (``WARP_CANDIDATES_V23``): W the first of 8, 4, 2 whose CTA of the most row tiles fits the
+  target with rings of 2 stages, then the deepest ring that fits, as for v2.1. Where a batch-1
+  call has fewer CTAs than the SMs hold, twice the warps per CTA stream twice the bytes per busy
+  SM (benchmarks/NOTES.md, "Kernel v2.3"). Its W differs from v2.2's where 8 warps fit, so its
+  bytes differ from v2.2's there (another tile -> warp order, another combine); they are its
+  own, the same for every batch, position and ``heads_per_cta``. 8 warps x 32 threads x 255
+  registers (8,192 a warp, allocated in 256s) = 65,536: one 8-warp CTA per SM by registers
+  (``resident_ctas``), the warps per SM of v2.2's two 4-warp CTAs where those fit. Which specs
+  get 8 warps: hd 64..192 bf16/fp16 and every hd fp8 on 227 KiB targets (sm_90, sm_100,
+  sm_103; at 144..192 bf16 with 2 stages where 4 warps take 3); bf16/fp16 hd >= 208 take 4
+  there (8 warps' rings of 2 stages of 16.5 KiB, 264 KiB, do not fit); on sm_80 (163 KiB)
+  hd <= 128 bf16/fp16 and every fp8 hd; on the 99 KiB targets fp8 hd 64, 144 and 160 only;
 * ``v2.1``: W and S sized from the target's per-block limit (so every spec
   launches on sm_90, sm_100, sm_103, sm_120 and sm_121: 99 KiB there), the block-table
   entries staged through shared memory S - 1 tiles ahead (``decode_core.cuh``, "bt_staged");
@@ -18,7 +31,8 @@ behind a front of q rows, score scales and the offsets table. Three kernels (``M
   sm_90's 227 KiB whatever the target), kept so that one GPU run can time both
   (``benchmarks/impls.py``: ``mma_v2``). It fits no 99 KiB target at head dim 256 / bf16 128.
 
-``v2.1`` and ``v2`` stay selectable so that one GPU run times the three side by side.
+``v2.1`` and ``v2`` stay selectable so that one GPU run times them side by side; ``v2.3``
+until a GPU has timed it against ``v2.2``.
 
 What decides a row's bytes is (W, TT): the tile -> warp order and the combine over the warps.
 So ``warps_for`` chooses W from the head dim, the cache dtype and the target's limit only,
@@ -34,8 +48,9 @@ from typing import Optional
 
 from . import dtypes
 
-MMA_KERNELS = ("v2.2", "v2.1", "v2")
-"""The ``mma`` core's kernels: the default first, then older to oldest."""
+MMA_KERNELS = ("v2.2", "v2.3", "v2.1", "v2")
+"""The ``mma`` core's kernels: the default first, then ``v2.3`` (selectable: 8 warps per CTA
+where they fit), then older to oldest."""
 DEFAULT_MMA_KERNEL = "v2.2"
 
 SMEM_LIMIT_BYTES = 227 * 1024
@@ -65,6 +80,13 @@ WARP_CANDIDATES = (4, 2)
 lever 2"): one 8-warp CTA per SM loses 8-17 points at batch 64 without persistent CTAs.
 2 warps serve the 99 KiB targets at head dim 256 bf16, where 4 warps' rings of 2 stages of
 16.5 KiB do not fit."""
+WARP_CANDIDATES_V23 = (8, 4, 2)
+"""W of a ``v2.3`` spec, most first (``warps_for``): 8 warps where their CTA fits, with 2
+stages at least."""
+WARP_CANDIDATES_OF = {"v2.3": WARP_CANDIDATES_V23}
+"""A kernel's warp candidates where they are not ``WARP_CANDIDATES``."""
+PERSISTENT_KERNELS = ("v2.2", "v2.3")
+"""The kernels whose CTAs are persistent (``Tiling.persistent``)."""
 
 
 @dataclass(frozen=True)
@@ -80,7 +102,7 @@ class Tiling:
     smem_bytes: int
     bt_staged: bool = True
     persistent: bool = False
-    """Persistent CTAs (``v2.2``): the launch grid is the CTAs resident on the device
+    """Persistent CTAs (``v2.2``, ``v2.3``): the launch grid is the CTAs resident on the device
     (``resident_ctas``), each walking the plan's work items in a fixed order."""
     prefetch: int = 0
     """``v2.2``: the next item's tiles each warp issues before the current item's epilogue
@@ -112,7 +134,8 @@ def resident_ctas(tiling: Tiling, smem_limit: int) -> int:
     shared memory per block, by shared memory (``smem_limit`` + 1 KiB per SM, 1 KiB
     reserved per block) and by registers at 255 a thread (65536 per SM, allocated per warp
     in 256s); at least 1. A function of the tiling and the target only: never of the batch.
-    Kernel ``v2.2`` launches ``min(items, resident_ctas x SMs)`` persistent CTAs."""
+    Kernels ``v2.2`` and ``v2.3`` launch ``min(items, resident_ctas x SMs)`` persistent CTAs
+    (8 warps: 8 x 8,192 registers = 65,536, one CTA per SM)."""
     by_smem = (smem_limit + SMEM_RESERVED_PER_BLOCK) // (tiling.smem_bytes + SMEM_RESERVED_PER_BLOCK)
     per_warp = (MAX_REGISTERS_PER_THREAD * 32 + 255) // 256 * 256
     by_registers = REGISTERS_PER_SM // (per_warp * tiling.warps)
@@ -158,7 +181,7 @@ def carve(head_dim: int, parts: int, kv_dtype: str, row_tiles: int, warps: int, 
 
 
 def prefetch_stages(head_dim: int, kv_dtype: str, row_tiles: int, stages: int) -> int:
-    """Kernel ``v2.2``: the stages of its ring each warp fills with the next item's first tiles
+    """Kernels ``v2.2`` and ``v2.3``: the stages of its ring each warp fills with the next item's first tiles
     before the current item's epilogue (``decode_core.cuh``, "lever 5"), the most (<= S - 1)
     that leave the rest of the ring room for the warp's state (m, l and o of every row, fp32:
     rows x (D + 2) x 4 bytes), which the epilogue publishes there; 0 when one stage short of
@@ -175,13 +198,14 @@ def max_row_tiles(head_dim: int) -> int:
     return 1 if head_dim >= ONE_ROW_TILE_HEAD_DIM else 2
 
 
-def warps_for(head_dim: int, kv_dtype: str, smem_limit: int) -> Optional[int]:
-    """W of a ``v2.1`` spec: the first of ``WARP_CANDIDATES`` whose CTA of the most row tiles
-    fits ``smem_limit`` bytes with rings of 2 stages, whatever q's dtype (q in two parts where
-    it can be); None when none does. A function of (head dim, cache dtype, limit) only: the
-    invariant that keeps a row's bytes the same for every ``heads_per_cta`` and batch."""
+def warps_for(head_dim: int, kv_dtype: str, smem_limit: int, kernel: str = "v2.1") -> Optional[int]:
+    """W of a ``v2.1`` / ``v2.2`` spec (``v2.3``: of ``WARP_CANDIDATES_V23``): the first of
+    ``WARP_CANDIDATES`` whose CTA of the most row tiles fits ``smem_limit`` bytes with rings of
+    2 stages, whatever q's dtype (q in two parts where it can be); None when none does. A
+    function of (head dim, cache dtype, limit, kernel) only: the invariant that keeps a row's
+    bytes the same for every ``heads_per_cta`` and batch."""
     parts = max(q_parts(q, kv_dtype) for q in dtypes.Q_DTYPES)
-    for warps in WARP_CANDIDATES:
+    for warps in WARP_CANDIDATES_OF.get(kernel, WARP_CANDIDATES):
         if carve(head_dim, parts, kv_dtype, max_row_tiles(head_dim), warps, 2) <= smem_limit:
             return warps
     return None
@@ -190,16 +214,16 @@ def warps_for(head_dim: int, kv_dtype: str, smem_limit: int) -> Optional[int]:
 def mma_tiling(head_dim: int, q_dtype: str, kv_dtype: str, row_tiles: int, smem_limit: int = SMEM_LIMIT_BYTES,
                kernel: str = DEFAULT_MMA_KERNEL) -> Optional[Tiling]:
     """The tiling of an ``mma`` spec on a target of ``smem_limit`` bytes per block, or None
-    when it does not fit. ``v2.1``: W from ``warps_for``, then the deepest ring (4 stages of
-    <= 4 KiB, else 3) that fits, at least 2. ``v2``: kernel v2's own rule, 4 warps sized for
+    when it does not fit. ``v2.1``, ``v2.2``, ``v2.3``: W from ``warps_for``, then the deepest
+    ring (4 stages of <= 4 KiB, else 3) that fits, at least 2. ``v2``: kernel v2's own rule, 4 warps sized for
     sm_90 (``SMEM_LIMIT_BYTES``) whatever ``smem_limit`` says; None where that does not fit
     ``smem_limit``."""
     if kernel not in MMA_KERNELS:
         raise ValueError(f"mma kernel must be one of {', '.join(MMA_KERNELS)}, got {kernel!r}")
     tt = tile_tokens_for(head_dim, kv_dtype)
     parts = q_parts(q_dtype, kv_dtype)
-    staged = kernel in ("v2.1", "v2.2")  # v2.2: v2.1's tiling, its CTAs persistent
-    warps = warps_for(head_dim, kv_dtype, smem_limit) if staged else 4
+    staged = kernel != "v2"  # v2.2: v2.1's tiling, its CTAs persistent; v2.3: v2.2 with up to 8 warps
+    warps = warps_for(head_dim, kv_dtype, smem_limit, kernel) if staged else 4
     sized_for = smem_limit if staged else SMEM_LIMIT_BYTES
     if warps is None:
         return None
@@ -208,7 +232,7 @@ def mma_tiling(head_dim: int, q_dtype: str, kv_dtype: str, row_tiles: int, smem_
         if smem <= sized_for:
             if smem > smem_limit:
                 return None
-            persistent = kernel == "v2.2"
+            persistent = kernel in PERSISTENT_KERNELS
             ahead = prefetch_stages(head_dim, kv_dtype, row_tiles, stages) if persistent else 0
             return Tiling(warps, tt, stages, smem, staged, persistent, ahead)
     return None

@@ -130,7 +130,8 @@ def test_the_mma_kernel_spellings():
     assert resolve_mma_kernel(None, None) == resolve_mma_kernel(None, " ") == "v2.2"
     assert resolve_mma_kernel(" V2 ", "v2.1") == resolve_mma_kernel(None, "2") == "v2"
     assert resolve_mma_kernel("2.1", None) == resolve_mma_kernel(None, "V2.1") == "v2.1"
-    with pytest.raises(ValueError, match="mma_kernel must be one of v2.2, v2.1, v2"):
+    assert resolve_mma_kernel("2.3", None) == resolve_mma_kernel(" V2.3", "v2") == resolve_mma_kernel(None, "2.3") == "v2.3"
+    with pytest.raises(ValueError, match="mma_kernel must be one of v2.2, v2.3, v2.1, v2"):
         resolve_mma_kernel("v3", None)
     with pytest.raises(ValueError, match=f"{ENV_MMA_KERNEL} must be one of"):
         resolve_mma_kernel(None, "fast")
