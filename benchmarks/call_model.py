@@ -98,7 +98,7 @@ def plan_for(call: Call, impl: str = "mma") -> DecodePlan:
 
 
 def variant_for(call: Call, plan: DecodePlan, mma_kernel: str = DEFAULT_MMA_KERNEL) -> KernelSpec:
-    """The spec the plan launches (``mma_kernel``: the default ``v2.2``, ``v2.3``, or the earlier ``v2.1`` / ``v2``), on hopper."""
+    """The spec the plan launches (``mma_kernel``: the default ``v2.3``, or the earlier ``v2.2`` / ``v2.1`` / ``v2``), on hopper."""
     return KernelSpec(plan.arm, call.head_dim, call.q_dtype, call.kv_dtype, plan.impl, plan.row_tiles,
                       mma_kernel=mma_kernel)
 
@@ -142,7 +142,7 @@ class Levers:
     (persistent CTAs: the next item's prologue overlapped with the current epilogue),
     ``fp8_selectors`` (the fp8 unpack reads a word's high half directly: no shifts),
     ``hmma_latency`` (a sensitivity, not a lever); ``warm_next`` and ``next_in_flight`` are
-    no levers but what kernel v2.2 does (set by ``sass_model`` for its persistent specs):
+    no levers but what kernels v2.2 and v2.3 do (set by ``sass_model`` for their persistent specs):
     persistent CTAs that bring the next item's q rows and first block-table entries into L2
     (``warm_prologue_cycles``), and whose warps issue the next item's first
     ``next_in_flight`` stages (the spec's ``Tiling.prefetch``) before the epilogue
@@ -213,7 +213,7 @@ class KernelTiming:
 
     @property
     def item_prologue(self) -> int:
-        """Instructions of a later item's prologue (kernel v2.2: from the item loop's top)."""
+        """Instructions of a later item's prologue (kernels v2.2, v2.3: from the item loop's top)."""
         return self.prologue_instructions if self.item_prologue_instructions is None else self.item_prologue_instructions
 
     @property
@@ -288,7 +288,7 @@ def prologue_cycles(k: KernelTiming, dram: float) -> float:
 
 
 def warm_prologue_cycles(k: KernelTiming, dram: float) -> float:
-    """The prologue of a persistent CTA's later item in kernel v2.2 (``Levers.warm_next``):
+    """The prologue of a persistent CTA's later item in kernels v2.2/v2.3 (``Levers.warm_next``):
     its q rows and its first block-table entries were brought into L2 while the previous
     item streamed (decode_core.cuh, ``warm_item``), so those two round trips are L2 hits;
     the first stage's copies still wait on DRAM (their addresses need the entries)."""
@@ -296,7 +296,7 @@ def warm_prologue_cycles(k: KernelTiming, dram: float) -> float:
 
 
 def ahead_prologue_cycles(k: KernelTiming, dram: float, epilogue: float) -> float:
-    """The prologue of a persistent CTA's later item in kernel v2.2 with its first P =
+    """The prologue of a persistent CTA's later item in kernels v2.2/v2.3 with its first P =
     ``Levers.next_in_flight`` stages issued before the previous item's epilogue (decode_core.cuh,
     ``issue_ahead``): each warp, its state published, loads the item's first block-table entries
     (L2 hits, ``warm_item``: the barrier waits for them) and issues its first P tiles, whose
@@ -313,7 +313,7 @@ def ahead_prologue_cycles(k: KernelTiming, dram: float, epilogue: float) -> floa
 
 def epilogue_cycles(k: KernelTiming, head_dim: int) -> float:
     """A CTA's fixed cost after its last tile: the warp states published (two barriers, one
-    where each warp publishes into its own ring: ``Levers.next_in_flight``, kernel v2.2; and
+    where each warp publishes into its own ring: ``Levers.next_in_flight``, kernels v2.2 and v2.3; and
     the epilogue's instructions issued), then per output element a thread combines the W
     warp states (a shared load, exp2, the sums: ``lat_shared + lat_xu + 2 lat_alu``), for
     ``rows x D / threads`` elements in turn; the stores are not waited for."""
@@ -465,7 +465,7 @@ def simulate(call: Call, plan: DecodePlan, k: KernelTiming, lockstep: bool = Fal
         spread = 0.0 if lockstep else _spread(nxt) * half_range
         if k.levers.persistent and items_done[slot] > 0:  # its round trips overlapped with the previous item
             left[slot] = k.prologue_instructions + a("bar_sync")
-        elif k.levers.next_in_flight and items_done[slot] > 0:  # kernel v2.2: its first stages in flight
+        elif k.levers.next_in_flight and items_done[slot] > 0:  # kernels v2.2, v2.3: its first stages in flight
             left[slot] = ahead_prologue_cycles(k, dram(u) + spread, epi)
         elif k.levers.warm_next and items_done[slot] > 0:  # q and the entries in L2
             left[slot] = warm_prologue_cycles(k, dram(u) + spread)

@@ -2,11 +2,11 @@
 
 ``metrale_attn`` has two (``metrale_attn.plan.IMPLS``): ``mma``, the default, the tensor-core
 kernels whose CTA serves ``heads_per_cta`` query heads of one KV head; and ``simt``, the first
-CUDA-core kernels, one head per CTA. The ``mma`` core has three kernels (``tiling.MMA_KERNELS``):
-the default ``v2.2`` (persistent CTAs) and the earlier ``v2.1`` and ``v2``, kept so that one GPU
-run times them side by side. The harness names four (``IMPLS``, old to new: ``simt``, ``mma_v2``,
-``mma_v21``, ``mma``, each a set of ``DecodeAttention`` arguments, ``ARGUMENTS``); the sweep and
-the L2 probe force each; the
+CUDA-core kernels, one head per CTA. The ``mma`` core has four kernels (``tiling.MMA_KERNELS``):
+the default ``v2.3`` (persistent CTAs, 8 warps where they fit) and the earlier ``v2.2``, ``v2.1``
+and ``v2``, kept so that one GPU run times every step side by side. The harness names five
+(``IMPLS``, old to new: ``simt``, ``mma_v2``, ``mma_v21``, ``mma_v22``, ``mma``, each a set of
+``DecodeAttention`` arguments, ``ARGUMENTS``); the sweep and the L2 probe force each; the
 ``heads_per_cta`` tier forces every choice of a group (``plan.heads_per_cta_choices``) on
 ``SWEEP_IMPL``.
 
@@ -29,7 +29,7 @@ from typing import Optional
 from metrale_attn.config import ENV_IMPL, ENV_MMA_KERNEL, resolve_impl, resolve_mma_kernel
 from metrale_attn.tiling import DEFAULT_MMA_KERNEL
 
-OLD_MMA = {"mma_v2": "v2", "mma_v21": "v2.1"}
+OLD_MMA = {"mma_v2": "v2", "mma_v21": "v2.1", "mma_v22": "v2.2"}
 """The earlier mma kernels the harness names, old to new: timed on the decisive tiers only, beside
 ``mma`` (the default kernel), so that a GPU run gives each step as a ratio."""
 IMPLS = ("simt", *OLD_MMA, "mma")

@@ -2,8 +2,8 @@
 
 This script owns the cases ``gpu_check.sh`` runs under ``compute-sanitizer``: every
 arm (unpacked, split-K + merge, GQA-packed) on each implementation (mma first: the
-default, persistent CTAs with cp.async rings in shared memory; then mma_v21 and mma_v2, the
-earlier mma kernels; then simt) once per case below, at small shapes, each output checked
+default, persistent CTAs with cp.async rings in shared memory; then mma_v22, mma_v21 and
+mma_v2, the earlier mma kernels; then simt) once per case below, at small shapes, each output checked
 against the float64 reference. It exits 0 only if every output met the correctness bar; the sanitizer's own verdict is its ERROR SUMMARY.
 A line says which implementation the plan ran (an mma request that fell back to simt
 after a failed self-test says so).

@@ -600,8 +600,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hmma-latency", type=float, default=None, metavar="CYCLES",
                    help="a sensitivity: the calls with this HMMA latency instead of the table's lat_hmma")
     p.add_argument("--mma-kernel", choices=MMA_KERNELS, default=DEFAULT_MMA_KERNEL,
-                   help="the mma kernel modelled: v2.2 (default, persistent CTAs), v2.3 (v2.2 with 8 warps per CTA "
-                        "where they fit), v2.1 or v2 (the earlier ones), for old vs new")
+                   help="the mma kernel modelled: v2.3 (default: persistent CTAs, 8 warps where they fit), v2.2, "
+                        "v2.1 or v2 (the earlier ones), for old vs new")
     p.add_argument("--assumptions", action="store_true", help="print the assumption table and exit")
     return p
 

@@ -369,7 +369,7 @@ class Sweep:
     @staticmethod
     def geometry(attn, plan) -> tuple:
         """What makes a forced slot the policy's choice: its arm, splits, implementation (the mma
-        kernel too: ``mma_v2`` and ``mma_v21`` are not the default) and heads per CTA."""
+        kernel too: the earlier ones, ``impls.OLD_MMA``, are not the default) and heads per CTA."""
         return (plan.arm, plan.num_splits, impls.label(plan.impl, impls.kernel_of(attn)), plan.heads_per_cta)
 
     def _run_arms(self, job: Job, case) -> None:
@@ -466,7 +466,7 @@ class Sweep:
             arm=plan.arm, q_heads=config.shape.num_q_heads, kv_heads=config.shape.num_kv_heads,
             head_dim=config.shape.head_dim, q_dtype="bf16", kv_dtype=config.kv_dtype,
             heads_per_cta=plan.heads_per_cta, impl=impls.ran(plan.impl, slot.impl), batch=config.batch,
-            context=config.context)  # the earlier kernels' rows find no row of the (v2.2) report
+            context=config.context)  # the earlier kernels' rows find no row of the (default kernel's) report
         row.update(sass=prediction, pred_ratio=prediction_ratio(row.get("pct_of_copy"), prediction),
                    call_ratio=call_ratio(row.get("pct_of_copy"), prediction))
         return row

@@ -8,8 +8,8 @@ behind them (``plan_jobs``):
    32k (T2, split-K), Llama-3-70B (64/8/128) batch 64 x 4k (T1 at group 8), and 24/4/256
    batch 64 x 4k (GQA-packed against unpacked, group 6, head dim 256), Llama-3-70B one
    sequence x 32k, KV bf16; every forced arm on every kernel implementation (``impls.IMPLS``:
-   simt, the earlier mma kernels mma_v2 and mma_v21, mma), the policy's default, and the SDPA
-   baselines.
+   simt, the earlier mma kernels mma_v2, mma_v21 and mma_v22, mma), the policy's default, and
+   the SDPA baselines.
 2. ``decisive-fp8``: the same configurations with an fp8 e4m3 KV cache.
 3. ``heads_per_cta``: 32/8/128 and 64/8/128 bf16 at batch 1, 16 and 64 x 16k, the mma
    kernels with ``heads_per_cta`` forced to every choice of the group
@@ -71,8 +71,8 @@ FEATURES_AT = "llama-3-8b:64:16384"
 DECISIVE = ("llama-3-8b:64:4096,llama-3-8b:64:16384,llama-3-8b:1:32768,llama-3-70b:64:4096,llama-3-70b:1:32768,"
             "qwen3.8-27b:64:4096")
 """Issue 19's decisive calls: batch 64 x 4k and 1 x 32k of 32/8/128 and 64/8/128 (bf16 and, in the
-next tier, fp8), each on simt, the earlier mma kernels (mma_v2, mma_v21) and the default one
-(mma, v2.2), so each change is a ratio measured side by side in one run."""
+next tier, fp8), each on simt, the earlier mma kernels (mma_v2, mma_v21, mma_v22) and the default
+one (mma, v2.3), so each change is a ratio measured side by side in one run."""
 PROFILES = {
     "full": dict(models="llama-3-8b,llama-3-70b,qwen3.8-27b", kv_dtypes="bf16,fp8", batches="1,16,64,256",
                  contexts="4096,16384,65536", page_size=16, decisive=DECISIVE, decisive_dtypes="bf16,fp8",

@@ -102,8 +102,8 @@ class LayerConfig:
     ``"csr"`` (FlashInfer's ``kv_indptr``, ``kv_indices``, ``kv_last_page_len``, read by the
     kernels as they are); ``heads_per_cta`` None (the plan's rule) or the override; ``impl``
     the implementation after any fallback; ``mma_kernel`` which ``mma`` kernel
-    (``tiling.MMA_KERNELS``: ``v2.2``; ``v2.3``, v2.2 with 8 warps per CTA where they fit; or the
-    earlier ``v2.1`` and ``v2``, kept for side-by-side timing).
+    (``tiling.MMA_KERNELS``: ``v2.3``, persistent CTAs with 8 warps where they fit; or the
+    earlier ``v2.2``, ``v2.1`` and ``v2``, kept for side-by-side timing).
     """
 
     shape: ModelShape
@@ -211,7 +211,7 @@ def configure(
     strings or NumPy/ml_dtypes/torch dtypes, and ``impl``/``heads_per_cta`` fall back to
     ``METRALE_ATTN_DECODE_IMPL``/``METRALE_ATTN_DECODE_HEADS_PER_CTA`` (read from
     ``environ``, default ``os.environ``) when None, and ``mma_kernel`` to
-    ``METRALE_ATTN_DECODE_MMA_KERNEL``, else ``v2.2``. ``defaults``: the target and its resolved
+    ``METRALE_ATTN_DECODE_MMA_KERNEL``, else ``v2.3``. ``defaults``: the target and its resolved
     policy (``targets.resolve_target_policy``)."""
     env = os.environ if environ is None else environ
     shape = ModelShape(num_q_heads, num_kv_heads, head_dim)
@@ -277,7 +277,7 @@ def resolve_impl(impl: Optional[str], env_raw: Optional[str]) -> str:
 
 def resolve_mma_kernel(kernel: Optional[str], env_raw: Optional[str]) -> str:
     """The ``mma`` kernel: the ``mma_kernel`` argument, else a non-empty
-    ``METRALE_ATTN_DECODE_MMA_KERNEL``, else ``v2.2``; one of ``tiling.MMA_KERNELS`` (trimmed,
+    ``METRALE_ATTN_DECODE_MMA_KERNEL``, else ``v2.3``; one of ``tiling.MMA_KERNELS`` (trimmed,
     case-insensitive, the leading ``v`` optional: ``"2"`` is ``v2``)."""
     for value, where in ((kernel, "mma_kernel"), (env_raw, ENV_MMA_KERNEL)):
         if value is None or (where == ENV_MMA_KERNEL and not policy.normalize(value)):

@@ -242,7 +242,7 @@ def mma_refusal(config: LayerConfig) -> str | None:
     """Why the ``mma`` kernels of this layer cannot run on its target, or None when they can:
     its fp8 cache needs the fp8 ``cvt`` the target lacks (sm_80, sm_86; the ``simt``
     kernels convert in software), or no tiling of its kernel (``config.mma_kernel``) fits the
-    target's shared memory per block (``v2.2``, ``v2.3`` and ``v2.1`` fit every target; ``v2`` only 163 KiB and up
+    target's shared memory per block (``v2.3``, ``v2.2`` and ``v2.1`` fit every target; ``v2`` only 163 KiB and up
     at head dim 256 and bf16 head dim 128)."""
     target = config.target
     if config.kv_dtype in dtypes.FP8_KINDS and not target.converts_fp8:
@@ -282,8 +282,8 @@ def launchable_config(config: LayerConfig, disagree, chosen: bool) -> tuple[Laye
     return config, None
 
 
-MMA_KERNEL_SUFFIX = {"v2.3": "_v23", "v2.1": "_v21", "v2": "_v2"}
-"""What a spec's name adds for a kernel other than the default (``v2.2``)."""
+MMA_KERNEL_SUFFIX = {"v2.2": "_v22", "v2.1": "_v21", "v2": "_v2"}
+"""What a spec's name adds for a kernel other than the default (``v2.3``)."""
 
 
 @dataclass(frozen=True)
@@ -294,9 +294,9 @@ class KernelSpec:
     to ``8 * row_tiles`` heads. The KV layout is not a parameter: kernels address the
     cache by strides. ``smem_limit`` (``mma``): the dynamic shared memory per block of the
     target it is built for (bytes), which sizes its ``tiling`` (``tiling.mma_tiling``);
-    ``mma_kernel``: the persistent ``v2.2`` (the default), ``v2.3`` (v2.2 with 8 warps where
-    they fit), or the earlier ``v2.1`` / ``v2`` (``tiling.MMA_KERNELS``). The name carries the
-    tiling wherever it differs from the sm_90 one (``_w2t16s2``), and ``_v23`` / ``_v21`` / ``_v2``
+    ``mma_kernel``: ``v2.3`` (the default: persistent CTAs, 8 warps where they fit), or the
+    earlier ``v2.2`` / ``v2.1`` / ``v2`` (``tiling.MMA_KERNELS``). The name carries the
+    tiling wherever it differs from the sm_90 one (``_w2t16s2``), and ``_v22`` / ``_v21`` / ``_v2``
     (``MMA_KERNEL_SUFFIX``).
     """
 

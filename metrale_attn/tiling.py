@@ -8,10 +8,7 @@ A tiling is W warps per CTA, each owning a ring of S shared-memory stages of TT 
 and V (every row padded by 16 bytes; ``v2.1`` keeps the block-table entries in those pads),
 behind a front of q rows, score scales and the offsets table. Four kernels (``MMA_KERNELS``):
 
-* ``v2.2`` (the default): v2.1's tiling and arithmetic with persistent CTAs: ``resident_ctas``
-  x SMs CTAs (at most one per item) walk the plan's work items in a fixed order
-  (``decode_core.cuh``, "THE SCHEDULE"), so a row's bytes are v2.1's;
-* ``v2.3`` (selectable, not the default): v2.2 with up to 8 warps per CTA
+* ``v2.3`` (the default): v2.2 with up to 8 warps per CTA
   (``WARP_CANDIDATES_V23``): W the first of 8, 4, 2 whose CTA of the most row tiles fits the
   target with rings of 2 stages, then the deepest ring that fits, as for v2.1. Where a batch-1
   call has fewer CTAs than the SMs hold, twice the warps per CTA stream twice the bytes per busy
@@ -24,6 +21,10 @@ behind a front of q rows, score scales and the offsets table. Four kernels (``MM
   sm_103; at 144..192 bf16 with 2 stages where 4 warps take 3); bf16/fp16 hd >= 208 take 4
   there (8 warps' rings of 2 stages of 16.5 KiB, 264 KiB, do not fit); on sm_80 (163 KiB)
   hd <= 128 bf16/fp16 and every fp8 hd; on the 99 KiB targets fp8 hd 64, 144 and 160 only;
+* ``v2.2``: v2.1's tiling and arithmetic with persistent CTAs: ``resident_ctas`` x SMs CTAs (at
+  most one per item) walk the plan's work items in a fixed order (``decode_core.cuh``, "THE
+  SCHEDULE"), each warp issuing its first tiles of the next item before the current item's
+  epilogue ("lever 5", ``prefetch_stages``), so a row's bytes are v2.1's;
 * ``v2.1``: W and S sized from the target's per-block limit (so every spec
   launches on sm_90, sm_100, sm_103, sm_120 and sm_121: 99 KiB there), the block-table
   entries staged through shared memory S - 1 tiles ahead (``decode_core.cuh``, "bt_staged");
@@ -31,8 +32,8 @@ behind a front of q rows, score scales and the offsets table. Four kernels (``MM
   sm_90's 227 KiB whatever the target), kept so that one GPU run can time both
   (``benchmarks/impls.py``: ``mma_v2``). It fits no 99 KiB target at head dim 256 / bf16 128.
 
-``v2.1`` and ``v2`` stay selectable so that one GPU run times them side by side; ``v2.3``
-until a GPU has timed it against ``v2.2``.
+``v2.2``, ``v2.1`` and ``v2`` stay selectable so that one GPU run times every step side by side
+(``benchmarks/impls.py``).
 
 What decides a row's bytes is (W, TT): the tile -> warp order and the combine over the warps.
 So ``warps_for`` chooses W from the head dim, the cache dtype and the target's limit only,
@@ -48,10 +49,9 @@ from typing import Optional
 
 from . import dtypes
 
-MMA_KERNELS = ("v2.2", "v2.3", "v2.1", "v2")
-"""The ``mma`` core's kernels: the default first, then ``v2.3`` (selectable: 8 warps per CTA
-where they fit), then older to oldest."""
-DEFAULT_MMA_KERNEL = "v2.2"
+MMA_KERNELS = ("v2.3", "v2.2", "v2.1", "v2")
+"""The ``mma`` core's kernels: the default first, then older to oldest."""
+DEFAULT_MMA_KERNEL = "v2.3"
 
 SMEM_LIMIT_BYTES = 227 * 1024
 """Dynamic shared memory one block may use on sm_90 and sm_100 (opt-in maximum): what ``v2``
@@ -198,7 +198,7 @@ def max_row_tiles(head_dim: int) -> int:
     return 1 if head_dim >= ONE_ROW_TILE_HEAD_DIM else 2
 
 
-def warps_for(head_dim: int, kv_dtype: str, smem_limit: int, kernel: str = "v2.1") -> Optional[int]:
+def warps_for(head_dim: int, kv_dtype: str, smem_limit: int, kernel: str = DEFAULT_MMA_KERNEL) -> Optional[int]:
     """W of a ``v2.1`` / ``v2.2`` spec (``v2.3``: of ``WARP_CANDIDATES_V23``): the first of
     ``WARP_CANDIDATES`` whose CTA of the most row tiles fits ``smem_limit`` bytes with rings of
     2 stages, whatever q's dtype (q in two parts where it can be); None when none does. A

@@ -274,7 +274,7 @@ def test_a_logits_soft_cap_of_zero_means_no_cap_as_in_flashinfer_vllm_and_flasha
 
 def test_a_target_whose_shared_memory_the_mma_kernels_exceed_runs_simt_with_a_warning_or_refuses():
     """The CPU backend refuses what the target GPU would: gb10 (sm_121) allows 99 KiB of shared
-    memory per block. The default kernel (v2.2) is sized for it and runs there; the oldest one
+    memory per block. The default kernel (v2.3) is sized for it and runs there; the oldest one
     (v2, sized for sm_90) asks for more, so an object that picks it falls back to simt, saying
     so, and one that also asked for mma, or for a feature only mma has, is refused."""
     p = problem(seed=23, seq_lens=(5, 40), num_q_heads=4, num_kv_heads=2)

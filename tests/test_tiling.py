@@ -127,11 +127,12 @@ def test_the_previous_kernel_is_selectable_and_within_the_bar(kv_dtype, monkeypa
 
 
 def test_the_mma_kernel_spellings():
-    assert resolve_mma_kernel(None, None) == resolve_mma_kernel(None, " ") == "v2.2"
+    assert resolve_mma_kernel(None, None) == resolve_mma_kernel(None, " ") == "v2.3"
+    assert resolve_mma_kernel("2.2", None) == resolve_mma_kernel(None, "V2.2") == "v2.2"
     assert resolve_mma_kernel(" V2 ", "v2.1") == resolve_mma_kernel(None, "2") == "v2"
     assert resolve_mma_kernel("2.1", None) == resolve_mma_kernel(None, "V2.1") == "v2.1"
     assert resolve_mma_kernel("2.3", None) == resolve_mma_kernel(" V2.3", "v2") == resolve_mma_kernel(None, "2.3") == "v2.3"
-    with pytest.raises(ValueError, match="mma_kernel must be one of v2.2, v2.3, v2.1, v2"):
+    with pytest.raises(ValueError, match="mma_kernel must be one of v2.3, v2.2, v2.1, v2"):
         resolve_mma_kernel("v3", None)
     with pytest.raises(ValueError, match=f"{ENV_MMA_KERNEL} must be one of"):
         resolve_mma_kernel(None, "fast")

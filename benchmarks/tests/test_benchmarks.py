@@ -115,18 +115,18 @@ def test_gpu_check_cpu_dry_run_writes_every_output(tmp_path):
     assert [r["vs_plain"] for r in ours if r["tier"] == "features" and r["feature"] == "plain"] == [1.0, 1.0]
     # Every forced arm on both implementations, each row saying what its plan ran; the default flagged once.
     caps = result["kernel_impls"]
-    assert caps["impls"] == ["simt", "mma_v2", "mma_v21", "mma"] and caps["default_impl"] == "mma"
+    assert caps["impls"] == ["simt", "mma_v2", "mma_v21", "mma_v22", "mma"] and caps["default_impl"] == "mma"
     assert caps["selftest"]["status"] == "ok" and "CPU backend" in caps["selftest"]["detail"]
     for tier in ("decisive-bf16", "decisive-fp8"):
         rows = [r for r in ours if r["tier"] == tier]
         assert {(r["arm"], r["kernel_impl"]) for r in rows} == {(a, i) for a in ("unpacked", "splitk", "gqa_packed")
-                                                                 for i in ("simt", "mma_v2", "mma_v21", "mma")}
+                                                                 for i in ("simt", "mma_v2", "mma_v21", "mma_v22", "mma")}
         assert [(r["arm"], r["kernel_impl"]) for r in rows if r["default"]] == [("splitk", "mma")]
         assert all(r["heads_per_cta"] == (6 if r["arm"] == "gqa_packed" else 1)
                    for r in rows if r["kernel_impl"] == "simt")
         assert all(r["kernels"][0].startswith("decode_") for r in rows if r["kernel_impl"].startswith("mma"))
         # the earlier mma kernels and the default one side by side, and only the default one predicted
-        assert all(r["sass"] is None for r in rows if r["kernel_impl"] in ("mma_v2", "mma_v21"))
+        assert all(r["sass"] is None for r in rows if r["kernel_impl"] in impls.OLD_MMA)
     # The sweep: every heads_per_cta of each group (4: 1, 2, 4; 8: 1, 2, 4, 8) on mma, the plan's choice marked once.
     hpc = [r for r in ours if r.get("sweep") == "heads_per_cta"]
     assert {(r["model"], r["batch"]) for r in hpc} == {(m, b) for m in ("4/1/64", "8/1/64") for b in (1, 2)}
@@ -174,9 +174,9 @@ def test_gpu_check_cpu_dry_run_writes_every_output(tmp_path):
     assert "decode_loop.json" in names and "[decode_loop] eager: ok" in done.stdout
     # Progress lines as they come, short; the short table printed last, its verdict the last line.
     progress = [line for line in done.stdout.splitlines() if line.startswith("[bench ")]
-    # < 260: a decisive line has 12 slots here (3 arms x simt, the earlier mma kernels v2 and v2.1, mma) in
-    # microseconds (`unp/v21 13946us`); a GPU's line gives % of copy (`unp/v21 88%`), ~60 characters shorter
-    assert len(progress) >= 6 and all(len(line) < 260 for line in progress), max(progress, key=len)
+    # < 320: a decisive line has 15 slots here (3 arms x simt, the earlier mma kernels v2, v2.1 and v2.2, mma)
+    # in microseconds (`unp/v21 13946us`); a GPU's line gives % of copy (`unp/v21 88%`), ~75 characters shorter
+    assert len(progress) >= 6 and all(len(line) < 320 for line in progress), max(progress, key=len)
     assert "decisive configurations, simt vs mma" in done.stdout and "L2 probe: absent" in done.stdout
     assert re.search(r"^  6/1/256 bf16 b2 300 +unp +\d+us\[41\] +\d+us\[-\] +\d\.\d\dx\n {27}spk .*\n"
                      r" {27}pack +\d+us\[60\] +\d+us\[97\] +\d\.\d\dx$", done.stdout, re.M)
@@ -237,7 +237,7 @@ def test_sanitizer_cases_pass_on_the_cpu_backend():
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     lines = [line.split() for line in done.stdout.splitlines() if line.startswith("ok ")]
-    assert [(line[1], line[2]) for line in lines] == [(i, a) for i in ("mma", "mma_v21", "mma_v2", "simt")
+    assert [(line[1], line[2]) for line in lines] == [(i, a) for i in ("mma", "mma_v22", "mma_v21", "mma_v2", "simt")
                                                       for a in sweep_plan.DEFAULT_ARMS
                                                       for _ in range(2)]
     assert all(f") {line[1]} (" in " ".join(line) for line in lines)  # the plan ran the implementation asked for
@@ -323,7 +323,7 @@ def test_the_full_profile_runs_the_decisive_configurations_first():
     assert all(j.baselines == ("sdpa_gather", "sdpa_nogather") for j in jobs[:12])
     # issue 19: the earlier mma kernels and the default one timed side by side on every decisive arm
     assert all({s.impl for s in sweep_plan.slots_for(j, list(sweep_plan.DEFAULT_ARMS))} == {
-        "simt", "mma_v2", "mma_v21", "mma"} for j in jobs[:12])
+        "simt", "mma_v2", "mma_v21", "mma_v22", "mma"} for j in jobs[:12])
     hpc = jobs[12:18]  # every heads_per_cta of each group: 4 -> 1, 2, 4; 8 -> 1, 2, 4, 8
     assert [(j.kind, j.config.model, j.config.batch, j.config.context, j.hpc_values) for j in hpc] == [
         ("hpc", m, b, 16384, values) for m, values in (("llama-3-8b", (1, 2, 4)), ("llama-3-70b", (1, 2, 4, 8)))
@@ -345,9 +345,9 @@ def test_the_full_profile_runs_the_decisive_configurations_first():
 def test_slots_force_every_arm_on_every_implementation():
     jobs = _planned()
     assert [s.label for s in sweep_plan.slots_for(jobs[5], list(sweep_plan.DEFAULT_ARMS))] == [  # 24/4/256
-        f"{arm}/{i}" for arm in ("unpacked", "splitk", "gqa_packed") for i in ("simt", "mma_v2", "mma_v21", "mma")]
+        f"{arm}/{i}" for arm in ("unpacked", "splitk", "gqa_packed") for i in ("simt", "mma_v2", "mma_v21", "mma_v22", "mma")]
     assert [s.label for s in sweep_plan.slots_for(jobs[0], list(sweep_plan.DEFAULT_ARMS))] == [  # 32/8/128: no pack
-        f"{arm}/{i}" for arm in ("unpacked", "splitk") for i in ("simt", "mma_v2", "mma_v21", "mma")]
+        f"{arm}/{i}" for arm in ("unpacked", "splitk") for i in ("simt", "mma_v2", "mma_v21", "mma_v22", "mma")]
     assert [s.label for s in sweep_plan.slots_for(jobs[15], [])] == [  # 64/8/128: group 8
         "default/mma/h1", "default/mma/h2", "default/mma/h4", "default/mma/h8"]
     assert [s.label for s in sweep_plan.slots_for(jobs[-1], ["unpacked"])] == [  # the grid: simt and mma only
@@ -574,7 +574,7 @@ def test_the_committed_sass_model_predicts_every_decisive_variant_of_both_implem
     arm on simt and mma at every decisive configuration, at the heads per CTA its plan on an H200 runs. The
     report gives mma at the group's largest heads per CTA only, so the one plan that picks fewer (unpacked, one
     sequence: 8 KV heads x 4 / h CTAs, h = 1 to cover half the SMs; and 64/8/128's one sequence, h = 1 unpacked,
-    h = 4 split-K) has none. The earlier mma kernels (mma_v2, mma_v21) are not in the report."""
+    h = 4 split-K) has none. The earlier mma kernels (mma_v2, mma_v21, mma_v22) are not in the report."""
     from metrale_attn.config import LayerConfig
     from metrale_attn.plan import make_plan
     from metrale_attn.targets import get_target, resolve_target_policy
@@ -717,7 +717,7 @@ def full_size_result(copy: float = 4.3) -> dict:
         c = job.config
         at = lambda pct: c.bytes_moved / (pct / 100 * copy * 1e12) * 1e6  # noqa: E731  (us at pct % of copy)
         for slot in sweep_plan.slots_for(job, list(sweep_plan.DEFAULT_ARMS)):
-            us = at({"mma": 92.0, "mma_v21": 88.0, "mma_v2": 80.0}.get(slot.impl, 46.0))
+            us = at({"mma": 92.0, "mma_v22": 90.0, "mma_v21": 88.0, "mma_v2": 80.0}.get(slot.impl, 46.0))
             row = sweep.make_row(c, "metrale", arm=slot.arm, copy_tb_per_s=copy, status="ok",
                                         timing=sweep.Timing(us, us, us, 20, "cuda-graph"),
                                         check={"status": "ok"}, slot=slot, tier=job.tier,
@@ -777,11 +777,11 @@ def test_the_short_table_of_a_full_run_fits_the_device_tools_output_tail():
     assert any(line.startswith("  llama-3-70b b64:") and "h4*" in line and "h8 " in line for line in lines)
     md = report.render_markdown(result)
     assert ("| unpacked/simt us (% copy) | unpacked/mma_v2 us (% copy) | unpacked/mma_v21 us (% copy) | "
-            "unpacked/mma us (% copy) | split-K/simt us (% copy) |") in md
-    assert ("| simt us (% copy) | mma v2 us (% copy) | mma v2.1 us (% copy) | mma v2.2 us (% copy) | mma / simt | "
-            "v2.1 / v2 | v2.2 / v2.1 |") in md
+            "unpacked/mma_v22 us (% copy) | unpacked/mma us (% copy) | split-K/simt us (% copy) |") in md
+    assert ("| simt us (% copy) | mma v2 us (% copy) | mma v2.1 us (% copy) | mma v2.2 us (% copy) | "
+            "mma v2.3 us (% copy) | mma / simt | v2.1 / v2 | v2.2 / v2.1 | v2.3 / v2.2 |") in md
     step = next(line for line in md.splitlines() if line.startswith("| llama-3-8b bf16 b64 4k | unpacked |"))
-    assert step.endswith("| 2.00x | 1.10x | 1.05x |"), step  # 92 / 46, 88 / 80, 92 / 88 % of copy
+    assert step.endswith("| 2.00x | 1.10x | 1.02x | 1.02x |"), step  # 92 / 46, 88 / 80, 90 / 88, 92 / 90 % of copy
     assert "llama-3-70b (64/8/128, group 8), mma kernels" in md
 
 

@@ -33,7 +33,7 @@ def test_the_mma_hot_loop_is_one_stage_of_each_warps_ring(spec, tokens, stages, 
     loop, tiling = hot_loop(spec), spec.tiling
     row = spec.head_dim * (1 if spec.kv_dtype == "fp8" else 2)
     assert (tiling.tile_tokens, tiling.stages, loop.heads_per_cta) == (tokens, stages, heads)
-    assert loop.kv_bytes_per_warp_iter == 2 * tokens * row and loop.stage_bytes == 4 * 2 * tokens * row
+    assert loop.kv_bytes_per_warp_iter == 2 * tokens * row and loop.stage_bytes == tiling.warps * 2 * tokens * row
     assert loop.pipeline_stages == stages and loop.dynamic_smem_bytes == spec.shared_bytes > 48 * 1024
     assert loop.grouped == (spec.arm != "gqa_packed")
 
