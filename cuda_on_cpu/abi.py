@@ -25,6 +25,12 @@ POINTER, SIGNED, UNSIGNED, FLOAT, BOOL, OTHER = range(6)
 _NUMPY_KIND = {SIGNED: "i", UNSIGNED: "u", FLOAT: "f", BOOL: "b"}
 
 _LAUNCH_LOCK = threading.Lock()  # the runtime's launch state is per library, not reentrant
+_stacks_held_by = None
+"""The library that launched last, which keeps its fiber stacks for its next launch. Every
+library has its own pool, two memory mappings a stack; a process of hundreds of libraries of
+256-thread blocks would reach vm.max_map_count (65530) if each kept its pool, after which
+creating a thread fails. So a library's launch first releases the previous holder's stacks:
+one pool is mapped at a time. Guarded by ``_LAUNCH_LOCK``."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,7 +170,13 @@ def launch_raw(lib, kernel_index: int, grid, block, shared_bytes: int, values: l
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_ulonglong, ctypes.c_void_p,
                    ctypes.c_int, ctypes.c_ulonglong, ctypes.c_ulonglong, ctypes.c_char_p, ctypes.c_int]
+    global _stacks_held_by
     with _LAUNCH_LOCK:
+        if _stacks_held_by is not None and _stacks_held_by is not lib:
+            release = _stacks_held_by.cocpu_release_stacks
+            release.restype, release.argtypes = None, []
+            release()
+        _stacks_held_by = lib
         rc = fn(kernel_index, g, b, shared_bytes, argv, policy, seed, stack_bytes, err, len(err))
     if rc != 0:
         raise CudaOnCpuError(err.value.decode(errors="replace"))

@@ -119,6 +119,7 @@ extern bool g_stacks_dirty;  // ASan: fibers were abandoned mid-frame, their sha
 
 // scheduler.cpp
 bool ensure_stacks(unsigned n, size_t usable);
+void release_stacks();
 bool run_block();  // one block to completion; false (with L.err set) on an error
 void suspend(Fiber* f, bool final);
 [[noreturn]] void fail_here(const std::string& what);  // on a fiber: fail and leave for good

@@ -28,6 +28,9 @@ COCPU_EXPORT unsigned long long cocpu_static_shared_bytes(void) {
   return static_shared_size();
 }
 
+// Unmaps this library's fiber stacks (the next launch maps them again); see release_stacks.
+COCPU_EXPORT void cocpu_release_stacks(void) { release_stacks(); }
+
 // Runs kernel `kernel` over grid x block. args[i] points at the value of parameter i
 // (as cuLaunchKernel's kernelParams). policy: 0 default (thread order), 1 reverse,
 // 2 shuffle, 3 warp-ahead; seed seeds 2 and 3 (and the block order of 2 and 3).

@@ -82,6 +82,23 @@ bool ensure_stacks(unsigned n, size_t usable) {
   return true;
 }
 
+// Unmaps every stack (abi.py calls it, through cocpu_release_stacks, on the library that
+// launched last when another launches): each library keeps its own pool, two mappings per
+// stack, and a process holding hundreds of libraries of 256-thread blocks would otherwise
+// reach the kernel's limit on mappings (vm.max_map_count, 65530), past which creating a
+// thread fails.
+void release_stacks() {
+  for (Stack& s : g_stacks) {
+#if COCPU_ASAN
+    __asan_unpoison_memory_region(s.map + kGuardBytes, s.map_size - kGuardBytes);
+#endif
+    munmap(s.map, s.map_size);
+  }
+  g_stacks.clear();
+  g_stack_usable = 0;
+  g_stacks_dirty = false;
+}
+
 // ---------------------------------------------------------------------------------
 // Context switches
 // ---------------------------------------------------------------------------------

@@ -199,6 +199,36 @@ def test_8_byte_uint2_loads():
     np.testing.assert_array_equal(y, x.astype(np.uint64).sum(axis=1))
 
 
+def _fiber_stack_guards() -> int:
+    """Anonymous PROT_NONE mappings of 64 KiB in this process: the guards below fiber stacks
+    (runtime/internal.h, kGuardBytes), one a stack."""
+    count = 0
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            count += len(fields) == 5 and fields[1] == "---p" and hi - lo == 64 * 1024
+    return count
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads /proc/self/maps")
+def test_only_the_library_that_launched_last_keeps_its_fiber_stacks_mapped():
+    """Every library has its own pool of fiber stacks, two mappings a stack. A process that
+    loads hundreds of libraries of 256-thread blocks (a test run) would reach vm.max_map_count
+    if each kept its pool, and then cannot create a thread; so a launch first unmaps the pool
+    of the library that launched before it."""
+    a, b = toy("dynamic_shared"), toy("block_reduce")
+    x = np.arange(1024, dtype=np.float32)
+    y, out = np.empty_like(x), np.empty(8, np.float32)
+    a.launch("reverse_block", (4, 1, 1), (256, 1, 1), 256 * 4, (x, y))
+    after_a = _fiber_stack_guards()
+    b.launch("block_sum", (8, 1, 1), (128, 1, 1), 0, (x, out, np.int32(1024)))
+    after_b = _fiber_stack_guards()
+    a.launch("reverse_block", (4, 1, 1), (256, 1, 1), 256 * 4, (x, y))
+    assert after_a >= 256 and after_b == after_a - 128 and _fiber_stack_guards() == after_a
+    np.testing.assert_array_equal(y, x.reshape(4, 256)[:, ::-1].ravel())  # a's stacks mapped again, and used
+
+
 # ---------------------------------------------------------------------------------------
 # Misuse is an error, not a hang
 # ---------------------------------------------------------------------------------------
