@@ -62,6 +62,7 @@ RANK = """
 """
 
 
+@pytest.mark.slow  # ~5 s on two cores: .ci/run's slow step runs it
 def test_four_ranks_precompiling_at_once_compile_each_variant_once(tmp_path):
     pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="NVRTC (cupy) is not installed")
     go = tmp_path / "go"

@@ -69,6 +69,7 @@ def test_the_cpu_backend_ships_its_shim(wheel_names):
     assert not [name for name in wheel_names if name.startswith("cuda_on_cpu/tests/")]
 
 
+@pytest.mark.slow  # ~5 s on two cores: .ci/run's slow step runs it
 def test_the_shim_builds_and_launches_from_a_non_editable_install(wheel, tmp_path):
     """Unpacked, the wheel is the install: the shim compiles its runtime from the shipped sources
     and launches in a child process that imports the shim from there too; the library finds

@@ -199,6 +199,7 @@ def test_gpu_check_quick_exits_1_when_the_sweep_times_nothing(tmp_path):
     assert table["decode_loop"][0] == "skipped" and "--quick" in table["decode_loop"][1]
 
 
+@pytest.mark.slow  # ~20 s on two cores: .ci/run's slow step runs it
 @pytest.mark.skipif(not HAVE_BASH, reason="needs bash")
 def test_a_run_killed_mid_sweep_still_leaves_logs_summary_and_numbers(tmp_path):
     """The device tool kills a command at its limit: what was packed after each step, and what the
@@ -232,6 +233,7 @@ def test_a_run_killed_mid_sweep_still_leaves_logs_summary_and_numbers(tmp_path):
     assert re.search(r"^\[bench \d+s\] decisive-bf16 6/1/256 bf16 b2 300: ", stdout, re.M), stdout
 
 
+@pytest.mark.slow  # ~9 s on two cores: .ci/run's slow step runs it
 def test_sanitizer_cases_pass_on_the_cpu_backend():
     done = subprocess.run([sys.executable, "-m", "benchmarks.sanitize_cases", "--cpu"], cwd=REPO,
                           capture_output=True, text=True, timeout=300)

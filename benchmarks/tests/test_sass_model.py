@@ -173,6 +173,7 @@ def test_the_loop_the_report_finds_loads_the_bytes_the_source_declares(spec):
         assert [i.base for i in vector_loads] == ["LDGSTS"] * (2 * spec.tiling.tile_tokens * row_bytes // 16 // 32)
 
 
+@pytest.mark.slow  # ~7 s on two cores: .ci/run's slow step runs it
 @needs_nvdisasm
 def test_the_report_on_one_variant_writes_the_interface(tmp_path):
     out = tmp_path / "rows.json"
