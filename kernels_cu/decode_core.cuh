@@ -747,22 +747,16 @@ __device__ __forceinline__ void warp_tiles(int lo, int hi, int& first_tile, int&
   my_tiles = first_tile < k1 ? (k1 - first_tile + W - 1) / W : 0;
 }
 
-// A producer for this warp's tiles of the keys [lo, hi) of one KV head (K and V rows by
-// strides in elements, which it returns in issue_tile's order), from its tile `from` of those
-// starting at first_tile (lane i < TT: token i of that tile).
-__device__ __forceinline__ void open_stream(Stream& s, long long (&strides)[4], const unsigned char* k_head,
-                                            long long k_stride_page, long long k_stride_token,
-                                            const unsigned char* v_head, long long v_stride_page,
-                                            long long v_stride_token, const int* __restrict__ bt_row, int page_size,
-                                            int lo, int hi, int first_tile, int from, unsigned char* ring) {
+// A producer for this warp's tiles of the keys [lo, hi) of one KV head (its K and V rows at
+// k_head / v_head), from its tile `from` of those starting at first_tile (lane i < TT: token
+// i of that tile).
+__device__ __forceinline__ void open_stream(Stream& s, const unsigned char* k_head, const unsigned char* v_head,
+                                            const int* __restrict__ bt_row, int page_size, int lo, int hi,
+                                            int first_tile, int from, unsigned char* ring) {
   const int lane = threadIdx.x & 31;
   const int chunk = (CPR == CPL || lane % CPL < CPR) ? lane % CPL : 0;  // a zero-filled chunk points at a real one
   s.k_lane = k_head + chunk * 16;
   s.v_lane = v_head + chunk * 16;
-  strides[0] = k_stride_page;
-  strides[1] = k_stride_token;
-  strides[2] = v_stride_page;
-  strides[3] = v_stride_token;
   s.bt_row = bt_row;
   s.page_size = page_size;
   s.lo = lo;
@@ -820,23 +814,9 @@ __device__ __forceinline__ void attend(unsigned char* smem, const Rows& rw, cons
   unsigned char* table = smem + TABLE_OFF + warp * TT * 16;
 
   constexpr int from = PREFETCH;  // tiles in flight already (issue_ahead)
-  // The producer (open_stream's lines, inline here: calling it moved kernel v2.1's SASS)
   Stream s;
-  const int chunk = (CPR == CPL || lane % CPL < CPR) ? lane % CPL : 0;  // a zero-filled chunk points at a real one
-  s.k_lane = k_head + chunk * 16;
-  s.v_lane = v_head + chunk * 16;
   const long long strides[4] = {k_stride_page, k_stride_token, v_stride_page, v_stride_token};
-  s.bt_row = bt_row;
-  s.page_size = page_size;
-  s.lo = lo;
-  s.hi = hi;
-  s.step_pages = (W * TT) / page_size;
-  s.step_in_page = W * TT - s.step_pages * page_size;
-  s.tok = (unsigned)first_tile * TT + from * W * TT + lane;
-  s.page = s.tok / (unsigned)page_size;  // one division per lane per item; the rest are increments
-  s.in_page = (int)(s.tok - s.page * page_size);
-  s.ring = ring;
-  s.row = 0;
+  open_stream(s, k_head, v_head, bt_row, page_size, lo, hi, first_tile, from, ring);
   start_entries(s, carry);
 
   PD_UNROLL
@@ -1160,9 +1140,8 @@ __device__ __forceinline__ void issue_ahead(unsigned char* smem, int lo, int hi,
   unsigned char* ring = smem + RING_OFF + warp * RING_BYTES;
   unsigned char* table = smem + TABLE_OFF + warp * TT * 16;
   Stream s;
-  long long strides[4];
-  open_stream(s, strides, k_head, k_stride_page, k_stride_token, v_head, v_stride_page, v_stride_token, bt_row,
-              page_size, lo, hi, first_tile, 0, ring);
+  const long long strides[4] = {k_stride_page, k_stride_token, v_stride_page, v_stride_token};
+  open_stream(s, k_head, v_head, bt_row, page_size, lo, hi, first_tile, 0, ring);
   s.etok = s.tok;
   s.epage = s.page;
   s.ein_page = s.in_page;
