@@ -813,14 +813,13 @@ def region_instructions(instrs: list[Instr], blocks: list[Block], dom, start: in
     return sum(size[b] for b in walk(start)[0])
 
 
-def prologue_epilogue_instructions(instrs: list[Instr], labels: dict[str, int], hot: HotPath,
-                                   item_prologue: list | None = None) -> tuple[int, int]:
+def prologue_epilogue_instructions(instrs: list[Instr], labels: dict[str, int], hot: HotPath
+                                   ) -> tuple[int, int, int]:
     """Instructions one warp issues before the hot loop (kernel entry to its header, on the
     paths that reach it without a back edge: a branch around the loop into what follows it, as
     a persistent kernel's warp without tiles takes, is no prologue) and after it (its exit to ``EXIT``), each loop on the
-    way counted once. ``item_prologue``: a list that receives the prologue of a persistent
-    kernel's later item (from the header of the smallest loop around the hot loop; the
-    prologue where there is none)."""
+    way counted once; and a later item's prologue (a persistent kernel's: from the header of the
+    smallest loop around the hot loop; the prologue where there is none)."""
     blocks = build_cfg(instrs, labels)
     dom = dominators(blocks)
     kinds = branch_kinds(instrs, blocks)
@@ -836,11 +835,10 @@ def prologue_epilogue_instructions(instrs: list[Instr], labels: dict[str, int], 
                 reach.add(u)
                 todo.append(u)
     prologue = region_instructions(instrs, blocks, dom, 0, {hot.loop.header}, kinds, reach)
-    if item_prologue is not None:  # a later item of a persistent kernel: from the loop around the hot loop
-        around = [lp for lp in natural_loops(blocks, dom) if hot.loop.header in lp.body and lp.header != hot.loop.header]
-        outer = min(around, key=lambda lp: len(lp.body), default=None)
-        item_prologue.append(prologue if outer is None else
-                             region_instructions(instrs, blocks, dom, outer.header, {hot.loop.header}, kinds, reach))
+    around = [lp for lp in natural_loops(blocks, dom) if hot.loop.header in lp.body and lp.header != hot.loop.header]
+    outer = min(around, key=lambda lp: len(lp.body), default=None)
+    item_prologue = prologue if outer is None else region_instructions(instrs, blocks, dom, outer.header,
+                                                                       {hot.loop.header}, kinds, reach)
     exits = [v for u in hot.loop.body for v, kind in blocks[u].succs if v not in hot.loop.body and kind != "div"]
     epilogue = max((region_instructions(instrs, blocks, dom, e, set(), kinds) for e in exits), default=0)
-    return prologue, epilogue
+    return prologue, epilogue, item_prologue

@@ -118,10 +118,9 @@ def analyse(spec: KernelSpec, arch: str, nvdisasm: str, build: tuple[bytes, str]
     # K/V: vector loads and 16-byte cp.async (a 4-byte cp.async is a block-table entry, staged)
     vector_bytes = sum(global_load_bytes(i) for i in hot.instrs if _width_bytes(i) >= 8) if hot else 0
     iters = max(1, round(vector_bytes / loop.kv_bytes_per_warp_iter)) if vector_bytes else 1
-    item: list = []
-    pro, epi = prologue_epilogue_instructions(instrs, labels, hot, item) if hot else (0, 0)
+    pro, epi, item_pro = prologue_epilogue_instructions(instrs, labels, hot) if hot else (0, 0, 0)
     return SpecFacts(spec, arch, resources, hot, in_flight, ctas, limiter, vector_bytes, iters, pro, epi,
-                        item[0] if item else pro, launch_bounds(spec, loop.kernel, loop.warps_per_cta))
+                        item_pro, launch_bounds(spec, loop.kernel, loop.warps_per_cta))
 
 
 def launch_bounds(spec: KernelSpec, kernel: str, warps: int) -> tuple[int, int] | None:

@@ -83,8 +83,6 @@ lever 2"): one 8-warp CTA per SM loses 8-17 points at batch 64 without persisten
 WARP_CANDIDATES_V23 = (8, 4, 2)
 """W of a ``v2.3`` spec, most first (``warps_for``): 8 warps where their CTA fits, with 2
 stages at least."""
-WARP_CANDIDATES_OF = {"v2.3": WARP_CANDIDATES_V23}
-"""A kernel's warp candidates where they are not ``WARP_CANDIDATES``."""
 PERSISTENT_KERNELS = ("v2.2", "v2.3")
 """The kernels whose CTAs are persistent (``Tiling.persistent``)."""
 
@@ -105,7 +103,7 @@ class Tiling:
     """Persistent CTAs (``v2.2``, ``v2.3``): the launch grid is the CTAs resident on the device
     (``resident_ctas``), each walking the plan's work items in a fixed order."""
     prefetch: int = 0
-    """``v2.2``: the next item's tiles each warp issues before the current item's epilogue
+    """``v2.2``, ``v2.3``: the next item's tiles each warp issues before the current item's epilogue
     (``prefetch_stages``; ``PD_PREFETCH``, which the kernel checks against its carve); 0: none."""
 
     @property
@@ -181,8 +179,8 @@ def carve(head_dim: int, parts: int, kv_dtype: str, row_tiles: int, warps: int, 
 
 
 def prefetch_stages(head_dim: int, kv_dtype: str, row_tiles: int, stages: int) -> int:
-    """Kernels ``v2.2`` and ``v2.3``: the stages of its ring each warp fills with the next item's first tiles
-    before the current item's epilogue (``decode_core.cuh``, "lever 5"), the most (<= S - 1)
+    """Kernels ``v2.2`` and ``v2.3``: the stages of its ring each warp fills with the next
+    item's first tiles before the current item's epilogue (``decode_core.cuh``, "lever 5"), the most (<= S - 1)
     that leave the rest of the ring room for the warp's state (m, l and o of every row, fp32:
     rows x (D + 2) x 4 bytes), which the epilogue publishes there; 0 when one stage short of
     the ring does not hold it."""
@@ -205,7 +203,7 @@ def warps_for(head_dim: int, kv_dtype: str, smem_limit: int, kernel: str = DEFAU
     function of (head dim, cache dtype, limit, kernel) only: the invariant that keeps a row's
     bytes the same for every ``heads_per_cta`` and batch."""
     parts = max(q_parts(q, kv_dtype) for q in dtypes.Q_DTYPES)
-    for warps in WARP_CANDIDATES_OF.get(kernel, WARP_CANDIDATES):
+    for warps in WARP_CANDIDATES_V23 if kernel == "v2.3" else WARP_CANDIDATES:
         if carve(head_dim, parts, kv_dtype, max_row_tiles(head_dim), warps, 2) <= smem_limit:
             return warps
     return None
