@@ -146,7 +146,9 @@ class Levers:
     persistent CTAs that bring the next item's q rows and first block-table entries into L2
     (``warm_prologue_cycles``), and whose warps issue the next item's first
     ``next_in_flight`` stages (the spec's ``Tiling.prefetch``) before the epilogue
-    (``ahead_prologue_cycles``)."""
+    (``ahead_prologue_cycles``); ``dependent_merge``, what every ``mma`` kernel does (set by
+    ``sass_model``): the split-K merge launched as the attention grid's programmatic dependent
+    (``dependent_launch_gap``)."""
 
     name: str = "today"
     warps_per_cta: int | None = None
@@ -158,6 +160,7 @@ class Levers:
     hmma_latency: float | None = None
     warm_next: bool = False
     next_in_flight: int = 0
+    dependent_merge: bool = False
 
     def rewrite(self, ops: list[wc.Op]) -> tuple[list[wc.Op], dict[str, int]]:
         """``ops`` with this hypothetical's SASS rewrites, and how many instructions each touched."""
@@ -323,8 +326,18 @@ def epilogue_cycles(k: KernelTiming, head_dim: int) -> float:
         a("lat_shared") + a("lat_xu") + 2 * a("lat_alu"))
 
 
-def merge_cycles(call: Call, plan: DecodePlan, utilisation_dram: float) -> float:
-    """The split-K merge: a launch after the attention kernel, then waves of merge CTAs
+def dependent_launch_gap(released: float, ended: float) -> float:
+    """The gap between the attention grid's end (``ended``) and the merge's first CTAs at
+    work when the merge is that grid's programmatic dependent: its launch (``launch``) starts
+    once every CTA has released it, at the start of the grid's last item (``released``), and
+    its CTAs, resident by then, wait on the device for the grid's end and its memory
+    (``pdl_wait``): the later of the two."""
+    return max(a("pdl_wait"), released + a("launch") - ended)
+
+
+def merge_cycles(call: Call, plan: DecodePlan, utilisation_dram: float, launch: float | None = None) -> float:
+    """The split-K merge: a launch after the attention kernel (``launch`` cycles: the
+    ``launch`` assumption, or ``dependent_launch_gap`` for a dependent launch), then waves of merge CTAs
     (one per (head, row)) whose threads read every split's m (one L2 round trip: the
     workspace was just written), then l and o (another), exp2 and the sum; or the workspace
     bytes at L2 bandwidth and the output at HBM bandwidth, whichever is longer."""
@@ -338,7 +351,7 @@ def merge_cycles(call: Call, plan: DecodePlan, utilisation_dram: float) -> float
     out_bytes = ctas * call.head_dim * 2
     clock = a("clock_ghz") * 1e9
     stream = ws_bytes / (a("l2_tb_s") * 1e12) * clock + out_bytes / (a("hbm_copy_tb_s") * 1e12) * clock
-    return a("launch") + max(chain, stream)
+    return (a("launch") if launch is None else launch) + max(chain, stream)
 
 
 # ======================================================================================
@@ -457,9 +470,11 @@ def simulate(call: Call, plan: DecodePlan, k: KernelTiming, lockstep: bool = Fal
     u = 0.0  # the first wave's prologues run on an idle memory system
     epi = epilogue_cycles(k, call.head_dim)
     nxt = 0
+    t = 0.0
+    released = 0.0  # when the last item starts: every CTA has released the merge (dependent_launch_gap)
 
     def start(slot: int) -> None:
-        nonlocal nxt
+        nonlocal nxt, released
         cta[slot], phase[slot] = nxt, 0
         per_tile[slot] = nbytes[nxt] / max(tiles[nxt], 1)
         spread = 0.0 if lockstep else _spread(nxt) * half_range
@@ -472,6 +487,8 @@ def simulate(call: Call, plan: DecodePlan, k: KernelTiming, lockstep: bool = Fal
         else:
             left[slot] = prologue_cycles(k, dram(u) + spread)
         nxt += 1
+        if nxt == n:
+            released = t
 
     def advance(slot: int, overshoot: float, body_rate: float) -> None:
         """Slot ``slot`` ended its phase ``overshoot`` cycles before the step's end."""
@@ -496,7 +513,6 @@ def simulate(call: Call, plan: DecodePlan, k: KernelTiming, lockstep: bool = Fal
     for slot in range(nslots):
         if nxt < n:
             start(slot)
-    t = 0.0
     loss = dict.fromkeys(LOSSES[1:], 0.0)
     t_peak_warp = 0.0
     u_weighted, body_time = 0.0, 0.0
@@ -551,7 +567,8 @@ def simulate(call: Call, plan: DecodePlan, k: KernelTiming, lockstep: bool = Fal
             advance(int(slot), -left[slot] / rate[slot], float(tile_rate[slot] * scale) if body[slot] else
                     float(scale / max(chain, c1.issue_bound)))
     mean_u = u_weighted / body_time if body_time else 0.0
-    merge = merge_cycles(call, plan, mean_u)
+    dependent = k.levers.dependent_merge and plan.arm == "splitk"
+    merge = merge_cycles(call, plan, mean_u, dependent_launch_gap(released, t) if dependent else None)
     launch = a("launch")
     total_cycles = launch + t + merge
     pct = 100.0 * call.kv_bytes / cap / total_cycles

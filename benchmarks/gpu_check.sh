@@ -23,6 +23,8 @@
 #      the device eagerly, compiled and under a CUDA graph (every output against float64), and a
 #      step at batch 64 x 4k timed against the same loop on PyTorch SDPA; its time is reserved
 #      out of the sweep's budget, so the grid gives way, not this (decode_loop_check.py)
+#   6b. the split-K merge launched as the attention grid's programmatic dependent and plainly,
+#      side by side on the calls its launch gap touches: bytes equal, times      (pdl_check.py)
 #   7. summary: summary.md, and a short table printed LAST                     (summary.py)
 #
 # After every step (and every CHECKPOINT_S seconds during the sweep) summary.md is rewritten
@@ -41,7 +43,7 @@
 # Environment knobs: OUT (./gpu_check_out), PYTHON (python3), GPU_CHECK_DEADLINE_S (465; 220
 # --quick), WHEELS_DIR (.whl; given explicitly, installed in --cpu too), WHEEL_TARGET (/tmp/site),
 # PYTEST_TIMEOUT_S (110), PYTEST_WORKERS (6, with pytest-xdist), GPU_TEST_PATHS (tests/; --cpu: tests/test_gpu.py), DECODE_LOOP_CAP_S (120; 60 --cpu;
-# 0: skip the step), SANITIZE_TOOLS ("memcheck
+# 0: skip the step), PDL_CHECK_CAP_S (45; 0: skip the step), SANITIZE_TOOLS ("memcheck
 # racecheck initcheck"), SANITIZE_TIMEOUT_S (45 each), FLASHINFER_JIT_CAP_S (300), L2_PROBE (1),
 # L2_PROBE_CAP_S (70), NCU (ncu to use; "none"), SASS_MODEL_JSON (predictions to use), SASS_REPORT
 # (1: run sass_model.py in --cpu too), SASS_REPORT_CAP_S (150), BENCH_BUDGET_S (300 at most),
@@ -54,7 +56,7 @@ for arg in "$@"; do
   case "$arg" in
     --cpu) MODE=cpu ;;
     --quick) PROFILE=quick ;;
-    -h|--help) sed -n '2,49p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,50p' "$0"; exit 0 ;;
     *) echo "gpu_check.sh: unknown argument $arg (use --cpu, --quick or nothing)" >&2; exit 2 ;;
   esac
 done
@@ -290,10 +292,11 @@ fi
 
 # -- 5. the sweep ---------------------------------------------------------------------------------
 t=$(date +%s)
-# The decode loop's time comes out of the sweep's budget (the grid, its last tier, gives way).
+# The decode loop's and the PDL check's time come out of the sweep's budget (the grid, its last tier, gives way).
 if [ "$PROFILE" = quick ]; then LOOP_CAP=0; elif [ "$MODE" = cpu ]; then LOOP_CAP=${DECODE_LOOP_CAP_S:-60}; else
   LOOP_CAP=${DECODE_LOOP_CAP_S:-120}; fi
-BUDGET=$(clamp $(( DEADLINE_S - $(elapsed) - 30 - LOOP_CAP )) 30 "${BENCH_BUDGET_S:-300}")
+if [ "$PROFILE" = quick ]; then PDL_CAP=0; else PDL_CAP=${PDL_CHECK_CAP_S:-45}; fi
+BUDGET=$(clamp $(( DEADLINE_S - $(elapsed) - 30 - LOOP_CAP - PDL_CAP )) 30 "${BENCH_BUDGET_S:-300}")
 BENCH=(-m benchmarks.sweep --out-dir "$OUT" --env-json "$WORK/env.json" --time-budget-s "$BUDGET"
        --profile "$PROFILE" --probe-json "$WORK/l2_probe.json" --checkpoint-s "$CHECKPOINT_S")
 [ -n "$SASS_JSON" ] && BENCH+=(--sass-json "$SASS_JSON")
@@ -343,6 +346,23 @@ if [ "$LOOP_CAP" -gt 0 ]; then
   step decode_loop "${out%%$'\t'*}" "$(since "$t")" "${out#*$'\t'}"
 else
   step decode_loop skipped 0 "--quick: no decode loop"
+fi
+checkpoint
+
+# -- 6b. the split-K merge with and without programmatic dependent launch, side by side -------------
+if [ "$PDL_CAP" -gt 0 ]; then
+  t=$(date +%s)
+  say "pdl_check.py (cap ${PDL_CAP}s)"
+  timeout -k 10 "$PDL_CAP" "$PY" -m benchmarks.pdl_check "${CPUFLAG[@]}" --out "$OUT/pdl_check.json" \
+    >"$WORK/pdl_check.log" 2>&1
+  rc=$?
+  case $rc in
+    0) step pdl_check ok "$(since "$t")" "$(grep -c bytes_equal "$WORK/pdl_check.log") calls, bytes equal both ways; times in pdl_check.json" ;;
+    124|137) step pdl_check FAIL "$(since "$t")" "past its cap of ${PDL_CAP}s" ;;
+    *) step pdl_check FAIL "$(since "$t")" "rc=$rc: $(tail -n 1 "$WORK/pdl_check.log")" ;;
+  esac
+else
+  step pdl_check skipped 0 "--quick: no PDL check"
 fi
 checkpoint
 

@@ -89,6 +89,11 @@ ASSUMPTIONS: dict[str, Assumption] = {
                            "of one shared-memory access; unmeasured)"),
     "launch": Assumption(3000, "cycles", f"one kernel's start in a stream (graph replay) or after the kernel before "
                          f"it: {_ACCEL_SIM}: -gpgpu_kernel_launch_latency 3000), 1.5 us at 1.98 GHz"),
+    "pdl_wait": Assumption(1000, "cycles", "programmatic dependent launch: from the attention grid's end to "
+                           "griddepcontrol.wait returning in the merge's resident CTAs (the grid's completion and "
+                           "memory flush signalled to the dependent), 0.5 us at 1.98 GHz. An assumption, not measured: "
+                           "taken as a third of the launch gap it replaces; the GPU check times the merge both ways "
+                           "(METRALE_ATTN_DECODE_PDL)"),
     "bt_sector_bytes": Assumption(32, "bytes", "an L2 sector: the first read of a 32-byte sector of the block table "
                                   "in a call misses to DRAM (the benchmark flushes L2 before every timed call, "
                                   "benchmarks/timing.py); the warps of one CTA and the CTAs of the other KV heads "

@@ -340,6 +340,8 @@ def predict_calls(calls: list[Call], facts_of, levers=(Levers(),), mma_kernel: s
         spec = call_model.variant_for(call, plan, mma_kernel)
         facts = facts_of(spec)
         for lever in levers:
+            if spec.impl == "mma":  # every mma kernel's merge is the attention grid's dependent
+                lever = replace(lever, dependent_merge=True)
             if spec.tiling is not None and spec.tiling.persistent:  # kernels v2.2, v2.3: the next item warmed, in flight
                 lever = replace(lever, warm_next=True, next_in_flight=spec.tiling.prefetch)
             k = timing(facts, lever)

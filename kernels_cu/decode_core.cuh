@@ -1381,6 +1381,7 @@ extern "C" __global__ void PD_LAUNCH_BOUNDS(PD_MMA_THREADS, 1) PD_ENTRY(
     const pd_mma::Item item = pd_item(at % items_x, (at / items_x) % items_y, at / (items_x * items_y), items_x,
                                       items_y, num_kv_heads, heads_per_cta);
     const int next = at + gridDim.x;
+    const bool last_item = next >= items;
     // The next item's length, loaded now so that it lands while this item stages q.
     const int upcoming_len = next < items ? tables.seq_len(pd_item_seq(next, items_x, items_y)) : 0;
 #else
@@ -1390,6 +1391,16 @@ extern "C" __global__ void PD_LAUNCH_BOUNDS(PD_MMA_THREADS, 1) PD_ENTRY(
     (void)items_x;  // the launch grid is the plan's
     (void)items_y;
     (void)items_z;
+    const bool last_item = true;
+#endif
+#if PD_ARM == PD_ARM_SPLITK
+    // The merge is launched as this grid's programmatic dependent: it may start once every CTA
+    // is in its last item (its launch then overlaps this grid's tail) and it waits for this
+    // grid's end before it reads the workspace (pd_wait_prior_grids), so where this is called
+    // moves only when the merge starts, never what it reads.
+    if (last_item) pd_release_dependents();
+#else
+    (void)last_item;
 #endif
     const int seq = item.seq, head0 = item.head0, heads = item.heads, num_q_heads = item.num_q_heads;
     const int seq_len = tables.seq_len(seq);
@@ -1455,6 +1466,7 @@ extern "C" __global__ void PD_LAUNCH_BOUNDS(PD_MERGE_THREADS, 4) decode_splitk_m
     const float* __restrict__ workspace, int num_splits, const float* __restrict__ sinks,
     pd_out_t* __restrict__ out, float* __restrict__ lse, float lse_scale) {
   __shared__ unsigned short s_out[PD_HEAD_DIM];
+  pd_wait_prior_grids();  // launched as the attention grid's dependent: its states are complete only now
   pd_merge_splits(workspace, num_splits, pd_mma::Sinks::merged(sinks), out, lse, lse_scale, s_out);
 }
 #endif

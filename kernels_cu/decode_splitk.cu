@@ -10,7 +10,9 @@
 //   addressing and the split ranges do not depend on heads_per_cta, and neither do the
 //   bytes.
 // decode_splitk_merge: grid (num_q_heads, num_seqs * q_len), block PD_MERGE_THREADS; the
-//   merge of pd_splitk.cuh, splits 0..n-1 in order, then the sink (with sinks).
+//   merge of pd_splitk.cuh, splits 0..n-1 in order, then the sink (with sinks). Launched as
+//   decode_splitk's programmatic dependent (sm_90 and later): each decode_splitk CTA releases
+//   it at the start of its last item, and it waits for decode_splitk's end before it reads.
 //
 // Batch invariance: a split's range, every reduction order inside the CTA and the merge
 // order depend only on (L, num_splits), so a sequence's bytes do not depend on what it

@@ -307,6 +307,33 @@ __device__ __forceinline__ unsigned pd_prmt(unsigned a, unsigned b, unsigned sel
 #endif
 }
 
+// ---------------------------------------------------------------------------------------
+// Programmatic dependent launch (griddepcontrol, PTX ISA 7.8, sm_90 and later). A grid
+// launched as the programmatic dependent of the grid before it in its stream (the host's
+// Launch.dependent) may start before that grid ends: once every CTA of that grid has
+// released its dependents or exited. Below sm_90 neither instruction exists and the host
+// never launches a dependent, so both are empty there. The shim runs launches one after
+// another: nothing starts early, nothing is left to wait for, and empty is exact.
+// ---------------------------------------------------------------------------------------
+
+// griddepcontrol.launch_dependents;  this CTA no longer holds back the grid's dependents
+// (the first call of a CTA counts; later ones do nothing). Says nothing about this grid's
+// memory: a dependent reads it only after pd_wait_prior_grids.
+__device__ __forceinline__ void pd_release_dependents() {
+#if !defined(__CUDA_ON_CPU__) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
+// griddepcontrol.wait;  the calling thread waits until every prerequisite grid has
+// completed and its memory operations are visible to this grid (returns at once in a grid
+// launched without a prerequisite).
+__device__ __forceinline__ void pd_wait_prior_grids() {
+#if !defined(__CUDA_ON_CPU__) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
 #undef PD_PTX_SITE
 #undef PD_PTX_SITE_ONLY
 #undef PD_PTX_SITE_ARGS

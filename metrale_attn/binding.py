@@ -283,16 +283,18 @@ class CallBinder:
                 self._templates.clear()
             template = self._templates[key] = self._template(plan, seen, scalars)
         launches = []
-        for module, kernel, grid, block, shared, values, holes in template:
+        for module, kernel, grid, block, shared, values, holes, dependent in template:
             values = values.copy()
             for j, index in holes:
                 values[j] = seen[index].pointer
-            launches.append((module, Launch(kernel, grid, block, shared, tuple(values))))
+            launches.append((module, Launch(kernel, grid, block, shared, tuple(values), dependent)))
         return tuple(launches)
 
     def _template(self, plan, seen: list, scalars: dict) -> tuple:
         """Per kernel of ``plan``: ``(module, kernel, grid, block, shared bytes, values,
-        holes)``; ``holes`` are ``(position, argument index)`` of the array pointers. Values
+        holes, dependent)``; ``holes`` are ``(position, argument index)`` of the array pointers;
+        ``dependent``: the ``mma`` merge, whose kernel waits for the attention grid on the
+        device, is its programmatic dependent unless the layer turned that off. Values
         other than the arrays' pointers depend only on the plan, the scalars, the arrays'
         strides and the layer."""
         spec, module = self._modules[plan.arm, plan.row_tiles, plan.q_len > 1]
@@ -312,7 +314,9 @@ class CallBinder:
             if i == 0:  # the attention kernel: its spec's block (mma: the tiling's warps)
                 block, shared = (spec.threads, 1, 1), spec.shared_bytes
                 launch_grid = launch_grid_of(spec, grid, self.config.target)
+                dependent = False
             else:  # the merge
                 block, shared = (self._block[1], 1, 1), 0
-            template.append((module, grid.kernel, launch_grid, block, shared, values, holes))
+                dependent = self.config.impl == "mma" and self.config.dependent_launch
+            template.append((module, grid.kernel, launch_grid, block, shared, values, holes, dependent))
         return tuple(template)

@@ -46,6 +46,7 @@ DEFAULT_IMPL = "mma"
 ENV_IMPL = "METRALE_ATTN_DECODE_IMPL"
 ENV_HEADS_PER_CTA = "METRALE_ATTN_DECODE_HEADS_PER_CTA"
 ENV_MMA_KERNEL = "METRALE_ATTN_DECODE_MMA_KERNEL"
+ENV_DEPENDENT_LAUNCH = "METRALE_ATTN_DECODE_PDL"
 
 ROW_TILE = 8
 """Query rows (heads x query tokens) in one row tile of an ``mma`` CTA: the MMA's N side."""
@@ -103,7 +104,11 @@ class LayerConfig:
     kernels as they are); ``heads_per_cta`` None (the plan's rule) or the override; ``impl``
     the implementation after any fallback; ``mma_kernel`` which ``mma`` kernel
     (``tiling.MMA_KERNELS``: ``v2.3``, persistent CTAs with 8 warps where they fit; or the
-    earlier ``v2.2``, ``v2.1`` and ``v2``, kept for side-by-side timing).
+    earlier ``v2.2``, ``v2.1`` and ``v2``, kept for side-by-side timing); ``dependent_launch``
+    whether the ``mma`` split-K merge is launched as the attention kernel's programmatic
+    dependent where the device has it (sm_90 and later): it then starts while the attention
+    grid's last items run and waits on the device for its end, which hides the merge's launch
+    gap; bytes are the same either way.
     """
 
     shape: ModelShape
@@ -126,6 +131,7 @@ class LayerConfig:
     lse_base: str = "e"
     page_table: str = "dense"
     mma_kernel: str = DEFAULT_MMA_KERNEL
+    dependent_launch: bool = True
     features: frozenset = field(init=False)
     """The ``FEATURES`` this layer compiles (``multi_token`` for calls of ``q_len > 1`` only)."""
 
@@ -204,6 +210,7 @@ def configure(
     lse_base="e",
     page_table: str = "dense",
     mma_kernel: Optional[str] = None,
+    dependent_launch: Optional[bool] = None,
     environ=None,
 ) -> LayerConfig:
     """A ``LayerConfig`` from ``DecodeAttention``'s keyword arguments, each checked here and
@@ -211,7 +218,8 @@ def configure(
     strings or NumPy/ml_dtypes/torch dtypes, and ``impl``/``heads_per_cta`` fall back to
     ``METRALE_ATTN_DECODE_IMPL``/``METRALE_ATTN_DECODE_HEADS_PER_CTA`` (read from
     ``environ``, default ``os.environ``) when None, and ``mma_kernel`` to
-    ``METRALE_ATTN_DECODE_MMA_KERNEL``, else ``v2.3``. ``defaults``: the target and its resolved
+    ``METRALE_ATTN_DECODE_MMA_KERNEL``, else ``v2.3``, and ``dependent_launch`` to
+    ``METRALE_ATTN_DECODE_PDL``, else on. ``defaults``: the target and its resolved
     policy (``targets.resolve_target_policy``)."""
     env = os.environ if environ is None else environ
     shape = ModelShape(num_q_heads, num_kv_heads, head_dim)
@@ -248,7 +256,8 @@ def configure(
                          f"{ENV_IMPL})")
     config = LayerConfig(shape, page_size, q_dtype, kv_dtype, max_batch, target_policy, layout, out_dtype, sm_scale,
                          max_decode_seqs, impl, None, max_q_len, window_left, logits_soft_cap, sinks, device_scales,
-                         base, table, resolve_mma_kernel(mma_kernel, env.get(ENV_MMA_KERNEL)))
+                         base, table, resolve_mma_kernel(mma_kernel, env.get(ENV_MMA_KERNEL)),
+                         resolve_dependent_launch(dependent_launch, env.get(ENV_DEPENDENT_LAUNCH)))
     if config.impl == "simt" and config.mma_only:
         raise ValueError(f"impl='simt' has no {', '.join(config.mma_only)} (features: multi_token = max_q_len > 1, "
                          "window = window_left, soft_cap = logits_soft_cap, sinks = sinks, out_f32 = out_dtype "
@@ -288,6 +297,22 @@ def resolve_mma_kernel(kernel: Optional[str], env_raw: Optional[str]) -> str:
             raise ValueError(f"{where} must be one of {', '.join(MMA_KERNELS)}, got {value!r}")
         return name
     return DEFAULT_MMA_KERNEL
+
+
+def resolve_dependent_launch(value: Optional[bool], env_raw: Optional[str]) -> bool:
+    """Whether the split-K merge is launched as a programmatic dependent: the
+    ``dependent_launch`` argument (a bool), else a non-empty ``METRALE_ATTN_DECODE_PDL``
+    (``1``/``on``/``true``/``yes`` or ``0``/``off``/``false``/``no``, trimmed, any case), else on."""
+    if value is not None:
+        if not isinstance(value, bool):
+            raise ValueError(f"dependent_launch must be True, False or None, got {value!r}")
+        return bool(value)
+    if env_raw is None or not policy.normalize(env_raw):
+        return True
+    parsed = policy.parse_gqa_pack(env_raw)  # the package's one on/off spelling
+    if parsed is None:
+        raise ValueError(f"{ENV_DEPENDENT_LAUNCH} must be on or off (1/0, true/false, yes/no), got {env_raw!r}")
+    return parsed
 
 
 def impl_chosen(impl: Optional[str], env_raw: Optional[str]) -> bool:

@@ -172,6 +172,9 @@ def test_gpu_check_cpu_dry_run_writes_every_output(tmp_path):
     # The decode loop (the vLLM backend's serving path): eager checked, then a step timed on ours and on SDPA.
     assert table["decode_loop"][0] == "ok" and table["decode_loop"][1].startswith("eager ok; step: ours")
     assert "decode_loop.json" in names and "[decode_loop] eager: ok" in done.stdout
+    # The merge with and without programmatic dependent launch: the same bytes both ways (the CPU runs both plainly).
+    assert table["pdl_check"][0] == "ok" and "bytes equal both ways" in table["pdl_check"][1]
+    assert all(r["bytes_equal"] for r in json.loads((out / "pdl_check.json").read_text())["rows"])
     # Progress lines as they come, short; the short table printed last, its verdict the last line.
     progress = [line for line in done.stdout.splitlines() if line.startswith("[bench ")]
     # < 320: a decisive line has 15 slots here (3 arms x simt, the earlier mma kernels v2, v2.1 and v2.2, mma)
@@ -197,6 +200,7 @@ def test_gpu_check_quick_exits_1_when_the_sweep_times_nothing(tmp_path):
     assert table["gpu_tests"][0] == "skipped" and "--quick" in table["gpu_tests"][1]
     assert table["wheels"][0] == "skipped" and table["l2_probe"][0] == "skipped"
     assert table["decode_loop"][0] == "skipped" and "--quick" in table["decode_loop"][1]
+    assert table["pdl_check"][0] == "skipped" and "--quick" in table["pdl_check"][1]
 
 
 @pytest.mark.slow  # ~20 s on two cores: .ci/run's slow step runs it
@@ -923,3 +927,15 @@ def test_the_csr_form_of_a_dense_table_lists_each_sequences_used_pages_in_order(
     assert csr["kv_indices"].tolist() == [7, 3, 9, 5, 1, 2]
     assert csr["kv_last_page_len"].tolist() == [1, 0, 16, 1]
     assert all(a.dtype == np.int32 for a in csr.values())
+
+
+def test_the_pdl_check_fails_when_the_two_launches_give_different_bytes(tmp_path, monkeypatch):
+    from benchmarks import pdl_check
+
+    monkeypatch.setattr(pdl_check, "CPU_CALLS", pdl_check.CPU_CALLS[:1])
+    assert pdl_check.main(["--cpu", "--out", str(tmp_path / "same.json")]) == 0
+    monkeypatch.setattr(pdl_check, "check", lambda call, backend, timer=None: {"call": str(call), "bytes_equal": False})
+    assert pdl_check.main(["--cpu", "--out", str(tmp_path / "differ.json")]) == 1
+    monkeypatch.setattr(pdl_check, "check", lambda call, backend, timer=None: 1 / 0)
+    assert pdl_check.main(["--cpu", "--out", str(tmp_path / "error.json")]) == 1
+    assert "ZeroDivisionError" in json.loads((tmp_path / "error.json").read_text())["rows"][0]["error"]

@@ -29,6 +29,11 @@ class Launch(NamedTuple):
     block: tuple[int, int, int]
     shared_bytes: int
     args: tuple
+    dependent: bool = False
+    """Launched as the programmatic dependent of the launch before it in the stream, where the
+    device has programmatic dependent launch (sm_90 and later; elsewhere, and on the CPU, a plain
+    launch): it may start before that one ends, and its kernel waits on the device
+    (``pd_wait_prior_grids``) before it reads what that one wrote."""
 
 
 class ArrayInfo(NamedTuple):

@@ -24,6 +24,7 @@ when the stream changes, never during a capture).
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import logging
 import threading
@@ -35,7 +36,7 @@ import numpy as np
 
 from ..cache import cache_root
 from ..kernels import KernelSpec
-from . import ArrayInfo, DeviceInfo, Launch, cubin
+from . import ArrayInfo, DeviceInfo, Launch, cubin, dependent_launch
 
 logger = logging.getLogger(__name__)
 
@@ -160,16 +161,40 @@ MAX_EXTERNAL_STREAMS = 64
 _TORCH_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
 
+@functools.cache
+def _driver() -> dependent_launch.Driver:
+    """The CUDA driver's ``cuLaunchKernelEx``, loaded once per process, at the first dependent launch."""
+    return dependent_launch.Driver()
+
+
+def _launch_dependent(function, launch: Launch) -> None:
+    """``launch`` of ``function`` (a CuPy ``Function``) as the programmatic dependent of the
+    launch before it, on CuPy's current stream (inside ``launch_stream``: the launch stream)."""
+    import cupy
+
+    _driver().launch(function.ptr, launch.grid, launch.block, launch.shared_bytes,
+                     cupy.cuda.get_current_stream().ptr, launch.args, launch.kernel)
+
+
 def _is_torch(x) -> bool:
     return type(x).__module__.startswith("torch")
 
 
 class _CupyModule:
-    def __init__(self, functions: dict):
+    """A spec's loaded kernels. ``launch_dependent(function, launch)`` (``_launch_dependent``, on
+    devices that have programmatic dependent launch) launches a ``Launch.dependent`` one; without
+    it every launch is CuPy's own."""
+
+    def __init__(self, functions: dict, launch_dependent=None):
         self._functions = functions
+        self._launch_dependent = launch_dependent
 
     def launch(self, launch: Launch) -> None:
-        self._functions[launch.kernel](launch.grid, launch.block, launch.args, shared_mem=launch.shared_bytes)
+        function = self._functions[launch.kernel]
+        if launch.dependent and self._launch_dependent is not None:
+            self._launch_dependent(function, launch)
+        else:
+            function(launch.grid, launch.block, launch.args, shared_mem=launch.shared_bytes)
 
 
 class CupyBackend:
@@ -211,7 +236,8 @@ class CupyBackend:
             functions = {k: raw.get_function(k) for k in spec.kernels}
             if spec.shared_bytes:  # past 48 KiB a kernel must opt in to its dynamic shared memory
                 functions[spec.kernels[0]].max_dynamic_shared_size_bytes = spec.shared_bytes
-            module = _CupyModule(functions)
+            dependent = _launch_dependent if dependent_launch.supported(device.compute_capability) else None
+            module = _CupyModule(functions, dependent)
             _MODULES[key] = module
         return module
 
