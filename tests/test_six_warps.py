@@ -165,6 +165,21 @@ def test_six_warps_are_within_one_ulp_of_the_reference_on_every_arm_and_dtype_wi
     assert _bytes(*run_poisoned(few, p, q=q, sinks=sinks)) == _bytes(*full)
 
 
+def test_six_warps_are_within_one_ulp_whichever_tile_mod_six_a_rows_keys_start_at(backend):
+    """A window whose first key lies in tile k0 = 0..5 (and 6, 13: past a whole round), so the
+    first tile of warp w, k0 - k0 % 6 + w (+ 6 for w < k0 % 6), takes every offset."""
+    p = problem(seed=97, page_size=16, seq_lens=(700, 300), num_q_heads=4, num_kv_heads=2, head_dim=256,
+                kv_dtype="bf16")
+    for k0 in (0, 1, 2, 3, 4, 5, 6, 13):
+        window_left = 699 - 16 * k0 - 3  # the first key 16 k0 + 3 (the 300-token row: within its window or all)
+        attn = decoder(p, backend=backend, window_left=window_left, mma_kernel="v2.3", splitk="off")
+        assert {v.tiling.warps for v in _v23(attn)} == {6}
+        out, lse = run_poisoned(attn, p)
+        ref_out, ref_lse = p.reference(return_lse=True, window_left=window_left)
+        tolerance.assert_close_to_reference(out, ref_out, v_absmax=p.v_absmax())
+        np.testing.assert_allclose(lse, ref_lse, rtol=2e-6, atol=2e-6)
+
+
 @pytest.mark.parametrize("arm", ["unpacked", "splitk"])
 def test_six_warps_read_a_csr_page_table_and_device_scales_within_one_ulp(arm, backend, monkeypatch):
     """Per-KV-head device scales on an fp8 cache (99 KiB, hd 192), each item folding its own (two KV
