@@ -78,9 +78,9 @@
 //   PD_ROW_TILES   1 | 2      query-row tiles of 8 (rows <= 8 * PD_ROW_TILES)
 //   PD_TILE_TOKENS 16 | 32    tokens of one warp's stage
 //   PD_STAGES      2 .. 4     depth of each warp's cp.async ring
-//   PD_MMA_WARPS   2 | 4 | 8  W, the warps of a CTA (block PD_MMA_THREADS = 32 W); with TT
+//   PD_MMA_WARPS   2|4|6|8    W, the warps of a CTA (block PD_MMA_THREADS = 32 W); with TT
 //                             what a row's bytes depend on (tiling.warps_for fixes it per
-//                             head dim, cache dtype, target and kernel: 8 only in v2.3)
+//                             head dim, cache dtype, target and kernel: 6 and 8 only in v2.3)
 //   PD_BT_STAGED   0 | 1      block-table entries staged in shared memory S - 1 tiles
 //                             ahead (kernel v2.1) or loaded one tile ahead (v2)
 //   PD_PERSISTENT  0 | 1      persistent CTAs (kernels v2.2, v2.3): a launch grid of P CTAs walks
@@ -125,7 +125,7 @@
 #error "PD_SMEM_BYTES must be defined (the dynamic shared memory of the launch)"
 #endif
 #ifndef PD_MMA_WARPS
-#error "PD_MMA_WARPS must be defined (-DPD_MMA_WARPS=2|4|8: the warps of a CTA)"
+#error "PD_MMA_WARPS must be defined (-DPD_MMA_WARPS=2|4|6|8: the warps of a CTA)"
 #endif
 #ifndef PD_PERSISTENT
 #error "PD_PERSISTENT must be defined (0 or 1: persistent CTAs walking the plan's items, kernels v2.2, v2.3)"
@@ -183,10 +183,11 @@ constexpr int RPL = TT / RPI;     // rows each lane copies per tile
 constexpr int QS = 2 * DP + 16;   // q row stride in shared memory (bytes)
 constexpr int PAD_OFF = RS - 16;  // a row's pad: past the padded row, so no copy and no ldmatrix touches it
 
-// W a power of two: the first tile of warp w is k0 + ((w - k0) & (W - 1)) (attend). 8 warps
-// (kernel v2.3) x 32 threads x 255 registers fit an SM's 65536 (launch bounds (256, 1)).
-static_assert(W == 2 || W == 4 || W == 8, "2, 4 or 8 warps (tiling.WARP_CANDIDATES, WARP_CANDIDATES_V23)");
-static_assert(ROWS % W == 0, "stage_q: each warp converts ROWS / W rows (1 or 2 with 8 warps)");
+// Warp w takes the tiles k = w mod W (warp_tiles): a mask where W is a power of two, k0 % W
+// for 6 warps (kernel v2.3 where 8 do not fit). 8 warps (v2.3) x 32 threads x 255 registers
+// fit an SM's 65536 (launch bounds (256, 1)); 6 warps take 49,152 (launch bounds (192, 1)).
+static_assert(W == 2 || W == 4 || W == 6 || W == 8, "2, 4, 6 or 8 warps (tiling.WARP_CANDIDATES, WARP_CANDIDATES_V23)");
+constexpr int Q_ROWS_PER_WARP = (ROWS + W - 1) / W;  // stage_q: 1 or 2 with 8 warps, 2 or 3 with 6 (the last partial)
 static_assert(NT == 1 || NT == 2, "one or two row tiles");
 static_assert(TT == 16 || TT == 32, "stages of 16 or 32 tokens");
 static_assert(S >= 2 && S <= 4, "2..4 stages");
@@ -471,8 +472,9 @@ template <class QRow>
 __device__ __forceinline__ void stage_q(unsigned char* smem, const QRow& q_row, int rows, float qk_scale) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   PD_UNROLL
-  for (int k = 0; k < ROWS / W; ++k) {
+  for (int k = 0; k < Q_ROWS_PER_WARP; ++k) {
     const int r = warp + k * W;
+    if (ROWS % W != 0 && r >= ROWS) continue;  // 6 warps: the last round converts ROWS % W rows (warp-uniform)
     unsigned bits[8];
     float x[8];
     const bool mine = r < rows && lane < D / 8;  // dims >= D (and rows >= rows) are staged as zeros
@@ -739,11 +741,17 @@ __device__ __forceinline__ int out_dim(int dt, int g, int e) {
 
 // This warp's tiles of the keys [lo, hi): tiles k of [k0, k1) at absolute positions k * TT,
 // warp w taking k = w mod W; the first and how many. The ceiling without hi + TT - 1, which
-// overflows for hi > INT32_MAX - TT + 1.
+// overflows for hi > INT32_MAX - TT + 1. W a power of two: (w - k0) mod W is a mask; 6 warps:
+// k0 - k0 % W + w, one round on when w < k0 % W (k0 >= 0).
 __device__ __forceinline__ void warp_tiles(int lo, int hi, int& first_tile, int& my_tiles) {
   const int warp = threadIdx.x >> 5;
   const int k0 = lo / TT, k1 = hi > lo ? hi / TT + (hi % TT != 0 ? 1 : 0) : k0;
+#if (PD_MMA_WARPS & (PD_MMA_WARPS - 1)) == 0
   first_tile = k0 + ((warp - k0) & (W - 1));
+#else
+  const int k0_w = (int)((unsigned)k0 % (unsigned)W);
+  first_tile = k0 - k0_w + warp + (warp < k0_w ? W : 0);
+#endif
   my_tiles = first_tile < k1 ? (k1 - first_tile + W - 1) / W : 0;
 }
 

@@ -61,7 +61,7 @@ class DecodeAttention:
     serves, a divisor of the group size up to 16) overrides
     ``METRALE_ATTN_DECODE_HEADS_PER_CTA`` and the plan's rule; a head's output bytes
     are the same for every value. ``mma_kernel`` (``"v2.3"``, the default: persistent CTAs
-    with 8 warps per CTA where they fit; ``"v2.2"``, 4 warps, other bytes, as invariant;
+    with 8 warps per CTA where they fit, else 6 (from head dim 144 on); ``"v2.2"``, 4 warps, other bytes, as invariant;
     ``"v2.1"``, one CTA per work item, the same bytes as v2.2; ``"v2"``, the kernel before it;
     the earlier ones kept so that one GPU run can time them all) overrides
     ``METRALE_ATTN_DECODE_MMA_KERNEL``. ``max_decode_seqs`` is the

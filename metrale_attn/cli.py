@@ -277,8 +277,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--splitk", help="override: auto, legacy, off or a split count")
     serve.add_argument("--gqa-pack", type=_on_off, help="override: on or off")
     serve.add_argument("--impl", help="mma (default) or simt")
-    serve.add_argument("--mma-kernel", help="v2.3 (default: persistent CTAs, 8 warps where they fit), v2.2 (4 warps), "
-                       "v2.1 (one CTA per work item) or v2 (sized for sm_90)")
+    serve.add_argument("--mma-kernel", help="v2.3 (default: persistent CTAs, 8 warps where they fit, else 6), "
+                       "v2.2 (4 warps), v2.1 (one CTA per work item) or v2 (sized for sm_90)")
     serve.add_argument("--heads-per-cta", type=int, help="override the rule: a divisor of the group size up to 16")
 
     demo = sub.add_parser("demo", help="run a mixed decode batch on the best backend and check it")

@@ -103,7 +103,7 @@ class LayerConfig:
     ``"csr"`` (FlashInfer's ``kv_indptr``, ``kv_indices``, ``kv_last_page_len``, read by the
     kernels as they are); ``heads_per_cta`` None (the plan's rule) or the override; ``impl``
     the implementation after any fallback; ``mma_kernel`` which ``mma`` kernel
-    (``tiling.MMA_KERNELS``: ``v2.3``, persistent CTAs with 8 warps where they fit; or the
+    (``tiling.MMA_KERNELS``: ``v2.3``, persistent CTAs with 8 warps where they fit, else 6; or the
     earlier ``v2.2``, ``v2.1`` and ``v2``, kept for side-by-side timing); ``dependent_launch``
     whether the ``mma`` split-K merge is launched as the attention kernel's programmatic
     dependent where the device has it (sm_90 and later): it then starts while the attention

@@ -294,7 +294,7 @@ class KernelSpec:
     to ``8 * row_tiles`` heads. The KV layout is not a parameter: kernels address the
     cache by strides. ``smem_limit`` (``mma``): the dynamic shared memory per block of the
     target it is built for (bytes), which sizes its ``tiling`` (``tiling.mma_tiling``);
-    ``mma_kernel``: ``v2.3`` (the default: persistent CTAs, 8 warps where they fit), or the
+    ``mma_kernel``: ``v2.3`` (the default: persistent CTAs, 8 warps where they fit, else 6), or the
     earlier ``v2.2`` / ``v2.1`` / ``v2`` (``tiling.MMA_KERNELS``). The name carries the
     tiling wherever it differs from the sm_90 one (``_w2t16s2``), and ``_v22`` / ``_v21`` / ``_v2``
     (``MMA_KERNEL_SUFFIX``).

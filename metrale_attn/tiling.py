@@ -9,8 +9,9 @@ and V (every row padded by 16 bytes; ``v2.1`` keeps the block-table entries in t
 behind a front of q rows, score scales and the offsets table. Four kernels (``MMA_KERNELS``):
 
 * ``v2.3`` (the default): v2.2 with up to 8 warps per CTA
-  (``WARP_CANDIDATES_V23``): W the first of 8, 4, 2 whose CTA of the most row tiles fits the
-  target with rings of 2 stages, then the deepest ring that fits, as for v2.1. Where a batch-1
+  (``WARP_CANDIDATES_V23``): W the first of 8, 6, 4, 2 whose CTA of the most row tiles fits the
+  target with rings of 2 stages (6 only from head dim 144 on: ``SIX_WARPS_MIN_HEAD_DIM``), then
+  the deepest ring that fits, as for v2.1. Where a batch-1
   call has fewer CTAs than the SMs hold, twice the warps per CTA stream twice the bytes per busy
   SM (benchmarks/NOTES.md, "Kernel v2.3"). Its W differs from v2.2's where 8 warps fit, so its
   bytes differ from v2.2's there (another tile -> warp order, another combine); they are its
@@ -18,9 +19,13 @@ behind a front of q rows, score scales and the offsets table. Four kernels (``MM
   registers (8,192 a warp, allocated in 256s) = 65,536: one 8-warp CTA per SM by registers
   (``resident_ctas``), the warps per SM of v2.2's two 4-warp CTAs where those fit. Which specs
   get 8 warps: hd 64..192 bf16/fp16 and every hd fp8 on 227 KiB targets (sm_90, sm_100,
-  sm_103; at 144..192 bf16 with 2 stages where 4 warps take 3); bf16/fp16 hd >= 208 take 4
+  sm_103; at 144..192 bf16 with 2 stages where 4 warps take 3); bf16/fp16 hd >= 208 take 6
   there (8 warps' rings of 2 stages of 16.5 KiB, 264 KiB, do not fit); on sm_80 (163 KiB)
-  hd <= 128 bf16/fp16 and every fp8 hd; on the 99 KiB targets fp8 hd 64, 144 and 160 only;
+  hd <= 128 bf16/fp16 and every fp8 hd; on the 99 KiB targets fp8 hd 64, 144 and 160 only.
+  Which get 6 (kernel v2.3: 6 warps, benchmarks/NOTES.md, "Kernel v2.3: 6 warps where 8 do not
+  fit"; 6 x 32 x 255 registers = 49,152, one CTA per SM): bf16/fp16 hd 208..256 on 227 KiB
+  (2 stages, where 4 warps took 3), bf16 144..160 and fp16 144..192 on 163 KiB, fp8 176..224 on
+  99 KiB; their bytes are 6-warp bytes, no longer 4-warp ones;
 * ``v2.2``: v2.1's tiling and arithmetic with persistent CTAs: ``resident_ctas`` x SMs CTAs (at
   most one per item) walk the plan's work items in a fixed order (``decode_core.cuh``, "THE
   SCHEDULE"), each warp issuing its first tiles of the next item before the current item's
@@ -80,9 +85,16 @@ WARP_CANDIDATES = (4, 2)
 lever 2"): one 8-warp CTA per SM loses 8-17 points at batch 64 without persistent CTAs.
 2 warps serve the 99 KiB targets at head dim 256 bf16, where 4 warps' rings of 2 stages of
 16.5 KiB do not fit."""
-WARP_CANDIDATES_V23 = (8, 4, 2)
+WARP_CANDIDATES_V23 = (8, 6, 4, 2)
 """W of a ``v2.3`` spec, most first (``warps_for``): 8 warps where their CTA fits, with 2
-stages at least."""
+stages at least; else 6 (from ``SIX_WARPS_MIN_HEAD_DIM`` on), else 4, else 2."""
+SIX_WARPS_MIN_HEAD_DIM = 144
+"""``v2.3`` takes 6 warps only from this head dim on (benchmarks/NOTES.md, "Kernel v2.3: 6 warps
+where 8 do not fit"): where 8 do not fit, 6 warps x 2 stages beat 4 x 3 in the model at every
+batch from 144 on (227 KiB: bf16/fp16 208..256; 163 KiB: 144..192; 99 KiB: fp8 176..224), but
+at 80 and 96 on the 99 KiB targets, whose stages are small and cheap to compute, they keep 6
+stages in flight where 4 x 3 keep 8 and lose 0.3-3.3 points at 8 query rows a CTA. A
+function of the head dim alone, so W stays one of (head dim, cache dtype, limit, kernel)."""
 PERSISTENT_KERNELS = ("v2.2", "v2.3")
 """The kernels whose CTAs are persistent (``Tiling.persistent``)."""
 
@@ -197,13 +209,16 @@ def max_row_tiles(head_dim: int) -> int:
 
 
 def warps_for(head_dim: int, kv_dtype: str, smem_limit: int, kernel: str = DEFAULT_MMA_KERNEL) -> Optional[int]:
-    """W of a ``v2.1`` / ``v2.2`` spec (``v2.3``: of ``WARP_CANDIDATES_V23``): the first of
-    ``WARP_CANDIDATES`` whose CTA of the most row tiles fits ``smem_limit`` bytes with rings of
-    2 stages, whatever q's dtype (q in two parts where it can be); None when none does. A
+    """W of a ``v2.1`` / ``v2.2`` spec (``v2.3``: of ``WARP_CANDIDATES_V23``, 6 only from
+    ``SIX_WARPS_MIN_HEAD_DIM`` on): the first of ``WARP_CANDIDATES`` whose CTA of the most row
+    tiles fits ``smem_limit`` bytes with rings of 2 stages, whatever q's dtype (q in two parts
+    where it can be); None when none does. A
     function of (head dim, cache dtype, limit, kernel) only: the invariant that keeps a row's
     bytes the same for every ``heads_per_cta`` and batch."""
     parts = max(q_parts(q, kv_dtype) for q in dtypes.Q_DTYPES)
     for warps in WARP_CANDIDATES_V23 if kernel == "v2.3" else WARP_CANDIDATES:
+        if warps == 6 and head_dim < SIX_WARPS_MIN_HEAD_DIM:
+            continue
         if carve(head_dim, parts, kv_dtype, max_row_tiles(head_dim), warps, 2) <= smem_limit:
             return warps
     return None
