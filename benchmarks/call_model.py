@@ -525,7 +525,10 @@ def simulate(call: Call, plan: DecodePlan, k: KernelTiming, lockstep: bool = Fal
         per_sm = np.bincount(sm_of[body], minlength=sms)
         c = per_sm[sm_of]
         chain = k.chain_cycles(u, bt_miss)
-        T = np.maximum(np.maximum(chain, c * c1.issue_bound), 4 * c * sm_unit)
+        # a warp's tile: its chain, or its scheduler's issue shared with the warps beside it, or
+        # the SM-wide units shared with every warp of the SM
+        T = np.maximum(np.maximum(chain, wc.warps_per_scheduler(c, k.warps_per_cta) * c1.issue_bound),
+                       c * k.warps_per_cta * sm_unit)
         tile_rate = np.where(body, 1.0 / T, 0.0)  # tiles per cycle per warp at full speed
         bytes_rate = per_tile * tile_rate
         total = bytes_rate.sum()
@@ -577,7 +580,10 @@ def simulate(call: Call, plan: DecodePlan, k: KernelTiming, lockstep: bool = Fal
         losses[key] = 100.0 * v / cap / total_cycles
     worst = max(losses, key=losses.get)
     binding = worst if losses[worst] >= 5.0 else "bandwidth cap"
-    body_binding = c1.binding(float(min(slots_per_sm, math.ceil(n / sms))))
+    busy = min(slots_per_sm, math.ceil(n / sms))  # CTAs of a busy SM; what sets T there, as in the loop
+    paces = {"chain": c1.cycles, "issue": float(wc.warps_per_scheduler(busy, k.warps_per_cta)) * c1.issue_bound,
+             "sm_units": busy * k.warps_per_cta * sm_unit}
+    body_binding = max(paces, key=paces.get)
     return CallPrediction(call, plan, k, n, n / (sms * slots_per_sm), int(tokens.max()) if n else 0,
                           int(tiles.max()) if n else 0, bt_miss, k.chain_cycles(mean_u, bt_miss), t_peak_warp,
                           prologue_cycles(k, dram(mean_u)), epi, merge, total_cycles / clock * 1e6, pct, losses,

@@ -71,7 +71,7 @@ from .sass import (  # noqa: F401 (re-exported: the report's tests and tools rea
     parse_functions, pipe_cost, prologue_epilogue_instructions, ptxas_resources, registers, reverse_postorder,
     shared_bytes, tensor_fmas)
 from .model_assumptions import cycles_of_ns
-from .warp_chain import Latencies, fragment_move_indices, ops_of, prefetch_distance
+from .warp_chain import Latencies, fragment_move_indices, ops_of, prefetch_distance, warps_per_scheduler
 from .warp_chain import simulate as simulate_chain
 
 
@@ -261,7 +261,7 @@ def tile_chain(facts: SpecFacts) -> dict:
         l2 = simulate_chain(ops, Latencies.of(mem, a("lat_l2_hit")))
         dram = simulate_chain(ops, Latencies.of(mem, mem))
     miss = call_model.bt_miss_probability(loop.tokens_per_warp_iter, call_model.PAGE_SIZE, loop.warps_per_cta)
-    w = facts.ctas_per_sm * loop.warps_per_cta / 4  # warps per scheduler
+    w = float(warps_per_scheduler(facts.ctas_per_sm, loop.warps_per_cta))
     per_warp = (1 - miss) * l2.per_warp_tile_cycles(w) + miss * dram.per_warp_tile_cycles(w)
     return {
         "chain_cycles_per_tile": round(l2.cycles, 1), "chain_cycles_bt_dram": round(dram.cycles, 1),

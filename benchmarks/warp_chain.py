@@ -33,6 +33,8 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field, replace
 
+import numpy as np
+
 from .model_assumptions import a
 from .sass import Instr, _names, access, category, global_load_bytes, never_executes, pipe_cost
 
@@ -58,6 +60,14 @@ class Op:
     role: str = ""  # cp_async | commit | wait | shared_store | shared_load | padding
     wait_groups: int = 0  # DEPBAR.LE SB0, N: N
     acc: tuple[str, ...] = ()  # an HMMA's accumulator input (C)
+
+
+def warps_per_scheduler(ctas, warps_per_cta: int):
+    """Warps on an SM's busiest sub-partition when ``ctas`` CTAs of ``warps_per_cta`` warps
+    share it: the warps spread round-robin over the 4 schedulers, and a CTA's item ends with
+    its slowest warp (tiles go to warps evenly), so the busiest scheduler sets the pace:
+    ceil(ctas x W / 4) (8 warps: 2 per scheduler; 6: 2 on two of them)."""
+    return np.ceil(np.asarray(ctas) * warps_per_cta / 4)
 
 
 def latency_kind(ins: Instr) -> str:

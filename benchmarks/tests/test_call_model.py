@@ -85,6 +85,34 @@ def test_a_fast_kernel_at_a_large_batch_is_held_to_the_copy_bandwidth_and_loses_
     assert slow.pct < p.pct and slow.binding == "chain latency"
 
 
+def test_the_warps_of_a_cta_share_the_four_schedulers_so_at_the_issue_bound_eight_warps_are_no_faster_than_four():
+    assert [float(wc.warps_per_scheduler(1, w)) for w in (2, 4, 6, 8)] == [1.0, 1.0, 2.0, 2.0]
+    assert float(wc.warps_per_scheduler(2, 4)) == 2.0
+    call = cm.Call(32, 8, 128, "bf16", 1, 32768)
+    plan = cm.plan_for(call)
+
+    def issue_bound(warps: int) -> float:  # a chain of 100 cycles, 1,000 instructions a tile
+        k = replace(fake_kernel(100.0, issue=1000.0, ctas_per_sm=1), warps_per_cta=warps)
+        return cm.simulate(call, plan, cm.with_rows(k, plan), lockstep=True).time_us
+
+    # 8 warps take half the tiles each, but two share a scheduler: the CTA issues as fast as with 4
+    # (counted as if each warp had its own scheduler, 8 warps would halve the body's time)
+    four, eight = issue_bound(4), issue_bound(8)
+    assert eight == pytest.approx(four, rel=0.02)
+
+
+def test_a_dependent_merge_launches_during_the_last_items_and_waits_only_for_the_grids_end():
+    assert cm.dependent_launch_gap(released=0.0, ended=10_000.0) == a("pdl_wait")
+    # released late: what is left of the launch after the grid's end
+    assert cm.dependent_launch_gap(released=9_500.0, ended=10_000.0) == 9_500.0 + a("launch") - 10_000.0
+    call = cm.Call(32, 8, 128, "bf16", 1, 32768)
+    plan = cm.plan_for(call)
+    k = cm.with_rows(fake_kernel(2000.0), plan)
+    plain = cm.simulate(call, plan, k, lockstep=True)
+    dependent = cm.simulate(call, plan, replace(k, levers=cm.Levers(dependent_merge=True)), lockstep=True)
+    assert plain.merge - dependent.merge == pytest.approx(a("launch") - a("pdl_wait"))
+
+
 def test_every_mma_variant_sized_for_its_target_fits_a_block_on_every_architecture_and_v2_only_on_sm90_sized_ones():
     fit = sr.smem_fit()
     assert set(fit) == {"sm_80", "sm_86", "sm_89", "sm_90", "sm_100", "sm_103", "sm_120", "sm_121"}
