@@ -44,7 +44,7 @@ import numpy as np
 
 from metrale_attn import dtypes, policy
 from metrale_attn.config import LayerConfig, ModelShape
-from metrale_attn.kernels import KernelSpec
+from metrale_attn.kernels import KernelSpec, merge_threads
 from metrale_attn.plan import DecodePlan, make_plan
 from metrale_attn.targets import get_target, resolve_target_policy
 from metrale_attn.tiling import DEFAULT_MMA_KERNEL
@@ -55,10 +55,7 @@ from .sass import occupancy
 
 PAGE_SIZE = 16
 """The sweep's page size (``benchmarks/sweep_plan.py`` profiles)."""
-MERGE_THREADS = 128
-"""``PD_MERGE_THREADS`` (kernels_cu/pd_common.cuh): threads of a merge CTA, one output dim each."""
-MERGE_CTAS_PER_SM = 16
-"""Merge CTAs resident per SM: 2048 threads / 128 (39 registers, no dynamic shared memory)."""
+
 
 
 @dataclass(frozen=True)
@@ -344,8 +341,10 @@ def merge_cycles(call: Call, plan: DecodePlan, utilisation_dram: float, launch: 
     if plan.arm != "splitk":
         return 0.0
     ctas = plan.launches[1].ctas
-    waves = math.ceil(ctas / (a("sm_count") * MERGE_CTAS_PER_SM))
-    per_thread = math.ceil(call.head_dim / MERGE_THREADS)
+    threads = merge_threads(call.head_dim)  # the binding's block: a thread per output dim
+    per_sm = min(int(a("max_threads_per_sm")) // threads, int(a("max_ctas_per_sm")))  # ~40 registers, no shared
+    waves = math.ceil(ctas / (a("sm_count") * per_sm))
+    per_thread = math.ceil(call.head_dim / threads)
     chain = waves * per_thread * (2 * a("lat_l2_hit") + a("lat_xu") + plan.num_splits * a("lat_alu"))
     ws_bytes = ctas * plan.num_splits * (call.head_dim + 2) * 4
     out_bytes = ctas * call.head_dim * 2

@@ -38,7 +38,9 @@
 #include "pd_convert.cuh"
 
 #define PD_THREADS 128
-#define PD_MERGE_THREADS 128
+// A merge thread per output dim up to head dim 256: a thread computing two dims in turn
+// waits for the workspace twice as long (benchmarks/NOTES.md, "The merge at 256 threads").
+#define PD_MERGE_THREADS 256
 
 
 #ifndef PD_HEAD_DIM

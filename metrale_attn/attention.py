@@ -28,7 +28,7 @@ from . import dtypes
 from .backends import get_backend
 from .binding import CallBinder, kernel_abi
 from .config import ENV_IMPL, LayerConfig, configure, impl_chosen
-from .kernels import launchable_config, source_constants, specs_for
+from .kernels import launchable_config, merge_threads, source_constants, specs_for
 from .plan import LEGACY_MAX_DECODE_SEQS, DecodePlan, make_plan
 from .targets import resolve_target_policy, target_for
 from .validation import check_indices, check_scale_values, check_sink_values, dense_pages
@@ -194,7 +194,7 @@ class DecodeAttention:
         self._binder = CallBinder(self.config, self.backend, self._device,
                                   {key: (v, m) for (key, v), m in zip(specs.items(), modules)}, abi, self.plan,
                                   self._group, self.backend.pointer(self.workspace, info),
-                                  (constants.threads, constants.merge_threads))
+                                  (constants.threads, merge_threads(self.config.shape.head_dim)))
         with _HANDLES_LOCK:
             self._handle = next(_NEXT_HANDLE)
             _BY_HANDLE[self._handle] = self

@@ -157,6 +157,12 @@ def source_constants() -> SourceConstants:
     )
 
 
+def merge_threads(head_dim: int) -> int:
+    """The split-K merge's block: a thread per output dim, rounded up to a warp, at most
+    ``PD_MERGE_THREADS`` (the kernel's launch bounds; its loop takes any block size)."""
+    return min(source_constants().merge_threads, 32 * -(-head_dim // 32))
+
+
 def check_pack_constants(text: str, filename: str) -> None:
     """Refuse a packed source whose ``PD_GQA``/``PD_HDIM`` differ from the policy's."""
     for define, expected in (("PD_GQA", policy.DECODE_GQA_PACK_WIDTH), ("PD_HDIM", policy.DECODE_GQA_PACK_HEAD_DIM)):

@@ -226,3 +226,15 @@ def test_a_later_item_with_its_first_stages_in_flight_waits_only_what_the_round_
     # one barrier fewer in the epilogue: each warp publishes into its own ring
     assert cm.epilogue_cycles(replace(k, rows=8), 128) == pytest.approx(cm.epilogue_cycles(replace(
         k, rows=8, levers=cm.Levers()), 128) - a("bar_sync"))
+
+
+def test_the_merge_has_a_thread_per_output_dim_so_head_dim_256_waits_for_the_workspace_once_not_twice():
+    from metrale_attn.kernels import merge_threads, source_constants
+
+    assert source_constants().merge_threads == 256  # PD_MERGE_THREADS, the launch bounds
+    assert [merge_threads(d) for d in (64, 80, 128, 144, 256)] == [64, 96, 128, 160, 256]
+    call = cm.Call(24, 4, 256, "fp8", 16, 4096)
+    plan = cm.plan_for(call)
+    one_round = 2 * a("lat_l2_hit") + a("lat_xu") + plan.num_splits * a("lat_alu")
+    # a 128-thread CTA's thread took two dims in turn: two rounds; now one, or the workspace stream
+    assert one_round <= cm.merge_cycles(call, plan, 0.5) - a("launch") < 2 * one_round
