@@ -1468,8 +1468,9 @@ extern "C" __global__ void PD_LAUNCH_BOUNDS(PD_MMA_THREADS, 1) PD_ENTRY(
 }
 
 #if PD_ARM == PD_ARM_SPLITK
-// The split-K merge: grid (num_q_heads, num_seqs * q_len), block PD_MERGE_THREADS; the
-// merge of pd_splitk.cuh, splits 0..n-1 in order, then the sink (Sinks::merged).
+// The split-K merge: grid (num_q_heads, num_seqs * q_len), a thread per output dim (at most
+// PD_MERGE_THREADS; kernels.merge_threads); the merge of pd_splitk.cuh, splits 0..n-1 in
+// order, then the sink (Sinks::merged).
 extern "C" __global__ void PD_LAUNCH_BOUNDS(PD_MERGE_THREADS, 4) decode_splitk_merge(
     const float* __restrict__ workspace, int num_splits, const float* __restrict__ sinks,
     pd_out_t* __restrict__ out, float* __restrict__ lse, float lse_scale) {

@@ -9,8 +9,9 @@
 //   for each row, its workspace slot (pd_split_slot with row seq * q_len + t): the slot
 //   addressing and the split ranges do not depend on heads_per_cta, and neither do the
 //   bytes.
-// decode_splitk_merge: grid (num_q_heads, num_seqs * q_len), block PD_MERGE_THREADS; the
-//   merge of pd_splitk.cuh, splits 0..n-1 in order, then the sink (with sinks). Launched as
+// decode_splitk_merge: grid (num_q_heads, num_seqs * q_len), a thread per output dim (at most
+//   PD_MERGE_THREADS; kernels.merge_threads); the merge of pd_splitk.cuh, splits 0..n-1 in
+//   order, then the sink (with sinks). Launched as
 //   decode_splitk's programmatic dependent (sm_90 and later): each decode_splitk CTA releases
 //   it at the start of its last item, and it waits for decode_splitk's end before it reads.
 //

@@ -23,7 +23,8 @@
 //   PD_KV_DTYPE  PD_DTYPE_BF16 (0) | PD_DTYPE_FP16 (1) | PD_DTYPE_FP8_E4M3 (2) |
 //                PD_DTYPE_FP8_E5M2 (3, the tensor-core kernels only)
 // Defined here and read back by Python as plain `#define NAME <int>` lines:
-//   PD_THREADS (attention kernels' block size), PD_MERGE_THREADS (merge kernel).
+//   PD_THREADS (attention kernels' block size), PD_MERGE_THREADS (the merge kernels' largest
+//   block: the launch bounds; kernels.merge_threads launches a thread per output dim).
 //
 // Dialect: no system headers, no cuda_bf16.h / cuda_fp16.h, warp intrinsics only in
 // warp-converged code with the full mask, no atomics, every reduction in a fixed order.

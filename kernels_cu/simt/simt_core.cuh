@@ -530,8 +530,9 @@ extern "C" __global__ void PD_LAUNCH_BOUNDS(PD_THREADS, PD_SIMT_MIN_CTAS) PD_ENT
 }
 
 #if PD_ARM == PD_ARM_SPLITK
-// The split-K merge: grid (num_q_heads, num_seqs), block PD_MERGE_THREADS; the merge of
-// pd_splitk.cuh, splits 0..n-1 in order (no sinks: the simt kernels serve no features).
+// The split-K merge: grid (num_q_heads, num_seqs), a thread per output dim (at most
+// PD_MERGE_THREADS; kernels.merge_threads); the merge of pd_splitk.cuh, splits 0..n-1 in
+// order (no sinks: the simt kernels serve no features).
 extern "C" __global__ void PD_LAUNCH_BOUNDS(PD_MERGE_THREADS, 4) simt_decode_splitk_merge(
     const float* __restrict__ workspace, int num_splits, pd_q_t* __restrict__ out, float* __restrict__ lse,
     float lse_scale) {
