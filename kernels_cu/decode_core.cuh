@@ -41,7 +41,8 @@
 //     S - 1 tiles, more than a DRAM round trip, before it is read) or loaded one tile
 //     ahead (kernel v2); only entries of keys in the CTA's range are read; the 64-bit K and V row
 //     offsets are computed once per token and handed to the copying lanes through a small
-//     shared-memory table.
+//     shared-memory table, or (PD_LANE_OFFSETS: kernel v2.3's 8-warp tilings of 16-bit
+//     caches) each copying lane computes its own rows' from their staged entries.
 //   * Scores on tensor cores, transposed: S^T[token][row] = K Q^T, mma.m16n8k16 with the
 //     16 tokens of an MMA tile as M and the query rows (heads x q tokens) as N, 8 per
 //     row tile. Decode has at most 16 query rows per KV head, so putting them on the
@@ -555,6 +556,30 @@ struct BtStaged {
   enum { on = PD_BT_STAGED };
 };
 
+// PD_LANE_OFFSETS (derived here, not given: kernel v2.3's 8-warp tilings of 16-bit caches,
+// where the SM's shared memory paced a tile; benchmarks/NOTES.md, "The row-offset table,
+// replaced"): each copying lane computes its own RPL rows' K and V addresses. Row r's
+// block-table entry is the one lane r staged in the pad of K row r (entry_at: one LDS.32 a
+// row, one wavefront, read after the wait_group and the __syncwarp that make every lane's
+// landed copies visible to the warp); its offset in its page is
+// (in_page(token lane) + r - lane) mod page_size, from the lane's own in_page (every lane
+// tracks token lane's), taken mod page_size by a multiply-high with ceil(2^31 / page_size)
+// (exact for every page size 1..256 on the values below 2^22 it sees). The entry producer
+// stores 0 for a key outside the range, so an out-of-range row's source is row (its token
+// mod page_size) of page 0, an element of the cache like the table's row 0, copied with
+// src-size 0 (nothing read). Otherwise (fp8, whose tiles issue paces; v2.1, v2.2, v2.3's 6,
+// 4 and 2 warps, whose chains bind) lane r < TT computes its token's 64-bit offsets once and
+// the copying lanes read them from the warp's offsets table: one STS.128 and RPL LDS.128 a
+// tile, each LDS.128 four quarter-warp wavefronts. The same bytes land either way. The
+// preprocessor, not a constexpr branch, picks the path, so the table path's source (and
+// SASS) is the one it was.
+#if (PD_KV_DTYPE == PD_DTYPE_BF16 || PD_KV_DTYPE == PD_DTYPE_FP16) && PD_MMA_WARPS == 8 && PD_BT_STAGED
+#define PD_LANE_OFFSETS 1
+static_assert(ES == 2 && TT <= 32, "2-byte elements; the in-page offsets stay below 2^22 (page_magic)");
+#else
+#define PD_LANE_OFFSETS 0
+#endif
+
 // One warp's producer: lane i < TT owns token i of the warp's next tile to issue.
 // Token positions and page indices are unsigned: the producer advances up to S x W x TT
 // tokens past the last key it loads (the staged entry producer S - 1 tiles more), past
@@ -572,6 +597,10 @@ struct Stream {
   unsigned etok, epage;        // staged: this lane's token (and its page index) of the tile
   int ein_page;                //   whose entry is copied next, S - 1 of this warp's tiles on
   unsigned char* ring;         // this warp's ring of S stages
+#if PD_LANE_OFFSETS
+  unsigned page_magic;         // ceil(2^31 / page_size)
+  int row_bias;                // 2 (this lane's first row - lane + 32 page_size): positive (32 page_size > lane)
+#endif
 };
 
 // Staged: where lane `lane` keeps the block-table entry of the tile stage `slot` takes next
@@ -591,7 +620,8 @@ __device__ __forceinline__ void advance(const Stream& st, unsigned& tok, unsigne
   }
 }
 
-// A __syncwarp, then the offsets of the next tile's rows into the warp's table, its
+// A __syncwarp, then the offsets of the next tile's rows into the warp's table (PD_LANE_OFFSETS:
+// no table, each copying lane computes its rows'), its
 // cp.async copies into `stage` (keys outside the CTA's range zero-filled), (staged) the
 // block-table entry of this lane's token S - 1 tiles on, and one commit (an empty group of
 // K/V when the tile does not exist, so the wait_group arithmetic stays uniform). Advances
@@ -602,6 +632,44 @@ __device__ __forceinline__ void issue_tile(Stream& st, const long long (&strides
                                            unsigned char* stage, unsigned char* table, int slot, bool entry = true) {
   const int lane = threadIdx.x & 31;
   __syncwarp();  // every lane is done with the table, the stage and the copies it waited for
+#if PD_LANE_OFFSETS
+  if (exists) {
+    const int tile_first = tile * TT;  // a tile that exists starts below hi: no overflow
+    const int first = (int)st.lo - tile_first, past = (int)st.hi - tile_first;  // the tile's valid rows [first, past)
+    const int row0 = lane / CPL, chunk = lane % CPL;  // rows row0 + j * RPI, 16-byte chunk `chunk`
+    const bool real = CPR == CPP || chunk < CPR;      // else a padding chunk: zero-filled (src-size 0 reads nothing)
+    const bool copies = CPL == CPP || chunk < CPP;    // lanes past the padded row copy nothing
+    // x0 / 2 + j * RPI: row row0 + j * RPI's token's offset in its page plus a multiple of
+    // the page size (st.in_page is token lane's), in 1 .. 33 page_size + TT
+    const unsigned x0 = (unsigned)(2 * st.in_page + st.row_bias);
+    PD_UNROLL
+    for (int j = 0; j < RPL && copies; ++j) {
+      const int r = row0 + j * RPI;
+      // its entry (staged by lane r S - 1 tiles ago; 0 out of range) and its offset in its
+      // page, both times ES = 2 (an entry < 2^31: twice it fits 32 bits unsigned), so the
+      // strides stay in elements and no product needs a shift
+      const unsigned x = x0 + (unsigned)(2 * j * RPI);  // 2 (in_page + a multiple of page_size)
+      const unsigned q = __umulhi(x, st.page_magic);      // x / (2 page_size), exact for x < 2^22
+      const unsigned in_page2 = x - q * (unsigned)(2 * st.page_size);
+      const unsigned entry2 = ES * (unsigned)*entry_at(st.ring, slot, r);
+      const unsigned char* k_src = st.k_lane + (unsigned long long)entry2 * (unsigned long long)strides[0] +
+                                   (unsigned long long)in_page2 * (unsigned long long)strides[1];
+      const unsigned char* v_src = st.v_lane + (unsigned long long)entry2 * (unsigned long long)strides[2] +
+                                   (unsigned long long)in_page2 * (unsigned long long)strides[3];
+      const unsigned n = (r >= first && r < past && real) ? 16u : 0u;
+      unsigned char* dst = stage + r * RS + chunk * 16;
+      pd_cp_async_cg_16(dst, k_src, n);
+      pd_cp_async_cg_16(dst + TILE_BYTES, v_src, n);
+    }
+  }
+  if (entry && lane < TT) {  // the entry S - 1 tiles on, in range only; 0 out of range (every copying lane reads it)
+    int* e = entry_at(st.ring, (slot + S - 1) % S, lane);
+    if (st.etok >= st.lo && st.etok < st.hi)
+      pd_cp_async_ca_4(e, st.bt_row + st.epage, 4u);
+    else
+      *e = 0;
+  }
+#else
   if (exists) {
     const int tile_first = tile * TT;  // a tile that exists starts below hi: no overflow
     if (lane < TT) {
@@ -632,6 +700,7 @@ __device__ __forceinline__ void issue_tile(Stream& st, const long long (&strides
   }
   if (BtStaged::on && entry && lane < TT && st.etok >= st.lo && st.etok < st.hi)  // the entry S - 1 tiles on, in range only
     pd_cp_async_ca_4(entry_at(st.ring, (slot + S - 1) % S, lane), st.bt_row + st.epage, 4u);
+#endif
   pd_cp_async_commit();
   // Advance to the warp's next tile: W * TT tokens on, no division.
   advance(st, st.tok, st.page, st.in_page);
@@ -675,7 +744,11 @@ __device__ __forceinline__ void start_entries(Stream& st, const Carry& carry) {
   }
   PD_UNROLL
   for (int j = 0; j < S - 1; ++j) {
+#if PD_LANE_OFFSETS  // 0 out of range: every copying lane reads every row's entry
+    if (lane < TT) *entry_at(st.ring, j, lane) = st.etok >= st.lo && st.etok < st.hi ? st.bt_row[st.epage] : 0;
+#else
     if (lane < TT && st.etok >= st.lo && st.etok < st.hi) *entry_at(st.ring, j, lane) = st.bt_row[st.epage];
+#endif
     advance(st, st.etok, st.epage, st.ein_page);
   }
 }
@@ -776,6 +849,10 @@ __device__ __forceinline__ void open_stream(Stream& s, const unsigned char* k_he
   s.in_page = (int)(s.tok - s.page * page_size);
   s.ring = ring;
   s.row = 0;
+#if PD_LANE_OFFSETS
+  s.page_magic = (0x7fffffffu + (unsigned)page_size) / (unsigned)page_size;
+  s.row_bias = 2 * (lane / CPL - lane + 32 * page_size);
+#endif
 }
 
 // Attend every row's keys and leave the warp state in `st`: the plain algorithm, the

@@ -180,7 +180,8 @@ def max_stages(head_dim: int, kv_dtype: str) -> int:
 
 def carve(head_dim: int, parts: int, kv_dtype: str, row_tiles: int, warps: int, stages: int) -> int:
     """Bytes of ``decode_core.cuh``'s carve: q (parts x rows x (2 DP + 16), DP the padded
-    dim), the rows' score scales (4 B each), the offsets table (W x TT x 16), 128-byte
+    dim), the rows' score scales (4 B each), the offsets table (W x TT x 16; unused by
+    ``v2.3``'s 8-warp 16-bit tilings, whose lanes compute their own offsets), 128-byte
     aligned, then W rings of S stages of K and V (the staged block-table entries live in the
     rows' pads: no bytes)."""
     tt = tile_tokens_for(head_dim, kv_dtype)
