@@ -771,7 +771,13 @@ __device__ __forceinline__ unsigned fp8_pair(unsigned short two) {
 #endif
 }
 __device__ __forceinline__ unsigned fp8_lo(unsigned w) { return fp8_pair((unsigned short)(w & 0xffffu)); }
-__device__ __forceinline__ unsigned fp8_hi(unsigned w) { return fp8_pair((unsigned short)(w >> 16)); }
+__device__ __forceinline__ unsigned fp8_hi(unsigned w) {
+#if PD_KV_DTYPE == PD_DTYPE_FP8_E5M2
+  return pd_cvt_f16x2_e5m2x2_hi(w);
+#else
+  return pd_cvt_f16x2_e4m3x2_hi(w);
+#endif
+}
 
 // The PP parts of four probabilities as B operands of the PV MMA: p[0..1] are token g,
 // rows 2t, 2t+1 and p[2..3] token g + 8 (the S^T accumulator layout). Part k rounds

@@ -261,6 +261,30 @@ __device__ __forceinline__ unsigned pd_cvt_f16x2_e5m2x2(unsigned short a) {
 #endif
 }
 
+// mov.b32 {lo, hi}, w; cvt.rn.f16x2.e4m3x2 d, hi;  (§9.7.9.21) the high half of w: the fp8
+// bytes w[31:24] -> d[31:16], w[23:16] -> d[15:0]; exact; NaN -> 0x7fff. ptxas reads the half
+// with an operand selector (F2FP ... R.H1) where `w >> 16` costs a shift per conversion.
+__device__ __forceinline__ unsigned pd_cvt_f16x2_e4m3x2_hi(unsigned w) {
+#ifdef __CUDA_ON_CPU__
+  return cocpu_e4m3_to_f16(w >> 24) << 16 | cocpu_e4m3_to_f16((w >> 16) & 0xffu);
+#else
+  unsigned d;
+  asm("{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, %1;\ncvt.rn.f16x2.e4m3x2 %0, hi;\n}\n" : "=r"(d) : "r"(w));
+  return d;
+#endif
+}
+
+// cvt.rn.f16x2.e5m2x2 d, hi;  as pd_cvt_f16x2_e4m3x2_hi for e5m2; NaN -> 0x7fff.
+__device__ __forceinline__ unsigned pd_cvt_f16x2_e5m2x2_hi(unsigned w) {
+#ifdef __CUDA_ON_CPU__
+  return cocpu_e5m2_to_f16(w >> 24) << 16 | cocpu_e5m2_to_f16((w >> 16) & 0xffu);
+#else
+  unsigned d;
+  asm("{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, %1;\ncvt.rn.f16x2.e5m2x2 %0, hi;\n}\n" : "=r"(d) : "r"(w));
+  return d;
+#endif
+}
+
 // cvt.rn.bf16x2.f32 d, hi, lo;  round to nearest even, hi -> d[31:16]; NaN -> 0x7fff.
 __device__ __forceinline__ unsigned pd_cvt_bf16x2_f32(float hi, float lo) {
 #ifdef __CUDA_ON_CPU__

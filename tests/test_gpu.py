@@ -252,6 +252,13 @@ def test_device_wait_group_completes_at_least_the_groups_the_emulation_lands(dev
     assert landed[:, ptx_toys.MUST_HAVE_LANDED].all()
 
 
+@pytest.mark.parametrize("kernel", ["cvt_f16x2_e4m3x2_hi", "cvt_f16x2_e5m2x2_hi"])
+def test_device_high_half_fp8_conversions_are_bit_identical_to_the_emulation(device_toys, kernel):
+    inputs = ptx_toys.ALL_16_BIT.astype(np.uint32) << 16 | np.uint32(0xA5C3)
+    device = ptx_toys.run_cvt(device_toys, kernel, inputs)
+    np.testing.assert_array_equal(device, ptx_toys.run_cvt(ptx_toys.CpuRunner(), kernel, inputs))
+
+
 @pytest.mark.parametrize("kernel", ["cvt_f16x2_e4m3x2", "cvt_f16x2_e5m2x2"])
 def test_device_fp8_conversions_are_bit_identical_to_the_emulation_nan_included(device_toys, kernel):
     inputs = ptx_toys.ALL_16_BIT

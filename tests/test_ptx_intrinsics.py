@@ -428,6 +428,17 @@ def test_fp8x2_to_f16x2_is_exact_on_all_65536_inputs_with_canonical_nan(kernel, 
     assert (table == F16_NAN).sum() == (2 if kernel.endswith("e4m3x2") else 6)
 
 
+@pytest.mark.parametrize("kernel, fp8", [("cvt_f16x2_e4m3x2_hi", ml_dtypes.float8_e4m3fn),
+                                         ("cvt_f16x2_e5m2x2_hi", ml_dtypes.float8_e5m2)])
+def test_the_high_half_fp8x2_conversion_is_the_pair_conversion_of_the_words_top_16_bits_whatever_the_low(kernel, fp8):
+    table = fp8_to_f16_table(fp8)
+    low = rng_for("high half", kernel).integers(0, 1 << 16, ALL_16_BIT.size, dtype=np.uint32)
+    words = ALL_16_BIT.astype(np.uint32) << 16 | low
+    out = run_cvt(CPU, kernel, words)
+    np.testing.assert_array_equal(out, table[ALL_16_BIT >> 8] << 16 | table[ALL_16_BIT & 0xFF])
+    np.testing.assert_array_equal(out, run_cvt(CPU, kernel[:-3], ALL_16_BIT))
+
+
 @pytest.mark.parametrize("kernel, half_dtype, nan", [("cvt_bf16x2_f32", ml_dtypes.bfloat16, BF16_NAN),
                                                      ("cvt_f16x2_f32", np.float16, F16_NAN)])
 def test_f32_pairs_round_to_nearest_even_16_bit_pairs_like_ml_dtypes_and_numpy(kernel, half_dtype, nan):
@@ -474,6 +485,7 @@ PTX_OF = {  # each pd_* function and the instruction it must be under NVRTC
     "pd_mma_bf16_m16n8k16": "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32",
     "pd_mma_f16_m16n8k16": "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32",
     "pd_cvt_f16x2_e4m3x2": "cvt.rn.f16x2.e4m3x2", "pd_cvt_f16x2_e5m2x2": "cvt.rn.f16x2.e5m2x2",
+    "pd_cvt_f16x2_e4m3x2_hi": "mov.b32", "pd_cvt_f16x2_e5m2x2_hi": "mov.b32",
     "pd_cvt_bf16x2_f32": "cvt.rn.bf16x2.f32", "pd_cvt_f16x2_f32": "cvt.rn.f16x2.f32", "pd_cvt_f32_f16": "cvt.f32.f16",
     "pd_prmt": "prmt.b32",
 }

@@ -13,6 +13,15 @@ extern "C" __global__ void cvt_f16x2_e5m2x2(const unsigned short* in, unsigned* 
   FOR_EACH(i, n) out[i] = pd_cvt_f16x2_e5m2x2(in[i]);
 }
 
+// The high half of each 32-bit word (the kernels' fp8_hi: no shift, an operand selector).
+extern "C" __global__ void cvt_f16x2_e4m3x2_hi(const unsigned* in, unsigned* out, int n) {
+  FOR_EACH(i, n) out[i] = pd_cvt_f16x2_e4m3x2_hi(in[i]);
+}
+
+extern "C" __global__ void cvt_f16x2_e5m2x2_hi(const unsigned* in, unsigned* out, int n) {
+  FOR_EACH(i, n) out[i] = pd_cvt_f16x2_e5m2x2_hi(in[i]);
+}
+
 extern "C" __global__ void cvt_bf16x2_f32(const float* hi, const float* lo, unsigned* out, int n) {
   FOR_EACH(i, n) out[i] = pd_cvt_bf16x2_f32(hi[i], lo[i]);
 }
