@@ -15,12 +15,14 @@
 //   word  14     the lane & 3'th word of a 16-byte cp.async of the bytes with src-size 7
 //   word  15     cvt.rn.bf16x2.f32 of (float)lane * 1.00390625f, -(float)lane / 3.0f
 //   word  16     cvt.rn.f16x2.f32 of the same two floats
+//   words 17..18 cvt.rn.f16x2.e4m3x2 of the high half of this lane's 32-bit words of bytes
+//                8l..8l+3, 8l+4..8l+7 (the kernels' fp8_hi): equal to words 10 and 12
 //   floats 0..3  mma bf16: D = A B with A the bf16 matrix, B = its rows 0-7 transposed
 //   floats 4..7  mma f16: the same with the fp16 matrix
 //   float  8     cvt.f32.f16 of the fp16 matrix's element lane
 #include "pd_ptx.cuh"
 
-#define SELFTEST_WORDS 17
+#define SELFTEST_WORDS 19
 #define SELFTEST_FLOATS 9
 
 extern "C" __global__ void pd_selftest(const unsigned short* __restrict__ mat_bf16,
@@ -54,9 +56,15 @@ extern "C" __global__ void pd_selftest(const unsigned short* __restrict__ mat_bf
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 890
   // No fp8 cvt before sm_89; the mma kernels read no fp8 cache there (kernels.mma_refusal).
   for (int k = 0; k < 4; ++k) w[9 + k] = 0u;
+  w[17] = w[18] = 0u;
 #else
   for (int k = 0; k < 4; ++k)
     w[9 + k] = pd_cvt_f16x2_e4m3x2((unsigned short)(bytes[lane * 8 + 2 * k] | (bytes[lane * 8 + 2 * k + 1] << 8)));
+  for (int k = 0; k < 2; ++k) {
+    const int at = lane * 8 + 4 * k;
+    w[17 + k] = pd_cvt_f16x2_e4m3x2_hi((unsigned)bytes[at] | (unsigned)bytes[at + 1] << 8 |
+                                       (unsigned)bytes[at + 2] << 16 | (unsigned)bytes[at + 3] << 24);
+  }
 #endif
   w[13] = pd_prmt(a[0], a[1], 0x3120u + (unsigned)lane);
   w[14] = reinterpret_cast<const unsigned*>(s_bytes)[lane & 3];

@@ -319,6 +319,19 @@ def test_the_self_test_does_not_ask_a_device_without_the_fp8_conversion_for_it()
     cvt = [j for j, (name, _) in enumerate(selftest.FIELDS) if name.startswith("cvt.rn.f16x2.e4m3x2")]
     words[:, cvt] = 0
     assert selftest.disagreements(words, want_f, fp8=False) == []
-    assert selftest.disagreements(words, want_f) == ["cvt.rn.f16x2.e4m3x2"]
+    assert selftest.disagreements(words, want_f) == ["cvt.rn.f16x2.e4m3x2", "cvt.rn.f16x2.e4m3x2 of a high half"]
     words[:, 0] ^= 1
     assert selftest.disagreements(words, want_f, fp8=False) == ["ldmatrix.x4"]
+
+
+def test_the_self_test_names_the_high_half_fp8_conversion_when_only_it_disagrees():
+    """The kernels' fp8_hi reads a word's high half by an operand selector: a device that got
+    that form wrong, and the 16-bit form right, is caught and named."""
+    from metrale_attn.backends import selftest
+
+    want_w, want_f = selftest.expected(selftest.inputs())
+    words = want_w.copy()
+    high = [j for j, (name, _) in enumerate(selftest.FIELDS) if name.endswith("of a high half")]
+    assert len(high) == 2
+    words[:, high[1]] ^= 0x00010000
+    assert selftest.disagreements(words, want_f) == ["cvt.rn.f16x2.e4m3x2 of a high half"]

@@ -24,7 +24,7 @@ from ..kernels import SelfTest, read_define, read_source
 from ..targets import FP8_CVT_CAPABILITY
 from . import Launch
 
-WORDS, FLOATS, LANES = 17, 9, 32
+WORDS, FLOATS, LANES = 19, 9, 32
 
 FIELDS = (
     [("ldmatrix.x4", k) for k in range(4)]
@@ -32,6 +32,7 @@ FIELDS = (
     + [("movmatrix.trans", 0)]
     + [("cvt.rn.f16x2.e4m3x2", k) for k in range(4)]
     + [("prmt.b32", 0), ("cp.async zero-fill", 0), ("cvt.rn.bf16x2.f32", 0), ("cvt.rn.f16x2.f32", 0)]
+    + [("cvt.rn.f16x2.e4m3x2 of a high half", k) for k in range(2)]
 )
 FLOAT_FIELDS = [("mma.m16n8k16 bf16", k) for k in range(4)] + [("mma.m16n8k16 f16", k) for k in range(4)] + [
     ("cvt.f32.f16", 0)]
@@ -92,6 +93,7 @@ def expected(x: Inputs) -> tuple[np.ndarray, np.ndarray]:
     ys = -lane.astype(np.float32) / np.float32(3.0)
     words[:, 15] = _pack(ys.astype(ml_dtypes.bfloat16).view(np.uint16), xs.astype(ml_dtypes.bfloat16).view(np.uint16))
     words[:, 16] = _pack(ys.astype(np.float16).view(np.uint16), xs.astype(np.float16).view(np.uint16))
+    words[:, 17], words[:, 18] = words[:, 10], words[:, 12]  # bytes 8l+2, +3 and 8l+6, +7
 
     floats = np.zeros((LANES, FLOATS), np.float32)
     for base, mat in ((0, m16.view(ml_dtypes.bfloat16)), (4, h16.view(np.float16))):
