@@ -16,12 +16,12 @@ from metrale_attn.backends.cpu_backend import CpuBackend
 from metrale_attn.config import FEATURES, HEAD_DIMS, resolve_mma_kernel
 from metrale_attn.kernels import MMA_KERNEL_SUFFIX, KernelSpec, all_specs, mma_refusal, specs_for
 from metrale_attn.plan import KernelGrid
-from metrale_attn.problems import Problem
 from metrale_attn.targets import TARGETS
 from metrale_attn.tiling import max_row_tiles, mma_tiling, resident_ctas, warps_for
 
 from support.builds import needs_nvrtc, nvrtc_build, spill_frames
-from support.problems import check_against_reference, decoder, problem, run_poisoned, to_csr
+from support.problems import (check_against_reference, check_bytes_free_of_heads_per_cta_company_and_position,
+                              decoder, problem, run_poisoned, to_csr)
 
 ARMS = {"unpacked": dict(splitk="off"), "splitk": dict(splitk="3"), "gqa_packed": dict(splitk="off", gqa_pack=True)}
 LIMITS = {99 * 1024: "99 KiB (sm_86, sm_89, sm_120, sm_121)", 163 * 1024: "163 KiB (sm_80)",
@@ -30,12 +30,6 @@ LIMITS = {99 * 1024: "99 KiB (sm_86, sm_89, sm_120, sm_121)", 163 * 1024: "163 K
 
 def _v23(attn):
     return list(specs_for(attn.config).values())
-
-
-def _pick(p: Problem, rows) -> Problem:
-    rows = list(rows)
-    return Problem(p.q[rows], p.k_cache, p.v_cache, p.block_tables[rows], p.seq_lens[rows], p.k_scale, p.v_scale,
-                   p.kv_layout)
 
 
 def _bytes(out, lse):
@@ -165,21 +159,7 @@ def test_a_v23_rows_bytes_do_not_depend_on_heads_per_cta_its_company_or_its_posi
     others, at any position, gives its own; all within the bar."""
     p = problem(seed=85, page_size=16, seq_lens=(700, 3, 0, 257, 129), head_dim=128, num_q_heads=16,
                 num_kv_heads=1, kv_dtype="bf16")
-    first = None
-    for h in (1, 2, 4, 8, 16):
-        attn = decoder(p, backend=backend, heads_per_cta=h, splitk="4", mma_kernel="v2.3")
-        assert attn.plan(5).heads_per_cta == h and {v.tiling.warps for v in _v23(attn)} == {8}
-        got = run_poisoned(attn, p)
-        if first is None:
-            check_against_reference(p, *got)
-            first = got
-        assert _bytes(*got) == _bytes(*first), h
-    attn = decoder(p, backend=backend, splitk="4", mma_kernel="v2.3", max_batch=5)
-    assert _bytes(*run_poisoned(attn, p)) == _bytes(*first)
-    for rows in ([3], [4, 3], [1, 3, 0], [0, 2, 4, 1, 3]):
-        out, lse = run_poisoned(attn, _pick(p, rows))
-        for at, r in enumerate(rows):
-            assert out[at].tobytes() == first[0][r].tobytes() and lse[at].tobytes() == first[1][r].tobytes(), rows
+    check_bytes_free_of_heads_per_cta_company_and_position(p, backend, 8, splitk="4", mma_kernel="v2.3")
 
 
 @pytest.mark.parametrize("order", ["reverse", "warp-ahead:3"])

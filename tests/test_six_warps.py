@@ -18,13 +18,13 @@ from metrale_attn.backends.cpu_backend import CpuBackend
 from metrale_attn.config import FEATURES, HEAD_DIMS
 from metrale_attn.kernels import KernelSpec, all_specs, specs_for
 from metrale_attn.plan import KernelGrid
-from metrale_attn.problems import Problem
 from metrale_attn.targets import TARGETS
 from metrale_attn.tiling import (SIX_WARPS_MIN_HEAD_DIM, carve, max_row_tiles, mma_tiling, q_parts, resident_ctas,
                                  warps_for)
 
 from support.builds import needs_nvrtc, nvrtc_build, spill_frames
-from support.problems import check_against_reference, decoder, problem, run_poisoned, to_csr
+from support.problems import (check_against_reference, check_bytes_free_of_heads_per_cta_company_and_position,
+                              decoder, problem, run_poisoned, to_csr)
 
 LIMITS = {99 * 1024: "99 KiB (sm_86, sm_89, sm_120, sm_121)", 163 * 1024: "163 KiB (sm_80)",
           227 * 1024: "227 KiB (sm_90, sm_100, sm_103)"}
@@ -117,12 +117,6 @@ def _bytes(out, lse):
     return out.tobytes(), lse.tobytes()
 
 
-def _pick(p: Problem, rows) -> Problem:
-    rows = list(rows)
-    return Problem(p.q[rows], p.k_cache, p.v_cache, p.block_tables[rows], p.seq_lens[rows], p.k_scale, p.v_scale,
-                   p.kv_layout)
-
-
 CASES = {  # (arm, options, heads, kv dtype, target): every arm and cache dtype at 6 warps, one and two row tiles
     "unpacked bf16 hd256": ("unpacked", dict(splitk="off"), dict(num_q_heads=4, num_kv_heads=2, head_dim=256),
                             "bf16", "hopper"),
@@ -202,21 +196,7 @@ def test_a_six_warp_rows_bytes_do_not_depend_on_heads_per_cta_its_company_or_its
     the bar. Keys start at every tile offset mod 6 across the splits."""
     p = problem(seed=95, page_size=16, seq_lens=(700, 3, 0, 257, 129), head_dim=160, num_q_heads=16,
                 num_kv_heads=1, kv_dtype="bf16")
-    first = None
-    for h in (1, 2, 4, 8, 16):
-        attn = decoder(p, backend=backend, heads_per_cta=h, splitk="4", mma_kernel="v2.3", target="a100")
-        assert attn.plan(5).heads_per_cta == h and {v.tiling.warps for v in _v23(attn)} == {6}
-        got = run_poisoned(attn, p)
-        if first is None:
-            check_against_reference(p, *got)
-            first = got
-        assert _bytes(*got) == _bytes(*first), h
-    attn = decoder(p, backend=backend, splitk="4", mma_kernel="v2.3", target="a100", max_batch=5)
-    assert _bytes(*run_poisoned(attn, p)) == _bytes(*first)
-    for rows in ([3], [4, 3], [1, 3, 0], [0, 2, 4, 1, 3]):
-        out, lse = run_poisoned(attn, _pick(p, rows))
-        for at, r in enumerate(rows):
-            assert out[at].tobytes() == first[0][r].tobytes() and lse[at].tobytes() == first[1][r].tobytes(), rows
+    check_bytes_free_of_heads_per_cta_company_and_position(p, backend, 6, splitk="4", mma_kernel="v2.3", target="a100")
 
 
 @pytest.mark.parametrize("order", ["reverse", "warp-ahead:3"])

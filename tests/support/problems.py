@@ -81,6 +81,36 @@ def check_against_reference(p: Problem, out, lse, sm_scale=None):
     np.testing.assert_allclose(lse[~empty], ref_lse[~empty], rtol=2e-6, atol=2e-6)
 
 
+def pick(p: Problem, rows) -> Problem:
+    """``p``'s sequences ``rows`` (in that order, repeats allowed) over the same caches."""
+    rows = list(rows)
+    return Problem(p.q[rows], p.k_cache, p.v_cache, p.block_tables[rows], p.seq_lens[rows], p.k_scale, p.v_scale,
+                   p.kv_layout)
+
+
+def check_bytes_free_of_heads_per_cta_company_and_position(p: Problem, backend, warps: int, **options) -> None:
+    """Every ``heads_per_cta`` of 1..16 gives one set of bytes, within the bar; a layer of 5
+    sequences gives those bytes again, and each sequence its own, alone or among others at
+    any position. ``warps``: what every spec the layer compiles runs (its tiling's W)."""
+    from metrale_attn.kernels import specs_for
+
+    first = None
+    for h in (1, 2, 4, 8, 16):
+        attn = decoder(p, backend=backend, heads_per_cta=h, **options)
+        assert attn.plan(5).heads_per_cta == h and {v.tiling.warps for v in specs_for(attn.config).values()} == {warps}
+        got = run_poisoned(attn, p)
+        if first is None:
+            check_against_reference(p, *got)
+            first = got
+        assert [a.tobytes() for a in got] == [a.tobytes() for a in first], h
+    attn = decoder(p, backend=backend, max_batch=5, **options)
+    assert [a.tobytes() for a in run_poisoned(attn, p)] == [a.tobytes() for a in first]
+    for rows in ([3], [4, 3], [1, 3, 0], [0, 2, 4, 1, 3]):
+        out, lse = run_poisoned(attn, pick(p, rows))
+        for at, r in enumerate(rows):
+            assert out[at].tobytes() == first[0][r].tobytes() and lse[at].tobytes() == first[1][r].tobytes(), rows
+
+
 class CountingBackend(CpuBackend):
     """A CPU backend that records every spec it loads and every launch (and so proves a
     refusal launched nothing)."""
