@@ -72,6 +72,7 @@ CTOR_OPTIONS = {  # argument -> (valid values, invalid values)
     "lse_base": (["e", "e", 2], [10, "ln"]),
     "page_table": (["dense", "dense", "csr"], ["coo"]),
     "mma_kernel": ([None, None, "v2.2", "v2.1", "v2"], ["v3", 2.5]),
+    "dependent_launch": ([None, None, True, False], ["yes", 1]),
 }
 RUN_OPTIONS = {
     "bad_length": ([None], [-1, "over"]),

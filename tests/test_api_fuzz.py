@@ -26,7 +26,7 @@ def _fuzz(*args: str, timeout: float) -> str:
 
 
 def test_any_arguments_are_refused_before_a_launch_or_meet_the_bar_on_a_fixed_sample():
-    out = _fuzz("--examples", "60", "--seed", "1", timeout=600)
+    out = _fuzz("--examples", "100", "--seed", "1", timeout=600)
     tally = out.strip().splitlines()[-1]
     for outcome in ("'ok'", "'refused'", "'refused at construction'", "'merge ok'", "'merge refused'"):
         assert outcome in tally, tally  # the sample reaches every outcome
