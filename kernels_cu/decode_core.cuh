@@ -1484,15 +1484,11 @@ extern "C" __global__ void PD_LAUNCH_BOUNDS(PD_MMA_THREADS, 1) PD_ENTRY(
     (void)items_z;
     const bool last_item = true;
 #endif
-#if PD_ARM == PD_ARM_SPLITK
-    // The merge is launched as this grid's programmatic dependent: it may start once every CTA
-    // is in its last item (its launch then overlaps this grid's tail) and it waits for this
-    // grid's end before it reads the workspace (pd_wait_prior_grids), so where this is called
-    // moves only when the merge starts, never what it reads.
-    if (last_item) pd_release_dependents();
-#else
-    (void)last_item;
-#endif
+    // Split-K: the merge is launched as this grid's programmatic dependent: it may start once
+    // every CTA is in its last item (its launch then overlaps this grid's tail) and it waits for
+    // this grid's end before it reads the workspace (pd_wait_prior_grids), so where this is
+    // called moves only when the merge starts, never what it reads.
+    if (PD_ARM == PD_ARM_SPLITK && last_item) pd_release_dependents();
     const int seq = item.seq, head0 = item.head0, heads = item.heads, num_q_heads = item.num_q_heads;
     const int seq_len = tables.seq_len(seq);
     const pd_mma::Rows rw{heads, q_len, heads * q_len, seq_len > 0 ? seq_len : 0, item.split, item.num_splits};

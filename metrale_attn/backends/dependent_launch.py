@@ -56,7 +56,7 @@ def supported(compute_capability: tuple[int, int]) -> bool:
 
 class Driver:
     """``cuLaunchKernelEx`` of the CUDA driver library (``path``: ``libcuda.so.1``, or a
-    stand-in's path in the tests), loaded once per backend."""
+    stand-in's path in the tests); the CuPy backend loads it once per process."""
 
     def __init__(self, path: str = DRIVER_LIBRARY):
         lib = ctypes.CDLL(path)
@@ -67,6 +67,9 @@ class Driver:
         self._error_name = lib.cuGetErrorName
         self._error_name.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
         self._error_name.restype = ctypes.c_int
+        # the one attribute every launch passes: built once, read by the driver at each call
+        self._attribute = LaunchAttribute(id=PROGRAMMATIC_STREAM_SERIALIZATION)
+        self._attribute.value.allowed = 1
 
     def launch(self, function: int, grid, block, shared_bytes: int, stream: Optional[int], args: tuple,
                kernel: str = "kernel") -> None:
@@ -74,15 +77,13 @@ class Driver:
         launch before it on ``stream`` (a ``CUstream`` handle; 0 or None: the legacy default
         stream). ``args``: the kernel's parameters in order, each a NumPy scalar of the
         parameter's C type. Raises ``RuntimeError`` naming ``kernel`` and the driver's error."""
-        cells = [np.array(a) for a in args]  # each parameter's bytes, kept alive until the call returns
-        for a, cell in zip(args, cells):
+        for a in args:
             if not isinstance(a, np.generic):
                 raise TypeError(f"{kernel}: kernel arguments must be NumPy scalars of the parameter's type, "
                                 f"got {type(a).__name__}")
+        cells = [np.array(a) for a in args]  # each parameter's bytes, kept alive until the call returns
         params = (ctypes.c_void_p * max(len(cells), 1))(*[c.ctypes.data for c in cells])
-        attribute = LaunchAttribute(id=PROGRAMMATIC_STREAM_SERIALIZATION)
-        attribute.value.allowed = 1
-        config = LaunchConfig(*grid, *block, shared_bytes, stream or None, ctypes.pointer(attribute), 1)
+        config = LaunchConfig(*grid, *block, shared_bytes, stream or None, ctypes.pointer(self._attribute), 1)
         status = self._launch(ctypes.byref(config), function, params, None)
         if status != 0:
             name = ctypes.c_char_p()
