@@ -57,7 +57,6 @@ PAGE_SIZE = 16
 """The sweep's page size (``benchmarks/sweep_plan.py`` profiles)."""
 
 
-
 @dataclass(frozen=True)
 class Call:
     """One decode call: ``batch`` sequences of ``context`` tokens each, q bf16."""

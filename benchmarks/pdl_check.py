@@ -19,6 +19,7 @@ import time
 
 import numpy as np
 
+from .data import GpuPool
 from .timing import GpuTimer, time_host
 
 CALLS = (  # (q heads, kv heads, head dim, kv dtype, batch, context): the bars the merge's launch gap touches
@@ -28,59 +29,39 @@ CPU_CALLS = ((4, 2, 64, "bf16", 2, 700), (4, 1, 128, "fp8", 1, 600))
 PAGE_SIZE = 16
 
 
-def _inputs(call, seed=0):
-    """q, the K and V caches, block tables and lengths of ``call`` as NumPy arrays (the CPU backend)."""
-    import ml_dtypes
-
-    q_heads, kv_heads, head_dim, kv_dtype, batch, context = call
-    rng = np.random.default_rng(seed)
-    pages = -(-context // PAGE_SIZE)
-    cache = ml_dtypes.float8_e4m3fn if kv_dtype == "fp8" else ml_dtypes.bfloat16
-    shape = (batch * pages, PAGE_SIZE, kv_heads, head_dim)
-    k, v = (rng.standard_normal(shape, dtype=np.float32).astype(cache) for _ in range(2))
-    q = rng.standard_normal((batch, q_heads, head_dim), dtype=np.float32).astype(ml_dtypes.bfloat16)
-    tables = rng.permutation(batch * pages).astype(np.int32).reshape(batch, pages)
-    return q, k, v, tables, np.full(batch, context, np.int32)
-
-
-def _torch_inputs(call, seed=0):
-    """The same on the GPU as torch tensors (generated there: the 32k calls are GBs)."""
-    import torch
-
-    q_heads, kv_heads, head_dim, kv_dtype, batch, context = call
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    pages = -(-context // PAGE_SIZE)
-    shape = (batch * pages, PAGE_SIZE, kv_heads, head_dim)
-    cache = torch.float8_e4m3fn if kv_dtype == "fp8" else torch.bfloat16
-    k, v = (torch.randn(shape, device="cuda", generator=gen).to(cache) for _ in range(2))
-    q = torch.randn((batch, q_heads, head_dim), device="cuda", generator=gen).to(torch.bfloat16)
-    tables = torch.randperm(batch * pages, device="cuda", generator=gen).to(torch.int32).reshape(batch, pages)
-    return q, k, v, tables, torch.full((batch,), context, dtype=torch.int32, device="cuda")
-
-
 def check(call, backend: str, timer=None) -> dict:
-    """One call both ways: bytes equal, microseconds each (median), and their ratio."""
+    """One call both ways: bytes equal, microseconds each (median), and their ratio. Inputs:
+    ``problems.make_problem`` on the CPU, ``data.GpuPool``'s case (the sweep's) on the GPU."""
     from metrale_attn import DecodeAttention
+    from metrale_attn.config import ModelShape
+    from metrale_attn.problems import make_problem
 
     q_heads, kv_heads, head_dim, kv_dtype, batch, context = call
     row = {"call": f"{q_heads}/{kv_heads}/{head_dim} {kv_dtype} b{batch} x {context}"}
     attns = {on: DecodeAttention(q_heads, kv_heads, head_dim, PAGE_SIZE, q_dtype="bf16", kv_dtype=kv_dtype,
                                  max_batch=batch, backend=backend, dependent_launch=on) for on in (True, False)}
     if backend == "cpu":
-        args = _inputs(call)
-        outs = {on: attn.run(*args) for on, attn in attns.items()}
+        p = make_problem(np.random.default_rng(0), num_seqs=batch, num_q_heads=q_heads, num_kv_heads=kv_heads,
+                         head_dim=head_dim, page_size=PAGE_SIZE, seq_lens=context, kv_dtype=kv_dtype)
+        args = (p.q, p.k_cache, p.v_cache, p.block_tables, p.seq_lens)
+        outs = {on: attn.run(*args, k_scale=p.k_scale, v_scale=p.v_scale) for on, attn in attns.items()}
         row["bytes_equal"] = outs[True].tobytes() == outs[False].tobytes()
-        row.update({f"us_{'pdl' if on else 'plain'}": time_host(lambda a=attn: a.run(*args), max_iters=3).median_us
-                    for on, attn in attns.items()})
+        row.update({f"us_{'pdl' if on else 'plain'}": time_host(
+            lambda a=attn: a.run(*args, k_scale=p.k_scale, v_scale=p.v_scale), max_iters=3).median_us
+            for on, attn in attns.items()})
         return row
     import torch
 
-    args = _torch_inputs(call)
+    pages = -(-context // PAGE_SIZE)
+    case = GpuPool(ModelShape(q_heads, kv_heads, head_dim), kv_dtype, PAGE_SIZE, batch * pages, seed=0).case(
+        batch, context)
     timer.synchronize_device()
-    outs = {on: torch.empty_like(args[0]) for on in (True, False)}
+    outs = {on: torch.empty_like(case.q) for on in (True, False)}
     launches = {}
     for on, attn in attns.items():
-        launches[on] = timer.capture_cupy(lambda a=attn, o=outs[on]: a.run(*args, out=o))
+        launches[on] = timer.capture_cupy(lambda a=attn, o=outs[on]: a.run(
+            case.q, case.k_pool, case.v_pool, case.block_tables, case.seq_lens, k_scale=case.k_scale,
+            v_scale=case.v_scale, out=o))
         launches[on]()
     timer.synchronize_device()
     row["bytes_equal"] = bool(torch.equal(outs[True].view(torch.int16), outs[False].view(torch.int16)))
