@@ -15,11 +15,10 @@ import pytest
 
 from metrale_attn import config as config_module
 from metrale_attn.backends import dependent_launch
-from metrale_attn.backends.cpu_backend import CpuBackend
 from metrale_attn.backends.cupy_backend import _CupyModule
 from metrale_attn.kernels import KernelSpec
 from support.builds import nvrtc_ptx
-from support.problems import check_against_reference, decoder, problem, run_poisoned
+from support.problems import CountingBackend, check_against_reference, decoder, problem, run_poisoned
 
 P = problem(seq_lens=(5, 300, 0), head_dim=64, page_size=16)
 
@@ -179,32 +178,17 @@ def test_on_a_device_without_dependent_launch_a_dependent_launch_is_cupys_plain_
     assert len(function.calls) == 1
 
 
-class _Recording(CpuBackend):
-    def __init__(self):
-        super().__init__()
-        self.launches = []
-
-    def load(self, spec):
-        module, record = super().load(spec), self.launches
-
-        class Recording:
-            def launch(self, launch):
-                record.append((launch.kernel, launch.dependent))
-                module.launch(launch)
-
-        return Recording()
-
-
 @pytest.mark.parametrize("impl, dependent_launch, merge_dependent", [
     ("mma", None, True), ("mma", False, False), ("simt", None, False)])
 def test_only_the_mma_merge_is_launched_as_a_dependent_and_the_layer_can_turn_that_off(impl, dependent_launch,
                                                                                        merge_dependent):
-    be = _Recording()
+    be = CountingBackend()
     options = {} if dependent_launch is None else {"dependent_launch": dependent_launch}
     attn = decoder(P, backend=be, splitk="3", impl=impl, **options)
     out, lse = run_poisoned(attn, P)
-    assert be.launches == [(f"{'simt_' if impl == 'simt' else ''}decode_splitk", False),
-                           (f"{'simt_' if impl == 'simt' else ''}decode_splitk_merge", merge_dependent)]
+    assert [(launch.kernel, launch.dependent) for launch in be.launched] == [
+        (f"{'simt_' if impl == 'simt' else ''}decode_splitk", False),
+        (f"{'simt_' if impl == 'simt' else ''}decode_splitk_merge", merge_dependent)]
     check_against_reference(P, out, lse)
 
 

@@ -11,17 +11,18 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from metrale_attn import binding, dtypes, tolerance
+from metrale_attn import binding, dtypes
 from metrale_attn.backends.cpu_backend import CpuBackend
-from metrale_attn.config import FEATURES, HEAD_DIMS, resolve_mma_kernel
+from metrale_attn.config import HEAD_DIMS, resolve_mma_kernel
 from metrale_attn.kernels import MMA_KERNEL_SUFFIX, KernelSpec, all_specs, mma_refusal, specs_for
 from metrale_attn.plan import KernelGrid
 from metrale_attn.targets import TARGETS
 from metrale_attn.tiling import max_row_tiles, mma_tiling, resident_ctas, warps_for
 
-from support.builds import needs_nvrtc, nvrtc_build, spill_frames
+from support.builds import needs_nvrtc, nvrtc_build, spill_frames, tightest_spill_params
 from support.problems import (check_against_reference, check_bytes_free_of_heads_per_cta_company_and_position,
-                              decoder, problem, run_poisoned, to_csr)
+                              check_features_within_bar_and_on_fewer_persistent_ctas, decoder, problem,
+                              run_poisoned, to_csr)
 
 ARMS = {"unpacked": dict(splitk="off"), "splitk": dict(splitk="3"), "gqa_packed": dict(splitk="off", gqa_pack=True)}
 LIMITS = {99 * 1024: "99 KiB (sm_86, sm_89, sm_120, sm_121)", 163 * 1024: "163 KiB (sm_80)",
@@ -128,16 +129,7 @@ def test_v23_is_within_one_ulp_of_the_reference_on_every_arm_and_dtype_with_a_wi
     options = dict(max_q_len=q_len, window_left=300, sinks=True, mma_kernel="v2.3", **ARMS[arm])
     attn = decoder(p, backend=backend, **options)
     assert {v.tiling.warps for v in _v23(attn)} == ({6} if (arm, kv_dtype) == ("gqa_packed", "bf16") else {8})
-    full = run_poisoned(attn, p, q=q, sinks=sinks)
-    ref_out, ref_lse = p.reference(return_lse=True, q=q, window_left=300, sinks=sinks)
-    tolerance.assert_close_to_reference(full[0], ref_out, v_absmax=p.v_absmax())
-    neg = np.isneginf(ref_lse)
-    assert np.all(np.isneginf(full[1][neg]))
-    np.testing.assert_allclose(full[1][~neg], ref_lse[~neg], rtol=2e-6, atol=2e-6)
-    monkeypatch.setattr(binding, "persistent_ctas", lambda tiling, target: 3)
-    few = decoder(p, backend=backend, **options)
-    assert few.plan(4).launches[0].ctas > 3
-    assert _bytes(*run_poisoned(few, p, q=q, sinks=sinks)) == _bytes(*full)
+    check_features_within_bar_and_on_fewer_persistent_ctas(attn, p, q, sinks, monkeypatch, **options)
 
 
 @pytest.mark.parametrize("arm", ["unpacked", "splitk"])
@@ -176,26 +168,8 @@ TIGHTEST = [  # (head dim, q, cache, row tiles, limit): every feature, 8 warps e
     (256, "fp16", "fp8", 1, 227 * 1024),   # one row tile from 208 on: fp8 only takes 8 warps there
     (160, "fp16", "fp8", 2, 99 * 1024),    # the widest 8-warp 99 KiB spec
 ]
-DEFAULT_ARCHES = ("sm_90", "sm_120")
-"""The architectures the default run builds the tightest specs for; the others are ``slow``."""
-
-
-def _tightest_params():
-    params = []
-    for head_dim, q, kv, rt, limit in TIGHTEST:
-        for arch in ("sm_80", "sm_86", "sm_89", "sm_90", "sm_100", "sm_103", "sm_120", "sm_121"):
-            for arm in ("unpacked", "splitk"):
-                spec = KernelSpec(arm, head_dim, q, kv, "mma", rt, set(FEATURES), smem_limit=limit, mma_kernel="v2.3")
-                if not spec.builds_for(arch):  # fp8: sm_89 and later
-                    continue
-                slow = arch not in DEFAULT_ARCHES or (arm, head_dim) != ("unpacked", 192) and arch != "sm_90"
-                params.append(pytest.param(spec, arch, id=f"{spec.name}-{arch}",
-                                           marks=[pytest.mark.slow] if slow else []))
-    return params
-
-
 @needs_nvrtc
-@pytest.mark.parametrize("spec, arch", _tightest_params())
+@pytest.mark.parametrize("spec, arch", tightest_spill_params(TIGHTEST, first=("unpacked", 192, "bf16")))
 def test_the_tightest_eight_warp_specs_compile_with_no_stack_frame_and_no_spills(spec, arch):
     """Every feature at once with fp16 q (two q parts on a bf16 cache): launch bounds (256, 1)
     leave ptxas 255 registers a thread, as (128, 1) did."""

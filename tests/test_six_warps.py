@@ -15,16 +15,17 @@ import pytest
 
 from metrale_attn import binding, dtypes, tolerance
 from metrale_attn.backends.cpu_backend import CpuBackend
-from metrale_attn.config import FEATURES, HEAD_DIMS
+from metrale_attn.config import HEAD_DIMS
 from metrale_attn.kernels import KernelSpec, all_specs, specs_for
 from metrale_attn.plan import KernelGrid
 from metrale_attn.targets import TARGETS
 from metrale_attn.tiling import (SIX_WARPS_MIN_HEAD_DIM, carve, max_row_tiles, mma_tiling, q_parts, resident_ctas,
                                  warps_for)
 
-from support.builds import needs_nvrtc, nvrtc_build, spill_frames
+from support.builds import needs_nvrtc, nvrtc_build, spill_frames, tightest_spill_params
 from support.problems import (check_against_reference, check_bytes_free_of_heads_per_cta_company_and_position,
-                              decoder, problem, run_poisoned, to_csr)
+                              check_features_within_bar_and_on_fewer_persistent_ctas, decoder, problem,
+                              run_poisoned, to_csr)
 
 LIMITS = {99 * 1024: "99 KiB (sm_86, sm_89, sm_120, sm_121)", 163 * 1024: "163 KiB (sm_80)",
           227 * 1024: "227 KiB (sm_90, sm_100, sm_103)"}
@@ -147,16 +148,7 @@ def test_six_warps_are_within_one_ulp_of_the_reference_on_every_arm_and_dtype_wi
     attn = decoder(p, backend=backend, **options)
     assert {v.tiling.warps for v in _v23(attn)} == {6}
     assert attn.plan(4).heads_per_cta == arm_options.get("heads_per_cta", attn.plan(4).heads_per_cta)
-    full = run_poisoned(attn, p, q=q, sinks=sinks)
-    ref_out, ref_lse = p.reference(return_lse=True, q=q, window_left=300, sinks=sinks)
-    tolerance.assert_close_to_reference(full[0], ref_out, v_absmax=p.v_absmax())
-    neg = np.isneginf(ref_lse)
-    assert np.all(np.isneginf(full[1][neg]))
-    np.testing.assert_allclose(full[1][~neg], ref_lse[~neg], rtol=2e-6, atol=2e-6)
-    monkeypatch.setattr(binding, "persistent_ctas", lambda tiling, target: 3)
-    few = decoder(p, backend=backend, **options)
-    assert few.plan(4).launches[0].ctas > 3
-    assert _bytes(*run_poisoned(few, p, q=q, sinks=sinks)) == _bytes(*full)
+    check_features_within_bar_and_on_fewer_persistent_ctas(attn, p, q, sinks, monkeypatch, **options)
 
 
 def test_six_warps_are_within_one_ulp_whichever_tile_mod_six_a_rows_keys_start_at(backend):
@@ -214,27 +206,8 @@ TIGHTEST = [  # (head dim, q, cache, row tiles, limit): every feature, 6 warps e
     (192, "fp16", "fp8", 2, 99 * 1024),    # 16 rows, no prefetch (the state fills the ring)
     (224, "fp16", "fp8", 1, 99 * 1024),
 ]
-DEFAULT_ARCHES = ("sm_90", "sm_120")
-"""The architectures the default run builds the tightest specs for; the others are ``slow``."""
-
-
-def _tightest_params():
-    params = []
-    for head_dim, q, kv, rt, limit in TIGHTEST:
-        for arch in ("sm_80", "sm_86", "sm_89", "sm_90", "sm_100", "sm_103", "sm_120", "sm_121"):
-            for arm in ("unpacked", "splitk"):
-                spec = KernelSpec(arm, head_dim, q, kv, "mma", rt, set(FEATURES), smem_limit=limit, mma_kernel="v2.3")
-                if not spec.builds_for(arch):  # fp8: sm_89 and later
-                    continue
-                first = (arm, head_dim, kv) == ("unpacked", 256, "bf16")
-                slow = arch not in DEFAULT_ARCHES or not first and arch != "sm_90"
-                params.append(pytest.param(spec, arch, id=f"{spec.name}-{arch}",
-                                           marks=[pytest.mark.slow] if slow else []))
-    return params
-
-
 @needs_nvrtc
-@pytest.mark.parametrize("spec, arch", _tightest_params())
+@pytest.mark.parametrize("spec, arch", tightest_spill_params(TIGHTEST, first=("unpacked", 256, "bf16")))
 def test_the_tightest_six_warp_specs_compile_with_no_stack_frame_and_no_spills(spec, arch):
     """Every feature at once with fp16 q: launch bounds (192, 1) leave ptxas 255 registers a thread."""
     assert spec.tiling.warps == 6

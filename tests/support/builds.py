@@ -178,3 +178,28 @@ def spill_frames(log: str) -> list[tuple[str, str, str]]:
     kernel of a build's log (``("0", "0", "0")``: every register array indexed by constants,
     nothing spilled)."""
     return _FRAME.findall(log)
+
+
+TIGHTEST_DEFAULT_ARCHES = ("sm_90", "sm_120")
+"""The architectures the default run builds a tiling's tightest specs for; the others are ``slow``."""
+
+
+def tightest_spill_params(tightest, first) -> list:
+    """``(spec, arch)`` test parameters of every feature at once, ``v2.3``, both arms, on every
+    architecture that builds them: ``tightest`` rows ``(head dim, q, cache, row tiles, smem
+    limit)``. The default run builds the ``first`` spec ``(arm, head dim, cache)`` for
+    ``TIGHTEST_DEFAULT_ARCHES`` and the others for sm_90; the rest are ``slow`` (CI's slow step)."""
+    from metrale_attn.config import FEATURES
+    from metrale_attn.kernels import KernelSpec
+
+    params = []
+    for head_dim, q, kv, rt, limit in tightest:
+        for arch in ARCHES:
+            for arm in ("unpacked", "splitk"):
+                spec = KernelSpec(arm, head_dim, q, kv, "mma", rt, set(FEATURES), smem_limit=limit, mma_kernel="v2.3")
+                if not spec.builds_for(arch):  # fp8: sm_89 and later
+                    continue
+                slow = arch not in TIGHTEST_DEFAULT_ARCHES or (arm, head_dim, kv) != first and arch != "sm_90"
+                params.append(pytest.param(spec, arch, id=f"{spec.name}-{arch}",
+                                           marks=[pytest.mark.slow] if slow else []))
+    return params

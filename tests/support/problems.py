@@ -111,22 +111,44 @@ def check_bytes_free_of_heads_per_cta_company_and_position(p: Problem, backend, 
             assert out[at].tobytes() == first[0][r].tobytes() and lse[at].tobytes() == first[1][r].tobytes(), rows
 
 
+def check_features_within_bar_and_on_fewer_persistent_ctas(attn: DecodeAttention, p: Problem, q, sink_values,
+                                                           monkeypatch, **options) -> None:
+    """``attn`` (built from ``p`` with ``options``: a window, sinks, several query tokens; ``q``
+    and ``sink_values`` the call's) is
+    within the bar of the float64 reference, lse included, and a layer of the same options
+    on 3 persistent CTAs, fewer than its items so that each walks several, gives the same bytes."""
+    from metrale_attn import binding
+
+    full = run_poisoned(attn, p, q=q, sinks=sink_values)
+    ref_out, ref_lse = p.reference(return_lse=True, q=q, window_left=options["window_left"], sinks=sink_values)
+    tolerance.assert_close_to_reference(full[0], ref_out, v_absmax=p.v_absmax())
+    neg = np.isneginf(ref_lse)
+    assert np.all(np.isneginf(full[1][neg]))
+    np.testing.assert_allclose(full[1][~neg], ref_lse[~neg], rtol=2e-6, atol=2e-6)
+    monkeypatch.setattr(binding, "persistent_ctas", lambda tiling, target: 3)
+    few = decoder(p, backend=attn.backend, **options)
+    assert few.plan(4).launches[0].ctas > 3
+    assert [a.tobytes() for a in run_poisoned(few, p, q=q, sinks=sink_values)] == [a.tobytes() for a in full]
+
+
 class CountingBackend(CpuBackend):
     """A CPU backend that records every spec it loads and every launch (and so proves a
-    refusal launched nothing)."""
+    refusal launched nothing): ``launches`` the kernels' names, ``launched`` the ``Launch``es."""
 
     def __init__(self):
         super().__init__()
         self.launches = []
+        self.launched = []
         self.loaded = []
 
     def load(self, spec):
         self.loaded.append(spec.name)
-        module, record = super().load(spec), self.launches
+        module, names, launched = super().load(spec), self.launches, self.launched
 
         class Counting:
             def launch(self, launch):
-                record.append(launch.kernel)
+                names.append(launch.kernel)
+                launched.append(launch)
                 module.launch(launch)
 
         return Counting()
