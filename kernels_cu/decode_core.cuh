@@ -172,6 +172,10 @@ constexpr bool MMA_BF16 = PD_KV_DTYPE == PD_DTYPE_BF16;               // else fp
 constexpr int QP = (MMA_BF16 && PD_Q_DTYPE == PD_DTYPE_FP16) ? 2 : 1;  // q parts
 constexpr bool Q_SCALED = !MMA_BF16 && PD_Q_DTYPE == PD_DTYPE_BF16;    // q * 2^c_r as fp16
 constexpr int PP = MMA_BF16 ? 3 : 2;                                   // p parts
+// q's B operands held in registers for the whole loop at 8 warps (whose shared-memory traffic
+// paces an SM that holds one CTA) where they take at most 16 a thread (KS x QP x NT x 2: head
+// dim <= 128 at 8 rows, one q part); elsewhere re-read every tile, which is shorter for the chain
+constexpr bool Q_IN_REGS = W == 8 && KS * QP * NT * 2 <= 16;
 
 constexpr int ES = (int)sizeof(pd_kv_t);
 constexpr int RB = D * ES;        // bytes of one K or V row in global memory
@@ -181,6 +185,8 @@ constexpr int CPP = DP * ES / 16; // of its padded row (chunks CPR .. CPP - 1 ze
 constexpr int CPL = CPP <= 4 ? 4 : CPP <= 8 ? 8 : CPP <= 16 ? 16 : 32;  // lanes per row: a power of two
 constexpr int RPI = 32 / CPL;     // rows one warp-wide cp.async covers
 constexpr int RPL = TT / RPI;     // rows each lane copies per tile
+constexpr int COPY_BATCH = RPL < 8 ? RPL : 8;  // rows whose offsets a copying lane reads before their copies
+static_assert(RPL % COPY_BATCH == 0, "the copy batches tile the rows a lane copies");
 constexpr int QS = 2 * DP + 16;   // q row stride in shared memory (bytes)
 constexpr int PAD_OFF = RS - 16;  // a row's pad: past the padded row, so no copy and no ldmatrix touches it
 
@@ -643,23 +649,30 @@ __device__ __forceinline__ void issue_tile(Stream& st, const long long (&strides
     // the page size (st.in_page is token lane's), in 1 .. 33 page_size + TT
     const unsigned x0 = (unsigned)(2 * st.in_page + st.row_bias);
     PD_UNROLL
-    for (int j = 0; j < RPL && copies; ++j) {
-      const int r = row0 + j * RPI;
-      // its entry (staged by lane r S - 1 tiles ago; 0 out of range) and its offset in its
-      // page, both times ES = 2 (an entry < 2^31: twice it fits 32 bits unsigned), so the
-      // strides stay in elements and no product needs a shift
-      const unsigned x = x0 + (unsigned)(2 * j * RPI);  // 2 (in_page + a multiple of page_size)
-      const unsigned q = __umulhi(x, st.page_magic);      // x / (2 page_size), exact for x < 2^22
-      const unsigned in_page2 = x - q * (unsigned)(2 * st.page_size);
-      const unsigned entry2 = ES * (unsigned)*entry_at(st.ring, slot, r);
-      const unsigned char* k_src = st.k_lane + (unsigned long long)entry2 * (unsigned long long)strides[0] +
-                                   (unsigned long long)in_page2 * (unsigned long long)strides[1];
-      const unsigned char* v_src = st.v_lane + (unsigned long long)entry2 * (unsigned long long)strides[2] +
-                                   (unsigned long long)in_page2 * (unsigned long long)strides[3];
-      const unsigned n = (r >= first && r < past && real) ? 16u : 0u;
-      unsigned char* dst = stage + r * RS + chunk * 16;
-      pd_cp_async_cg_16(dst, k_src, n);
-      pd_cp_async_cg_16(dst + TILE_BYTES, v_src, n);
+    for (int j0 = 0; j0 < RPL && copies; j0 += COPY_BATCH) {
+      // the batch's entries (staged by lane r S - 1 tiles ago; 0 out of range), read before
+      // its copies, as the table path reads its offsets
+      int entries[COPY_BATCH];
+      PD_UNROLL
+      for (int jj = 0; jj < COPY_BATCH; ++jj) entries[jj] = *entry_at(st.ring, slot, row0 + (j0 + jj) * RPI);
+      PD_UNROLL
+      for (int jj = 0; jj < COPY_BATCH; ++jj) {
+        const int j = j0 + jj, r = row0 + j * RPI;
+        // its entry and its offset in its page, both times ES = 2 (an entry < 2^31: twice it
+        // fits 32 bits unsigned), so the strides stay in elements and no product needs a shift
+        const unsigned x = x0 + (unsigned)(2 * j * RPI);  // 2 (in_page + a multiple of page_size)
+        const unsigned q = __umulhi(x, st.page_magic);      // x / (2 page_size), exact for x < 2^22
+        const unsigned in_page2 = x - q * (unsigned)(2 * st.page_size);
+        const unsigned entry2 = ES * (unsigned)entries[jj];
+        const unsigned char* k_src = st.k_lane + (unsigned long long)entry2 * (unsigned long long)strides[0] +
+                                     (unsigned long long)in_page2 * (unsigned long long)strides[1];
+        const unsigned char* v_src = st.v_lane + (unsigned long long)entry2 * (unsigned long long)strides[2] +
+                                     (unsigned long long)in_page2 * (unsigned long long)strides[3];
+        const unsigned n = (r >= first && r < past && real) ? 16u : 0u;
+        unsigned char* dst = stage + r * RS + chunk * 16;
+        pd_cp_async_cg_16(dst, k_src, n);
+        pd_cp_async_cg_16(dst + TILE_BYTES, v_src, n);
+      }
     }
   }
   if (entry && lane < TT) {  // the entry S - 1 tiles on, in range only; 0 out of range (every copying lane reads it)
@@ -688,14 +701,22 @@ __device__ __forceinline__ void issue_tile(Stream& st, const long long (&strides
     const int row0 = lane / CPL, chunk = lane % CPL;  // rows row0 + j * RPI, 16-byte chunk `chunk`
     const bool real = CPR == CPP || chunk < CPR;      // else a padding chunk: zero-filled (src-size 0 reads nothing)
     const bool copies = CPL == CPP || chunk < CPP;    // lanes past the padded row copy nothing
+    // COPY_BATCH rows' offsets read before their copies: one shared-memory round trip a
+    // batch, not a row (one register quad reused row after row serialised them)
     PD_UNROLL
-    for (int j = 0; j < RPL && copies; ++j) {
-      const int r = row0 + j * RPI;
-      const longlong2 off = *reinterpret_cast<const longlong2*>(table + r * 16);
-      const unsigned n = (r >= first && r < past && real) ? 16u : 0u;
-      unsigned char* dst = stage + r * RS + chunk * 16;
-      pd_cp_async_cg_16(dst, st.k_lane + off.x, n);
-      pd_cp_async_cg_16(dst + TILE_BYTES, st.v_lane + off.y, n);
+    for (int j0 = 0; j0 < RPL && copies; j0 += COPY_BATCH) {
+      longlong2 off[COPY_BATCH];
+      PD_UNROLL
+      for (int j = 0; j < COPY_BATCH; ++j)
+        off[j] = *reinterpret_cast<const longlong2*>(table + (row0 + (j0 + j) * RPI) * 16);
+      PD_UNROLL
+      for (int j = 0; j < COPY_BATCH; ++j) {
+        const int r = row0 + (j0 + j) * RPI;
+        const unsigned n = (r >= first && r < past && real) ? 16u : 0u;
+        unsigned char* dst = stage + r * RS + chunk * 16;
+        pd_cp_async_cg_16(dst, st.k_lane + off[j].x, n);
+        pd_cp_async_cg_16(dst + TILE_BYTES, st.v_lane + off[j].y, n);
+      }
     }
   }
   if (BtStaged::on && entry && lane < TT && st.etok >= st.lo && st.etok < st.hi)  // the entry S - 1 tiles on, in range only
@@ -918,6 +939,15 @@ __device__ __forceinline__ void attend(unsigned char* smem, const Rows& rw, cons
   // (lane & 7) of a 16-token block, 16-byte chunk lane >> 4 of a chunk pair.
   const int kv_lane = ((((lane >> 3) & 1) * 8) + (lane & 7)) * RS + (lane >> 4) * 16;
   const unsigned char* q_lane = smem + Q_OFF + (lane & 7) * QS + (lane >> 3) * 16;
+  // Q_IN_REGS: q's B operands read once here, not once per 16 keys (each reading shared memory)
+  unsigned q_frag[Q_IN_REGS ? KS / 2 : 1][QP][NT][4];
+  PD_UNROLL
+  for (int kk = 0; kk < (Q_IN_REGS ? KS / 2 : 0); ++kk)
+    PD_UNROLL
+    for (int part = 0; part < QP; ++part)
+      PD_UNROLL
+      for (int nt = 0; nt < NT; ++nt)
+        pd_ldmatrix_x4(q_frag[kk][part][nt], q_lane + (part * ROWS + nt * 8) * QS + kk * 64);
 
   for (int k = 0; k < my_tiles; ++k) {
     pd_cp_async_wait<S - 2>();  // this lane's copies of tile k have landed; issue_tile's
@@ -965,14 +995,19 @@ __device__ __forceinline__ void attend(unsigned char* smem, const Rows& rw, cons
             a[h][3] = r[3];
           }
         }
-        // q's B operands of steps 2kk, 2kk + 1, one row tile and part at a time (few
-        // registers live; q is re-read from shared memory per 16-token tile)
+        // q's B operands of steps 2kk, 2kk + 1, one row tile and part at a time: from
+        // q_frag (Q_IN_REGS), else re-read from shared memory every tile (few registers live)
         PD_UNROLL
         for (int part = 0; part < QP; ++part)
           PD_UNROLL
           for (int nt = 0; nt < NT; ++nt) {
             unsigned qb[4];  // [step 2kk: b0b1, b2b3, step 2kk + 1: b0b1, b2b3]
-            pd_ldmatrix_x4(qb, q_lane + (part * ROWS + nt * 8) * QS + kk * 64);
+            if (Q_IN_REGS) {
+              PD_UNROLL
+              for (int e = 0; e < 4; ++e) qb[e] = q_frag[Q_IN_REGS ? kk : 0][part][nt][e];
+            } else {
+              pd_ldmatrix_x4(qb, q_lane + (part * ROWS + nt * 8) * QS + kk * 64);
+            }
             PD_UNROLL
             for (int h = 0; h < 2; ++h) {
               if (2 * kk + h >= KD) continue;

@@ -15,6 +15,7 @@ import sys
 import pytest
 
 from benchmarks import sass_model as sr
+from benchmarks.sass import _width_bytes, never_executes
 from benchmarks.hot_loop import hot_loop
 from metrale_attn.backends import cubin
 from metrale_attn.kernels import KernelSpec
@@ -211,3 +212,49 @@ def test_the_report_on_one_variant_writes_the_interface(tmp_path):
     assert r["loop"]["hot_path_instructions"] >= r["loop"]["fewest_path_instructions"]
     assert r["chain_cycles_per_tile"] > r["issue_cycles_per_tile"] and r["chain_stalls_per_tile"]["memory"] > 0
     assert r["launch_bounds"] == [128, 4] and r["warps_per_scheduler"] == r["ctas_per_sm"]
+
+
+def _copy_batches(instrs) -> list[int]:
+    """The K/V copies (16-byte cp.async) of a hot loop in groups that no executed shared
+    load separates: one group per batch of row offsets (or entries) a lane reads at once."""
+    groups, open_group = [], 0
+    for ins in instrs:
+        if never_executes(ins):
+            continue
+        if ins.base == "LDGSTS" and _width_bytes(ins) == 16:
+            open_group += 1
+        elif ins.base == "LDS" and open_group:
+            groups.append(open_group)
+            open_group = 0
+    return groups + ([open_group] if open_group else [])
+
+
+@needs_nvdisasm
+@pytest.mark.parametrize("spec, rows_per_lane", [
+    (KernelSpec("splitk", 256, "bf16", "bf16"), 16),  # 6 warps, the offsets table, 16 rows a lane
+    (KernelSpec("splitk", 128, "bf16", "fp8"), 8),    # 8 warps, the offsets table
+    (KernelSpec("splitk", 128, "bf16", "bf16"), 8),   # 8 warps, each lane's own entries (PD_LANE_OFFSETS)
+], ids=lambda v: getattr(v, "name", str(v)))
+def test_a_lane_reads_a_batch_of_eight_rows_offsets_before_it_issues_their_copies(spec, rows_per_lane):
+    # One register quad reused row after row made every copy wait a shared-memory round trip
+    # for its own row's offsets: 16 (or 8) groups of 2 copies. In batches of 8, 2 (or 1).
+    facts = sr.analyse(spec, "sm_90", NVDISASM, build=nvrtc_build(spec, "sm_90"))
+    groups = _copy_batches(facts.hot.instrs)
+    assert sum(groups) == 2 * rows_per_lane
+    assert len(groups) <= rows_per_lane // 8, groups
+
+
+@needs_nvdisasm
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
+def test_at_eight_warps_q_is_read_from_shared_memory_once_an_item_not_once_a_tile(kv_dtype):
+    # hd128 at 8 rows: q's B operands are 16 registers a thread (Q_IN_REGS); the 4-warp tiling
+    # of a 99 KiB target reads them in the loop, one ldmatrix.x4 per 32 dims
+    eight = KernelSpec("splitk", 128, "bf16", kv_dtype)
+    four = KernelSpec("splitk", 128, "bf16", kv_dtype, smem_limit=101376)
+    assert (eight.tiling.warps, four.tiling.warps) == (8, 4)
+
+    def ldmatrix(spec):
+        facts = sr.analyse(spec, "sm_90", NVDISASM, build=nvrtc_build(spec, "sm_90"))
+        return sum(1 for i in facts.hot.instrs if i.base == "LDSM" and not never_executes(i))
+
+    assert ldmatrix(four) - ldmatrix(eight) == 128 // 32
