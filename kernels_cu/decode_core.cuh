@@ -626,6 +626,81 @@ __device__ __forceinline__ void advance(const Stream& st, unsigned& tok, unsigne
   }
 }
 
+// Table path: row j's K and V offsets from the warp's table (koff, voff: bytes from the
+// lane's chunk of the KV head), written there by lane j's token.
+struct TableRows {
+  const unsigned char* table;
+  const unsigned char *k_lane, *v_lane;
+  int row0;
+  longlong2 off[COPY_BATCH];
+  __device__ __forceinline__ void load(int j0) {
+    PD_UNROLL
+    for (int jj = 0; jj < COPY_BATCH; ++jj)
+      off[jj] = *reinterpret_cast<const longlong2*>(table + (row0 + (j0 + jj) * RPI) * 16);
+  }
+  __device__ __forceinline__ void sources(int jj, int, const unsigned char*& k, const unsigned char*& v) const {
+    k = k_lane + off[jj].x;
+    v = v_lane + off[jj].y;
+  }
+};
+
+#if PD_LANE_OFFSETS
+// Lane-offsets path: row j's block-table entry (staged by lane j S - 1 tiles ago; 0 out of
+// range) and its offset in its page, both times ES = 2 (an entry < 2^31: twice it fits 32
+// bits unsigned), so the strides stay in elements and no product needs a shift.
+struct LaneRows {
+  const Stream& st;
+  const long long (&strides)[4];
+  int slot, row0;
+  unsigned x0;  // 2 (row row0's token's offset in its page + a multiple of page_size)
+  int entries[COPY_BATCH];
+  __device__ __forceinline__ void load(int j0) {
+    PD_UNROLL
+    for (int jj = 0; jj < COPY_BATCH; ++jj) entries[jj] = *entry_at(st.ring, slot, row0 + (j0 + jj) * RPI);
+  }
+  __device__ __forceinline__ void sources(int jj, int j, const unsigned char*& k, const unsigned char*& v) const {
+    const unsigned x = x0 + (unsigned)(2 * j * RPI);  // 2 (in_page + a multiple of page_size)
+    const unsigned q = __umulhi(x, st.page_magic);      // x / (2 page_size), exact for x < 2^22
+    const unsigned in_page2 = x - q * (unsigned)(2 * st.page_size);
+    const unsigned entry2 = ES * (unsigned)entries[jj];
+    k = st.k_lane + (unsigned long long)entry2 * (unsigned long long)strides[0] +
+        (unsigned long long)in_page2 * (unsigned long long)strides[1];
+    v = st.v_lane + (unsigned long long)entry2 * (unsigned long long)strides[2] +
+        (unsigned long long)in_page2 * (unsigned long long)strides[3];
+  }
+};
+#endif
+
+// A lane's copies of one tile: rows row0 + j RPI, j in [0, RPL), COPY_BATCH at a time. A
+// batch's row addresses are read (Rows::load: one shared-memory round trip a batch, where one
+// register quad reused row after row serialised them) before its copies are issued; row
+// row0 + j RPI lands j RPI RS bytes past dst0 (row row0's chunk), an immediate of the copy
+// instruction, so every row shares one address register. Rows::sources gives batch row jj's
+// K and V source; n = 16 for a row in [first, past) of a real chunk, else 0 (zero-filled).
+template <int J0, int JJ, class Rows>
+__device__ __forceinline__ void copy_batch(const Rows& rows, unsigned char* dst0, int row0, int first, int past,
+                                           bool real) {
+  if constexpr (JJ < COPY_BATCH) {
+    constexpr int j = J0 + JJ;
+    const int r = row0 + j * RPI;
+    const unsigned n = (r >= first && r < past && real) ? 16u : 0u;
+    const unsigned char *k_src, *v_src;
+    rows.sources(JJ, j, k_src, v_src);
+    pd_cp_async_cg_16_at<j * RPI * RS>(dst0, k_src, n);
+    pd_cp_async_cg_16_at<j * RPI * RS + TILE_BYTES>(dst0, v_src, n);
+    copy_batch<J0, JJ + 1>(rows, dst0, row0, first, past, real);
+  }
+}
+
+template <int J0, class Rows>
+__device__ __forceinline__ void copy_rows(Rows& rows, unsigned char* dst0, int row0, int first, int past, bool real) {
+  if constexpr (J0 < RPL) {
+    rows.load(J0);
+    copy_batch<J0, 0>(rows, dst0, row0, first, past, real);
+    copy_rows<J0 + COPY_BATCH>(rows, dst0, row0, first, past, real);
+  }
+}
+
 // A __syncwarp, then the offsets of the next tile's rows into the warp's table (PD_LANE_OFFSETS:
 // no table, each copying lane computes its rows'), its
 // cp.async copies into `stage` (keys outside the CTA's range zero-filled), (staged) the
@@ -648,32 +723,8 @@ __device__ __forceinline__ void issue_tile(Stream& st, const long long (&strides
     // x0 / 2 + j * RPI: row row0 + j * RPI's token's offset in its page plus a multiple of
     // the page size (st.in_page is token lane's), in 1 .. 33 page_size + TT
     const unsigned x0 = (unsigned)(2 * st.in_page + st.row_bias);
-    PD_UNROLL
-    for (int j0 = 0; j0 < RPL && copies; j0 += COPY_BATCH) {
-      // the batch's entries (staged by lane r S - 1 tiles ago; 0 out of range), read before
-      // its copies, as the table path reads its offsets
-      int entries[COPY_BATCH];
-      PD_UNROLL
-      for (int jj = 0; jj < COPY_BATCH; ++jj) entries[jj] = *entry_at(st.ring, slot, row0 + (j0 + jj) * RPI);
-      PD_UNROLL
-      for (int jj = 0; jj < COPY_BATCH; ++jj) {
-        const int j = j0 + jj, r = row0 + j * RPI;
-        // its entry and its offset in its page, both times ES = 2 (an entry < 2^31: twice it
-        // fits 32 bits unsigned), so the strides stay in elements and no product needs a shift
-        const unsigned x = x0 + (unsigned)(2 * j * RPI);  // 2 (in_page + a multiple of page_size)
-        const unsigned q = __umulhi(x, st.page_magic);      // x / (2 page_size), exact for x < 2^22
-        const unsigned in_page2 = x - q * (unsigned)(2 * st.page_size);
-        const unsigned entry2 = ES * (unsigned)entries[jj];
-        const unsigned char* k_src = st.k_lane + (unsigned long long)entry2 * (unsigned long long)strides[0] +
-                                     (unsigned long long)in_page2 * (unsigned long long)strides[1];
-        const unsigned char* v_src = st.v_lane + (unsigned long long)entry2 * (unsigned long long)strides[2] +
-                                     (unsigned long long)in_page2 * (unsigned long long)strides[3];
-        const unsigned n = (r >= first && r < past && real) ? 16u : 0u;
-        unsigned char* dst = stage + r * RS + chunk * 16;
-        pd_cp_async_cg_16(dst, k_src, n);
-        pd_cp_async_cg_16(dst + TILE_BYTES, v_src, n);
-      }
-    }
+    LaneRows rows{st, strides, slot, row0, x0};
+    if (copies) copy_rows<0>(rows, stage + row0 * RS + chunk * 16, row0, first, past, real);
   }
   if (entry && lane < TT) {  // the entry S - 1 tiles on, in range only; 0 out of range (every copying lane reads it)
     int* e = entry_at(st.ring, (slot + S - 1) % S, lane);
@@ -701,23 +752,8 @@ __device__ __forceinline__ void issue_tile(Stream& st, const long long (&strides
     const int row0 = lane / CPL, chunk = lane % CPL;  // rows row0 + j * RPI, 16-byte chunk `chunk`
     const bool real = CPR == CPP || chunk < CPR;      // else a padding chunk: zero-filled (src-size 0 reads nothing)
     const bool copies = CPL == CPP || chunk < CPP;    // lanes past the padded row copy nothing
-    // COPY_BATCH rows' offsets read before their copies: one shared-memory round trip a
-    // batch, not a row (one register quad reused row after row serialised them)
-    PD_UNROLL
-    for (int j0 = 0; j0 < RPL && copies; j0 += COPY_BATCH) {
-      longlong2 off[COPY_BATCH];
-      PD_UNROLL
-      for (int j = 0; j < COPY_BATCH; ++j)
-        off[j] = *reinterpret_cast<const longlong2*>(table + (row0 + (j0 + j) * RPI) * 16);
-      PD_UNROLL
-      for (int j = 0; j < COPY_BATCH; ++j) {
-        const int r = row0 + (j0 + j) * RPI;
-        const unsigned n = (r >= first && r < past && real) ? 16u : 0u;
-        unsigned char* dst = stage + r * RS + chunk * 16;
-        pd_cp_async_cg_16(dst, st.k_lane + off[j].x, n);
-        pd_cp_async_cg_16(dst + TILE_BYTES, st.v_lane + off[j].y, n);
-      }
-    }
+    TableRows rows{table, st.k_lane, st.v_lane, row0};
+    if (copies) copy_rows<0>(rows, stage + row0 * RS + chunk * 16, row0, first, past, real);
   }
   if (BtStaged::on && entry && lane < TT && st.etok >= st.lo && st.etok < st.hi)  // the entry S - 1 tiles on, in range only
     pd_cp_async_ca_4(entry_at(st.ring, (slot + S - 1) % S, lane), st.bt_row + st.epage, 4u);

@@ -78,6 +78,23 @@ __device__ __forceinline__ void pd_cp_async_cg_16(void* smem_dst, const void* gm
   pd_cp_async_sized<16, false>(smem_dst, gmem_src, src_bytes PD_PTX_AT);
 }
 
+// cp.async.cg.shared.global [base+OFFSET], [src], 16, src_bytes;  (§9.7.9.25.3.1; L2 only)
+// The destination as a register plus an immediate: the copies of one lane's rows share
+// the register and ptxas takes each row's offset into the instruction, with no add.
+template <int OFFSET>
+__device__ __forceinline__ void pd_cp_async_cg_16_at(void* smem_base, const void* gmem_src,
+                                                     unsigned src_bytes PD_PTX_SITE) {
+  static_assert(OFFSET >= 0 && OFFSET % 16 == 0, "a 16-byte copy's offset keeps it aligned");
+#ifdef __CUDA_ON_CPU__
+  cocpu_cp_async(static_cast<unsigned char*>(smem_base) + OFFSET, gmem_src, 16, src_bytes, false,
+                 cocpu_file, cocpu_line);
+#else
+  asm volatile("cp.async.cg.shared.global [%0+%3], [%1], 16, %2;\n" ::"r"(pd_smem_addr(smem_base)),
+               "l"(gmem_src), "r"(src_bytes), "n"(OFFSET)
+               : "memory");
+#endif
+}
+
 // cp.async.ca.shared.global [dst], [src], 4, src_bytes;  (§9.7.9.25.3.1; L1 and L2)
 __device__ __forceinline__ void pd_cp_async_ca_4(void* smem_dst, const void* gmem_src,
                                                  unsigned src_bytes PD_PTX_SITE) {

@@ -269,7 +269,7 @@ def test_a_double_buffered_cp_async_copy_is_byte_exact_with_zero_fill_under_ever
 
 
 @pytest.mark.parametrize("bug", [1, 2], ids=["no-wait", "wait-group-too-short"])
-@pytest.mark.parametrize("kernel", ["copy_ca4", "copy_cg16"])
+@pytest.mark.parametrize("kernel", ["copy_ca4", "copy_cg16", "copy_cg16_at"])
 def test_a_pipeline_with_a_missing_or_too_short_wait_gives_wrong_bytes_under_every_order(kernel, bug):
     """What it reads instead is the poison, or (too short) a stale tile whose copy landed late."""
     data, src_bytes, expect = copy_case(rng_for("bug", kernel, bug), COPY_KERNELS[kernel])
@@ -478,7 +478,8 @@ def test_prmt_matches_the_ptx_isa_on_every_selector_including_sign_replication()
 # ---------------------------------------------------------------------------------------
 
 PTX_OF = {  # each pd_* function and the instruction it must be under NVRTC
-    "pd_cp_async_cg_16": "cp.async.cg.shared.global", "pd_cp_async_ca_4": "cp.async.ca.shared.global",
+    "pd_cp_async_cg_16": "cp.async.cg.shared.global", "pd_cp_async_cg_16_at": "cp.async.cg.shared.global",
+    "pd_cp_async_ca_4": "cp.async.ca.shared.global",
     "pd_cp_async_commit": "cp.async.commit_group", "pd_cp_async_wait": "cp.async.wait_group",
     "pd_cp_async_wait_all": "cp.async.wait_all", "pd_ldmatrix_x4_trans": "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16",
     "pd_ldmatrix_x1": "ldmatrix.sync.aligned.m8n8.x1.shared.b16", "pd_movmatrix_trans": "movmatrix.sync.aligned.m8n8.trans.b16",
@@ -522,6 +523,8 @@ def test_the_intrinsics_compile_under_nvrtc_to_exactly_their_ptx_instructions(ar
     for instruction in PTX_OF.values():
         assert instruction in ptx, instruction
     assert not re.search(r"\b(ld|st)\.local\b", ptx)
+    # pd_cp_async_cg_16_at's offset is the instruction's immediate (copy_cg16_at: the second stage)
+    assert re.search(r"cp\.async\.cg\.shared\.global \[%r\d+\+1024\]", ptx)
 
 
 @pytest.mark.parametrize("name", sorted(p.stem for p in TOYS.glob("ptx_*.cu")))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -242,6 +243,18 @@ def test_a_lane_reads_a_batch_of_eight_rows_offsets_before_it_issues_their_copie
     groups = _copy_batches(facts.hot.instrs)
     assert sum(groups) == 2 * rows_per_lane
     assert len(groups) <= rows_per_lane // 8, groups
+
+
+@needs_nvdisasm
+@pytest.mark.parametrize("spec", [KernelSpec("splitk", 256, "bf16", "bf16"), KernelSpec("splitk", 128, "bf16", "fp8"),
+                                  KernelSpec("unpacked", 128, "bf16", "bf16")], ids=lambda v: v.name)
+def test_a_lanes_copies_of_a_tile_share_one_destination_register_and_their_offsets_are_immediates(spec):
+    # pd_cp_async_cg_16_at: each row's destination was a register of its own, two adds apart
+    facts = sr.analyse(spec, "sm_90", NVDISASM, build=nvrtc_build(spec, "sm_90"))
+    copies = [i for i in facts.hot.instrs if i.base == "LDGSTS" and _width_bytes(i) == 16 and not never_executes(i)]
+    bases = {re.match(r"\[(R\d+)", i.operands).group(1) for i in copies}
+    assert len(bases) == 1, [i.operands for i in copies]
+    assert len({i.operands.split("]")[0] for i in copies}) == len(copies)  # every row and K/V its own offset
 
 
 @needs_nvdisasm

@@ -37,7 +37,7 @@ def toy_source(name: str) -> str:
 
 MATRIX, CP_ASYNC, CVT, MISUSE = "ptx_matrix", "ptx_cp_async", "ptx_cvt", "ptx_misuse"
 COPY_THREADS = 64  # ptx_cp_async.cu
-COPY_KERNELS = {"copy_ca4": 4, "copy_ca8": 8, "copy_ca16": 16, "copy_cg16": 16}
+COPY_KERNELS = {"copy_ca4": 4, "copy_ca8": 8, "copy_ca16": 16, "copy_cg16": 16, "copy_cg16_at": 16}
 LDMATRIX_VARIANTS = [(num, trans) for num in (1, 2, 4) for trans in (False, True)]
 POISON = 0xFF  # what the shim writes into a cp.async destination until the copy lands
 

@@ -13,23 +13,36 @@ __device__ __forceinline__ void copy_chunk(void* dst, const void* src, unsigned 
   else pd_cp_async_cg_16(dst, src, src_bytes);
 }
 
+// A copy into slot `which` (0 or 1) of two stages of COPY_THREADS * S bytes, given slot 0's
+// address: AT (16-byte .cg only) names the stage by an immediate offset (pd_cp_async_cg_16_at).
+template <int S, bool CA, bool AT>
+__device__ __forceinline__ void copy_to(unsigned char* slot0, int which, const void* src, unsigned src_bytes) {
+  if constexpr (AT) {
+    static_assert(S == 16 && !CA, "pd_cp_async_cg_16_at copies 16 bytes through L2");
+    if (which) pd_cp_async_cg_16_at<COPY_THREADS * 16>(slot0, src, src_bytes);
+    else pd_cp_async_cg_16_at<0>(slot0, src, src_bytes);
+  } else {
+    copy_chunk<S, CA>(slot0 + which * COPY_THREADS * S, src, src_bytes);
+  }
+}
+
 // Copies ntiles tiles of COPY_THREADS * S bytes from in to out through two shared-memory
 // stages (dynamic, 2 * COPY_THREADS * S bytes), one cp.async of S bytes per thread per tile:
 // chunk i copies src_bytes[i] bytes (0..S) and is zero-filled to S. Tile k + 1 is in flight
 // while tile k is stored, and thread t stores chunk t ^ 32 (another warp's copy), so the
 // barrier after the wait is needed too. One block of COPY_THREADS threads.
 // bug: 0 none; 1 no wait at all; 2 wait_group 2 where 1 is right (the tile read is pending).
-template <int S, bool CA>
+template <int S, bool CA, bool AT>
 __device__ __forceinline__ void pipelined_copy(const unsigned char* in, const unsigned char* src_bytes,
                                                unsigned char* out, int ntiles, int bug) {
   DYNAMIC_SHARED(unsigned char, stage);
   const int t = threadIdx.x, tile = COPY_THREADS * S;
-  copy_chunk<S, CA>(stage + t * S, in + t * S, src_bytes[t]);
+  copy_to<S, CA, AT>(stage + t * S, 0, in + t * S, src_bytes[t]);
   pd_cp_async_commit();
   for (int k = 0; k < ntiles; ++k) {
     if (k + 1 < ntiles) {
       const int i = (k + 1) * COPY_THREADS + t;
-      copy_chunk<S, CA>(stage + ((k + 1) & 1) * tile + t * S, in + i * S, src_bytes[i]);
+      copy_to<S, CA, AT>(stage + t * S, (k + 1) & 1, in + i * S, src_bytes[i]);
     }
     pd_cp_async_commit();  // empty on the last tile: wait_group 1 then covers tile k
     if (bug == 0) pd_cp_async_wait<1>();
@@ -43,15 +56,16 @@ __device__ __forceinline__ void pipelined_copy(const unsigned char* in, const un
   }
 }
 
-#define PIPELINED_COPY(NAME, S, CA)                                                                    \
+#define PIPELINED_COPY(NAME, S, CA, AT)                                                                \
   extern "C" __global__ void NAME(const unsigned char* in, const unsigned char* src_bytes, unsigned char* out, \
                                   int ntiles, int bug) {                                               \
-    pipelined_copy<S, CA>(in, src_bytes, out, ntiles, bug);                                            \
+    pipelined_copy<S, CA, AT>(in, src_bytes, out, ntiles, bug);                                        \
   }
-PIPELINED_COPY(copy_ca4, 4, true)
-PIPELINED_COPY(copy_ca8, 8, true)
-PIPELINED_COPY(copy_ca16, 16, true)
-PIPELINED_COPY(copy_cg16, 16, false)
+PIPELINED_COPY(copy_ca4, 4, true, false)
+PIPELINED_COPY(copy_ca8, 8, true, false)
+PIPELINED_COPY(copy_ca16, 16, true, false)
+PIPELINED_COPY(copy_cg16, 16, false, false)
+PIPELINED_COPY(copy_cg16_at, 16, false, true)
 
 // Async-group accounting. Thread t copies in[4t + c] into its slot c (dynamic shared,
 // 4 words per thread) with one ca.4 copy each: slots 0, 1, 2 in groups 0, 1, 2 (each
