@@ -42,11 +42,15 @@
 //     ahead (kernel v2); only entries of keys in the CTA's range are read; the 64-bit K and V row
 //     offsets are computed once per token and handed to the copying lanes through a small
 //     shared-memory table, or (PD_LANE_OFFSETS: kernel v2.3's 8-warp tilings of 16-bit
-//     caches) each copying lane computes its own rows' from their staged entries.
+//     caches) each copying lane computes its own rows' from their staged entries. A lane
+//     reads eight rows' offsets (or entries) before it issues their copies, and every copy
+//     of its tile names one shared-memory register plus the row's offset as an immediate.
 //   * Scores on tensor cores, transposed: S^T[token][row] = K Q^T, mma.m16n8k16 with the
 //     16 tokens of an MMA tile as M and the query rows (heads x q tokens) as N, 8 per
 //     row tile. Decode has at most 16 query rows per KV head, so putting them on the
-//     8-wide N side wastes half as much as padding them to M = 16.
+//     8-wide N side wastes half as much as padding them to M = 16. q's B operands are
+//     read from shared memory every tile, or once an item at 8 warps where they fit in 16
+//     registers (Q_IN_REGS).
 //   * Online softmax per row in fp32 (exp2f), then P^T is split into PP parts of the PV
 //     operand type (3 bf16 parts carry all 24 bits of an fp32 p; 2 fp16 parts of p *
 //     2^15 carry 22), moved into the B-operand layout with movmatrix, and O^T[dim][row]
@@ -628,7 +632,7 @@ __device__ __forceinline__ void advance(const Stream& st, unsigned& tok, unsigne
 
 // Table path: row j's K and V offsets from the warp's table (koff, voff: bytes from the
 // lane's chunk of the KV head), written there by lane j's token.
-struct TableRows {
+struct TableSources {
   const unsigned char* table;
   const unsigned char *k_lane, *v_lane;
   int row0;
@@ -648,7 +652,7 @@ struct TableRows {
 // Lane-offsets path: row j's block-table entry (staged by lane j S - 1 tiles ago; 0 out of
 // range) and its offset in its page, both times ES = 2 (an entry < 2^31: twice it fits 32
 // bits unsigned), so the strides stay in elements and no product needs a shift.
-struct LaneRows {
+struct LaneSources {
   const Stream& st;
   const long long (&strides)[4];
   int slot, row0;
@@ -672,13 +676,13 @@ struct LaneRows {
 #endif
 
 // A lane's copies of one tile: rows row0 + j RPI, j in [0, RPL), COPY_BATCH at a time. A
-// batch's row addresses are read (Rows::load: one shared-memory round trip a batch, where one
+// batch's row addresses are read (Sources::load: one shared-memory round trip a batch, where one
 // register quad reused row after row serialised them) before its copies are issued; row
 // row0 + j RPI lands j RPI RS bytes past dst0 (row row0's chunk), an immediate of the copy
-// instruction, so every row shares one address register. Rows::sources gives batch row jj's
+// instruction, so every row shares one address register. Sources::sources gives batch row jj's
 // K and V source; n = 16 for a row in [first, past) of a real chunk, else 0 (zero-filled).
-template <int J0, int JJ, class Rows>
-__device__ __forceinline__ void copy_batch(const Rows& rows, unsigned char* dst0, int row0, int first, int past,
+template <int J0, int JJ, class Sources>
+__device__ __forceinline__ void copy_batch(const Sources& rows, unsigned char* dst0, int row0, int first, int past,
                                            bool real) {
   if constexpr (JJ < COPY_BATCH) {
     constexpr int j = J0 + JJ;
@@ -692,8 +696,8 @@ __device__ __forceinline__ void copy_batch(const Rows& rows, unsigned char* dst0
   }
 }
 
-template <int J0, class Rows>
-__device__ __forceinline__ void copy_rows(Rows& rows, unsigned char* dst0, int row0, int first, int past, bool real) {
+template <int J0, class Sources>
+__device__ __forceinline__ void copy_rows(Sources& rows, unsigned char* dst0, int row0, int first, int past, bool real) {
   if constexpr (J0 < RPL) {
     rows.load(J0);
     copy_batch<J0, 0>(rows, dst0, row0, first, past, real);
@@ -723,7 +727,7 @@ __device__ __forceinline__ void issue_tile(Stream& st, const long long (&strides
     // x0 / 2 + j * RPI: row row0 + j * RPI's token's offset in its page plus a multiple of
     // the page size (st.in_page is token lane's), in 1 .. 33 page_size + TT
     const unsigned x0 = (unsigned)(2 * st.in_page + st.row_bias);
-    LaneRows rows{st, strides, slot, row0, x0};
+    LaneSources rows{st, strides, slot, row0, x0};
     if (copies) copy_rows<0>(rows, stage + row0 * RS + chunk * 16, row0, first, past, real);
   }
   if (entry && lane < TT) {  // the entry S - 1 tiles on, in range only; 0 out of range (every copying lane reads it)
@@ -752,7 +756,7 @@ __device__ __forceinline__ void issue_tile(Stream& st, const long long (&strides
     const int row0 = lane / CPL, chunk = lane % CPL;  // rows row0 + j * RPI, 16-byte chunk `chunk`
     const bool real = CPR == CPP || chunk < CPR;      // else a padding chunk: zero-filled (src-size 0 reads nothing)
     const bool copies = CPL == CPP || chunk < CPP;    // lanes past the padded row copy nothing
-    TableRows rows{table, st.k_lane, st.v_lane, row0};
+    TableSources rows{table, st.k_lane, st.v_lane, row0};
     if (copies) copy_rows<0>(rows, stage + row0 * RS + chunk * 16, row0, first, past, real);
   }
   if (BtStaged::on && entry && lane < TT && st.etok >= st.lo && st.etok < st.hi)  // the entry S - 1 tiles on, in range only

@@ -7,6 +7,7 @@ end and on one spec per arm to check its loop bytes against the kernel sources.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -146,6 +147,12 @@ NVDISASM = sr.find_nvdisasm()
 needs_nvdisasm = pytest.mark.skipif(NVDISASM is None, reason="nvdisasm not found (pip install nvidia-cuda-nvdisasm)")
 
 
+@functools.lru_cache(maxsize=None)
+def sm90_facts(spec):
+    """The sm_90 report facts of ``spec``, built once for the tests of this file that read them."""
+    return sr.analyse(spec, "sm_90", NVDISASM, build=nvrtc_build(spec, "sm_90"))
+
+
 def nvrtc_build(spec, arch: str):
     """``(cubin, ptxas -v log)`` of ``spec`` for ``arch`` through the backend's own NVRTC path, as
     the report compiles it."""
@@ -163,7 +170,7 @@ def nvrtc_build(spec, arch: str):
                                      KernelSpec("unpacked", 64, "fp16", "bf16"), KernelSpec("splitk", 128, "bf16", "fp8"),
                                      KernelSpec("gqa_packed", 256, "fp16", "fp8")], ids=lambda v: v.name)
 def test_the_loop_the_report_finds_loads_the_bytes_the_source_declares(spec):
-    facts = sr.analyse(spec, "sm_90", NVDISASM, build=nvrtc_build(spec, "sm_90"))
+    facts = sm90_facts(spec)
     assert facts.hot is not None
     assert facts.warp_iters_per_sass_iter == 1
     assert facts.sass_kv_bytes_per_iter == hot_loop(spec).kv_bytes_per_warp_iter
@@ -239,7 +246,7 @@ def _copy_batches(instrs) -> list[int]:
 def test_a_lane_reads_a_batch_of_eight_rows_offsets_before_it_issues_their_copies(spec, rows_per_lane):
     # One register quad reused row after row made every copy wait a shared-memory round trip
     # for its own row's offsets: 16 (or 8) groups of 2 copies. In batches of 8, 2 (or 1).
-    facts = sr.analyse(spec, "sm_90", NVDISASM, build=nvrtc_build(spec, "sm_90"))
+    facts = sm90_facts(spec)
     groups = _copy_batches(facts.hot.instrs)
     assert sum(groups) == 2 * rows_per_lane
     assert len(groups) <= rows_per_lane // 8, groups
@@ -247,16 +254,17 @@ def test_a_lane_reads_a_batch_of_eight_rows_offsets_before_it_issues_their_copie
 
 @needs_nvdisasm
 @pytest.mark.parametrize("spec", [KernelSpec("splitk", 256, "bf16", "bf16"), KernelSpec("splitk", 128, "bf16", "fp8"),
-                                  KernelSpec("unpacked", 128, "bf16", "bf16")], ids=lambda v: v.name)
+                                  KernelSpec("splitk", 128, "bf16", "bf16")], ids=lambda v: v.name)
 def test_a_lanes_copies_of_a_tile_share_one_destination_register_and_their_offsets_are_immediates(spec):
     # pd_cp_async_cg_16_at: each row's destination was a register of its own, two adds apart
-    facts = sr.analyse(spec, "sm_90", NVDISASM, build=nvrtc_build(spec, "sm_90"))
+    facts = sm90_facts(spec)
     copies = [i for i in facts.hot.instrs if i.base == "LDGSTS" and _width_bytes(i) == 16 and not never_executes(i)]
     bases = {re.match(r"\[(R\d+)", i.operands).group(1) for i in copies}
     assert len(bases) == 1, [i.operands for i in copies]
     assert len({i.operands.split("]")[0] for i in copies}) == len(copies)  # every row and K/V its own offset
 
 
+@pytest.mark.slow  # four builds, ~7 s on two cores: .ci/run's slow step runs it
 @needs_nvdisasm
 @pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
 def test_at_eight_warps_q_is_read_from_shared_memory_once_an_item_not_once_a_tile(kv_dtype):
@@ -267,7 +275,6 @@ def test_at_eight_warps_q_is_read_from_shared_memory_once_an_item_not_once_a_til
     assert (eight.tiling.warps, four.tiling.warps) == (8, 4)
 
     def ldmatrix(spec):
-        facts = sr.analyse(spec, "sm_90", NVDISASM, build=nvrtc_build(spec, "sm_90"))
-        return sum(1 for i in facts.hot.instrs if i.base == "LDSM" and not never_executes(i))
+        return sum(1 for i in sm90_facts(spec).hot.instrs if i.base == "LDSM" and not never_executes(i))
 
     assert ldmatrix(four) - ldmatrix(eight) == 128 // 32
