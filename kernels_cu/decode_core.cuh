@@ -186,7 +186,11 @@ constexpr int RB = D * ES;        // bytes of one K or V row in global memory
 constexpr int RS = DP * ES + 16;  // a padded row's shared-memory stride: 16-byte pad, conflict-free ldmatrix
 constexpr int CPR = RB / 16;      // 16-byte chunks of a row's real bytes
 constexpr int CPP = DP * ES / 16; // of its padded row (chunks CPR .. CPP - 1 zero-filled)
-constexpr int CPL = CPP <= 4 ? 4 : CPP <= 8 ? 8 : CPP <= 16 ? 16 : 32;  // lanes per row: a power of two
+// A copying lane takes CH adjacent chunks of each of its rows (2 from 8 chunks a row on): the
+// per-row work (its offsets or entry, the 64-bit address, the range test) is paid once for
+// CH copies, the second chunk's source 16 bytes on, an immediate of the copy.
+constexpr int CH = CPP >= 8 ? 2 : 1;
+constexpr int CPL = CPP / CH <= 4 ? 4 : CPP / CH <= 8 ? 8 : CPP / CH <= 16 ? 16 : 32;  // lanes per row: a power of two
 constexpr int RPI = 32 / CPL;     // rows one warp-wide cp.async covers
 constexpr int RPL = TT / RPI;     // rows each lane copies per tile
 constexpr int COPY_BATCH = RPL < 8 ? RPL : 8;  // rows whose offsets a copying lane reads before their copies
@@ -203,7 +207,7 @@ static_assert(NT == 1 || NT == 2, "one or two row tiles");
 static_assert(TT == 16 || TT == 32, "stages of 16 or 32 tokens");
 static_assert(S >= 2 && S <= 4, "2..4 stages");
 static_assert(D % 16 == 0 && D >= 64 && DP <= 256, "head dims: multiples of 16 in 64..256");
-static_assert(CPP >= 4 && CPP <= CPL && CPL <= 32 && TT % RPI == 0, "rows split evenly over lanes");
+static_assert(CPP >= 4 && CPP % CH == 0 && CPP <= CH * CPL && CPL <= 32 && TT % RPI == 0, "rows split evenly over lanes");
 static_assert(KS % 2 == 0, "ldmatrix.x4 takes two 16-dim steps");
 
 // -- shared memory carve (bytes, every region 16-byte aligned) -------------------------
@@ -683,25 +687,39 @@ struct LaneSources {
 // K and V source; n = 16 for a row in [first, past) of a real chunk, else 0 (zero-filled).
 template <int J0, int JJ, class Sources>
 __device__ __forceinline__ void copy_batch(const Sources& rows, unsigned char* dst0, int row0, int first, int past,
-                                           bool real) {
+                                           int chunk) {
   if constexpr (JJ < COPY_BATCH) {
     constexpr int j = J0 + JJ;
     const int r = row0 + j * RPI;
-    const unsigned n = (r >= first && r < past && real) ? 16u : 0u;
+    const bool in_range = r >= first && r < past;
     const unsigned char *k_src, *v_src;
     rows.sources(JJ, j, k_src, v_src);
-    pd_cp_async_cg_16_at<j * RPI * RS>(dst0, k_src, n);
-    pd_cp_async_cg_16_at<j * RPI * RS + TILE_BYTES>(dst0, v_src, n);
-    copy_batch<J0, JJ + 1>(rows, dst0, row0, first, past, real);
+    PD_UNROLL
+    for (int h = 0; h < CH; ++h) {
+      // chunk + h < CPR: real bytes; else a padding chunk, zero-filled from the row's own
+      // first chunk (src-size 0 reads nothing)
+      const bool real = CPR == CPP || chunk + h < CPR;
+      const unsigned n = in_range && real ? 16u : 0u;
+      const int on = real ? 16 * h : 0;
+      if (h == 0) {
+        pd_cp_async_cg_16_at<j * RPI * RS>(dst0, k_src, n);
+        pd_cp_async_cg_16_at<j * RPI * RS + TILE_BYTES>(dst0, v_src, n);
+      } else {
+        pd_cp_async_cg_16_at<j * RPI * RS + 16>(dst0, k_src + on, n);
+        pd_cp_async_cg_16_at<j * RPI * RS + TILE_BYTES + 16>(dst0, v_src + on, n);
+      }
+    }
+    copy_batch<J0, JJ + 1>(rows, dst0, row0, first, past, chunk);
   }
 }
 
 template <int J0, class Sources>
-__device__ __forceinline__ void copy_rows(Sources& rows, unsigned char* dst0, int row0, int first, int past, bool real) {
+__device__ __forceinline__ void copy_rows(Sources& rows, unsigned char* dst0, int row0, int first, int past,
+                                          int chunk) {
   if constexpr (J0 < RPL) {
     rows.load(J0);
-    copy_batch<J0, 0>(rows, dst0, row0, first, past, real);
-    copy_rows<J0 + COPY_BATCH>(rows, dst0, row0, first, past, real);
+    copy_batch<J0, 0>(rows, dst0, row0, first, past, chunk);
+    copy_rows<J0 + COPY_BATCH>(rows, dst0, row0, first, past, chunk);
   }
 }
 
@@ -721,14 +739,13 @@ __device__ __forceinline__ void issue_tile(Stream& st, const long long (&strides
   if (exists) {
     const int tile_first = tile * TT;  // a tile that exists starts below hi: no overflow
     const int first = (int)st.lo - tile_first, past = (int)st.hi - tile_first;  // the tile's valid rows [first, past)
-    const int row0 = lane / CPL, chunk = lane % CPL;  // rows row0 + j * RPI, 16-byte chunk `chunk`
-    const bool real = CPR == CPP || chunk < CPR;      // else a padding chunk: zero-filled (src-size 0 reads nothing)
-    const bool copies = CPL == CPP || chunk < CPP;    // lanes past the padded row copy nothing
+    const int row0 = lane / CPL, chunk = lane % CPL * CH;  // rows row0 + j * RPI, 16-byte chunks chunk ..
+    const bool copies = CPL * CH == CPP || chunk < CPP;    // lanes past the padded row copy nothing
     // x0 / 2 + j * RPI: row row0 + j * RPI's token's offset in its page plus a multiple of
     // the page size (st.in_page is token lane's), in 1 .. 33 page_size + TT
     const unsigned x0 = (unsigned)(2 * st.in_page + st.row_bias);
     LaneSources rows{st, strides, slot, row0, x0};
-    if (copies) copy_rows<0>(rows, stage + row0 * RS + chunk * 16, row0, first, past, real);
+    if (copies) copy_rows<0>(rows, stage + row0 * RS + chunk * 16, row0, first, past, chunk);
   }
   if (entry && lane < TT) {  // the entry S - 1 tiles on, in range only; 0 out of range (every copying lane reads it)
     int* e = entry_at(st.ring, (slot + S - 1) % S, lane);
@@ -753,11 +770,10 @@ __device__ __forceinline__ void issue_tile(Stream& st, const long long (&strides
     }
     __syncwarp();
     const int first = (int)st.lo - tile_first, past = (int)st.hi - tile_first;  // the tile's valid rows [first, past)
-    const int row0 = lane / CPL, chunk = lane % CPL;  // rows row0 + j * RPI, 16-byte chunk `chunk`
-    const bool real = CPR == CPP || chunk < CPR;      // else a padding chunk: zero-filled (src-size 0 reads nothing)
-    const bool copies = CPL == CPP || chunk < CPP;    // lanes past the padded row copy nothing
+    const int row0 = lane / CPL, chunk = lane % CPL * CH;  // rows row0 + j * RPI, 16-byte chunks chunk ..
+    const bool copies = CPL * CH == CPP || chunk < CPP;    // lanes past the padded row copy nothing
     TableSources rows{table, st.k_lane, st.v_lane, row0};
-    if (copies) copy_rows<0>(rows, stage + row0 * RS + chunk * 16, row0, first, past, real);
+    if (copies) copy_rows<0>(rows, stage + row0 * RS + chunk * 16, row0, first, past, chunk);
   }
   if (BtStaged::on && entry && lane < TT && st.etok >= st.lo && st.etok < st.hi)  // the entry S - 1 tiles on, in range only
     pd_cp_async_ca_4(entry_at(st.ring, (slot + S - 1) % S, lane), st.bt_row + st.epage, 4u);
@@ -902,7 +918,8 @@ __device__ __forceinline__ void open_stream(Stream& s, const unsigned char* k_he
                                             const int* __restrict__ bt_row, int page_size, int lo, int hi,
                                             int first_tile, int from, unsigned char* ring) {
   const int lane = threadIdx.x & 31;
-  const int chunk = (CPR == CPL || lane % CPL < CPR) ? lane % CPL : 0;  // a zero-filled chunk points at a real one
+  const int first_chunk = lane % CPL * CH;  // its CH chunks start here; a zero-filled one points at a real one
+  const int chunk = (CPR == CPL * CH || first_chunk < CPR) ? first_chunk : 0;
   s.k_lane = k_head + chunk * 16;
   s.v_lane = v_head + chunk * 16;
   s.bt_row = bt_row;

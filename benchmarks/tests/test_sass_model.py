@@ -239,17 +239,32 @@ def _copy_batches(instrs) -> list[int]:
 
 @needs_nvdisasm
 @pytest.mark.parametrize("spec, rows_per_lane", [
-    (KernelSpec("splitk", 256, "bf16", "bf16"), 16),  # 6 warps, the offsets table, 16 rows a lane
-    (KernelSpec("splitk", 128, "bf16", "fp8"), 8),    # 8 warps, the offsets table
-    (KernelSpec("splitk", 128, "bf16", "bf16"), 8),   # 8 warps, each lane's own entries (PD_LANE_OFFSETS)
+    (KernelSpec("splitk", 256, "bf16", "bf16"), 8),  # 6 warps, the offsets table: 16 lanes a row, 16 tokens
+    (KernelSpec("splitk", 128, "bf16", "fp8"), 4),   # 8 warps, the offsets table: 4 lanes a row, 32 tokens
+    (KernelSpec("splitk", 128, "bf16", "bf16"), 4),  # 8 warps, each lane's own entries (PD_LANE_OFFSETS)
 ], ids=lambda v: getattr(v, "name", str(v)))
-def test_a_lane_reads_a_batch_of_eight_rows_offsets_before_it_issues_their_copies(spec, rows_per_lane):
+def test_a_lane_reads_its_rows_offsets_in_batches_of_eight_before_it_issues_their_copies(spec, rows_per_lane):
     # One register quad reused row after row made every copy wait a shared-memory round trip
-    # for its own row's offsets: 16 (or 8) groups of 2 copies. In batches of 8, 2 (or 1).
+    # for its own row's offsets: a group of copies per row. Now one group per 8 rows.
     facts = sm90_facts(spec)
     groups = _copy_batches(facts.hot.instrs)
-    assert sum(groups) == 2 * rows_per_lane
-    assert len(groups) <= rows_per_lane // 8, groups
+    assert sum(groups) == 2 * 2 * rows_per_lane  # K and V, two chunks of each row
+    assert len(groups) <= max(1, rows_per_lane // 8), groups
+
+
+@needs_nvdisasm
+@pytest.mark.parametrize("spec, rows_per_lane, loads", [
+    (KernelSpec("splitk", 128, "bf16", "fp8"), 4, "LDS.128"),  # a row's (K, V) offsets from the table
+    (KernelSpec("splitk", 128, "bf16", "bf16"), 4, "LDS"),     # a row's staged block-table entry
+], ids=lambda v: getattr(v, "name", str(v)))
+def test_a_lane_copies_two_adjacent_chunks_of_each_row_and_reads_its_address_once(spec, rows_per_lane, loads):
+    # CH = 2: a row's address is read (and formed) once for two copies, the second 16 bytes
+    # on both sides as immediates; with one chunk a lane it copied twice the rows
+    facts = sm90_facts(spec)
+    executed = [i for i in facts.hot.instrs if not never_executes(i)]
+    assert sum(1 for i in executed if i.opcode == loads) == rows_per_lane
+    copies = [i for i in executed if i.base == "LDGSTS" and _width_bytes(i) == 16]
+    assert sum(1 for i in copies if i.operands.rstrip().split(",")[1].strip().endswith(".64+0x10]")) == len(copies) // 2
 
 
 @needs_nvdisasm
