@@ -696,8 +696,9 @@ __device__ __forceinline__ void copy_batch(const Sources& rows, unsigned char* d
     rows.sources(JJ, j, k_src, v_src);
     PD_UNROLL
     for (int h = 0; h < CH; ++h) {
-      // chunk + h < CPR: real bytes; else a padding chunk, zero-filled from the row's own
-      // first chunk (src-size 0 reads nothing)
+      // chunk + h < CPR: real bytes; else a padding chunk, zero-filled (src-size 0 reads
+      // nothing) with a real chunk of the same row as its source: the lane's first (fp8 head
+      // dims with an odd CPR, where the choice is made at run time) or the row's chunk 0
       const bool real = CPR == CPP || chunk + h < CPR;
       const unsigned n = in_range && real ? 16u : 0u;
       const int on = real ? 16 * h : 0;
