@@ -685,6 +685,14 @@ struct LaneSources {
 // row0 + j RPI lands j RPI RS bytes past dst0 (row row0's chunk), an immediate of the copy
 // instruction, so every row shares one address register. Sources::sources gives batch row jj's
 // K and V source; n = 16 for a row in [first, past) of a real chunk, else 0 (zero-filled).
+// One chunk of a row, of K and of V, OFFSET bytes past dst0 in the K tile and in the V tile.
+template <int OFFSET>
+__device__ __forceinline__ void copy_kv(unsigned char* dst0, const unsigned char* k_src, const unsigned char* v_src,
+                                        unsigned n) {
+  pd_cp_async_cg_16_at<OFFSET>(dst0, k_src, n);
+  pd_cp_async_cg_16_at<OFFSET + TILE_BYTES>(dst0, v_src, n);
+}
+
 template <int J0, int JJ, class Sources>
 __device__ __forceinline__ void copy_batch(const Sources& rows, unsigned char* dst0, int row0, int first, int past,
                                            int chunk) {
@@ -694,21 +702,15 @@ __device__ __forceinline__ void copy_batch(const Sources& rows, unsigned char* d
     const bool in_range = r >= first && r < past;
     const unsigned char *k_src, *v_src;
     rows.sources(JJ, j, k_src, v_src);
-    PD_UNROLL
-    for (int h = 0; h < CH; ++h) {
-      // chunk + h < CPR: real bytes; else a padding chunk, zero-filled (src-size 0 reads
-      // nothing) with a real chunk of the same row as its source: the lane's first (fp8 head
-      // dims with an odd CPR, where the choice is made at run time) or the row's chunk 0
-      const bool real = CPR == CPP || chunk + h < CPR;
-      const unsigned n = in_range && real ? 16u : 0u;
-      const int on = real ? 16 * h : 0;
-      if (h == 0) {
-        pd_cp_async_cg_16_at<j * RPI * RS>(dst0, k_src, n);
-        pd_cp_async_cg_16_at<j * RPI * RS + TILE_BYTES>(dst0, v_src, n);
-      } else {
-        pd_cp_async_cg_16_at<j * RPI * RS + 16>(dst0, k_src + on, n);
-        pd_cp_async_cg_16_at<j * RPI * RS + TILE_BYTES + 16>(dst0, v_src + on, n);
-      }
+    // chunk (+ 1) < CPR: real bytes; else a padding chunk, zero-filled (src-size 0 reads
+    // nothing) with a real chunk of the same row as its source: the lane's first (fp8 head
+    // dims with an odd CPR, where the choice is made at run time) or the row's chunk 0
+    const bool real = CPR == CPP || chunk < CPR;
+    copy_kv<j * RPI * RS>(dst0, k_src, v_src, in_range && real ? 16u : 0u);
+    if (CH == 2) {
+      const bool next_real = CPR == CPP || chunk + 1 < CPR;
+      const int on = next_real ? 16 : 0;
+      copy_kv<j * RPI * RS + 16>(dst0, k_src + on, v_src + on, in_range && next_real ? 16u : 0u);
     }
     copy_batch<J0, JJ + 1>(rows, dst0, row0, first, past, chunk);
   }

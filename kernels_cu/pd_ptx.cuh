@@ -51,23 +51,26 @@ __device__ __forceinline__ unsigned pd_smem_addr(const void* p) {
 // (src_bytes = 0 reads nothing). Destinations must be aligned to the copy size.
 // ---------------------------------------------------------------------------------------
 
-// The one body of the four copies below: cp.async.{ca,cg}.shared.global [dst], [src], SIZE,
-// src_bytes (§9.7.9.25.3.1); .ca caches at all levels, .cg in L2 only (.cg: SIZE 16 only).
-template <int SIZE, bool CA>
+// The one body of the five copies below: cp.async.{ca,cg}.shared.global [dst+OFFSET], [src],
+// SIZE, src_bytes (§9.7.9.25.3.1); .ca caches at all levels, .cg in L2 only (.cg: SIZE 16
+// only). OFFSET, a byte count, is the instruction's immediate (pd_cp_async_cg_16_at).
+template <int SIZE, bool CA, int OFFSET = 0>
 __device__ __forceinline__ void pd_cp_async_sized(void* smem_dst, const void* gmem_src,
                                                   unsigned src_bytes PD_PTX_SITE_ARGS) {
   static_assert(SIZE == 4 || SIZE == 8 || SIZE == 16, "cp.async copies 4, 8 or 16 bytes");
   static_assert(CA || SIZE == 16, "cp.async.cg copies 16 bytes");
+  static_assert(OFFSET >= 0 && OFFSET % SIZE == 0, "the offset keeps the copy aligned");
 #ifdef __CUDA_ON_CPU__
-  cocpu_cp_async(smem_dst, gmem_src, SIZE, src_bytes, CA, cocpu_file, cocpu_line);
+  cocpu_cp_async(static_cast<unsigned char*>(smem_dst) + OFFSET, gmem_src, SIZE, src_bytes, CA, cocpu_file,
+                 cocpu_line);
 #else
   if constexpr (CA)
-    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(pd_smem_addr(smem_dst)),
-                 "l"(gmem_src), "n"(SIZE), "r"(src_bytes)
+    asm volatile("cp.async.ca.shared.global [%0+%4], [%1], %2, %3;\n" ::"r"(pd_smem_addr(smem_dst)),
+                 "l"(gmem_src), "n"(SIZE), "r"(src_bytes), "n"(OFFSET)
                  : "memory");
   else
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(pd_smem_addr(smem_dst)),
-                 "l"(gmem_src), "r"(src_bytes)
+    asm volatile("cp.async.cg.shared.global [%0+%3], [%1], 16, %2;\n" ::"r"(pd_smem_addr(smem_dst)),
+                 "l"(gmem_src), "r"(src_bytes), "n"(OFFSET)
                  : "memory");
 #endif
 }
@@ -84,15 +87,7 @@ __device__ __forceinline__ void pd_cp_async_cg_16(void* smem_dst, const void* gm
 template <int OFFSET>
 __device__ __forceinline__ void pd_cp_async_cg_16_at(void* smem_base, const void* gmem_src,
                                                      unsigned src_bytes PD_PTX_SITE) {
-  static_assert(OFFSET >= 0 && OFFSET % 16 == 0, "a 16-byte copy's offset keeps it aligned");
-#ifdef __CUDA_ON_CPU__
-  cocpu_cp_async(static_cast<unsigned char*>(smem_base) + OFFSET, gmem_src, 16, src_bytes, false,
-                 cocpu_file, cocpu_line);
-#else
-  asm volatile("cp.async.cg.shared.global [%0+%3], [%1], 16, %2;\n" ::"r"(pd_smem_addr(smem_base)),
-               "l"(gmem_src), "r"(src_bytes), "n"(OFFSET)
-               : "memory");
-#endif
+  pd_cp_async_sized<16, false, OFFSET>(smem_base, gmem_src, src_bytes PD_PTX_AT);
 }
 
 // cp.async.ca.shared.global [dst], [src], 4, src_bytes;  (§9.7.9.25.3.1; L1 and L2)
@@ -283,7 +278,7 @@ __device__ __forceinline__ unsigned pd_cvt_f16x2_e5m2x2(unsigned short a) {
 // with an operand selector (F2FP ... R.H1) where `w >> 16` costs a shift per conversion.
 __device__ __forceinline__ unsigned pd_cvt_f16x2_e4m3x2_hi(unsigned w) {
 #ifdef __CUDA_ON_CPU__
-  return cocpu_e4m3_to_f16(w >> 24) << 16 | cocpu_e4m3_to_f16((w >> 16) & 0xffu);
+  return pd_cvt_f16x2_e4m3x2((unsigned short)(w >> 16));  // the pair conversion of the high half
 #else
   unsigned d;
   asm("{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, %1;\ncvt.rn.f16x2.e4m3x2 %0, hi;\n}\n" : "=r"(d) : "r"(w));
@@ -294,7 +289,7 @@ __device__ __forceinline__ unsigned pd_cvt_f16x2_e4m3x2_hi(unsigned w) {
 // cvt.rn.f16x2.e5m2x2 d, hi;  as pd_cvt_f16x2_e4m3x2_hi for e5m2; NaN -> 0x7fff.
 __device__ __forceinline__ unsigned pd_cvt_f16x2_e5m2x2_hi(unsigned w) {
 #ifdef __CUDA_ON_CPU__
-  return cocpu_e5m2_to_f16(w >> 24) << 16 | cocpu_e5m2_to_f16((w >> 16) & 0xffu);
+  return pd_cvt_f16x2_e5m2x2((unsigned short)(w >> 16));  // the pair conversion of the high half
 #else
   unsigned d;
   asm("{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, %1;\ncvt.rn.f16x2.e5m2x2 %0, hi;\n}\n" : "=r"(d) : "r"(w));
