@@ -1,6 +1,8 @@
 """The GPU proof-and-benchmark harness of metrale-attn: a package of its own beside the library.
 
-It imports ``metrale_attn``; nothing in ``metrale_attn`` imports it. It is not installed with
+It imports ``metrale_attn``; nothing in ``metrale_attn`` imports it. How a call is timed (``timing``), the
+data a timed configuration runs on (``data``), the copy bandwidth and the SDPA and FlashInfer peers live
+in ``metrale_attn.check``, the library's own ``metrale-attn check``, and are imported from there. It is not installed with
 the library: run its modules from the repository root, ``python -m benchmarks.<module>``
 (``gpu_check.sh`` does, and puts the root on ``PYTHONPATH`` for what they start). Its modules,
 lowest first; a module imports only modules of lower rows
@@ -8,10 +10,9 @@ lowest first; a module imports only modules of lower rows
 
 - ``steps``: the verdicts of ``gpu_check.sh``'s steps and its exit code
 - ``predictions``: the static SASS model's prediction joined to each measured row
-- ``environment``: the environment probe and the device-to-device copy bandwidth (every ratio's ceiling)
-- ``timing``: how a call is timed (one stream, CUDA graphs, CUDA events, L2 flush, median)
+- ``environment``: the environment probe and the device-to-device copy bandwidth (every ratio's ceiling,
+  measured by ``metrale_attn.check.bandwidth``)
 - ``impls``: the kernel implementations measured, and building one with the mma self-test's verdict
-- ``data``: the tensors a GPU configuration runs on (the paged K/V pool, one configuration's case)
 - ``hot_loop``: what one iteration of a spec's K/V loop consumes (the SASS model's input)
 - ``model_assumptions``: the SASS model's assumption table (clocks, rates, latencies, limits, cap; each sourced)
 - ``decode_loop_check``: the end-to-end step, ``examples/decode_loop.py`` on the device

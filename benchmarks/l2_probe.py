@@ -121,7 +121,7 @@ def _gpu_data(q_heads, kv_heads, head_dim, batch, context):
 
     from metrale_attn.config import ModelShape
 
-    from .data import GpuPool
+    from metrale_attn.check.data import GpuPool
 
     pool = GpuPool(ModelShape(q_heads, kv_heads, head_dim), "bf16", 16, batch * -(-context // 16), seed=1)
     case = pool.case(batch, context)

@@ -19,8 +19,8 @@ import time
 
 import numpy as np
 
-from .data import GpuPool
-from .timing import GpuTimer, time_host
+from metrale_attn.check.data import GpuPool
+from metrale_attn.check.timing import GpuTimer, time_host
 
 CALLS = (  # (q heads, kv heads, head dim, kv dtype, batch, context): the bars the merge's launch gap touches
     (32, 8, 128, "bf16", 1, 32768), (64, 8, 128, "bf16", 1, 32768), (32, 8, 128, "fp8", 16, 4096),

@@ -88,16 +88,16 @@ from typing import Optional
 import numpy as np
 
 from metrale_attn import DecodeAttention, problems, reference, tolerance
+from metrale_attn.check.data import GpuPool, check_gpu_output, check_seqs, gather_seq, to_numpy_bf16
+from metrale_attn.check.timing import Timing, time_host
 
 from . import environment, impls, report
-from .data import GpuPool
 from .predictions import Predictions, arch_digits, call_ratio
 from .predictions import ratio as prediction_ratio
 from .steps import load_json
 from .sweep_plan import (ARM_OPTIONS, BASELINE_NAMES, DEFAULT_ARMS, LATE_BASELINES, MODELS, PROFILES,  # noqa: F401
                          SOFT_CAP, Config, Job, Slot, apply_profile, arm_options, arms_for, baseline_list,
                          feature_kv_fraction, feature_options, feature_q_len, parse_models, plan_jobs, slots_for)
-from .timing import Timing, time_host
 
 GB = 1e9  # decimal
 HOST_OVERHEAD_CONTEXT = 1024
@@ -172,14 +172,6 @@ def time_cap(seconds: Optional[float]):
 def _short(err: BaseException, limit: int = 400) -> str:
     text = f"{type(err).__name__}: {err}".replace("\n", " ")
     return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def check_seq_indices(batch: int, count: int) -> list[int]:
-    """``count`` sequences spread over the batch, first and last included: ``(256, 2) -> [0, 255]``."""
-    count = max(1, min(count, batch))
-    if count == 1:
-        return [0]
-    return sorted({round(i * (batch - 1) / (count - 1)) for i in range(count)})
 
 
 def progress_line(elapsed: float, job: Job, rows: list[dict], seconds: float, gpu: bool) -> str:
@@ -658,36 +650,6 @@ def _check_numpy(out, ref, v_absmax: float, seqs: list[int]) -> dict:
 # =====================================================================================
 
 
-def _gather_seq(case, pool, seq: int, scale: float):
-    """float64 ``[T, KV, D]``: one sequence's dequantized K or V, gathered on the GPU."""
-    import torch
-
-    pages = case.block_tables[seq, : case.pages_per_seq].long()
-    if pool.dtype == torch.float8_e4m3fn:
-        x = pool.view(torch.uint8)[pages].view(torch.float8_e4m3fn)
-    else:
-        x = pool[pages]
-    x = x.reshape(-1, case.num_kv_heads, case.head_dim)[: int(case.seq_lens[seq])]
-    return x.double() * scale
-
-
-def reference_on_gpu(case, seqs: list[int]):
-    """float64 decode of ``seqs`` computed on the GPU: (``[len(seqs), H, D]`` numpy float64, max|V| read)."""
-    import torch
-
-    G = case.num_q_heads // case.num_kv_heads
-    outs, v_absmax = [], 0.0
-    for s in seqs:
-        k = _gather_seq(case, case.k_pool, s, case.k_scale)
-        v = _gather_seq(case, case.v_pool, s, case.v_scale)
-        q = case.q[s].double().view(case.num_kv_heads, G, case.head_dim)
-        logits = torch.einsum("kgd,tkd->kgt", q, k) * case.sm_scale
-        p = torch.softmax(logits, dim=-1)
-        outs.append(torch.einsum("kgt,tkd->kgd", p, v).reshape(case.num_q_heads, case.head_dim))
-        v_absmax = max(v_absmax, float(v.abs().max()) if v.numel() else 0.0)
-    return torch.stack(outs).cpu().numpy(), v_absmax
-
-
 def check_gpu_features(case, q, out, seqs: list[int], features: dict) -> dict:
     """``seqs`` of a feature row against ``reference.paged_decode`` with the features, in
     float64 on the host (each sequence's K/V gathered on the GPU), to the package's bar."""
@@ -696,52 +658,15 @@ def check_gpu_features(case, q, out, seqs: list[int], features: dict) -> dict:
     nan_free = not bool(torch.isnan(out).any())
     refs, v_absmax = [], 0.0
     for s in seqs:
-        k = _gather_seq(case, case.k_pool, s, case.k_scale).cpu().numpy()[None]  # one page of every token
-        v = _gather_seq(case, case.v_pool, s, case.v_scale).cpu().numpy()[None]
-        q_s = _to_numpy_bf16(q[s:s + 1])
+        k = gather_seq(case, case.k_pool, s, case.k_scale).cpu().numpy()[None]  # one page of every token
+        v = gather_seq(case, case.v_pool, s, case.v_scale).cpu().numpy()[None]
+        q_s = to_numpy_bf16(q[s:s + 1])
         refs.append(reference.paged_decode(q_s, k, v, np.zeros((1, 1), np.int32), np.array([k.shape[1]], np.int32),
                                            sm_scale=case.sm_scale, **features)[0])
         v_absmax = max(v_absmax, float(np.abs(v).max()) if v.size else 0.0)
-    got = _to_numpy_bf16(out[seqs])
+    got = to_numpy_bf16(out[seqs])
     check = _check_numpy(got, np.stack(refs), v_absmax, seqs=list(range(len(seqs))))
     check["seqs"] = seqs
-    if not nan_free:
-        check.update(status="FAIL", message=(check.get("message", "") + " NaN left in the output").strip())
-    return check
-
-
-def _to_numpy_bf16(t):
-    import ml_dtypes
-    import torch
-
-    return t.detach().contiguous().view(torch.int16).cpu().numpy().view(ml_dtypes.bfloat16)
-
-
-def check_gpu_output(case, out, seqs: list[int], ref_cache: dict, *, strict: bool) -> dict:
-    """NaN-free over the whole output, and ``seqs`` against the float64 reference (strict: the
-    package's bar; loose, for baselines: max abs error <= 1% of max|reference|)."""
-    import torch
-
-    nan_free = not bool(torch.isnan(out).any())
-    if "ref" not in ref_cache:
-        ref_cache["ref"] = reference_on_gpu(case, seqs)
-    ref, v_absmax = ref_cache["ref"]
-    got = _to_numpy_bf16(out[seqs])
-    check = {"seqs": seqs, "nan_free": nan_free}
-    ulps = tolerance.ulp_distance(got, tolerance.round_to(ref, got.dtype))
-    abs_err = float(np.nanmax(np.abs(got.astype(np.float64) - ref))) if got.size else 0.0
-    check.update(max_ulp=int(ulps.max()) if ulps.size else 0, max_abs_err=abs_err)
-    if strict:
-        check["bar"] = "1 ulp or 2^-20 max|V| (tolerance.assert_close_to_reference)"
-        try:
-            tolerance.assert_close_to_reference(got, ref, v_absmax=v_absmax)
-            check["status"] = "ok"
-        except AssertionError as err:
-            check.update(status="FAIL", message=str(err)[:600])
-    else:
-        tol = 0.01 * float(np.abs(ref).max()) if ref.size else 0.0
-        check["bar"] = f"loose: max abs error <= 1% of max|ref| = {tol:.3g}"
-        check["status"] = "ok" if abs_err <= tol else "FAIL"
     if not nan_free:
         check.update(status="FAIL", message=(check.get("message", "") + " NaN left in the output").strip())
     return check
@@ -757,7 +682,7 @@ class GpuSweep(Sweep):
         import cupy  # noqa: F401  (the backend; fail early with a clear error)
         import torch
 
-        from .timing import GpuTimer  # looked up at construction: a test substitutes it
+        from metrale_attn.check.timing import GpuTimer  # looked up at construction: a test substitutes it
 
         super().__init__(args, result)
         self.torch = torch
@@ -814,7 +739,7 @@ class GpuSweep(Sweep):
                                 k_scale=case.k_scale, v_scale=case.v_scale, out=out)
 
     def time_ours(self, config: Config, case, attn, feature: Optional[str] = None):
-        seqs = check_seq_indices(config.batch, self.args.check_seqs)
+        seqs = check_seqs(config.batch, self.args.check_seqs)
         if feature in (None, "plain"):
             out = self.torch.empty_like(case.q)
             launch = self.timer.capture_poisoned(self._ours_call(case, attn, out), out)
@@ -908,14 +833,14 @@ class GpuSweep(Sweep):
 
     def measure_baseline(self, job: Job, case, name: str) -> dict:
         from . import baselines
-        from .timing import try_capture_torch
+        from metrale_attn.check.timing import try_capture_torch
 
         config = job.config
         timer, args = self.timer, self.args
         row = lambda **kw: make_row(config, name, copy_tb_per_s=self.copy_tb, tier=job.tier, **kw)  # noqa: E731
         s = config.shape
         t0 = time.monotonic()
-        seqs = check_seq_indices(config.batch, args.check_seqs)
+        seqs = check_seqs(config.batch, args.check_seqs)
         try:
             if name.startswith("sdpa"):
                 need = baselines.gathered_bytes(config.batch, config.context, s.num_kv_heads, s.head_dim)

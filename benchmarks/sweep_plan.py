@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from metrale_attn import policy
-from metrale_attn.cli import MODELS
+from metrale_attn.models import MODELS
 from metrale_attn.config import ModelShape, heads_per_cta_choices
 
 from .impls import IMPLS, OLD_MMA, SWEEP_IMPL

@@ -1,5 +1,7 @@
 """Command line: ``metrale-attn plan`` prints launch geometry, ``metrale-attn precompile``
-compiles a model's kernels into the cache before serving, ``metrale-attn demo`` runs a batch."""
+compiles a model's kernels into the cache before serving, ``metrale-attn check`` proves the
+package on this machine's GPU for a model (output against float64, speed against the copy
+bandwidth and the peers), ``metrale-attn demo`` runs a batch."""
 
 from __future__ import annotations
 
@@ -14,17 +16,13 @@ from . import hf_config
 from .cache import cache_root
 from .config import ENV_IMPL, ModelShape, configure, impl_chosen
 from .kernels import launchable_config
+from .models import MODELS
 from .plan import LEGACY_MAX_DECODE_SEQS, make_plan, workspace_for
 from .policy import parse_gqa_pack
 from .precompile import (Layer, Options, PrecompileError, build, check_nvrtc, layers_of, needed_specs,
                          target_for_arch)
 from .targets import TARGETS, get_target, resolve_target_policy
 
-MODELS: dict[str, ModelShape] = {
-    "qwen3.8-27b": ModelShape(24, 4, 256),  # the GQA-pack width: 24 = 4 x 6 at head_dim 256
-    "llama-3-8b": ModelShape(32, 8, 128),
-    "llama-3-70b": ModelShape(64, 8, 128),
-}
 
 
 def _batches(text: str) -> list[int]:
@@ -214,6 +212,19 @@ def run_precompile(args: argparse.Namespace, out=print) -> int:
     return 0
 
 
+def run_check_command(args: argparse.Namespace, out=print) -> int:
+    """``metrale-attn check``: the model's layers, then ``check.run_check``."""
+    from .check import CheckOptions, model_layers, run_check
+    from .check.cells import parse_points
+
+    label, layers = model_layers(args.model or (), args.hf_config, args.tensor_parallel_size)
+    options = CheckOptions(tuple(layers), label, Path(args.out), kv_dtypes=tuple(args.kv_dtype),
+                           impls=tuple(args.impl), points=parse_points(args.points), backend=args.backend,
+                           cap_s=args.cap_s, jobs=args.jobs, correctness=not args.no_correctness)
+    code, _ = run_check(options, say=out)
+    return code
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="metrale-attn", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -281,6 +292,33 @@ def build_parser() -> argparse.ArgumentParser:
                        "v2.2 (4 warps), v2.1 (one CTA per work item) or v2 (sized for sm_90)")
     serve.add_argument("--heads-per-cta", type=int, help="override the rule: a divisor of the group size up to 16")
 
+    check = sub.add_parser("check", help="prove the package on this GPU for a model: every arm against float64, "
+                           "speed against the copy bandwidth and the peers; a report in --out",
+                           description="Build every kernel the model's layers need, check each arm's output and "
+                           "lse against the float64 reference (the 1-ulp bar), time batch 1, 16, 64 x 4k and 1 x "
+                           "32k against the copy bandwidth with PyTorch SDPA and FlashInfer beside ours where "
+                           "installed, and write report.md, report.json and report.png. Exits 1 when a check of "
+                           "ours fails. Without a GPU: the correctness half, on the CPU backend.")
+    check.add_argument("--model", type=_names, help="comma-separated presets: " + ", ".join(sorted(MODELS)))
+    check.add_argument("--hf-config", help="a Hugging Face config.json instead of --model")
+    check.add_argument("--tensor-parallel-size", "--tp", type=_int_at_least(1), default=1,
+                       help="ranks the model's heads are split over (default 1)")
+    check.add_argument("--kv-dtype", type=_names, default=["bf16"], help="comma-separated: bf16 (default), fp8 "
+                       "(e4m3, a per-tensor scale)")
+    check.add_argument("--impl", type=_names, default=["mma", "sdpa", "flashinfer"],
+                       help="comma-separated, run in this order whatever the order given: mma (ours, default), "
+                       "simt (our reference kernels), sdpa, flashinfer (default: mma,sdpa,flashinfer)")
+    check.add_argument("--points", default="1x4096,16x4096,64x4096,1x32768",
+                       help="timing points BATCHxCONTEXT (default %(default)s)")
+    check.add_argument("--backend", choices=["auto", "cupy", "cpu"], default="auto",
+                       help="auto (default): the GPU where CuPy sees one, else the CPU backend (correctness only)")
+    check.add_argument("--out", default="metrale_attn_check", help="the report's folder (default %(default)s)")
+    check.add_argument("--cap-s", type=_float_above_zero, default=300.0,
+                       help="each implementation's process is stopped after this many seconds (default 300)")
+    check.add_argument("-j", "--jobs", type=_int_at_least(1), default=os.cpu_count() or 1,
+                       help="NVRTC compiles at a time (default: the cores)")
+    check.add_argument("--no-correctness", action="store_true", help="time only (the correctness cells skipped)")
+
     demo = sub.add_parser("demo", help="run a mixed decode batch on the best backend and check it")
     demo.add_argument("--backend", choices=["cupy", "cpu"], help="default: cupy with a GPU, else cpu")
     demo.add_argument("--target", choices=sorted(TARGETS), help="default: detected, or hopper on the CPU")
@@ -296,6 +334,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return 0
         if args.command == "precompile":
             return run_precompile(args, out=lambda line: print(line, flush=True))
+        if args.command == "check":
+            return run_check_command(args, out=lambda line: print(line, flush=True))
         from .demo import run_demo
 
         return run_demo(backend=args.backend, target=args.target, seed=args.seed)

@@ -163,7 +163,7 @@ def test_the_benchmark_timer_captures_torch_inputs_on_its_own_stream(impl):
     implementations: the graph must hold the launch (torch's current stream is the timer's inside the
     capture), or the sweep would time an empty graph and read NaN back."""
     torch = pytest.importorskip("torch")
-    from benchmarks.timing import GpuTimer
+    from metrale_attn.check.timing import GpuTimer
 
     p = problem(seed=7, page_size=16, seq_lens=(700, 5), head_dim=128, num_q_heads=8, num_kv_heads=2)
     attn = decoder(p, backend="cupy", impl=impl, splitk="4", heads_per_cta=4 if impl == "mma" else None)

@@ -798,7 +798,8 @@ import contextlib, sys, time, types
 import numpy as np, torch, ml_dtypes
 sys.path.insert(0, sys.argv[1])
 sys.modules["cupy"] = types.ModuleType("cupy")  # GpuSweep imports CuPy only to fail early
-from benchmarks import baselines, timing, sweep as bd
+from benchmarks import baselines, sweep as bd
+from metrale_attn.check import timing
 from metrale_attn import DecodeAttention
 
 

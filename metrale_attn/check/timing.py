@@ -1,4 +1,4 @@
-"""GPU timing for the decode benchmarks: CUDA graphs, CUDA events, L2 flushed between calls.
+"""How a call is timed on a GPU (``metrale-attn check``, the benchmark harness): CUDA graphs, CUDA events, L2 flushed.
 
 This module owns HOW a call is timed, so that every implementation in a run (ours
 and the baselines) is timed the same way:

@@ -1,0 +1,238 @@
+"""The check's orchestration: compile, one worker process per implementation, the report.
+
+``run_check`` is what ``metrale-attn check`` does, in order:
+
+1. **Compile** (GPU): every kernel the cells need for this device, through NVRTC into the
+   package's cubin cache, ``jobs`` at a time in processes of their own, so the workers find
+   them all (a hit each). The CPU backend builds its modules in the worker.
+2. **One worker per implementation** (``worker.py``), ours first (``mma``, then ``simt``), then
+   the peers, each capped at ``cap_s`` seconds. A worker's events stream into
+   ``events_<impl>.jsonl`` in the output folder and are printed as they come. A worker that
+   ends on a sticky CUDA error, dies, or passes its cap is recorded as a fault naming the
+   implementation, the cell it was running and the error; its cells that never ran are
+   ``not run``; the next implementation starts in a fresh process.
+3. **The report** (``report.py``) from every events file in the folder: a later call that
+   runs other implementations into the same folder (the GPU check runs FlashInfer late) adds
+   its own, and the report covers both.
+
+The exit code is 0 when every cell of ours that ran passed and no worker of ours faulted; 1
+otherwise. A peer that is unavailable or wrong is reported, and fails nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+from ..precompile import Layer, Options, TargetPlan, build, needed_specs, target_for_arch
+from . import report as reporting
+from .cells import ARM_OPTIONS, IMPLS, KV_DTYPES, OURS, POINTS, Cell, plan_cells
+
+WORKER = (sys.executable, "-m", "metrale_attn.check.worker")
+
+
+@dataclass(frozen=True)
+class CheckOptions:
+    """What one check runs. ``layers``: one rank's layer kinds; ``model``: their label in the
+    report; ``impls``: ours and the peers (``cells.IMPLS``), run in ``IMPLS`` order; ``backend``:
+    ``auto`` (the GPU where CuPy sees one, else the CPU), ``cupy`` or ``cpu``; ``cap_s``: each
+    worker's wall-clock cap; ``jobs``: compile processes; ``correctness``/``timed``: which halves
+    run (``timed`` None: wherever there is a GPU)."""
+
+    layers: tuple[Layer, ...]
+    model: str
+    out_dir: Path
+    kv_dtypes: tuple[str, ...] = ("bf16",)
+    impls: tuple[str, ...] = ("mma", "sdpa", "flashinfer")
+    points: tuple[tuple[int, int], ...] = POINTS
+    backend: str = "auto"
+    cap_s: float = 300.0
+    jobs: int = field(default_factory=lambda: os.cpu_count() or 1)
+    correctness: bool = True
+    timed: Optional[bool] = None
+    seed: int = 0
+    copy_gib: float = 2.0
+    check_seqs: int = 2
+    worker: tuple[str, ...] = WORKER
+    """The worker's command line before its two arguments (the check's tests substitute a double)."""
+
+    def __post_init__(self):
+        if not self.layers:
+            raise ValueError("a check needs at least one layer")
+        for name, values, known in (("--kv-dtype", self.kv_dtypes, KV_DTYPES), ("--impl", self.impls, IMPLS)):
+            bad = [v for v in values if v not in known]
+            if bad or not values:
+                raise ValueError(f"{name} takes {', '.join(known)}; got {', '.join(values) or 'nothing'}")
+        if self.backend not in ("auto", "cupy", "cpu"):
+            raise ValueError(f"--backend takes auto, cupy or cpu; got {self.backend!r}")
+
+
+def resolve_backend(name: str) -> str:
+    """``auto`` -> ``cupy`` where CuPy sees a device, else ``cpu`` (no CUDA context is made here)."""
+    if name != "auto":
+        return name
+    from ..backends import cuda_available
+
+    return "cupy" if cuda_available() else "cpu"
+
+
+def run_check(options: CheckOptions, say: Callable[[str], None] = print) -> tuple[int, dict]:
+    """Run the check (see the module's docstring); returns (exit code, the report as written)."""
+    t0 = time.monotonic()
+    elapsed = lambda: time.monotonic() - t0  # noqa: E731
+    out = Path(options.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    backend = resolve_backend(options.backend)
+    timed = (backend == "cupy") if options.timed is None else options.timed
+    cells = plan_cells(options.layers, options.kv_dtypes, options.impls, timed=timed, correctness=options.correctness,
+                       points=options.points)
+    say(f"[check {elapsed():.0f}s] {options.model}: {len(options.layers)} layer kind(s), KV "
+        f"{', '.join(options.kv_dtypes)}, {len(cells)} cells on the {backend} backend"
+        + ("" if timed else "; no timing (no GPU)"))
+    if backend == "cupy":
+        compile_kernels(options, say=lambda line: say(f"[check {elapsed():.0f}s] {line}"))
+    for impl in [i for i in IMPLS if i in options.impls]:
+        mine = [c for c in cells if c.impl == impl]
+        if not mine:
+            continue
+        run_worker(impl, mine, options, backend, out, say=lambda line: say(f"[check {elapsed():.0f}s] {line}"))
+    meta = dict(model=options.model, layers=[vars(layer) for layer in options.layers], backend=backend, timed=timed,
+                kv_dtypes=list(options.kv_dtypes), points=[list(p) for p in options.points],
+                seconds=round(elapsed(), 1))
+    result = reporting.build(reporting.read_events(out), meta)
+    written = reporting.write(result, out)
+    for line in reporting.short_table(result):
+        say(line)
+    say(f"wrote {', '.join(str(p) for p in written)}")
+    return (0 if result["verdict"] == "ok" else 1), result
+
+
+# -- compiling ------------------------------------------------------------------------------
+
+
+def _device_arch() -> tuple[str, int]:
+    import cupy
+
+    dev = cupy.cuda.Device()
+    major, minor = dev.compute_capability[:-1], dev.compute_capability[-1]
+    return f"sm_{major}{minor}", int(cupy.cuda.runtime.getDeviceProperties(dev.id)["multiProcessorCount"])
+
+
+def kernel_plans(options: CheckOptions, arch: str, sm_count: int) -> list[TargetPlan]:
+    """One single-kernel ``TargetPlan`` per kernel the cells need on ``arch`` (pure): every arm of
+    every one of our implementations, each KV dtype, deduplicated by name."""
+    target = target_for_arch(arch)
+    found: dict = {}
+    for impl in (i for i in OURS if i in options.impls):
+        for kv in options.kv_dtypes:
+            for arm in ARM_OPTIONS.values():
+                base = Options(kv_dtype="fp8_e4m3" if kv == "fp8" else "bfloat16", impl=impl, max_batch=64, **arm)
+                for layer in options.layers:
+                    try:
+                        plan = needed_specs([layer], target, base, sm_count=sm_count)
+                    except ValueError:
+                        continue  # the worker constructs the same layer and reports the refusal
+                    for needed in plan.needed:
+                        found.setdefault(needed.name, replace(plan, needed=(needed,)))
+    return list(found.values())
+
+
+def _build_one(plan: TargetPlan) -> tuple[str, Optional[bool], str]:
+    """(kernel, whether it was cached, or None with the error): one compile, in a pool's process."""
+    try:
+        built = build(plan)[0]
+    except Exception as err:  # noqa: BLE001 - said, and met again by the worker that needs it
+        return plan.needed[0].name, None, f"{type(err).__name__}: {str(err)[:300]}"
+    return built.name, built.hit, ""
+
+
+def compile_kernels(options: CheckOptions, say: Callable[[str], None]) -> None:
+    """Every kernel the cells need, ``options.jobs`` NVRTC compiles at a time, into the cache the
+    workers read. A failure here is only said: the worker that needs the kernel meets it again
+    and reports it as its cell's result."""
+    arch, sm_count = _device_arch()
+    plans = kernel_plans(options, arch, sm_count)
+    t0 = time.monotonic()
+    say(f"compiling {len(plans)} kernels for {arch} ({min(options.jobs, len(plans)) or 1} processes; cached ones are "
+        "hits)")
+    misses = failed = 0
+    import multiprocessing
+
+    with ProcessPoolExecutor(max_workers=max(1, min(options.jobs, len(plans))),
+                             mp_context=multiprocessing.get_context("spawn")) as pool:
+        for name, hit, error in pool.map(_build_one, plans):
+            if hit is None:
+                failed += 1
+                say(f"{name}: {error} (the cell that needs it will say so)")
+            misses += hit is False
+    say(f"compiled {misses} kernels ({len(plans) - misses - failed} were cached, {failed} failed) in "
+        f"{time.monotonic() - t0:.1f} s")
+
+
+# -- workers --------------------------------------------------------------------------------
+
+
+def run_worker(impl: str, cells: Sequence[Cell], options: CheckOptions, backend: str, out: Path,
+               say: Callable[[str], None]) -> dict:
+    """Run ``impl``'s cells in a process of their own (see the module's docstring); returns the
+    fault record written, or an empty dict when the worker ended by itself with no fault."""
+    events = out / f"events_{impl}.jsonl"
+    job = out / f".job_{impl}.json"
+    events.unlink(missing_ok=True)
+    job.write_text(json.dumps(dict(impl=impl, backend=backend, cells=[c.to_json() for c in cells], seed=options.seed,
+                                   copy_gib=options.copy_gib, check_seqs=options.check_seqs)))
+    stderr_path = out / f".stderr_{impl}.txt"
+    say(f"{impl}: {len(cells)} cells in a process of its own (cap {options.cap_s:.0f} s)")
+    t0 = time.monotonic()
+    with open(stderr_path, "w") as stderr:
+        proc = subprocess.Popen([*options.worker, str(job), str(events)], stdin=subprocess.DEVNULL,
+                                stdout=stderr, stderr=stderr)
+        seen = 0
+        timed_out = False
+        while proc.poll() is None:
+            time.sleep(0.2)
+            seen = _echo(events, seen, say)
+            if time.monotonic() - t0 > options.cap_s:
+                proc.kill()
+                proc.wait()
+                timed_out = True
+        seen = _echo(events, seen, say)
+    job.unlink(missing_ok=True)
+    rc = proc.returncode
+    lines = reporting.read_jsonl(events)
+    if any(e["event"] == "fault" for e in lines):
+        fault = next(e for e in lines if e["event"] == "fault")
+        say(f"{impl}: FAULT in {fault['cell']}: {fault['error'][:200]} (the process ended; the next implementation "
+            "starts fresh)")
+        return fault
+    if rc == 0 and not timed_out:
+        return {}
+    running = reporting.running_cell(lines)
+    tail = stderr_path.read_text(errors="replace")[-1500:] if stderr_path.exists() else ""
+    error = (f"passed its cap of {options.cap_s:.0f} s" if timed_out else
+             f"the worker died (exit {rc}{', signal ' + str(-rc) if rc < 0 else ''}): "
+             f"{tail.strip().splitlines()[-1] if tail.strip() else 'no message'}")
+    fault = dict(event="fault", impl=impl, cell=running or "(before its first cell)", error=error[:600],
+                 traceback=tail, t=round(time.time(), 3))
+    with open(events, "a") as f:
+        f.write(json.dumps(fault) + "\n")
+    say(f"{impl}: FAULT in {fault['cell']}: {error[:200]}")
+    return fault
+
+
+def _echo(events: Path, seen: int, say: Callable[[str], None]) -> int:
+    """Say each result line of ``events`` past the first ``seen``; returns the lines seen now."""
+    lines = reporting.read_jsonl(events)
+    for e in lines[seen:]:
+        if e["event"] == "result":
+            say(reporting.result_line(e))
+        elif e["event"] == "copy":
+            say(f"{e['impl']}: copy bandwidth {e['tb_per_s']:.3f} TB/s in this process")
+    return len(lines)

@@ -1,0 +1,284 @@
+"""One implementation's cells of a check, in a process of its own: ``python -m metrale_attn.check.worker JOB OUT``.
+
+Why a process per implementation: a CUDA fault (an illegal address, a launch failure) is
+sticky, and poisons every later call of the process that met it. Here it ends this process
+only: the orchestrator (``run.py``) names the implementation, the cell and the error, and the
+next implementation starts on a fresh context.
+
+``JOB`` is a JSON file: ``{"impl", "backend", "cells": [Cell.to_json()...], "seed", "copy_gib",
+"check_seqs"}``. ``OUT`` is a JSON-lines file, appended one line per event, flushed at once so
+that what was measured survives the process: ``env`` (the device, the backend and, where timed,
+the copy bandwidth measured here), ``start`` before each cell, ``result`` after it, and
+``fault`` when a sticky error ends the process (exit ``EXIT_FAULT``). A cell that fails in an
+ordinary way (wrong bytes, a refusal, a peer that cannot run) is a ``result`` with its status,
+and the next cell runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import time
+import traceback
+import zlib
+from typing import Callable, Optional
+
+import numpy as np
+
+from .. import tolerance
+from ..attention import DecodeAttention
+from ..backends import get_backend
+from ..problems import make_problem
+from .cells import ARM_OPTIONS, CORRECT_SEQ_LENS, OURS, PAGE_SIZE, Cell, features_of, peer_refusal
+from .data import check_seqs
+
+EXIT_FAULT = 3
+STICKY = re.compile(r"illegal (memory )?address|illegal instruction|unspecified launch failure|launch failure|"
+                    r"misaligned address|hardware stack error|cudaErrorIllegal|cudaErrorLaunchFailure|"
+                    r"CUDA_ERROR_ILLEGAL|CUDA_ERROR_LAUNCH_FAILED|CUDA_ERROR_MISALIGNED|device-side assert|"
+                    r"an illegal|ECC error", re.I)
+"""What a sticky CUDA error says: once one is raised, the process's context is lost."""
+LSE_TOLERANCE = 2e-6
+"""The lse bar (natural log; relative and absolute): the one the test suite holds every arm to."""
+
+
+class Worker:
+    """Runs cells on one backend and writes their events (see the module's docstring)."""
+
+    def __init__(self, impl: str, backend: str, out_path: str, *, seed: int = 0, copy_gib: float = 2.0,
+                 check_seqs: int = 2):
+        self.impl, self.out_path, self.seed = impl, out_path, seed
+        self.copy_gib, self.check_seqs = copy_gib, check_seqs
+        self.backend = get_backend(None if backend == "auto" else backend)
+        self.gpu = not self.backend.emulated
+        self._timed = None  # (torch, timer, copy record, pools) once a timing cell runs
+        self._pool_pages: dict = {}
+
+    # -- events -----------------------------------------------------------------------
+
+    def emit(self, event: str, **fields) -> None:
+        line = json.dumps({"event": event, "impl": self.impl, "t": round(time.time(), 3), **fields}, default=str)
+        with open(self.out_path, "a") as f:
+            f.write(line + "\n")
+            f.flush()
+
+    def run(self, cells: list[Cell]) -> int:
+        self.emit("env", backend=self.backend.name, gpu=self.gpu, device=self._device())
+        for c in cells:  # one pool per (KV heads, head dim, dtype), big enough for all its cells: no regrowth
+            if c.kind == "time":
+                key = (c.layer.num_kv_heads, c.layer.head_dim, c.kv_dtype)
+                self._pool_pages[key] = max(self._pool_pages.get(key, 0), c.batch * -(-c.context // PAGE_SIZE))
+        for cell in cells:
+            self.emit("start", cell=cell.label)
+            t0 = time.perf_counter()
+            try:
+                result = self.correct(cell) if cell.kind == "correct" else self.time(cell)
+            except Exception as err:  # noqa: BLE001 - every failure is the cell's result, or the process's end
+                text = f"{type(err).__name__}: {err}"
+                if self.gpu and STICKY.search(text):
+                    self.emit("fault", cell=cell.label, error=text[:600], traceback=traceback.format_exc()[-2000:])
+                    return EXIT_FAULT
+                result = dict(status="error", message=text[:600])
+            self.emit("result", cell=cell.label, spec=cell.to_json(), seconds=round(time.perf_counter() - t0, 3),
+                      **result)
+        return 0
+
+    def _device(self) -> dict:
+        if not self.gpu:
+            return {"name": "CPU backend (the CUDA sources on the host: no GPU)"}
+        import cupy
+
+        dev = cupy.cuda.Device()
+        props = cupy.cuda.runtime.getDeviceProperties(dev.id)
+        name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+        return {"name": name, "compute_capability": dev.compute_capability, "sm_count": props["multiProcessorCount"],
+                "clock_khz": props.get("clockRate")}
+
+    # -- correctness ------------------------------------------------------------------
+
+    def correct(self, cell: Cell) -> dict:
+        """The cell's layer on a small problem of mixed lengths, its forced arm, out and lse against
+        float64 at the package's bar."""
+        layer, features = cell.layer, features_of(cell.layer)
+        rng = np.random.default_rng([self.seed, zlib.crc32(cell.label.encode())])
+        problem = make_problem(rng, num_seqs=len(CORRECT_SEQ_LENS), num_q_heads=layer.num_q_heads,
+                               num_kv_heads=layer.num_kv_heads, head_dim=layer.head_dim, page_size=PAGE_SIZE,
+                               seq_lens=list(CORRECT_SEQ_LENS), kv_dtype=cell.kv_dtype, q_dtype="bf16")
+        sinks = rng.normal(0.0, 2.0, layer.num_q_heads).astype(np.float32) if layer.sinks else None
+        attn = DecodeAttention(layer.num_q_heads, layer.num_kv_heads, layer.head_dim, PAGE_SIZE, q_dtype="bfloat16",
+                               kv_dtype="fp8_e4m3" if cell.kv_dtype == "fp8" else "bfloat16",
+                               max_batch=len(CORRECT_SEQ_LENS), impl=cell.impl, backend=self.backend,
+                               **ARM_OPTIONS[cell.arm], **features)
+        plan = attn.plan(len(CORRECT_SEQ_LENS))
+        be = self.backend
+        args = [be.upload(a.view(np.uint8) if a.dtype.itemsize == 1 else a)
+                for a in (problem.q, problem.k_cache, problem.v_cache, problem.block_tables, problem.seq_lens)]
+        out = be.empty(args[0].shape, args[0].dtype)
+        extra = {} if sinks is None else {"sinks": be.upload(sinks)}
+        out, lse = attn.run(*args, k_scale=problem.k_scale, v_scale=problem.v_scale, out=out, return_lse=True, **extra)
+        be.synchronize()
+        got = self.perturbed(cell, np.asarray(be.host_copy(out)))
+        got_lse = np.asarray(be.host_copy(lse))
+
+        ref_features = dict(features, sinks=sinks) if layer.sinks else features
+        ref_out, ref_lse = problem.reference(return_lse=True, **ref_features)
+        ok = tolerance.close_to_reference_mask(
+            got, ref_out, v_absmax=problem.v_absmax(),
+            logit_absmax=lambda: problem.logit_absmax(logits_soft_cap=layer.logits_soft_cap, sinks=sinks))
+        ulps = tolerance.ulp_distance(got, tolerance.round_to(ref_out, got.dtype))
+        # The ulps of the elements the near-zero allowance does not cover: those the ulp bar judges.
+        judged = np.abs(got.astype(np.float64) - ref_out) > tolerance.near_zero_allowance(problem.v_absmax())
+        finite = np.isfinite(ref_lse)
+        lse_ok = bool(np.array_equal(np.isneginf(got_lse), np.isneginf(ref_lse))) and bool(np.allclose(
+            got_lse[finite], ref_lse[finite], rtol=LSE_TOLERANCE, atol=LSE_TOLERANCE))
+        lse_err = float(np.max(np.abs(got_lse[finite] - ref_lse[finite]), initial=0.0))
+        status = "ok" if ok.all() and lse_ok else "FAIL"
+        result = dict(status=status, arm_ran=plan.arm, splits=plan.num_splits, heads_per_cta=plan.heads_per_cta,
+                      impl_ran=plan.impl, outputs=int(got.size), max_ulp=int(ulps[judged].max(initial=0)),
+                      outputs_off=int((~ok).sum()), lse_max_abs_err=lse_err)
+        if status != "ok":
+            where = np.argwhere(~ok)
+            result["message"] = (f"{int((~ok).sum())} of {got.size} outputs past the 1-ulp bar (first at "
+                                 f"[seq, head, dim] {where[0].tolist()})" if len(where) else
+                                 f"lse off the float64 reference by {lse_err:.3g} (bar {LSE_TOLERANCE:g})")
+        return result
+
+    def perturbed(self, cell: Cell, got: np.ndarray) -> np.ndarray:
+        """The output as checked. A hook for the check's own tests (``tests/support/check_doubles.py``
+        replaces it to stand in for a wrong kernel); here the output itself."""
+        return got
+
+    # -- timing -----------------------------------------------------------------------
+
+    def time(self, cell: Cell) -> dict:
+        """The cell's point at the policy's default launch (ours) or the peer's call: checked against
+        float64 on a few sequences, then timed; % of the copy bandwidth measured in this process."""
+        if not self.gpu:
+            return dict(status="unavailable", message="no GPU: the CPU backend times a simulator, not a kernel")
+        refusal = peer_refusal(cell)
+        if refusal:
+            return dict(status="unavailable", message=refusal)
+        torch, timer, copy = self._timing_state()
+        case = self._case(cell)
+        seqs = check_seqs(cell.batch, self.check_seqs)
+        ref_cache: dict = {}
+        if cell.impl in OURS:
+            result, launch = self._ours(cell, case, timer, torch, seqs, ref_cache)
+            mode, note = "cuda-graph", ""
+        else:
+            result, launch, mode, note = self._peer(cell, case, timer, seqs, ref_cache)
+        if launch is None:
+            return result
+        timing = timer.measure(launch, mode=mode, note=note)
+        moved = kv_bytes(cell) + 2 * case.q.numel() * case.q.element_size()  # KV read, q read, out written
+        tb_per_s = moved / (timing.median_us * 1e-6) / 1e12
+        result.update(median_us=round(timing.median_us, 3), min_us=round(timing.min_us, 3), iters=timing.iters,
+                      mode=timing.mode, note=timing.note, bytes_moved=moved, tb_per_s=round(tb_per_s, 4),
+                      pct_of_copy=round(100.0 * tb_per_s / copy["tb_per_s"], 2), copy_tb_per_s=copy["tb_per_s"])
+        return result
+
+    def _timing_state(self):
+        if self._timed is None:
+            import torch
+
+            from .bandwidth import measure_copy_bandwidth
+            from .timing import GpuTimer
+
+            copy = measure_copy_bandwidth(copy_gib=self.copy_gib)
+            self.emit("copy", **copy)
+            self._timed = (torch, GpuTimer(), copy, {})
+        return self._timed[:3]
+
+    def _case(self, cell: Cell):
+        from ..config import ModelShape
+        from .data import GpuPool
+
+        pools = self._timed[3]
+        layer = cell.layer
+        key = (layer.num_kv_heads, layer.head_dim, cell.kv_dtype)
+        pages = cell.batch * -(-cell.context // PAGE_SIZE)
+        if key not in pools or pools[key].num_pages < pages:
+            pools.clear()  # one pool at a time: free the last before the next
+            _release(self._timed[0])
+            shape = ModelShape(layer.num_q_heads, layer.num_kv_heads, layer.head_dim)
+            pools[key] = GpuPool(shape, cell.kv_dtype, PAGE_SIZE, max(pages, self._pool_pages.get(key, 0)),
+                                 seed=self.seed)
+        case = pools[key].case(cell.batch, cell.context, layer.num_q_heads)
+        self._timed[1].synchronize_device()
+        return case
+
+    def _ours(self, cell: Cell, case, timer, torch, seqs, ref_cache):
+        from .data import check_gpu_output
+
+        layer = cell.layer
+        attn = DecodeAttention(layer.num_q_heads, layer.num_kv_heads, layer.head_dim, PAGE_SIZE, q_dtype="bfloat16",
+                               kv_dtype="fp8_e4m3" if cell.kv_dtype == "fp8" else "bfloat16", max_batch=64,
+                               impl=cell.impl, backend=self.backend)
+        plan = attn.plan(cell.batch)
+        out = torch.empty_like(case.q)
+        call = lambda: attn.run(case.q, case.k_pool, case.v_pool, case.block_tables, case.seq_lens,  # noqa: E731
+                                k_scale=case.k_scale, v_scale=case.v_scale, out=out)
+        launch = timer.capture_poisoned(call, out)
+        out_checked = self.perturbed(cell, out)
+        check = check_gpu_output(case, out_checked, seqs, ref_cache, strict=True)
+        result = dict(status="ok" if check["status"] == "ok" else "FAIL", check=check, arm_ran=plan.arm,
+                      splits=plan.num_splits, heads_per_cta=plan.heads_per_cta, impl_ran=plan.impl)
+        if check["status"] != "ok":
+            result["message"] = check.get("message", "output past the 1-ulp bar")
+            return result, None  # a wrong kernel is not timed
+        return result, launch
+
+    def _peer(self, cell: Cell, case, timer, seqs, ref_cache):
+        from . import peers
+        from .data import check_gpu_output
+        from .timing import try_capture_torch
+
+        try:
+            fn = peers.prepare_sdpa_gather(case) if cell.impl == "sdpa" else peers.prepare_flashinfer(case)
+            timer.synchronize_device()
+            with timer.on_stream():
+                out = fn()
+                fn()
+            timer.synchronize_device()
+        except peers.Unavailable as err:
+            return dict(status="unavailable", message=str(err)[:400]), None, "", ""
+        check = check_gpu_output(case, out, seqs, ref_cache, strict=False)
+        del out
+        launch, mode, note, _ = try_capture_torch(timer, fn)
+        result = dict(status="ok" if check["status"] == "ok" else "FAIL", check=check)
+        return result, launch, mode, note
+
+
+def kv_bytes(cell: Cell) -> int:
+    """K and V bytes a call of the timing cell reads: tokens x KV heads x head dim x itemsize x 2."""
+    itemsize = 1 if cell.kv_dtype == "fp8" else 2
+    return cell.batch * cell.context * cell.layer.num_kv_heads * cell.layer.head_dim * itemsize * 2
+
+
+def _release(torch) -> None:
+    import gc
+
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def main(argv: Optional[list[str]] = None, worker_class: Callable[..., Worker] = Worker) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 2:
+        print("usage: python -m metrale_attn.check.worker JOB.json OUT.jsonl", file=sys.stderr)
+        return 2
+    with open(argv[0]) as f:
+        job = json.load(f)
+    worker = worker_class(job["impl"], job["backend"], argv[1], seed=job.get("seed", 0),
+                          copy_gib=job.get("copy_gib", 2.0), check_seqs=job.get("check_seqs", 2))
+    code = worker.run([Cell.from_json(c) for c in job["cells"]])
+    if code == EXIT_FAULT:  # a lost CUDA context can hang the interpreter's exit: leave at once
+        sys.stdout.flush()
+        os._exit(code)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
