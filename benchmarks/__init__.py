@@ -8,6 +8,7 @@ the library: run its modules from the repository root, ``python -m benchmarks.<m
 lowest first; a module imports only modules of lower rows
 (``benchmarks/tests/test_benchmarks_layering.py``):
 
+- ``schedule``: the GPU check's steps in order, their caps and expected times, and the device session they fit
 - ``steps``: the verdicts of ``gpu_check.sh``'s steps and its exit code
 - ``predictions``: the static SASS model's prediction joined to each measured row
 - ``environment``: the environment probe and the device-to-device copy bandwidth (every ratio's ceiling,

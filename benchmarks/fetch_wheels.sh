@@ -13,6 +13,8 @@
 # to the image's pytest-xdist is a version clash waiting to happen), so only what the
 # image lacks travels:
 #
+#   pytest-timeout       the GPU tests' per-test timeout (a hung device test costs its
+#                        own time, not the step's); pure Python.
 #   flashinfer-python, apache-tvm-ffi
 #                        the FlashInfer baseline (optional; FLASHINFER=0 skips it).
 #                        flashinfer-python 0.6.6 imports with apache-tvm-ffi plus
@@ -31,11 +33,10 @@ PY=${PYTHON:-python3}
 DEST=.whl
 mkdir -p "$DEST"
 
-WHEELS=()
+WHEELS=(pytest-timeout==2.4.0)
 if [ "${FLASHINFER:-1}" != 0 ]; then
   WHEELS+=(flashinfer-python==0.6.6 apache-tvm-ffi==0.1.9)
 fi
-if [ "${#WHEELS[@]}" -eq 0 ]; then echo "nothing to fetch"; exit 0; fi
 
 PLATFORMS=(manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64 manylinux_2_17_x86_64
            manylinux2014_x86_64 manylinux1_x86_64)

@@ -6,6 +6,9 @@ LAST: the device tool returns only the last 12,000 characters of a run's output,
 table is kept to short lines and a few dozen of them:
 
 - the step table (``steps.tsv``: name, status, seconds, detail), a running step if any;
+- the decisive cells (``metrale-attn check``'s report): the default kernel, simt and the peers
+  in % of copy on each cell, the SASS model's prediction for that call beside the default
+  kernel's (measured against modelled), each implementation's fault named;
 - the copy bandwidth and the targets (pass/fail) from the benchmark JSON;
 - the mma self-test's verdict (whether the mma rows ran mma);
 - the decisive configurations: simt against mma per arm in % of copy, the static SASS
@@ -15,7 +18,8 @@ table is kept to short lines and a few dozen of them:
 - ``OVERALL``: ok, or FAIL with the steps that failed (the last line).
 
 Usage: ``python -m benchmarks.summary --steps steps.tsv --env env.json --bench X_bench.json
---probe l2_probe.json --mode gpu --out summary.md [--running benchmark] [--quiet]``
+--check decisive/report.json --sass-json sass_model.json --probe l2_probe.json --mode gpu
+--out summary.md [--running benchmark] [--quiet]``
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ import sys
 
 from . import report
 from .l2_probe import probe_text
-from .steps import load_json, timed_rows
+from .predictions import Predictions, arch_digits
+from .steps import check_cells, load_json, timed_rows
 
 FAILING = ("FAIL", "TIMEOUT", "ERRORS", "WRONG", "FALLBACK")
 
@@ -65,6 +70,47 @@ def _ours_cell(r, pct: bool) -> str:
     pred = (r.get("sass") or {}).get("ceiling_pct")
     return (_value(r, pct) + ("!" if r.get("median_us") is not None and r.get("status") != "ok" else "")
             + ("*" if r.get("default") else "") + (f"[{pred:.0f}]" if isinstance(pred, (int, float)) else "[-]"))
+
+
+def check_lines(check: dict, predictions: Predictions = None) -> list[str]:
+    """The decisive cells of ``metrale-attn check``: % of copy per implementation, the call model's
+    prediction beside the default kernel's (``[n]``; ``!`` a wrong output, not timed)."""
+    if not check:
+        return []
+    timing = check.get("timing") or []
+    out = []
+    if not timing or check.get("timing_note"):
+        n_ok = sum(r["status"] == "ok" for r in check.get("correctness", []))
+        out.append(f"decisive cells: {n_ok} of {len(check.get('correctness', []))} correctness cells ok; "
+                   f"{check.get('timing_note') or 'nothing timed'}")
+    else:
+        impls = list(dict.fromkeys(r["impl"] for r in timing))
+        out.append("decisive cells, metrale-attn check (% of copy; [n] the call model's MODELLED %; ! wrong output):")
+        out.append(f"  {'cell':<26}" + "".join(f"{i:>13}" for i in impls))
+        by = {(r["impl"], r["spec"]["layer"]["name"], r["spec"]["kv_dtype"], r["spec"]["batch"], r["spec"]["context"]): r
+              for r in timing}
+        for key in dict.fromkeys(k[1:] for k in by):
+            name, kv, batch, context = key
+            cells = []
+            for impl in impls:
+                r = by.get((impl, *key))
+                text = "-" if r is None else (f"{r['pct_of_copy']:.1f}" if r.get("pct_of_copy") is not None
+                                              else ("!" if r["status"] == "FAIL" else r["status"][:6]))
+                if r is not None and impl == "mma" and predictions is not None and r.get("arm_ran"):
+                    layer = r["spec"]["layer"]
+                    pred = predictions.lookup(impl="mma", arm=r["arm_ran"], q_heads=layer["num_q_heads"],
+                                              kv_heads=layer["num_kv_heads"], head_dim=layer["head_dim"],
+                                              q_dtype="bf16", kv_dtype=kv, heads_per_cta=r.get("heads_per_cta", 0),
+                                              batch=batch, context=context)
+                    if pred and pred.get("predicted_pct") is not None:
+                        text += f"[{pred['predicted_pct']:.0f}]"
+                cells.append(f"{text:>13}")
+            out.append(f"  {name[:11] + ' ' + kv + ' b' + str(batch) + 'x' + report._ctx(context):<26}" + "".join(cells))
+    for f in check.get("faults") or []:
+        out.append(f"  FAULT {f['impl']} in {f['cell']}: {f['error'][:90]}")
+    out.append(f"  check verdict: {check.get('verdict')}" + (f" ({check['failures'][0][:80]})"
+                                                             if check.get("failures") else ""))
+    return out
 
 
 def decisive_lines(result: dict, width: int = 118) -> list[str]:
@@ -186,10 +232,10 @@ def grid_tables(result: dict) -> list[str]:
     return out
 
 
-def overall(steps: list[dict], result: dict, mode: str) -> str:
+def overall(steps: list[dict], result: dict, mode: str, check: dict = None) -> str:
     """``OVERALL: ok``, or ``OVERALL: FAIL (gpu_tests FAIL; ...)``, with the targets' statuses."""
     problems = [f"{s['name']} {s['status']}" for s in steps if s["status"] in FAILING]
-    if not timed_rows(result):
+    if not timed_rows(result) and not check_cells(check):
         problems.append("no benchmark rows")
     targets = result.get("targets") or []
     if any(t["id"] == "C" and t["status"] == "FAIL" for t in targets):
@@ -200,7 +246,7 @@ def overall(steps: list[dict], result: dict, mode: str) -> str:
 
 
 def render(steps: list[dict], env: dict, result: dict, total_s: str, *, probe: dict = None, running: str = None,
-           mode: str = None) -> tuple[str, str]:
+           mode: str = None, check: dict = None, predictions: Predictions = None) -> tuple[str, str]:
     """(summary.md text, the short plain-text table)."""
     dev = (result.get("environment") or env).get("device", {})
     copy = result.get("copy_bandwidth") or env.get("copy_bandwidth", {})
@@ -221,6 +267,9 @@ def render(steps: list[dict], env: dict, result: dict, total_s: str, *, probe: d
     if running:
         text.append(f"{running:<18} {'running':<9} {'':>4}  (this summary was written while it ran)")
     text.append("")
+    if check:
+        text += check_lines(check, predictions)
+        text.append("")
     if result:
         budget = result.get("budget", {})
         if budget.get("stopped_early"):
@@ -240,7 +289,7 @@ def render(steps: list[dict], env: dict, result: dict, total_s: str, *, probe: d
         text.append("no benchmark result")
     if mode == "cpu":
         text.append("CPU backend simulator; not kernel performance")
-    text.append(overall(steps, result, mode))
+    text.append(overall(steps, result, mode, check))
     md = [f"# {head}", "", f"- {copy_line}", "", "| step | status | seconds | detail |", "| --- | --- | --- | --- |"]
     md += [f"| {s['name']} | {s['status']} | {s['seconds']} | {s['detail'].replace('|', '/')} |" for s in steps]
     if running:
@@ -257,14 +306,22 @@ def main(argv=None) -> int:
     parser.add_argument("--env")
     parser.add_argument("--bench")
     parser.add_argument("--probe", help="l2_probe.py's JSON (when the benchmark JSON does not carry it yet)")
+    parser.add_argument("--check", help="the decisive step's report.json (metrale-attn check)")
+    parser.add_argument("--sass-json", help="the SASS model's report, for the decisive cells' predictions")
     parser.add_argument("--mode", choices=("gpu", "cpu"))
     parser.add_argument("--out", required=True)
     parser.add_argument("--total-s", default="?")
     parser.add_argument("--running", help="a step still running (a checkpoint's summary)")
     parser.add_argument("--quiet", action="store_true", help="write summary.md only")
     args = parser.parse_args(argv)
-    md, text = render(read_steps(args.steps), load_json(args.env) or {}, load_json(args.bench) or {}, args.total_s,
-                      probe=load_json(args.probe), running=args.running, mode=args.mode)
+    env = load_json(args.env) or {}
+    check = load_json(args.check)
+    cc = ((check or {}).get("device") or {}).get("compute_capability") or \
+        (env.get("device") or {}).get("compute_capability")
+    predictions = Predictions.load(args.sass_json, f"sm_{arch_digits(cc)}" if cc else "sm_90")
+    md, text = render(read_steps(args.steps), env, load_json(args.bench) or {}, args.total_s,
+                      probe=load_json(args.probe), running=args.running, mode=args.mode, check=check,
+                      predictions=predictions)
     tmp = os.path.join(os.path.dirname(os.path.abspath(args.out)), f".{os.path.basename(args.out)}.tmp")
     with open(tmp, "w") as f:
         f.write(md)

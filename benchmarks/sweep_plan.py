@@ -1,25 +1,25 @@
 """What the benchmark sweep runs, and in which order: jobs grouped in tiers by what they decide.
 
-A device session has about 4 minutes for the sweep, and a run can be cut short, so the
-configurations that decide the design's questions run first and the grid fills in
-behind them (``plan_jobs``):
+The sweep runs after the GPU check's decisive step (``metrale-attn check`` on the decisive
+cells: the policy's default launch of the default kernel, simt and the peers, every output
+checked first; ``benchmarks/schedule.py``), with what the deadline leaves, so its tiers go
+from the questions the decisive step does not answer to the grid (``plan_jobs``):
 
-1. ``decisive-bf16``: Llama-3-8B (32/8/128) batch 64 x 4k and 16k (T1), one sequence x
-   32k (T2, split-K), Llama-3-70B (64/8/128) batch 64 x 4k (T1 at group 8), and 24/4/256
-   batch 64 x 4k (GQA-packed against unpacked, group 6, head dim 256), Llama-3-70B one
-   sequence x 32k, KV bf16; every forced arm on every kernel implementation (``impls.IMPLS``:
-   simt, the earlier mma kernels mma_v2, mma_v21 and mma_v22, mma), the policy's default, and
-   the SDPA baselines.
-2. ``decisive-fp8``: the same configurations with an fp8 e4m3 KV cache.
-3. ``heads_per_cta``: 32/8/128 and 64/8/128 bf16 at batch 1, 16 and 64 x 16k, the mma
+1. ``heads_per_cta``: 32/8/128 and 64/8/128 bf16 at batch 1, 16 and 64 x 16k, the mma
    kernels with ``heads_per_cta`` forced to every choice of the group
    (``plan.heads_per_cta_choices``: 1, 2, 4 and 1, 2, 4, 8), the plan's choice marked.
-4. ``features``: Llama-3-8B batch 64 x 16k on the mma kernels, plain and with each
+2. ``features``: Llama-3-8B batch 64 x 16k on the mma kernels, plain and with each
    feature of the kernels' specializations, each row's time against the plain row's
    (``vs_plain``): bf16 with ``FEATURES`` (a 4k sliding window, multi-token decode of 4 query
    tokens, a logits soft-cap, sinks, FlashInfer's CSR page table, device-side scales), then
    fp8 e4m3 with ``FP8_FEATURES`` (the serving engine's fp8 path: host-scale dense beside the
    CSR page table and the scales read from the device).
+3. ``decisive-bf16``: Llama-3-8B (32/8/128) batch 64 x 4k and 16k, one sequence x 32k,
+   Llama-3-70B (64/8/128) batch 64 x 4k and one sequence x 32k, and 24/4/256 batch 64 x 4k,
+   KV bf16; every FORCED arm on every kernel implementation (``impls.IMPLS``: simt, the
+   earlier mma kernels mma_v2, mma_v21 and mma_v22 as a late tier, mma), and the SDPA
+   baselines.
+4. ``decisive-fp8``: the same configurations with an fp8 e4m3 KV cache.
 5. ``rest``: the grid (models x KV dtypes x batch 1, 16, 64, 256 x context 4k, 16k, 64k),
    less what the tiers above measured; ours only.
 
@@ -27,7 +27,7 @@ FlexAttention (one configuration per shape) and FlashInfer (whatever its JIT bui
 time) are timed last, on the configurations already measured, in the same order
 (``sweep.py``'s late phase).
 
-Profiles: ``full`` (the above), ``quick`` (tiers 1-3 only, no baselines: the short
+Profiles: ``full`` (the above), ``quick`` (tiers 1, 3 and 4, no baselines: the short
 rerun) and ``cpu`` (the CPU dry run: one 6/1/256 configuration per dtype, a tiny
 ``heads_per_cta`` sweep on groups of 4 and 8, the features on 4/1/64, then a tiny grid).
 """
@@ -296,9 +296,6 @@ def plan_jobs(args) -> list[Job]:
             seen.add(config)
         jobs.append(Job(tier, config, **kw))
 
-    for dtype in [d for d in args.decisive_dtypes.split(",") if d]:
-        for model, batch, context in parse_decisive(args.decisive):
-            add(f"decisive-{dtype}", model, dtype, batch, context, baselines=main_baselines)
     for model, shape in parse_models("" if args.hpc_models in (None, "none") else args.hpc_models):
         for batch in ints(args.hpc_batches):
             add("heads_per_cta", model, "bf16", batch, int(args.hpc_context), kind="hpc",
@@ -306,6 +303,9 @@ def plan_jobs(args) -> list[Job]:
     for dtype in [d for d in args.features_dtypes.split(",") if d]:
         for model, batch, context in parse_decisive(args.features, "--features"):
             add("features", model, dtype, batch, context, kind="features")
+    for dtype in [d for d in args.decisive_dtypes.split(",") if d]:
+        for model, batch, context in parse_decisive(args.decisive):
+            add(f"decisive-{dtype}", model, dtype, batch, context, baselines=main_baselines)
     if args.rest:
         for dtype in args.kv_dtypes.split(","):
             for model, _ in parse_models(args.models):

@@ -214,13 +214,21 @@ def run_precompile(args: argparse.Namespace, out=print) -> int:
 
 def run_check_command(args: argparse.Namespace, out=print) -> int:
     """``metrale-attn check``: the model's layers, then ``check.run_check``."""
-    from .check import CheckOptions, model_layers, run_check
+    from .check import CheckOptions, compile_kernels, model_layers, run_check
     from .check.cells import parse_points
+    from .check.run import resolve_backend
 
     label, layers = model_layers(args.model or (), args.hf_config, args.tensor_parallel_size)
     options = CheckOptions(tuple(layers), label, Path(args.out), kv_dtypes=tuple(args.kv_dtype),
                            impls=tuple(args.impl), points=parse_points(args.points), backend=args.backend,
-                           cap_s=args.cap_s, jobs=args.jobs, correctness=not args.no_correctness)
+                           cap_s=args.cap_s, jobs=args.jobs, correctness=not args.no_correctness,
+                           deadline_s=args.deadline_s, flashinfer_status=args.flashinfer_status)
+    if args.compile_only:
+        if resolve_backend(options.backend) != "cupy":
+            out("metrale-attn check --compile-only: no GPU here; the CPU backend builds its modules as it runs")
+            return 0
+        compile_kernels(options, say=out)
+        return 0
     code, _ = run_check(options, say=out)
     return code
 
@@ -299,7 +307,8 @@ def build_parser() -> argparse.ArgumentParser:
                            "32k against the copy bandwidth with PyTorch SDPA and FlashInfer beside ours where "
                            "installed, and write report.md, report.json and report.png. Exits 1 when a check of "
                            "ours fails. Without a GPU: the correctness half, on the CPU backend.")
-    check.add_argument("--model", type=_names, help="comma-separated presets: " + ", ".join(sorted(MODELS)))
+    check.add_argument("--model", type=_names, help="comma-separated presets (" + ", ".join(sorted(MODELS)) + ") or "
+                       "Q/KV/HEAD_DIM shapes")
     check.add_argument("--hf-config", help="a Hugging Face config.json instead of --model")
     check.add_argument("--tensor-parallel-size", "--tp", type=_int_at_least(1), default=1,
                        help="ranks the model's heads are split over (default 1)")
@@ -318,6 +327,11 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("-j", "--jobs", type=_int_at_least(1), default=os.cpu_count() or 1,
                        help="NVRTC compiles at a time (default: the cores)")
     check.add_argument("--no-correctness", action="store_true", help="time only (the correctness cells skipped)")
+    check.add_argument("--compile-only", action="store_true", help="compile the kernels the check needs into the "
+                       "cache and stop (a GPU: its architecture and SM count decide them)")
+    check.add_argument("--deadline-s", type=_float_above_zero, help="every implementation's process done within "
+                       "this many seconds, the time left shared among those still to run")
+    check.add_argument("--flashinfer-status", help=argparse.SUPPRESS)  # the benchmark harness's JIT prewarm status
 
     demo = sub.add_parser("demo", help="run a mixed decode batch on the best backend and check it")
     demo.add_argument("--backend", choices=["cupy", "cpu"], help="default: cupy with a GPU, else cpu")

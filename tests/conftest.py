@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
 
 from metrale_attn import policy
@@ -40,3 +43,20 @@ def counting_backend() -> CountingBackend:
     """A CPU backend that records what it loads and launches (support.problems.CountingBackend);
     a test that needs two fresh ones builds them itself."""
     return CountingBackend()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A test that meets a sticky CUDA error (an illegal address, a launch failure) leaves its
+    process's CUDA context unusable: every later test of that process would fail too. Under
+    pytest-xdist the worker ends itself at once, so xdist reports this test as the one the worker
+    crashed on and starts a fresh worker for the rest (the GPU check lists it)."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed and call.excinfo is not None and os.environ.get("PYTEST_XDIST_WORKER"):
+        from metrale_attn.check.worker import STICKY
+
+        if STICKY.search(f"{call.excinfo.typename}: {call.excinfo.value}"):
+            sys.stderr.write(f"{item.nodeid}: sticky CUDA error, ending this worker: {call.excinfo.value}\n")
+            sys.stderr.flush()
+            os._exit(3)

@@ -183,3 +183,21 @@ def test_metrale_attn_check_on_llama_3_8b_passes_on_the_cpu_backend(tmp_path, ca
     assert main(["check", "--model", "llama-3-8b", "--backend", "cpu", "--out", str(tmp_path)]) == 0
     assert (tmp_path / "report.png").exists() and "VERDICT: ok" in capsys.readouterr().out
 
+
+
+def test_a_test_worker_that_meets_a_sticky_cuda_error_ends_and_xdist_names_the_test():
+    """tests/conftest.py: the GPU tests' worker ends on a sticky error, so the failure is named once
+    and the tests after it run on a fresh worker (the GPU check's verdict lists the crash)."""
+    import subprocess
+
+    from benchmarks.steps import pytest_verdict
+
+    example = pathlib.Path(__file__).parent / "support" / "sticky_example.py"
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "1", "-rfE",
+                           "-m", "not slow", str(example)], capture_output=True, text=True, timeout=120,
+                          cwd=pathlib.Path(__file__).parents[1])
+    text = done.stdout + done.stderr
+    assert "crashed while running" in text and "test_meets_a_sticky_cuda_error" in text, text
+    assert "1 passed" in text
+    status, detail = pytest_verdict(done.returncode, text, "gpu")
+    assert status == "FAIL" and "a worker crashed: " in detail and "test_meets_a_sticky_cuda_error" in detail

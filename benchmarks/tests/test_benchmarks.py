@@ -105,9 +105,10 @@ def test_gpu_check_cpu_dry_run_writes_every_output(tmp_path):
     assert result["mode"] == "cpu" and "not kernel performance" in result["timing_note"]
     ours = [r for r in result["rows"] if r["impl"] == "metrale"]
     assert all(r["check"]["status"] == "ok" and r["median_us"] > 0 for r in ours)
-    # Tiers in order: decisive bf16, decisive fp8, the heads_per_cta sweep, the features, then the grid.
-    assert list(dict.fromkeys(r["tier"] for r in ours)) == ["decisive-bf16", "decisive-fp8", "heads_per_cta",
-                                                             "features", "rest"]
+    # Tiers in order after the check's decisive cells: the heads_per_cta sweep, the features, the forced arms
+    # of the decisive configurations (the earlier kernels with them), then the grid.
+    assert list(dict.fromkeys(r["tier"] for r in ours)) == ["heads_per_cta", "features", "decisive-bf16",
+                                                             "decisive-fp8", "rest"]
     # The features tier: every feature on bf16, then fp8's host-scale dense row beside its CSR and
     # device-scale rows, each checked against the float64 reference.
     features = [(r["kv_dtype"], r["feature"]) for r in ours if r["tier"] == "features"]
@@ -150,25 +151,30 @@ def test_gpu_check_cpu_dry_run_writes_every_output(tmp_path):
     assert by_spec[("fp8", "unpacked", "simt")]["sass"]["binding"] == "alu"
     assert by_spec[("fp8", "splitk", "simt")]["sass"] is None
     assert result["sass_model"]["rows"] == 7
-    assert result["l2_probe"]["status"] == "absent"
+    assert "l2_probe" not in result  # the L2 probe runs in the rerun (--quick)
     md = (out / json_name.replace(".json", ".md")).read_text()
     assert "## Features against plain decode" in md and "| multi_token |" in md
     assert "CPU backend simulator; not kernel performance" in md
     assert "## Measured vs the static SASS model" in md and "| issue |" in md
-    assert "## L2 probe" in md and "## heads_per_cta sweep" in md and "## Old vs new kernels" in md
+    assert "## heads_per_cta sweep" in md and "## Old vs new kernels" in md
     if HAVE_MPL:
         assert any(f.endswith("_bench.png") for f in files) and any(f.endswith("_arms.png") for f in files)
     with tarfile.open(out / "logs.tar.gz") as tar:
         names = {os.path.basename(n) for n in tar.getnames()}
-    assert {"steps.tsv", "env.json", "bench.log", "summary.txt", "pytest_gpu.log", "l2_probe.json",
-            "wheels.log", "l2_probe_manifest.json"} <= names
+    assert {"steps.tsv", "env.json", "bench.log", "summary.txt", "pytest_gpu.log", "decisive.log",
+            "wheels.log"} <= names
     summary = (out / "summary.md").read_text()
     table = _steps(summary)
     assert table["wheels"][0] == "FAIL" and "going on without FlashInfer" in table["wheels"][1]
     assert table["gpu_tests"][0] == "skipped" and "FAIL in GPU mode" in table["gpu_tests"][1]
-    assert table["l2_probe"][0] == "absent" and table["benchmark"][0] == "ok"
-    assert table["sass_model"][0] == "ok" and "CPU backend simulator" in summary
+    assert table["benchmark"][0] == "ok" and "CPU backend simulator" in summary
     assert table["mma_selftest"][0] == "ok"
+    # The decisive step: metrale-attn check's own code, its report in $OUT/decisive/ (correctness only on the CPU).
+    assert table["decisive"][0] == "ok" and "mma 4/4 correct; simt 4/4 correct" in table["decisive"][1]
+    check = json.loads((out / "decisive" / "report.json").read_text())
+    assert check["verdict"] == "ok" and "no timing was taken" in check["timing_note"]
+    assert "decisive cells: 8 of 8 correctness cells ok" in done.stdout
+    assert list(table)[:5] == ["wheels", "import", "environment", "compile", "decisive"]
     # The decode loop (the vLLM backend's serving path): eager checked, then a step timed on ours and on SDPA.
     assert table["decode_loop"][0] == "ok" and table["decode_loop"][1].startswith("eager ok; step: ours")
     assert "decode_loop.json" in names and "[decode_loop] eager: ok" in done.stdout
@@ -180,7 +186,7 @@ def test_gpu_check_cpu_dry_run_writes_every_output(tmp_path):
     # < 320: a decisive line has 15 slots here (3 arms x simt, the earlier mma kernels v2, v2.1 and v2.2, mma)
     # in microseconds (`unp/v21 13946us`); a GPU's line gives % of copy (`unp/v21 88%`), ~75 characters shorter
     assert len(progress) >= 6 and all(len(line) < 320 for line in progress), max(progress, key=len)
-    assert "decisive configurations, simt vs mma" in done.stdout and "L2 probe: absent" in done.stdout
+    assert "decisive configurations, simt vs mma" in done.stdout and "L2 probe: not run" in done.stdout
     assert re.search(r"^  6/1/256 bf16 b2 300 +unp +\d+us\[41\] +\d+us\[-\] +\d\.\d\dx\n {27}spk .*\n"
                      r" {27}pack +\d+us\[60\] +\d+us\[97\] +\d\.\d\dx$", done.stdout, re.M)
     assert "mma self-test: ok" in done.stdout and "  8/1/64 b2:  h1" in done.stdout
@@ -191,10 +197,12 @@ def test_gpu_check_cpu_dry_run_writes_every_output(tmp_path):
 
 @pytest.mark.skipif(not HAVE_BASH, reason="needs bash")
 def test_gpu_check_quick_exits_1_when_the_sweep_times_nothing(tmp_path):
-    """The rerun's steps (--quick: no tests, no wheels), and a sweep that timed nothing is a failed run."""
+    """The rerun's steps (--quick: no tests, no wheels, no correctness cells, so nothing of the decisive
+    step runs on the CPU), and a run that measured nothing is a failed run."""
     done = _gpu_check_cpu(tmp_path, "--quick", BENCH_ARGS="--kv-cap-gb 0", L2_PROBE="0")
     assert done.returncode == 1, done.stdout + done.stderr
-    assert done.stdout.rstrip().splitlines()[-1].startswith("OVERALL (CPU dry run): FAIL (benchmark FAIL")
+    assert done.stdout.rstrip().splitlines()[-1].startswith(
+        "OVERALL (CPU dry run): FAIL (decisive FAIL; benchmark FAIL; no benchmark rows)")
     table = _steps((tmp_path / "out" / "summary.md").read_text())
     assert table["benchmark"][0] == "FAIL" and "no benchmark rows" in table["benchmark"][1]
     assert table["gpu_tests"][0] == "skipped" and "--quick" in table["gpu_tests"][1]
@@ -228,13 +236,14 @@ def test_a_run_killed_mid_sweep_still_leaves_logs_summary_and_numbers(tmp_path):
     files = os.listdir(out)
     assert len(files) <= 8 and all(OUT_NAME.match(f) for f in files), files
     result = json.loads((out / partial[0]).read_text())
-    assert result["rows"] and result["rows"][0]["tier"] == "decisive-bf16"
+    assert result["rows"] and result["rows"][0]["tier"] == "heads_per_cta"
     table = _steps((out / "summary.md").read_text())
-    assert table["gpu_tests"][0] == "skipped" and table["l2_probe"][0] == "absent"
+    assert table["gpu_tests"][0] == "skipped" and table["decisive"][0] == "ok"
+    assert (out / "decisive" / "report.json").exists()
     with tarfile.open(out / "logs.tar.gz") as tar:
         names = {os.path.basename(n) for n in tar.getnames()}
-    assert {"steps.tsv", "env.json", "pytest_gpu.log", "l2_probe.json"} <= names
-    assert re.search(r"^\[bench \d+s\] decisive-bf16 6/1/256 bf16 b2 300: ", stdout, re.M), stdout
+    assert {"steps.tsv", "env.json", "pytest_gpu.log", "decisive.log"} <= names
+    assert re.search(r"^\[bench \d+s\] heads_per_cta 4/1/64 bf16 b1 64: ", stdout, re.M), stdout
 
 
 @pytest.mark.slow  # ~9 s on two cores: .ci/run's slow step runs it
@@ -256,19 +265,19 @@ def test_shell_scripts_parse(script):
     subprocess.run(["bash", "-n", os.path.join(BENCH, script)], check=True)
 
 
-def test_the_readme_gives_both_run_calls_within_the_device_limits():
-    """benchmarks/README.md's two device calls: the script's deadline under the call's timeout_s with a
-    margin, the full run within 8 minutes and the rerun within 4, commands within the tool's 2,000 characters."""
+def test_the_readme_gives_both_run_calls_as_the_schedule_plans_them():
+    """benchmarks/README.md's two device calls: an H200 asked for, each call's timeout_s the schedule's
+    (whose deadlines leave a margin under them, benchmarks/tests/test_schedule.py), commands within the
+    tool's 2,000 characters."""
+    from benchmarks import schedule
+
     readme = open(os.path.join(BENCH, "README.md")).read()
-    script = open(os.path.join(BENCH, "gpu_check.sh")).read()
-    calls = dict(re.findall(r'run\(command="(bash benchmarks/gpu_check\.sh[^"]*)", timeout_s=(\d+)', readme))
+    calls = {c: (int(t), k) for c, t, k in re.findall(
+        r'run\(command="(bash benchmarks/gpu_check\.sh[^"]*)", timeout_s=(\d+), kind="([\w-]+)"', readme)}
     assert set(calls) == {"bash benchmarks/gpu_check.sh", "bash benchmarks/gpu_check.sh --quick"}
-    quick, full = map(int, re.search(r"then DEADLINE_S=\$\{GPU_CHECK_DEADLINE_S:-(\d+)\}; "
-                                     r"else DEADLINE_S=\$\{GPU_CHECK_DEADLINE_S:-(\d+)\}", script).groups())
-    assert full <= 8 * 60 - 15 and quick <= 4 * 60 - 20
-    assert int(calls["bash benchmarks/gpu_check.sh"]) - full >= 60 and int(calls["bash benchmarks/gpu_check.sh --quick"]) \
-        - quick >= 45
-    assert all(int(t) <= 600 and len(c) <= 2000 for c, t in calls.items())
+    assert calls["bash benchmarks/gpu_check.sh"] == (schedule.CALL_TIMEOUT_S["full"], "nvidia-h200")
+    assert calls["bash benchmarks/gpu_check.sh --quick"] == (schedule.CALL_TIMEOUT_S["quick"], "nvidia-h200")
+    assert all(t <= 600 and len(c) <= 2000 for c, (t, _) in calls.items())
     assert 'carry=[".whl"]' in readme
 
 
@@ -320,24 +329,26 @@ def _planned(*argv):
     return sweep_plan.plan_jobs(sweep.parse_args(list(argv)))
 
 
-def test_the_full_profile_runs_the_decisive_configurations_first():
+def test_the_full_profile_runs_heads_per_cta_and_the_features_then_the_decisive_forced_arms_then_the_grid():
+    """The check's decisive step has timed the default launch of the decisive cells already: the sweep
+    starts with what that step does not answer."""
     jobs = _planned()
-    head = [(j.tier, j.config.model, j.config.batch, j.config.context) for j in jobs[:12]]
-    decisive = [("llama-3-8b", 64, 4096), ("llama-3-8b", 64, 16384), ("llama-3-8b", 1, 32768),
-                ("llama-3-70b", 64, 4096), ("llama-3-70b", 1, 32768), ("qwen3.8-27b", 64, 4096)]
-    assert head == [(f"decisive-{dt}", *c) for dt in ("bf16", "fp8") for c in decisive]
-    assert all(j.baselines == ("sdpa_gather", "sdpa_nogather") for j in jobs[:12])
-    # issue 19: the earlier mma kernels and the default one timed side by side on every decisive arm
-    assert all({s.impl for s in sweep_plan.slots_for(j, list(sweep_plan.DEFAULT_ARMS))} == {
-        "simt", "mma_v2", "mma_v21", "mma_v22", "mma"} for j in jobs[:12])
-    hpc = jobs[12:18]  # every heads_per_cta of each group: 4 -> 1, 2, 4; 8 -> 1, 2, 4, 8
+    hpc = jobs[:6]  # every heads_per_cta of each group: 4 -> 1, 2, 4; 8 -> 1, 2, 4, 8
     assert [(j.kind, j.config.model, j.config.batch, j.config.context, j.hpc_values) for j in hpc] == [
         ("hpc", m, b, 16384, values) for m, values in (("llama-3-8b", (1, 2, 4)), ("llama-3-70b", (1, 2, 4, 8)))
         for b in (1, 16, 64)]
-    features = jobs[18:20]  # plain and every feature on one configuration, bf16 then fp8
+    features = jobs[6:8]  # plain and every feature on one configuration, bf16 then fp8
     assert [(j.kind, j.config.model, j.config.kv_dtype, j.config.batch, j.config.context) for j in features] == [
         ("features", "llama-3-8b", dt, 64, 16384) for dt in ("bf16", "fp8")]
     assert [len(sweep_plan.slots_for(j, [])) for j in features] == [7, 3]
+    arms = [(j.tier, j.config.model, j.config.batch, j.config.context) for j in jobs[8:20]]
+    decisive = [("llama-3-8b", 64, 4096), ("llama-3-8b", 64, 16384), ("llama-3-8b", 1, 32768),
+                ("llama-3-70b", 64, 4096), ("llama-3-70b", 1, 32768), ("qwen3.8-27b", 64, 4096)]
+    assert arms == [(f"decisive-{dt}", *c) for dt in ("bf16", "fp8") for c in decisive]
+    assert all(j.baselines == ("sdpa_gather", "sdpa_nogather") for j in jobs[8:20])
+    # the earlier mma kernels and the default one timed side by side on every forced arm (a late tier)
+    assert all({s.impl for s in sweep_plan.slots_for(j, list(sweep_plan.DEFAULT_ARMS))} == {
+        "simt", "mma_v2", "mma_v21", "mma_v22", "mma"} for j in jobs[8:20])
     rest = jobs[20:]
     assert rest and all(j.tier == "rest" and not j.baselines for j in rest)
     assert {j.config.batch for j in rest} == {1, 16, 64, 256} and {j.config.context for j in rest} == {
@@ -345,16 +356,16 @@ def test_the_full_profile_runs_the_decisive_configurations_first():
     points = [j.config for j in jobs if j.kind == "arms"]
     assert len(points) == len(set(points)) == 72 + 4  # 3 models x 2 dtypes x 4 batches x 3 contexts; 2 x 1 x 32k
     quick = _planned("--profile", "quick")
-    assert [j.tier for j in quick] == [j.tier for j in jobs[:18]] and not any(j.baselines for j in quick)
+    assert [j.tier for j in quick] == [j.tier for j in jobs[:6] + jobs[8:20]] and not any(j.baselines for j in quick)
 
 
 def test_slots_force_every_arm_on_every_implementation():
     jobs = _planned()
-    assert [s.label for s in sweep_plan.slots_for(jobs[5], list(sweep_plan.DEFAULT_ARMS))] == [  # 24/4/256
+    assert [s.label for s in sweep_plan.slots_for(jobs[13], list(sweep_plan.DEFAULT_ARMS))] == [  # 24/4/256
         f"{arm}/{i}" for arm in ("unpacked", "splitk", "gqa_packed") for i in ("simt", "mma_v2", "mma_v21", "mma_v22", "mma")]
-    assert [s.label for s in sweep_plan.slots_for(jobs[0], list(sweep_plan.DEFAULT_ARMS))] == [  # 32/8/128: no pack
+    assert [s.label for s in sweep_plan.slots_for(jobs[8], list(sweep_plan.DEFAULT_ARMS))] == [  # 32/8/128: no pack
         f"{arm}/{i}" for arm in ("unpacked", "splitk") for i in ("simt", "mma_v2", "mma_v21", "mma_v22", "mma")]
-    assert [s.label for s in sweep_plan.slots_for(jobs[15], [])] == [  # 64/8/128: group 8
+    assert [s.label for s in sweep_plan.slots_for(jobs[3], [])] == [  # 64/8/128: group 8
         "default/mma/h1", "default/mma/h2", "default/mma/h4", "default/mma/h8"]
     assert [s.label for s in sweep_plan.slots_for(jobs[-1], ["unpacked"])] == [  # the grid: simt and mma only
         "unpacked/simt", "unpacked/mma"]
@@ -940,3 +951,44 @@ def test_the_pdl_check_fails_when_the_two_launches_give_different_bytes(tmp_path
     monkeypatch.setattr(pdl_check, "check", lambda call, backend, timer=None: 1 / 0)
     assert pdl_check.main(["--cpu", "--out", str(tmp_path / "error.json")]) == 1
     assert "ZeroDivisionError" in json.loads((tmp_path / "error.json").read_text())["rows"][0]["error"]
+
+
+# -- the decisive step: metrale-attn check's report in the summary -------------------------------------
+
+
+def _check_report(mma_status="ok", fault=None):
+    layer = dict(name="llama-3-8b", num_q_heads=32, num_kv_heads=8, head_dim=128, window_left=-1,
+                 logits_soft_cap=None, sinks=False)
+
+    def timed(impl, pct, **kw):
+        spec = dict(kind="time", impl=impl, layer=layer, kv_dtype="bf16", arm=None, batch=64, context=4096)
+        return dict(impl=impl, cell=f"{impl} llama-3-8b 32/8/128 bf16 b64x4k", spec=spec, status="ok",
+                    median_us=300.0 if pct else None, pct_of_copy=pct, **kw)
+
+    timing = [timed("mma", 91.0 if mma_status == "ok" else None, arm_ran="splitk", heads_per_cta=4),
+              timed("simt", 40.5), timed("sdpa", 30.2)]
+    timing[0]["status"] = mma_status
+    return dict(model="llama-3-8b", timed=True, timing_note=None, verdict="ok" if mma_status == "ok" else "FAIL",
+                failures=[] if mma_status == "ok" else ["mma llama-3-8b 32/8/128 bf16 b64x4k: FAIL"],
+                correctness=[], timing=timing, faults=[fault] if fault else [], device={"compute_capability": "90"})
+
+
+def test_the_summary_shows_the_decisive_cells_with_the_call_models_prediction_beside_the_default_kernel():
+    p = predictions.Predictions.load(os.path.join(BENCH, "results", "sass_model.json"), "sm_90")
+    lines = summary.check_lines(_check_report(), p)
+    (row,) = [line for line in lines if line.strip().startswith("llama-3-8b bf16 b64x4k")]
+    assert "91.0[98]" in row and "40.5" in row and "30.2" in row  # 97.8 MODELLED for this very call
+    fault = dict(impl="simt", cell="simt llama-3-8b 32/8/128 bf16 b1x32k", error="cudaErrorIllegalAddress: ...")
+    text = "\n".join(summary.check_lines(_check_report("FAIL", fault), p))
+    assert "!" in text and "FAULT simt in simt llama-3-8b 32/8/128 bf16 b1x32k" in text and "verdict: FAIL" in text
+
+
+def test_the_decisive_step_verdict_counts_each_implementation_and_names_the_first_failure(tmp_path):
+    path = tmp_path / "report.json"
+    path.write_text(json.dumps(_check_report()))
+    assert steps.check_verdict(0, str(path)) == ("ok", "rc=0 mma 1/1 timed; simt 1/1 timed; sdpa 1/1 timed")
+    path.write_text(json.dumps(_check_report("FAIL")))
+    status, detail = steps.check_verdict(1, str(path))
+    assert status == "FAIL" and "first: mma llama-3-8b 32/8/128 bf16 b64x4k: FAIL" in detail
+    assert steps.check_verdict(124, str(tmp_path / "none.json"))[0] == "TIMEOUT"
+    assert steps.check_cells(_check_report()) == 2  # ours timed; the peer is not ours

@@ -9,7 +9,7 @@ PACKAGE = ROOT / "benchmarks"
 
 # Lower layers first; a module may import only modules of lower layers (and metrale_attn).
 LAYERS = [
-    {"__init__", "steps", "predictions", "environment", "impls", "hot_loop", "model_assumptions",
+    {"__init__", "schedule", "steps", "predictions", "environment", "impls", "hot_loop", "model_assumptions",
      "decode_loop_check", "host_overhead", "cuda_on_cpu_speed", "cuda_on_cpu_ptx_speed"},
     {"baselines", "sweep_plan", "sass", "pdl_check"},
     {"warp_chain"},

@@ -24,12 +24,25 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 from .. import hf_config
+from ..config import ModelShape
 from ..models import MODELS
 from ..precompile import Layer, layers_of
 from ..hf_config import shard_heads
-from .run import CheckOptions, run_check
+from .run import CheckOptions, compile_kernels, run_check
 
-__all__ = ["CheckOptions", "run_check", "model_layers"]
+__all__ = ["CheckOptions", "run_check", "model_layers", "compile_kernels"]
+
+
+def _spelled_shape(name: str) -> ModelShape:
+    """``32/8/128`` (q heads / KV heads / head dim) as a shape; a ValueError names ``--model``."""
+    try:
+        q, kv, d = (int(x) for x in name.split("/"))
+    except ValueError:
+        raise ValueError(f"--model takes {', '.join(sorted(MODELS))} or Q/KV/HEAD_DIM (32/8/128); got {name!r}") \
+            from None
+    if min(q, kv, d) < 1:
+        raise ValueError(f"--model {name}: heads and head dim must be >= 1")
+    return ModelShape(q, kv, d)
 
 
 def model_layers(models: Sequence[str] = (), hf_config_path: Optional[str] = None,
@@ -45,9 +58,7 @@ def model_layers(models: Sequence[str] = (), hf_config_path: Optional[str] = Non
             layers_of(model, tensor_parallel)
     layers = []
     for name in models:
-        if name not in MODELS:
-            raise ValueError(f"--model takes {', '.join(sorted(MODELS))}; got {name!r}")
-        shape = MODELS[name]
+        shape = MODELS.get(name) or _spelled_shape(name)
         q, kv = shard_heads(shape.num_q_heads, shape.num_kv_heads, tensor_parallel)
         layers.append(Layer(name, q, kv, shape.head_dim))
     return ", ".join(models) + (f" (TP {tensor_parallel})" if tensor_parallel != 1 else ""), layers

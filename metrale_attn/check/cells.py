@@ -84,7 +84,9 @@ class Cell:
     @property
     def label(self) -> str:
         """``mma 32/8/128 bf16 splitk`` or ``sdpa 32/8/128 fp8 b64x4k``: the name a report and a fault use."""
-        head = f"{self.impl} {self.layer.name} {shape_of(self.layer)} {self.kv_dtype}"
+        shape = shape_of(self.layer)
+        named = self.layer.name if self.layer.name == shape else f"{self.layer.name} {shape}"
+        head = f"{self.impl} {named} {self.kv_dtype}"
         if self.kind == "correct":
             return f"{head} {self.arm}"
         return f"{head} b{self.batch}x{_k(self.context)}"

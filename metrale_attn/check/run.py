@@ -60,6 +60,12 @@ class CheckOptions:
     seed: int = 0
     copy_gib: float = 2.0
     check_seqs: int = 2
+    deadline_s: Optional[float] = None
+    """All workers together end within this many seconds of the first's start: each gets the time
+    left shared among those still to run (at most ``cap_s``), so the first is never starved."""
+    flashinfer_status: Optional[str] = None
+    """A FlashInfer JIT prewarm's status file (the benchmark harness builds FlashInfer's kernels ahead):
+    a FlashInfer cell whose kernel it did not build is unavailable rather than compiled in the cell."""
     worker: tuple[str, ...] = WORKER
     """The worker's command line before its two arguments (the check's tests substitute a double)."""
 
@@ -98,11 +104,15 @@ def run_check(options: CheckOptions, say: Callable[[str], None] = print) -> tupl
         + ("" if timed else "; no timing (no GPU)"))
     if backend == "cupy":
         compile_kernels(options, say=lambda line: say(f"[check {elapsed():.0f}s] {line}"))
-    for impl in [i for i in IMPLS if i in options.impls]:
-        mine = [c for c in cells if c.impl == impl]
-        if not mine:
-            continue
-        run_worker(impl, mine, options, backend, out, say=lambda line: say(f"[check {elapsed():.0f}s] {line}"))
+    todo = [(impl, [c for c in cells if c.impl == impl]) for impl in IMPLS if impl in options.impls]
+    todo = [(impl, mine) for impl, mine in todo if mine]
+    workers_t0 = time.monotonic()
+    for n, (impl, mine) in enumerate(todo):
+        cap = options.cap_s
+        if options.deadline_s is not None:
+            left = options.deadline_s - (time.monotonic() - workers_t0)
+            cap = min(cap, max(left, 1.0) / (len(todo) - n))
+        run_worker(impl, mine, options, backend, out, cap, say=lambda line: say(f"[check {elapsed():.0f}s] {line}"))
     meta = dict(model=options.model, layers=[vars(layer) for layer in options.layers], backend=backend, timed=timed,
                 kv_dtypes=list(options.kv_dtypes), points=[list(p) for p in options.points],
                 seconds=round(elapsed(), 1))
@@ -179,17 +189,18 @@ def compile_kernels(options: CheckOptions, say: Callable[[str], None]) -> None:
 # -- workers --------------------------------------------------------------------------------
 
 
-def run_worker(impl: str, cells: Sequence[Cell], options: CheckOptions, backend: str, out: Path,
+def run_worker(impl: str, cells: Sequence[Cell], options: CheckOptions, backend: str, out: Path, cap_s: float,
                say: Callable[[str], None]) -> dict:
     """Run ``impl``'s cells in a process of their own (see the module's docstring); returns the
     fault record written, or an empty dict when the worker ended by itself with no fault."""
     events = out / f"events_{impl}.jsonl"
-    job = out / f".job_{impl}.json"
+    job = out / f"job_{impl}.json"
     events.unlink(missing_ok=True)
     job.write_text(json.dumps(dict(impl=impl, backend=backend, cells=[c.to_json() for c in cells], seed=options.seed,
-                                   copy_gib=options.copy_gib, check_seqs=options.check_seqs)))
-    stderr_path = out / f".stderr_{impl}.txt"
-    say(f"{impl}: {len(cells)} cells in a process of its own (cap {options.cap_s:.0f} s)")
+                                   copy_gib=options.copy_gib, check_seqs=options.check_seqs,
+                                   flashinfer_status=options.flashinfer_status)))
+    stderr_path = out / f"worker_{impl}.log"
+    say(f"{impl}: {len(cells)} cells in a process of its own (cap {cap_s:.0f} s)")
     t0 = time.monotonic()
     with open(stderr_path, "w") as stderr:
         proc = subprocess.Popen([*options.worker, str(job), str(events)], stdin=subprocess.DEVNULL,
@@ -199,7 +210,7 @@ def run_worker(impl: str, cells: Sequence[Cell], options: CheckOptions, backend:
         while proc.poll() is None:
             time.sleep(0.2)
             seen = _echo(events, seen, say)
-            if time.monotonic() - t0 > options.cap_s:
+            if time.monotonic() - t0 > cap_s:
                 proc.kill()
                 proc.wait()
                 timed_out = True
@@ -216,7 +227,7 @@ def run_worker(impl: str, cells: Sequence[Cell], options: CheckOptions, backend:
         return {}
     running = reporting.running_cell(lines)
     tail = stderr_path.read_text(errors="replace")[-1500:] if stderr_path.exists() else ""
-    error = (f"passed its cap of {options.cap_s:.0f} s" if timed_out else
+    error = (f"passed its cap of {cap_s:.0f} s" if timed_out else
              f"the worker died (exit {rc}{', signal ' + str(-rc) if rc < 0 else ''}): "
              f"{tail.strip().splitlines()[-1] if tail.strip() else 'no message'}")
     fault = dict(event="fault", impl=impl, cell=running or "(before its first cell)", error=error[:600],

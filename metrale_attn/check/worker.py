@@ -35,10 +35,10 @@ from .cells import ARM_OPTIONS, CORRECT_SEQ_LENS, OURS, PAGE_SIZE, Cell, feature
 from .data import check_seqs
 
 EXIT_FAULT = 3
-STICKY = re.compile(r"illegal (memory )?address|illegal instruction|unspecified launch failure|launch failure|"
-                    r"misaligned address|hardware stack error|cudaErrorIllegal|cudaErrorLaunchFailure|"
-                    r"CUDA_ERROR_ILLEGAL|CUDA_ERROR_LAUNCH_FAILED|CUDA_ERROR_MISALIGNED|device-side assert|"
-                    r"an illegal|ECC error", re.I)
+STICKY = re.compile(r"illegal (memory )?(address|access)|illegal instruction|unspecified launch failure|"
+                    r"launch failure|misaligned address|hardware stack error|cudaErrorIllegal\w*|"
+                    r"cudaErrorLaunchFailure|cudaErrorMisalignedAddress|CUDA_ERROR_(ILLEGAL|LAUNCH_FAILED|"
+                    r"MISALIGNED)\w*|device-side assert|uncorrectable ECC error", re.I)
 """What a sticky CUDA error says: once one is raised, the process's context is lost."""
 LSE_TOLERANCE = 2e-6
 """The lse bar (natural log; relative and absolute): the one the test suite holds every arm to."""
@@ -48,8 +48,9 @@ class Worker:
     """Runs cells on one backend and writes their events (see the module's docstring)."""
 
     def __init__(self, impl: str, backend: str, out_path: str, *, seed: int = 0, copy_gib: float = 2.0,
-                 check_seqs: int = 2):
+                 check_seqs: int = 2, flashinfer_status: Optional[str] = None):
         self.impl, self.out_path, self.seed = impl, out_path, seed
+        self.flashinfer_status = flashinfer_status
         self.copy_gib, self.check_seqs = copy_gib, check_seqs
         self.backend = get_backend(None if backend == "auto" else backend)
         self.gpu = not self.backend.emulated
@@ -236,7 +237,10 @@ class Worker:
         from .timing import try_capture_torch
 
         try:
-            fn = peers.prepare_sdpa_gather(case) if cell.impl == "sdpa" else peers.prepare_flashinfer(case)
+            if cell.impl == "sdpa":
+                fn = peers.prepare_sdpa_gather(case)
+            else:
+                fn = peers.prepare_flashinfer(case, status=_load_json(self.flashinfer_status))
             timer.synchronize_device()
             with timer.on_stream():
                 out = fn()
@@ -249,6 +253,17 @@ class Worker:
         launch, mode, note, _ = try_capture_torch(timer, fn)
         result = dict(status="ok" if check["status"] == "ok" else "FAIL", check=check)
         return result, launch, mode, note
+
+
+def _load_json(path: Optional[str]) -> Optional[dict]:
+    """A JSON file's object, None without a path; an unreadable one is an empty status (nothing built)."""
+    if not path:
+        return None
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {"specs": {}, "import_error": f"the FlashInfer status {path} is unreadable"}
 
 
 def kv_bytes(cell: Cell) -> int:
@@ -272,7 +287,8 @@ def main(argv: Optional[list[str]] = None, worker_class: Callable[..., Worker] =
     with open(argv[0]) as f:
         job = json.load(f)
     worker = worker_class(job["impl"], job["backend"], argv[1], seed=job.get("seed", 0),
-                          copy_gib=job.get("copy_gib", 2.0), check_seqs=job.get("check_seqs", 2))
+                          copy_gib=job.get("copy_gib", 2.0), check_seqs=job.get("check_seqs", 2),
+                          flashinfer_status=job.get("flashinfer_status"))
     code = worker.run([Cell.from_json(c) for c in job["cells"]])
     if code == EXIT_FAULT:  # a lost CUDA context can hang the interpreter's exit: leave at once
         sys.stdout.flush()
