@@ -17,6 +17,7 @@ lowest first; a module imports only modules of lower rows
 - ``hot_loop``: what one iteration of a spec's K/V loop consumes (the SASS model's input)
 - ``model_assumptions``: the SASS model's assumption table (clocks, rates, latencies, limits, cap; each sourced)
 - ``decode_loop_check``: the end-to-end step, ``examples/decode_loop.py`` on the device
+- ``model_probes``: one CTA's tile and fixed cost, and the fp8 conversion's rate, measured (what the models disagree on)
 - ``pdl_check``: the split-K merge launched as a programmatic dependent and plainly, side by side
 - ``host_overhead``: microseconds of Python per ``DecodeAttention.run``, kernels stubbed
 - ``cuda_on_cpu_speed``, ``cuda_on_cpu_ptx_speed``: the speed of the CPU backend's simulator

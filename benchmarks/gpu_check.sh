@@ -22,8 +22,9 @@
 #   8. the decode loop (the vLLM backend's serving path on the device), then the split-K merge
 #      as a programmatic dependent and plainly                      (decode_loop_check.py, pdl_check.py)
 #   9. summary: summary.md, and a short table printed LAST                        (summary.py)
-# --quick (the rerun): environment, the decisive cells again (ours, no correctness), racecheck and
-# initcheck, the L2 probe (ncu), the sweep's heads-per-CTA and forced-arm tiers.
+# --quick (the rerun): environment, the decisive cells again (the default kernel), racecheck and
+# initcheck, the model probes (model_probes.py: one CTA's tile and fixed cost, the fp8 conversion's
+# rate; $OUT/model_probes.json), the L2 probe (ncu), the sweep's heads-per-CTA and forced-arm tiers.
 #
 # After every step (and every CHECKPOINT_S seconds during the sweep) summary.md is rewritten
 # and logs.tar.gz repacked in $OUT, and the check and the sweep write what they measured as
@@ -281,7 +282,18 @@ if [ "$PROFILE" = full ] && [ "$MODE" = gpu ]; then
   checkpoint
 fi
 
-# -- the L2 probe (the rerun) ---------------------------------------------------------------------
+# -- the model probes and the L2 probe (the rerun) --------------------------------------------------
+if [ "$PROFILE" = quick ]; then
+  t=$(date +%s)
+  say "model_probes.py (cap ${CAP_MODEL_PROBES}s)"
+  timeout -k 10 "$CAP_MODEL_PROBES" "$PY" -m benchmarks.model_probes --out "$OUT/model_probes.json" "${CPUFLAG[@]}" \
+    </dev/null >"$WORK/model_probes.log" 2>&1
+  rc=$?
+  grep -v $'^ok\t' "$WORK/model_probes.log" | tail -n 6
+  out=$(tail -n 1 "$WORK/model_probes.log")
+  case "$out" in ok$'\t'*) ;; *) out="FAIL"$'\t'"rc=$rc: $(tail -n 1 "$WORK/model_probes.log")" ;; esac
+  step model_probes "${out%%$'\t'*}" "$(since "$t")" "${out#*$'\t'}"
+fi
 if [ "$PROFILE" = quick ] && [ "${L2_PROBE:-1}" = 1 ]; then
   t=$(date +%s)
   say "l2_probe.py (ncu, cap ${CAP_L2_PROBE}s)"

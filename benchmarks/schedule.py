@@ -11,8 +11,9 @@ every cell of ``DECISIVE`` through ``metrale-attn check``'s own code, each outpu
 float64 before it is timed; their kernels are compiled beside the environment step. Then the
 GPU tests, memcheck, FlashInfer on the same cells (its JIT has built in the background since the
 start), the tiers of the sweep (heads per CTA, the features, every forced arm with the earlier
-kernels, the grid), the decode loop and the PDL check. racecheck, initcheck, the L2 probe and
-the model probes wait for the rerun (``quick``), which also times the decisive cells again.
+kernels, the grid), the decode loop and the PDL check. racecheck, initcheck, the model probes
+(``model_probes.py``: the three inputs the static models disagree on) and the L2 probe wait for
+the rerun (``quick``), which also times the decisive cells again.
 
 Estimates (``estimate_s``) are for an H200 and are NOT measured yet (no device has run this
 schedule): compile and test times are scaled from this project's 2-core machine, GPU times from
@@ -43,7 +44,7 @@ DECISIVE_KV = ("bf16", "fp8")
 DECISIVE_POINTS = ((64, 4096), (16, 4096), (1, 32768))
 DECISIVE = len(DECISIVE_MODELS) * len(DECISIVE_KV) * len(DECISIVE_POINTS)
 """18 cells: 32/8/128, 64/8/128 and 24/4/256, bf16 and fp8, batch 64 and 16 x 4k and batch 1 x 32k."""
-DECISIVE_IMPLS = {"full": ("mma", "simt", "sdpa"), "quick": ("mma", "simt")}
+DECISIVE_IMPLS = {"full": ("mma", "simt", "sdpa"), "quick": ("mma",)}
 WORKER_START_S = 8.0
 """A check worker's start on the device: importing PyTorch and CuPy, the copy bandwidth, the self-test."""
 CELL_S = 1.5
@@ -95,9 +96,10 @@ QUICK = (
     Step("import", 30, 1),
     Step("compile", 60, 10, background=True),
     Step("environment", 60, 12),
-    Step("decisive", 90, decisive_need_s("quick")),
+    Step("decisive", 60, decisive_need_s("quick")),
     Step("sanitize_racecheck", 35, 20),
     Step("sanitize_initcheck", 30, 15),
+    Step("model_probes", 40, 15),
     Step("l2_probe", 70, 45),
     Step("benchmark", 0, 0),
     Step("summary", 10, 3),

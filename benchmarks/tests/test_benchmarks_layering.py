@@ -11,7 +11,7 @@ PACKAGE = ROOT / "benchmarks"
 LAYERS = [
     {"__init__", "schedule", "steps", "predictions", "environment", "impls", "hot_loop", "model_assumptions",
      "decode_loop_check", "host_overhead", "cuda_on_cpu_speed", "cuda_on_cpu_ptx_speed"},
-    {"baselines", "sweep_plan", "sass", "pdl_check"},
+    {"baselines", "sweep_plan", "sass", "pdl_check", "model_probes"},
     {"warp_chain"},
     {"call_model"},
     {"sass_model", "l2_probe", "sanitize_cases"},

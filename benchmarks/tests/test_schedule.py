@@ -78,3 +78,27 @@ def test_the_benchmarks_readme_shows_the_schedule_as_it_is():
     for profile in schedule.PROFILES:
         assert schedule.table(profile) in readme, f"benchmarks/README.md: regenerate the {profile} table " \
             f"(python -m benchmarks.schedule table --profile {profile})"
+
+
+def test_the_model_probes_run_their_control_flow_on_the_cpu_and_say_no_number_is_a_gpus(tmp_path):
+    """model_probes.py: the one-CTA chain fit and the conversion toy through the kernels' intrinsic run on
+    the simulator (the device gives the numbers); cycles are written at the model's clock."""
+    import json
+
+    out = tmp_path / "probes.json"
+    done = subprocess.run([sys.executable, "-m", "benchmarks.model_probes", "--cpu", "--out", str(out)],
+                          cwd=os.path.dirname(BENCH), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(out.read_text())
+    assert "not a GPU" in result["device"] and result["clock_ghz"]["model"] == 1.98
+    (chain,) = result["chain"]
+    assert chain["status"] == "ok" and chain["warps"] * chain["tile_tokens"] > 0
+    assert chain["cycles_per_warp_tile_model_clock"] > 0 and len(chain["times_us"]) == 3
+    assert result["cvt"]["per_clock_per_sm_model_clock"] >= 0
+    assert done.stdout.splitlines()[-1].startswith("ok\t")
+
+
+def test_a_straight_line_is_fitted_exactly():
+    from benchmarks.model_probes import fit_line
+
+    assert fit_line([4096, 8192, 16384], [10 + 0.5 * t for t in (4096, 8192, 16384)]) == pytest.approx((10.0, 0.5))

@@ -215,7 +215,7 @@ class Worker:
 
         layer = cell.layer
         attn = DecodeAttention(layer.num_q_heads, layer.num_kv_heads, layer.head_dim, PAGE_SIZE, q_dtype="bfloat16",
-                               kv_dtype="fp8_e4m3" if cell.kv_dtype == "fp8" else "bfloat16", max_batch=64,
+                               kv_dtype="fp8_e4m3" if cell.kv_dtype == "fp8" else "bfloat16", max_batch=max(64, cell.batch),
                                impl=cell.impl, backend=self.backend)
         plan = attn.plan(cell.batch)
         out = torch.empty_like(case.q)
