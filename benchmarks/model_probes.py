@@ -155,8 +155,8 @@ def _gpu(contexts) -> dict:
             return timer.measure(timer.capture_poisoned(call, out)).median_us
 
         chain.append(dict(kv=kv, group=group, head_dim=head_dim,
-                          **chain_probe(kv, group, head_dim, contexts, time_call, lambda t: pool.case(1, t, group))))
-        del pool
+                          **chain_probe(kv, group, head_dim, contexts, time_call,
+                                        lambda t, pool=pool, group=group: pool.case(1, t, group))))
     module = cupy.RawModule(code=kernels.inline("probe.cu", CVT_SOURCE), options=("--std=c++17",))
     kernel = module.get_function("cvt_throughput")
     out = cupy.empty(sm_count * 8 * 256, dtype=cupy.uint32)

@@ -87,8 +87,8 @@ from typing import Optional
 
 import numpy as np
 
-from metrale_attn import DecodeAttention, problems, reference, tolerance
-from metrale_attn.check.data import GpuPool, check_gpu_output, check_seqs, gather_seq, to_numpy_bf16
+from metrale_attn import DecodeAttention, problems
+from metrale_attn.check.data import GpuPool, check_gpu_features, check_gpu_output, check_numpy, check_seqs
 from metrale_attn.check.timing import Timing, time_host
 
 from . import environment, impls, report
@@ -584,7 +584,7 @@ class CpuSweep(Sweep):
         table = page_table_and_scales(feature, p.block_tables, p.seq_lens, config.page_size, p.k_scale, p.v_scale)
         call = lambda: attn.run(q, p.k_cache, p.v_cache, out=out, sinks=sinks, **table)  # noqa: E731
         call()
-        check = _check_numpy(out, ref, v_absmax, seqs=list(range(config.batch)))
+        check = check_numpy(out, ref, v_absmax, seqs=list(range(config.batch)))
         return check, time_host(call, min_iters=2, target_s=self.args.cpu_target_s)
 
 
@@ -631,45 +631,9 @@ def reference_features(feature: Optional[str], window_left: int, sinks) -> dict:
     return {}
 
 
-def _check_numpy(out, ref, v_absmax: float, seqs: list[int]) -> dict:
-    nan_free = not bool(np.isnan(out.astype(np.float32)).any())
-    check = {"seqs": seqs, "nan_free": nan_free, "bar": "1 ulp or 2^-20 max|V| (tolerance.assert_close_to_reference)"}
-    try:
-        tolerance.assert_close_to_reference(out[seqs], ref[seqs], v_absmax=v_absmax)
-        ulps = tolerance.ulp_distance(out[seqs], tolerance.round_to(ref[seqs], out.dtype))
-        check.update(status="ok" if nan_free else "FAIL", max_ulp=int(ulps.max()) if ulps.size else 0)
-        if not nan_free:
-            check["message"] = "NaN left in the output (an element was never written)"
-    except AssertionError as err:
-        check.update(status="FAIL", message=str(err)[:600])
-    return check
-
-
 # =====================================================================================
 # GPU
 # =====================================================================================
-
-
-def check_gpu_features(case, q, out, seqs: list[int], features: dict) -> dict:
-    """``seqs`` of a feature row against ``reference.paged_decode`` with the features, in
-    float64 on the host (each sequence's K/V gathered on the GPU), to the package's bar."""
-    import torch
-
-    nan_free = not bool(torch.isnan(out).any())
-    refs, v_absmax = [], 0.0
-    for s in seqs:
-        k = gather_seq(case, case.k_pool, s, case.k_scale).cpu().numpy()[None]  # one page of every token
-        v = gather_seq(case, case.v_pool, s, case.v_scale).cpu().numpy()[None]
-        q_s = to_numpy_bf16(q[s:s + 1])
-        refs.append(reference.paged_decode(q_s, k, v, np.zeros((1, 1), np.int32), np.array([k.shape[1]], np.int32),
-                                           sm_scale=case.sm_scale, **features)[0])
-        v_absmax = max(v_absmax, float(np.abs(v).max()) if v.size else 0.0)
-    got = to_numpy_bf16(out[seqs])
-    check = _check_numpy(got, np.stack(refs), v_absmax, seqs=list(range(len(seqs))))
-    check["seqs"] = seqs
-    if not nan_free:
-        check.update(status="FAIL", message=(check.get("message", "") + " NaN left in the output").strip())
-    return check
 
 
 class GpuSweep(Sweep):

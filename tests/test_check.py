@@ -119,6 +119,12 @@ def test_a_sticky_cuda_error_costs_its_implementation_only_and_names_the_kernel_
     assert "FAULT mma in mma tiny 4/1/64 bf16 unpacked" in said
 
 
+def test_a_device_that_serves_simt_for_mma_fails_the_check_as_a_fallback(tmp_path):
+    code, result, said = _check(tmp_path, worker=_double("fallback"))
+    assert code == 1 and {r["status"] for r in result["correctness"]} == {"FALLBACK"}
+    assert "self-test" in result["correctness"][0]["message"] and "FALLBACK" in said
+
+
 def test_a_worker_that_dies_or_passes_its_cap_is_a_fault_and_the_next_implementation_still_runs(tmp_path):
     dies = (sys.executable, "-c", "import os, sys; os._exit(9)")
     code, result, _ = _check(tmp_path / "dies", worker=dies)

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 
-from .. import tolerance
+from .. import reference, tolerance
 
 if TYPE_CHECKING:  # an annotation only
     from ..config import ModelShape
@@ -198,6 +198,44 @@ def check_gpu_output(case: Case, out, seqs: list[int], ref_cache: dict, *, stric
         tol = 0.01 * float(np.abs(ref).max()) if ref.size else 0.0
         check["bar"] = f"loose: max abs error <= 1% of max|ref| = {tol:.3g}"
         check["status"] = "ok" if abs_err <= tol else "FAIL"
+    if not nan_free:
+        check.update(status="FAIL", message=(check.get("message", "") + " NaN left in the output").strip())
+    return check
+
+
+def check_numpy(out: np.ndarray, ref: np.ndarray, v_absmax: float, seqs: list[int]) -> dict:
+    """Host arrays ``out`` (bf16) and ``ref`` (float64), rows ``seqs``, at the package's bar; NaN-free."""
+    nan_free = not bool(np.isnan(out.astype(np.float32)).any())
+    check = {"seqs": seqs, "nan_free": nan_free, "bar": STRICT_BAR}
+    try:
+        tolerance.assert_close_to_reference(out[seqs], ref[seqs], v_absmax=v_absmax)
+        ulps = tolerance.ulp_distance(out[seqs], tolerance.round_to(ref[seqs], out.dtype))
+        check.update(status="ok" if nan_free else "FAIL", max_ulp=int(ulps.max()) if ulps.size else 0)
+        if not nan_free:
+            check["message"] = "NaN left in the output (an element was never written)"
+    except AssertionError as err:
+        check.update(status="FAIL", message=str(err)[:600])
+    return check
+
+
+def check_gpu_features(case: Case, q, out, seqs: list[int], features: dict) -> dict:
+    """``seqs`` of an output computed with features (window, soft-cap, sinks, query tokens) against
+    ``reference.paged_decode`` with them, in float64 on the host (each sequence's K/V gathered on
+    the device), at the package's bar."""
+    import torch
+
+    nan_free = not bool(torch.isnan(out).any())
+    refs, v_absmax = [], 0.0
+    for s in seqs:
+        k = gather_seq(case, case.k_pool, s, case.k_scale).cpu().numpy()[None]  # one page of every token
+        v = gather_seq(case, case.v_pool, s, case.v_scale).cpu().numpy()[None]
+        q_s = to_numpy_bf16(q[s:s + 1])
+        refs.append(reference.paged_decode(q_s, k, v, np.zeros((1, 1), np.int32), np.array([k.shape[1]], np.int32),
+                                           sm_scale=case.sm_scale, **features)[0])
+        v_absmax = max(v_absmax, float(np.abs(v).max()) if v.size else 0.0)
+    got = to_numpy_bf16(out[seqs])
+    check = check_numpy(got, np.stack(refs), v_absmax, seqs=list(range(len(seqs))))
+    check["seqs"] = seqs
     if not nan_free:
         check.update(status="FAIL", message=(check.get("message", "") + " NaN left in the output").strip())
     return check

@@ -19,7 +19,9 @@ from typing import Optional
 
 from .cells import OURS
 
-FAILED = ("FAIL", "error")
+FAILED = ("FAIL", "error", "FALLBACK")
+"""A cell of ours with one of these statuses fails the check (FALLBACK: the device failed the mma
+self-test, so what serves there is simt, not the kernel asked for)."""
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -170,6 +172,8 @@ def markdown(result: dict, plot: Optional[str], plot_note: Optional[str]) -> str
     if result["timing_note"]:
         md += [result["timing_note"], ""]
     else:
+        md += ["Ours with each layer's own window, soft-cap and sinks (a sink logit of 0 a head); the peers "
+               "on plain layers only.", ""]
         table = timing_table(result)
         md += ["| " + " | ".join(table[0]) + " |", "|" + " --- |" * len(table[0])]
         md += ["| " + " | ".join(row) + " |" for row in table[1:]]

@@ -136,10 +136,14 @@ class Worker:
             got_lse[finite], ref_lse[finite], rtol=LSE_TOLERANCE, atol=LSE_TOLERANCE))
         lse_err = float(np.max(np.abs(got_lse[finite] - ref_lse[finite]), initial=0.0))
         status = "ok" if ok.all() and lse_ok else "FAIL"
+        if plan.impl != cell.impl:
+            status = "FALLBACK"
         result = dict(status=status, arm_ran=plan.arm, splits=plan.num_splits, heads_per_cta=plan.heads_per_cta,
                       impl_ran=plan.impl, outputs=int(got.size), max_ulp=int(ulps[judged].max(initial=0)),
                       outputs_off=int((~ok).sum()), lse_max_abs_err=lse_err)
-        if status != "ok":
+        if status == "FALLBACK":
+            result["message"] = fallback_message(cell.impl, plan.impl)
+        elif status != "ok":
             where = np.argwhere(~ok)
             result["message"] = (f"{int((~ok).sum())} of {got.size} outputs past the 1-ulp bar (first at "
                                  f"[seq, head, dim] {where[0].tolist()})" if len(where) else
@@ -176,8 +180,8 @@ class Worker:
         moved = kv_bytes(cell) + 2 * case.q.numel() * case.q.element_size()  # KV read, q read, out written
         tb_per_s = moved / (timing.median_us * 1e-6) / 1e12
         result.update(median_us=round(timing.median_us, 3), min_us=round(timing.min_us, 3), iters=timing.iters,
-                      mode=timing.mode, note=timing.note, bytes_moved=moved, tb_per_s=round(tb_per_s, 4),
-                      pct_of_copy=round(100.0 * tb_per_s / copy["tb_per_s"], 2), copy_tb_per_s=copy["tb_per_s"])
+                      mode=timing.mode, note=timing.note, bytes_moved=moved, tb_per_s=tb_per_s,
+                      pct_of_copy=100.0 * tb_per_s / copy["tb_per_s"], copy_tb_per_s=copy["tb_per_s"])
         return result
 
     def _timing_state(self):
@@ -211,21 +215,33 @@ class Worker:
         return case
 
     def _ours(self, cell: Cell, case, timer, torch, seqs, ref_cache):
-        from .data import check_gpu_output
+        """The layer with its features (a sink logit of 0 a head where it has sinks), checked against
+        float64 with them, then captured for timing; a wrong output or an mma request that the device's
+        self-test turned into simt is not timed."""
+        from .data import check_gpu_features, check_gpu_output
 
-        layer = cell.layer
+        layer, features = cell.layer, features_of(cell.layer)
         attn = DecodeAttention(layer.num_q_heads, layer.num_kv_heads, layer.head_dim, PAGE_SIZE, q_dtype="bfloat16",
-                               kv_dtype="fp8_e4m3" if cell.kv_dtype == "fp8" else "bfloat16", max_batch=max(64, cell.batch),
-                               impl=cell.impl, backend=self.backend)
+                               kv_dtype="fp8_e4m3" if cell.kv_dtype == "fp8" else "bfloat16",
+                               max_batch=max(64, cell.batch), impl=cell.impl, backend=self.backend, **features)
         plan = attn.plan(cell.batch)
+        sinks = torch.zeros(layer.num_q_heads, dtype=torch.float32, device=case.q.device) if layer.sinks else None
+        extra = {} if sinks is None else {"sinks": sinks}
         out = torch.empty_like(case.q)
         call = lambda: attn.run(case.q, case.k_pool, case.v_pool, case.block_tables, case.seq_lens,  # noqa: E731
-                                k_scale=case.k_scale, v_scale=case.v_scale, out=out)
+                                k_scale=case.k_scale, v_scale=case.v_scale, out=out, **extra)
         launch = timer.capture_poisoned(call, out)
         out_checked = self.perturbed(cell, out)
-        check = check_gpu_output(case, out_checked, seqs, ref_cache, strict=True)
+        if features:
+            ref_features = dict(features, sinks=np.zeros(layer.num_q_heads, np.float32)) if layer.sinks else features
+            check = check_gpu_features(case, case.q, out_checked, seqs, ref_features)
+        else:
+            check = check_gpu_output(case, out_checked, seqs, ref_cache, strict=True)
         result = dict(status="ok" if check["status"] == "ok" else "FAIL", check=check, arm_ran=plan.arm,
                       splits=plan.num_splits, heads_per_cta=plan.heads_per_cta, impl_ran=plan.impl)
+        if plan.impl != cell.impl:
+            result.update(status="FALLBACK", message=fallback_message(cell.impl, plan.impl))
+            return result, None  # simt's time is not reported as mma's
         if check["status"] != "ok":
             result["message"] = check.get("message", "output past the 1-ulp bar")
             return result, None  # a wrong kernel is not timed
@@ -253,6 +269,11 @@ class Worker:
         launch, mode, note, _ = try_capture_torch(timer, fn)
         result = dict(status="ok" if check["status"] == "ok" else "FAIL", check=check)
         return result, launch, mode, note
+
+
+def fallback_message(asked: str, built: str) -> str:
+    return (f"asked for {asked}, the device built {built}: it failed the mma known-answer self-test "
+            "(DecodeAttention warns and serves simt there); report it with this device's name")
 
 
 def _load_json(path: Optional[str]) -> Optional[dict]:

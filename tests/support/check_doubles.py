@@ -7,6 +7,8 @@ Run as the worker's command line: ``python tests/support/check_doubles.py MODE A
   sees it): each of its cells must fail, named.
 - ``sticky IMPL``: IMPL's first cell raises what CuPy raises on an illegal address (a sticky
   CUDA error, on a worker that believes it is on a GPU): the worker must end, the fault named.
+- ``fallback -``: every construction builds simt whatever it asks (a device that failed the mma
+  self-test, as ``DecodeAttention`` answers one): mma cells must fail as ``FALLBACK``.
 - ``fake-gpu IMPL``: the timing half on the CPU (IMPL's outputs wrong as above; ``-``: none): ``DecodeAttention`` on the CPU backend fed torch
   CPU tensors, a wall-clock timer for CUDA events and graphs, the pool on the host, the copy
   bandwidth of host memory. Its numbers mean nothing; that every step of the path runs does.
@@ -135,6 +137,11 @@ def main(argv: list[str]) -> int:
         cls = type("WrongTarget", (Wrong,), {"target": target})
     elif mode == "sticky":
         cls = type("StickyTarget", (Sticky,), {"target": target})
+    elif mode == "fallback":
+        from metrale_attn import DecodeAttention
+
+        worker.DecodeAttention = lambda *args, impl=None, **kw: DecodeAttention(*args, impl="simt", **kw)
+        cls = worker.Worker
     elif mode == "fake-gpu":
         fake_gpu_patches()
         cls = type("FakeGpuTarget", (FakeGpu,), {"target": target})
