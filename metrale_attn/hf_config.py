@@ -237,17 +237,19 @@ def _kinds(where: str, section: dict, model_type: str, value, notes: list) -> tu
         if SLIDING in types and window is None:
             raise HFConfigError(f"{where}: layer_types has {SLIDING} layers but no sliding_window applies "
                                 "(null, or use_sliding_window false)")
+        if layers is not None and _shown_layer_count(where, layers) != len(types):
+            raise HFConfigError(f"{where}: layer_types has {len(types)} entries but num_hidden_layers is {layers}")
         counts = Counter(types)
     elif window is None:
-        counts = Counter({FULL: layers if isinstance(layers, int) and layers > 0 else 1})
+        counts = {FULL: _shown_layer_count(where, layers)}
     else:
-        counts = Counter(_sliding_pattern(where, section, model_type, value, layers, notes))
+        counts = _sliding_pattern(where, section, model_type, value, layers, notes)
     cap = _soft_cap(where, value("attn_logit_softcapping"))
     sinks = model_type in SINK_MODEL_TYPES
     if sinks:
         notes.append(f"sinks on every layer (model_type {model_type}: learned per-head sinks)")
     return tuple(LayerKind(name, counts[name], window - 1 if name == SLIDING else -1, cap, sinks)
-                 for name in (SLIDING, FULL) if counts[name])
+                 for name in (SLIDING, FULL) if counts.get(name))
 
 
 def _window(where: str, section: dict, value, notes: list) -> Optional[int]:
@@ -265,8 +267,9 @@ def _window(where: str, section: dict, value, notes: list) -> Optional[int]:
     return raw
 
 
-def _sliding_pattern(where: str, section: dict, model_type: str, value, layers, notes: list) -> list[str]:
-    """Each layer's kind where ``layer_types`` is absent, as transformers derives it."""
+def _sliding_pattern(where: str, section: dict, model_type: str, value, layers, notes: list) -> dict[str, int]:
+    """How many layers of each kind, where ``layer_types`` is absent, as transformers derives
+    each layer's kind; counted, never listed (``num_hidden_layers`` may be any integer)."""
     pattern = value("sliding_window_pattern")
     rule = None
     if pattern is not None:
@@ -278,21 +281,31 @@ def _sliding_pattern(where: str, section: dict, model_type: str, value, layers, 
             raise HFConfigError(f"{where}: sliding_window_pattern must be a positive integer, got {pattern!r}")
         count = _layer_count(where, layers, rule)
         notes.append(f"layer kinds from {rule}: layer i slides unless (i + 1) % {pattern} == 0")
-        return [SLIDING if (i + 1) % pattern else FULL for i in range(count)]
+        full = count // pattern  # the layers i + 1 = pattern, 2 * pattern, ... <= count
+        return {SLIDING: count - full, FULL: full}
     first = section.get("max_window_layers")
     if first is not None:
         if isinstance(first, bool) or not isinstance(first, int) or first < 0:
             raise HFConfigError(f"{where}: max_window_layers must be a non-negative integer, got {first!r}")
         count = _layer_count(where, layers, "max_window_layers")
         notes.append(f"layer kinds from max_window_layers {first}: layers {first} and up slide")
-        return [SLIDING if i >= first else FULL for i in range(count)]
-    count = layers if isinstance(layers, int) and layers > 0 else 1
-    return [SLIDING] * count
+        return {SLIDING: max(count - first, 0), FULL: min(count, first)}
+    return {SLIDING: _shown_layer_count(where, layers)}
 
 
 def _layer_count(where: str, layers, rule: str) -> int:
     if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
         raise HFConfigError(f"{where}: num_hidden_layers must be a positive integer to apply {rule}, got {layers!r}")
+    return layers
+
+
+def _shown_layer_count(where: str, layers) -> int:
+    """``num_hidden_layers`` where only the printed count reads it: 1 when absent (one kind of
+    layer, count unknown), else a positive integer."""
+    if layers is None:
+        return 1
+    if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
+        raise HFConfigError(f"{where}: num_hidden_layers must be a positive integer, got {layers!r}")
     return layers
 
 

@@ -1,0 +1,75 @@
+"""``hf_config`` treats a ``config.json`` as hostile input: any file, any JSON, any value is
+either mapped or refused with an ``HFConfigError`` naming the file and the key, in bounded time
+and memory; every key a model family uses for KV heads is read or refused; counts and ranks
+given from Python are checked like ``DecodeAttention``'s.
+
+(The mapping of the real configs of the served families is in ``tests/test_precompile.py``.)
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import re
+
+import pytest
+
+from metrale_attn import hf_config
+from metrale_attn.hf_config import HFConfigError
+
+CONFIGS = pathlib.Path(__file__).parent / "hf_configs"
+
+
+def fixture(name: str) -> dict:
+    return json.loads((CONFIGS / name).read_text())
+
+
+def counts(model) -> list[tuple[str, int]]:
+    return [(kind.name, kind.count) for kind in model.kinds]
+
+
+# -- sizes: counted, never listed --------------------------------------------------------
+
+TRILLION = 10**12
+
+
+@pytest.mark.parametrize("change, expected", [
+    ({"model_type": "gemma2"}, [("sliding_attention", TRILLION // 2), ("full_attention", TRILLION // 2)]),
+    ({"sliding_window_pattern": 6}, [("sliding_attention", TRILLION - TRILLION // 6),
+                                     ("full_attention", TRILLION // 6)]),
+    ({"max_window_layers": 20}, [("sliding_attention", TRILLION - 20), ("full_attention", 20)]),
+    ({}, [("sliding_attention", TRILLION)]),
+])
+def test_a_config_with_a_trillion_layers_is_counted_not_listed(change, expected):
+    config = fixture("mistral-7b-v0.1.json")
+    config.update(num_hidden_layers=TRILLION, **change)
+    assert counts(hf_config.from_dict(config)) == expected
+
+
+def test_counted_layer_kinds_are_the_ones_transformers_gives_each_layer():
+    # transformers' rules, one layer at a time, against the counts on small models
+    for layers in range(1, 40):
+        for pattern in range(1, 8):
+            config = dict(fixture("mistral-7b-v0.1.json"), num_hidden_layers=layers, sliding_window_pattern=pattern)
+            full = sum(1 for i in range(layers) if (i + 1) % pattern == 0)
+            assert dict(counts(hf_config.from_dict(config))) == {
+                name: n for name, n in (("sliding_attention", layers - full), ("full_attention", full)) if n}
+        for first in range(0, 42, 3):
+            config = dict(fixture("mistral-7b-v0.1.json"), num_hidden_layers=layers, max_window_layers=first)
+            sliding = sum(1 for i in range(layers) if i >= first)
+            assert dict(counts(hf_config.from_dict(config))) == {
+                name: n for name, n in (("sliding_attention", sliding), ("full_attention", layers - sliding)) if n}
+
+
+@pytest.mark.parametrize("layers", ["32", 32.0, True, 0, -1, [32]])
+def test_a_malformed_num_hidden_layers_is_refused_naming_it_even_where_it_only_counts(layers):
+    config = dict(fixture("llama-3-8b.json"), num_hidden_layers=layers)
+    with pytest.raises(HFConfigError, match=re.escape(f"num_hidden_layers must be a positive integer, got {layers!r}")):
+        hf_config.from_dict(config)
+
+
+def test_layer_types_of_another_length_than_num_hidden_layers_is_refused():
+    config = fixture("gpt-oss-20b.json")
+    config["layer_types"] = config["layer_types"][:-1]
+    with pytest.raises(HFConfigError, match="layer_types has 23 entries but num_hidden_layers is 24"):
+        hf_config.from_dict(config)
