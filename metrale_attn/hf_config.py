@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -119,18 +120,58 @@ class HFModel:
     notes: tuple[str, ...] = ()
 
 
+MAX_CONFIG_BYTES = 8 << 20
+"""The largest ``config.json`` read (bytes): real ones are a few KiB (a quantized model's with
+per-module lists, a few hundred); past this the file is not read on (``/dev/zero`` ends)."""
+
+MAX_DEPTH = 64
+"""The deepest nesting of JSON arrays and objects read: real configs nest 3 or 4 deep
+(``text_config.rope_scaling``); past this the text is refused before it is parsed, so the
+parser never recurses deeply (no RecursionError, whatever the caller's stack)."""
+
+_JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')
+_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
+
+
 def load(path) -> HFModel:
-    """``from_dict`` of the JSON file at ``path`` (a ``config.json``)."""
+    """``from_dict`` of the JSON file at ``path`` (a ``config.json``): UTF-8, at most
+    ``MAX_CONFIG_BYTES`` and ``MAX_DEPTH`` deep, else an ``HFConfigError`` naming the file."""
     path = Path(path)
+    where = f"--hf-config {path}"
     try:
-        text = path.read_text(encoding="utf-8")
+        with path.open("rb") as file:
+            data = file.read(MAX_CONFIG_BYTES + 1)  # bounded: a device or a huge file is not read whole
     except OSError as err:
-        raise HFConfigError(f"--hf-config {path}: cannot read it ({err.strerror or err})") from None
+        raise HFConfigError(f"{where}: cannot read it ({err.strerror or err})") from None
+    if len(data) > MAX_CONFIG_BYTES:
+        raise HFConfigError(f"{where}: larger than {MAX_CONFIG_BYTES} bytes; a config.json is a few KiB")
+    try:
+        text = data.decode("utf-8")  # what transformers reads it as
+    except UnicodeDecodeError as err:
+        raise HFConfigError(f"{where}: not UTF-8 text (byte 0x{data[err.start]:02x} at offset {err.start}); a "
+                            "config.json is UTF-8 JSON") from None
+    depth = json_depth(text)
+    if depth > MAX_DEPTH:
+        raise HFConfigError(f"{where}: JSON nested more than {MAX_DEPTH} deep; a config.json nests a few levels")
     try:
         config = json.loads(text)
-    except ValueError as err:
-        raise HFConfigError(f"--hf-config {path}: not JSON ({err})") from None
+    except (ValueError, RecursionError) as err:  # RecursionError: only on a nearly exhausted stack
+        raise HFConfigError(f"{where}: not JSON ({err})") from None
     return from_dict(config, source=str(path))
+
+
+def json_depth(text: str, limit: int = MAX_DEPTH) -> int:
+    """How deep the arrays and objects of JSON ``text`` nest (brackets inside strings do not
+    count), without parsing it; stops counting past ``limit`` (the result is then ``limit + 1``)."""
+    brackets = _NOT_BRACKET.sub("", _JSON_STRING.sub("", text))
+    depth = deepest = 0
+    for bracket in brackets:
+        depth += 1 if bracket in "[{" else -1
+        if depth > deepest:
+            deepest = depth
+            if deepest > limit:
+                break
+    return deepest
 
 
 def from_dict(config, source: str = "config.json") -> HFModel:

@@ -73,3 +73,82 @@ def test_layer_types_of_another_length_than_num_hidden_layers_is_refused():
     config["layer_types"] = config["layer_types"][:-1]
     with pytest.raises(HFConfigError, match="layer_types has 23 entries but num_hidden_layers is 24"):
         hf_config.from_dict(config)
+
+
+# -- the file: bounded, UTF-8, shallow ----------------------------------------------------
+
+
+def cli_refusal(capsys, path) -> str:
+    """What ``metrale-attn precompile --hf-config path`` says on stderr (it must refuse it)."""
+    from metrale_attn.cli import main
+
+    code = main(["precompile", "--target", "hopper", "--hf-config", str(path), "--dry-run"])
+    captured = capsys.readouterr()
+    assert code == 2 and not captured.out
+    return captured.err
+
+
+@pytest.mark.parametrize("text", [
+    '{"a": ' * 100_000 + "1" + "}" * 100_000,
+    "[" * 100_000 + "]" * 100_000,
+    '{"text_config": ' + "[" * 65 + "]" * 65 + "}",
+])
+def test_a_deeply_nested_config_is_refused_naming_the_file_not_a_recursion_error(tmp_path, capsys, text):
+    path = tmp_path / "config.json"
+    path.write_text(text)
+    with pytest.raises(HFConfigError, match=re.escape(f"--hf-config {path}: JSON nested more than 64 deep")):
+        hf_config.load(path)
+    assert f"error: --hf-config {path}: JSON nested more than 64 deep" in cli_refusal(capsys, path)
+
+
+def test_brackets_inside_strings_do_not_count_as_nesting(tmp_path):
+    config = dict(fixture("llama-3-8b.json"), note="[[[[{{{{" * 100, escaped='\\"[[[' * 100)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    assert hf_config.load(path).num_kv_heads == 8
+    assert hf_config.json_depth('{"a": [{"b": "]]]}}}"}]}') == 3
+
+
+@pytest.mark.parametrize("data, byte, offset", [
+    ('{"model_type": "llama", "note": "caf\u00e9"}'.encode("latin-1"), 0xE9, 36),
+    ('{"model_type": "llama"}'.encode("utf-16"), 0xFF, 0),
+    (b'{"num_attention_heads": 32, "\xc3": 1}', 0xC3, 29),
+])
+def test_a_config_that_is_not_utf8_is_refused_naming_the_file_and_the_byte(tmp_path, capsys, data, byte, offset):
+    path = tmp_path / "config.json"
+    path.write_bytes(data)
+    message = f"--hf-config {path}: not UTF-8 text (byte 0x{byte:02x} at offset {offset})"
+    with pytest.raises(HFConfigError, match=re.escape(message)):
+        hf_config.load(path)
+    assert message in cli_refusal(capsys, path)
+
+
+def test_a_config_larger_than_the_bound_is_refused_without_reading_it_whole(tmp_path, monkeypatch):
+    monkeypatch.setattr(hf_config, "MAX_CONFIG_BYTES", 1000)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(dict(fixture("llama-3-8b.json"), padding=" " * 1000)))
+    with pytest.raises(HFConfigError, match=re.escape(f"--hf-config {path}: larger than 1000 bytes")):
+        hf_config.load(path)
+    with pytest.raises(HFConfigError, match="larger than 1000 bytes"):
+        hf_config.load("/dev/zero")  # endless: read up to the bound, no further
+
+
+@pytest.mark.parametrize("text, message", [
+    ("", "not JSON"),
+    ("{'a': 1}", "not JSON"),
+    ('{"a": 1', "not JSON"),
+    ('{"num_attention_heads": 1' + "0" * 5000 + "}", "not JSON"),
+    ("[1, 2]", "a config.json holds a JSON object, got list"),
+    ("null", "a config.json holds a JSON object, got NoneType"),
+])
+def test_a_file_that_is_not_a_json_object_is_refused_naming_the_file(tmp_path, text, message):
+    path = tmp_path / "config.json"
+    path.write_text(text)
+    with pytest.raises(HFConfigError, match=re.escape(message)) as refused:
+        hf_config.load(path)
+    assert str(path) in str(refused.value)
+
+
+def test_a_directory_is_refused_naming_it(tmp_path):
+    with pytest.raises(HFConfigError, match=re.escape(f"--hf-config {tmp_path}: cannot read it")):
+        hf_config.load(tmp_path)
