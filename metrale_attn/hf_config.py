@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import re
 from collections import Counter
 from dataclasses import dataclass
@@ -211,7 +212,12 @@ def from_dict(config, source: str = "config.json") -> HFModel:
 def shard_heads(num_q_heads: int, num_kv_heads: int, tensor_parallel: int) -> tuple[int, int]:
     """One rank's ``(q heads, KV heads)`` under tensor parallelism, as vLLM splits them: q
     heads divide evenly; KV heads divide evenly when there are at least as many as ranks,
-    else each is replicated over ``tensor_parallel / num_kv_heads`` ranks (one per rank)."""
+    else each is replicated over ``tensor_parallel / num_kv_heads`` ranks (one per rank).
+    Each count is an int >= 1 (any ``numbers.Integral``, never a bool), else a ValueError
+    naming it, as ``DecodeAttention`` checks its counts."""
+    num_q_heads = count_argument("num_q_heads", num_q_heads)
+    num_kv_heads = count_argument("num_kv_heads", num_kv_heads)
+    tensor_parallel = count_argument("tensor_parallel", tensor_parallel)
     if num_q_heads % tensor_parallel:
         raise HFConfigError(f"--tensor-parallel-size {tensor_parallel} must divide num_attention_heads "
                             f"{num_q_heads}")
@@ -224,6 +230,14 @@ def shard_heads(num_q_heads: int, num_kv_heads: int, tensor_parallel: int) -> tu
         raise HFConfigError(f"--tensor-parallel-size {tensor_parallel} must be a multiple of num_key_value_heads "
                             f"{num_kv_heads} (or divide it)")
     return num_q_heads // tensor_parallel, 1
+
+
+def count_argument(argument: str, value) -> int:
+    """``value`` as an int >= 1 (a count of heads or ranks): any ``numbers.Integral``, not a
+    bool (``config.int_in``'s rule and message; this module imports nothing of the package)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"{argument} must be an int >= 1, got {value!r}")
+    return int(value)
 
 
 # -- the pieces --------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Optional, Sequence
 
 from .cache import cache_root
-from .config import ENV_IMPL, configure, impl_chosen
+from .config import ENV_IMPL, configure, impl_chosen, int_in
 from .hf_config import HFModel, shard_heads
 from .kernels import SelfTest, launchable_config, specs_for
 from .plan import LEGACY_MAX_DECODE_SEQS
@@ -114,7 +114,8 @@ class Built:
 
 def layers_of(model: HFModel, tensor_parallel: int = 1) -> list[Layer]:
     """One ``Layer`` per layer kind of a Hugging Face model (``hf_config.load``), with one
-    rank's heads at ``tensor_parallel`` ranks (``hf_config.shard_heads``)."""
+    rank's heads at ``tensor_parallel`` ranks (``hf_config.shard_heads``: an int >= 1, else a
+    ValueError naming it)."""
     q_heads, kv_heads = shard_heads(model.num_q_heads, model.num_kv_heads, tensor_parallel)
     return [Layer(kind.name, q_heads, kv_heads, model.head_dim, kind.window_left, kind.logits_soft_cap, kind.sinks)
             for kind in model.kinds]
@@ -136,10 +137,11 @@ def needed_specs(layers: Sequence[Layer], target: Target, options: Options = Opt
     ``sm_count`` SMs, default the table's; a GPU's own count is what a construction uses),
     resolved against ``environ`` (default ``os.environ``) as a construction resolves its
     options: both outcomes of the self-test (see the module's docstring). A value the
-    kernels refuse is a ValueError naming the argument and the layer."""
+    kernels refuse is a ValueError naming the argument and the layer; ``sm_count`` is an
+    int >= 1 (the split-K policy divides work by it)."""
     env = os.environ if environ is None else environ
     if sm_count is not None:
-        target = replace(target, sm_count=sm_count)
+        target = replace(target, sm_count=int_in("sm_count", sm_count, 1))
     target_policy = resolve_target_policy(target, splitk=options.splitk, gqa_pack=options.gqa_pack, environ=environ)
     chosen = impl_chosen(options.impl, env.get(ENV_IMPL))
     found: dict[str, tuple[object, list[str]]] = {}

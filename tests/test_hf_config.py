@@ -152,3 +152,44 @@ def test_a_file_that_is_not_a_json_object_is_refused_naming_the_file(tmp_path, t
 def test_a_directory_is_refused_naming_it(tmp_path):
     with pytest.raises(HFConfigError, match=re.escape(f"--hf-config {tmp_path}: cannot read it")):
         hf_config.load(tmp_path)
+
+
+# -- counts and ranks from Python ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("tensor_parallel", [0, -2, 2.0, "2", True, None])
+def test_a_tensor_parallel_degree_that_is_not_an_int_of_at_least_one_is_refused_naming_it(tensor_parallel):
+    from metrale_attn.precompile import layers_of
+
+    model = hf_config.load(CONFIGS / "llama-3-8b.json")
+    message = re.escape(f"tensor_parallel must be an int >= 1, got {tensor_parallel!r}")
+    with pytest.raises(ValueError, match=message):
+        hf_config.shard_heads(32, 8, tensor_parallel)
+    with pytest.raises(ValueError, match=message):
+        layers_of(model, tensor_parallel)
+
+
+def test_a_tensor_parallel_degree_may_be_any_integral_type():
+    np = pytest.importorskip("numpy")
+    from metrale_attn.precompile import layers_of
+
+    layers = layers_of(hf_config.load(CONFIGS / "llama-3-8b.json"), np.int64(2))
+    assert (layers[0].num_q_heads, layers[0].num_kv_heads) == (16, 4)
+    assert type(layers[0].num_q_heads) is int
+
+
+@pytest.mark.parametrize("argument, heads", [("num_q_heads", (0, 8)), ("num_kv_heads", (32, -1)),
+                                             ("num_q_heads", (32.0, 8)), ("num_kv_heads", (32, "8"))])
+def test_head_counts_given_to_shard_heads_are_checked_like_decode_attentions(argument, heads):
+    bad = heads[0] if argument == "num_q_heads" else heads[1]
+    with pytest.raises(ValueError, match=re.escape(f"{argument} must be an int >= 1, got {bad!r}")):
+        hf_config.shard_heads(*heads, 2)
+
+
+@pytest.mark.parametrize("sm_count", [0, -1, 2.0, "132", True])
+def test_an_sm_count_that_is_not_an_int_of_at_least_one_is_refused_naming_it(sm_count):
+    from metrale_attn.precompile import Layer, needed_specs
+    from metrale_attn.targets import TARGETS
+
+    with pytest.raises(ValueError, match=re.escape(f"sm_count must be an int >= 1, got {sm_count!r}")):
+        needed_specs([Layer("layer", 4, 4, 64)], TARGETS["hopper"], sm_count=sm_count, environ={})
