@@ -2,9 +2,13 @@
 
 Pure: a parsed ``config.json`` in, an ``HFModel`` out (the whole model's heads, head dim,
 model dtype, and the kinds of attention layer it has, each with its count and features).
-Only keys whose meaning the real configs of Llama 3, Qwen 2/3, Mistral, Gemma 2/3 and
-gpt-oss pin down are read, with transformers' semantics; a key that changes attention in
-a way not mapped here is refused with its name, never ignored.
+Only keys whose meaning the real configs of Llama 3, Qwen 2/3, Mistral, Gemma 2/3, gpt-oss,
+Falcon, ChatGLM, GPT-BigCode (StarCoder) and DBRX pin down are read, with transformers'
+semantics; a key that changes attention in a way not mapped here is refused with its name,
+never ignored. A ``config.json`` is hostile input: ``load`` reads at most
+``MAX_CONFIG_BYTES`` of UTF-8 nested at most ``MAX_DEPTH`` deep, layer kinds are counted
+(never one entry per layer), and every refusal is an ``HFConfigError`` naming the file and
+the key.
 
 =============================  ==============================================================
 key                            what it sets
@@ -13,7 +17,17 @@ key                            what it sets
                                from it (``torch_dtype``/``dtype`` and ``model_type`` from it,
                                else from the top level)
 ``num_attention_heads``        q heads (the whole model's; ``shard_heads`` splits them)
-``num_key_value_heads``        KV heads; absent or null: ``num_attention_heads``
+``num_key_value_heads``        KV heads; absent or null: ``num_attention_heads``. Other model
+                               families' KV-head keys (``KV_HEAD_KEYS``) are read by their model
+                               type (``KV_RULES``): Falcon's ``num_kv_heads`` under
+                               ``new_decoder_architecture`` or without ``multi_query`` (default
+                               true: one KV head), GPT-BigCode's ``multi_query``, ChatGLM's
+                               ``multi_query_group_num`` under ``multi_query_attention``, DBRX's
+                               ``attn_config.kv_n_heads``; one a model type does not read must
+                               agree, else the config is refused
+``n_head``, ``num_layers``...  a model type's own names for the keys here
+                               (``MODEL_TYPE_ALIASES``: GPT-BigCode, DBRX, ChatGLM's
+                               ``kv_channels`` as ``head_dim``)
 ``head_dim``                   head dim; absent or null: ``hidden_size / num_attention_heads``
 ``torch_dtype`` / ``dtype``    q dtype when ``bfloat16`` or ``float16`` (vLLM's ``--dtype auto``)
 ``sliding_window``             ``window_left = sliding_window - 1`` on sliding layers (vLLM's
@@ -33,7 +47,8 @@ and gpt-oss slide on even layers), ``max_window_layers``, else every layer slide
 ``MODEL_TYPE_DEFAULTS`` has one (Gemma 3's ``text_config`` omits ``head_dim`` 256, which is
 not ``hidden_size / num_attention_heads``). Refused: bidirectional attention, chunked local
 attention (``attention_chunk_size``, Llama 4), multi-head latent attention (``kv_lora_rank``,
-DeepSeek), and layer kinds other than the two above.
+DeepSeek), ALiBi (Falcon's ``alibi``; BLOOM, Jais, MPT, Baichuan: ``REFUSED_MODEL_TYPES``),
+unscaled logits (``scale_attn_weights`` false), and layer kinds other than the two above.
 """
 
 from __future__ import annotations
@@ -80,6 +95,42 @@ REFUSED_KEYS = {
     "kv_lora_rank": "multi-head latent attention (DeepSeek) is not served by these kernels",
 }
 """Keys that, when set (not null, false or 0), change attention in a way the kernels do not serve."""
+REFUSED_KEYS["alibi"] = "ALiBi position biases (Falcon's alibi) are not added by these kernels"
+REFUSED_KEYS["scale_attn_by_inverse_layer_idx"] = "a logits scale that changes with the layer (GPT-2) is not mapped"
+UNSCALED_KEY = "scale_attn_weights"
+"""GPT-2's and GPT-BigCode's: false means logits without the 1/sqrt(head_dim) scale, refused."""
+
+REFUSED_MODEL_TYPES = {
+    "bloom": "BLOOM's attention adds ALiBi position biases, which these kernels do not",
+    "jais": "Jais's attention adds ALiBi position biases, which these kernels do not",
+    "mpt": "MPT's attention (ALiBi by default, attn_config's attn_type, kv_n_heads, softmax_scale, prefix_lm) is "
+           "not mapped",
+    "baichuan": "Baichuan 13B adds ALiBi position biases and 7B does not, under the same model_type",
+    "RefinedWeb": "Falcon's remote-code config (n_head_kv, before transformers' falcon) is not mapped; use the "
+                  "model's model_type falcon config.json",
+    "RefinedWebModel": "Falcon's remote-code config (before transformers' falcon) is not mapped; use the model's "
+                       "model_type falcon config.json",
+}
+"""Model types whose attention these kernels do not serve, or whose config.json does not say
+which attention it is."""
+
+MODEL_TYPE_ALIASES: dict[str, dict[str, str]] = {
+    # transformers' attribute_map: these configs spell the keys read here their own way.
+    "gpt_bigcode": {"num_attention_heads": "n_head", "num_hidden_layers": "n_layer", "hidden_size": "n_embd"},
+    "dbrx": {"num_attention_heads": "n_heads", "num_hidden_layers": "n_layers", "hidden_size": "d_model"},
+    # ChatGLM's remote code: kv_channels is the head dim (its projection is heads x kv_channels).
+    "chatglm": {"num_hidden_layers": "num_layers", "head_dim": "kv_channels"},
+}
+"""A model type's own spelling of a key read here; the key itself, where also given, must agree."""
+
+KV_HEAD_KEYS = ("num_key_value_heads", "num_kv_heads", "n_head_kv", "multi_query", "multi_query_attention",
+                "multi_query_group_num", "attn_config.kv_n_heads")
+"""Every key a model family transformers or vLLM knows gives its KV heads by: Llama's and most
+others' ``num_key_value_heads``, Falcon's ``num_kv_heads`` (``n_head_kv`` in its remote code)
+with ``multi_query`` and ``new_decoder_architecture``, GPT-BigCode's ``multi_query``,
+ChatGLM's ``multi_query_group_num`` with ``multi_query_attention``, DBRX's and MPT's
+``attn_config.kv_n_heads``. Each model type reads some of them (``_kv_heads``); any other of
+them that a config sets must say the same number of KV heads, or the config is refused."""
 
 
 class HFConfigError(ValueError):
@@ -184,8 +235,14 @@ def from_dict(config, source: str = "config.json") -> HFModel:
         raise HFConfigError(f"{source}: text_config must be a JSON object, got {type(text).__name__}")
     where = f"{source} text_config" if text else source
     section = text or config
-    model_type = str(section.get("model_type") or config.get("model_type") or "")
+    model_type = section.get("model_type") or config.get("model_type") or ""
+    if not isinstance(model_type, str):
+        raise HFConfigError(f"{where}: model_type must be a string, got {model_type!r}")
+    if model_type in REFUSED_MODEL_TYPES:
+        raise HFConfigError(f"{where}: model_type {model_type!r}: {REFUSED_MODEL_TYPES[model_type]} (give the shape "
+                            "and features explicitly only if the attention is plain causal softmax)")
     notes: list[str] = []
+    section = _canonical(where, section, model_type, notes)
     defaults = MODEL_TYPE_DEFAULTS.get(model_type, {})
 
     def value(key: str):
@@ -200,9 +257,11 @@ def from_dict(config, source: str = "config.json") -> HFModel:
     for key, why in REFUSED_KEYS.items():
         if section.get(key):
             raise HFConfigError(f"{where}: {key} = {section[key]!r}: {why}")
+    if section.get(UNSCALED_KEY) is False:
+        raise HFConfigError(f"{where}: {UNSCALED_KEY} = False: logits without the 1/sqrt(head_dim) scale are not "
+                            "mapped")
     heads = _positive_int(where, "num_attention_heads", value("num_attention_heads"))
-    kv = value("num_key_value_heads")
-    kv_heads = heads if kv is None else _positive_int(where, "num_key_value_heads", kv)
+    kv_heads = _kv_heads(where, section, model_type, heads, value, notes)
     head_dim = _head_dim(where, value("head_dim"), section.get("hidden_size"), heads, notes)
     dtype = _dtype(section, config, notes)
     kinds = _kinds(where, section, model_type, value, notes)
@@ -241,6 +300,124 @@ def count_argument(argument: str, value) -> int:
 
 
 # -- the pieces --------------------------------------------------------------------------
+
+
+def _canonical(where: str, section: dict, model_type: str, notes: list) -> dict:
+    """``section`` with the keys read here under their own names, where the model type spells
+    them its own way (``MODEL_TYPE_ALIASES``); both spellings given must agree."""
+    aliases = MODEL_TYPE_ALIASES.get(model_type, {})
+    found = {}
+    for key, alias in aliases.items():
+        if section.get(alias) is None:
+            continue
+        if section.get(key) is not None and section[key] != section[alias]:
+            raise HFConfigError(f"{where}: {key} = {section[key]!r} and {alias} = {section[alias]!r} disagree "
+                                f"({alias} is model_type {model_type}'s name for {key})")
+        found[key] = section[alias]
+        notes.append(f"{key} from {alias} (model_type {model_type}'s name for it)")
+    return {**section, **found} if found else section
+
+
+def _kv_heads(where: str, section: dict, model_type: str, heads: int, value, notes: list) -> int:
+    """The whole model's KV heads, by the keys its model type reads (transformers' modelling
+    code, vLLM's ``get_total_num_kv_heads``); any other key of ``KV_HEAD_KEYS`` the config sets
+    must say the same number, else refused (never ignored)."""
+    read, kv_heads = KV_RULES.get(model_type, _kv_num_key_value_heads)(where, section, heads, value, notes)
+    for key, claimed in _kv_claims(section).items():
+        if key in read:
+            continue
+        if isinstance(claimed, int) and not isinstance(claimed, bool) and claimed == kv_heads:
+            notes.append(f"{key} agrees: {kv_heads} KV heads")
+            continue
+        raise HFConfigError(f"{where}: {key} = {_raw(section, key)!r} gives another model family's KV heads, "
+                            f"but model_type {model_type or '(none)'} reads {' / '.join(read)} ({kv_heads} KV "
+                            "heads): refused, not guessed (give --kv-heads with the shape instead)")
+    return kv_heads
+
+
+def _raw(section: dict, key: str):
+    if key == "attn_config.kv_n_heads":
+        return section["attn_config"]["kv_n_heads"]
+    return section.get(key)
+
+
+def _kv_claims(section: dict) -> dict:
+    """The number of KV heads each key of ``KV_HEAD_KEYS`` the config sets says (1 for a true
+    ``multi_query``; ChatGLM's ``multi_query_attention`` says ``multi_query_group_num``'s)."""
+    claims = {key: section[key] for key in ("num_key_value_heads", "num_kv_heads", "n_head_kv",
+                                            "multi_query_group_num") if section.get(key) is not None}
+    if section.get("multi_query") not in (None, False):
+        claims["multi_query"] = 1 if section["multi_query"] is True else section["multi_query"]
+    if section.get("multi_query_attention") not in (None, False):
+        claims["multi_query_attention"] = section.get("multi_query_group_num")
+    attn = section.get("attn_config")
+    if isinstance(attn, dict) and attn.get("kv_n_heads") is not None:
+        claims["attn_config.kv_n_heads"] = attn["kv_n_heads"]
+    return claims
+
+
+def _flag(where: str, section: dict, key: str, default: bool) -> bool:
+    raw = section.get(key)
+    if raw is None:
+        return default
+    if not isinstance(raw, bool):
+        raise HFConfigError(f"{where}: {key} must be true or false, got {raw!r}")
+    return raw
+
+
+def _kv_num_key_value_heads(where, section, heads, value, notes):
+    """Llama's and most models': ``num_key_value_heads``, absent: one per q head."""
+    raw = value("num_key_value_heads")
+    return ("num_key_value_heads",), heads if raw is None else _positive_int(where, "num_key_value_heads", raw)
+
+
+def _kv_falcon(where, section, heads, value, notes):
+    """transformers' Falcon: ``num_kv_heads`` (absent: ``num_attention_heads``) under
+    ``new_decoder_architecture`` or without ``multi_query`` (default true), else one."""
+    read = ("new_decoder_architecture", "multi_query", "num_kv_heads")
+    raw = section.get("num_kv_heads")
+    if _flag(where, section, "new_decoder_architecture", False) or not _flag(where, section, "multi_query", True):
+        return read, heads if raw is None else _positive_int(where, "num_kv_heads", raw)
+    unused = f" (num_kv_heads {raw!r} unused, as Falcon's modelling ignores it here)" if raw is not None else ""
+    notes.append(f"1 KV head: falcon's multi_query without new_decoder_architecture{unused}")
+    return read, 1
+
+
+def _kv_gpt_bigcode(where, section, heads, value, notes):
+    """transformers' GPT-BigCode: one KV head under ``multi_query`` (default true), else one per q head."""
+    if _flag(where, section, "multi_query", True):
+        notes.append("1 KV head: gpt_bigcode's multi_query")
+        return ("multi_query",), 1
+    return ("multi_query",), heads
+
+
+def _kv_chatglm(where, section, heads, value, notes):
+    """ChatGLM's: ``multi_query_group_num`` under ``multi_query_attention`` (default false), else one per q head."""
+    read = ("multi_query_attention", "multi_query_group_num")
+    if _flag(where, section, "multi_query_attention", False):
+        return read, _positive_int(where, "multi_query_group_num", section.get("multi_query_group_num"))
+    if section.get("multi_query_group_num") is not None:
+        notes.append(f"multi_query_group_num {section['multi_query_group_num']!r} unused (multi_query_attention "
+                     "false)")
+    return read, heads
+
+
+def _kv_dbrx(where, section, heads, value, notes):
+    """transformers' DBRX: ``attn_config.kv_n_heads`` (DbrxAttentionConfig's default 1)."""
+    attn = section.get("attn_config")
+    if attn is None:
+        attn = {}
+    if not isinstance(attn, dict):
+        raise HFConfigError(f"{where}: attn_config must be a JSON object, got {type(attn).__name__}")
+    if attn.get("kv_n_heads") is None:
+        notes.append("attn_config.kv_n_heads 1 (dbrx's default: the config omits it)")
+        return ("attn_config.kv_n_heads",), 1
+    return ("attn_config.kv_n_heads",), _positive_int(where, "attn_config.kv_n_heads", attn["kv_n_heads"])
+
+
+KV_RULES = {"falcon": _kv_falcon, "gpt_bigcode": _kv_gpt_bigcode, "chatglm": _kv_chatglm, "dbrx": _kv_dbrx}
+"""Model types whose KV heads are not ``num_key_value_heads``: their rule returns the keys it
+read and the KV heads."""
 
 
 def _positive_int(where: str, key: str, raw) -> int:

@@ -193,3 +193,116 @@ def test_an_sm_count_that_is_not_an_int_of_at_least_one_is_refused_naming_it(sm_
 
     with pytest.raises(ValueError, match=re.escape(f"sm_count must be an int >= 1, got {sm_count!r}")):
         needed_specs([Layer("layer", 4, 4, 64)], TARGETS["hopper"], sm_count=sm_count, environ={})
+
+
+# -- KV heads: every family's keys read or refused ----------------------------------------
+
+
+def shape(name: str) -> tuple:
+    model = hf_config.load(CONFIGS / name)
+    return model.model_type, model.num_q_heads, model.num_kv_heads, model.head_dim, counts(model)
+
+
+def test_falcon_7b_is_71_q_heads_sharing_one_kv_head_by_multi_query():
+    assert shape("falcon-7b.json") == ("falcon", 71, 1, 64, [("full_attention", 32)])
+    assert "1 KV head: falcon's multi_query without new_decoder_architecture" in hf_config.load(
+        CONFIGS / "falcon-7b.json").notes
+
+
+def test_falcon_40b_reads_num_kv_heads_under_the_new_decoder_architecture():
+    assert shape("falcon-40b.json") == ("falcon", 128, 8, 64, [("full_attention", 60)])
+
+
+def test_a_falcon_config_resaved_with_num_kv_heads_still_has_one_kv_head_under_multi_query():
+    # FalconConfig fills num_kv_heads with num_attention_heads, so a re-saved Falcon-7B config
+    # carries "num_kv_heads": 71, which its modelling ignores under multi_query.
+    config = dict(fixture("falcon-7b.json"), num_kv_heads=71)
+    model = hf_config.from_dict(config)
+    assert model.num_kv_heads == 1
+    assert any("num_kv_heads 71 unused" in note for note in model.notes)
+
+
+def test_a_falcon_config_that_omits_multi_query_takes_transformers_default_of_one_kv_head():
+    config = fixture("falcon-7b.json")
+    del config["multi_query"], config["new_decoder_architecture"]
+    assert hf_config.from_dict(config).num_kv_heads == 1
+    config["multi_query"] = False
+    assert hf_config.from_dict(config).num_kv_heads == 71
+
+
+def test_chatglm3_is_32_q_heads_in_2_groups_by_multi_query_group_num():
+    assert shape("chatglm3-6b.json") == ("chatglm", 32, 2, 128, [("full_attention", 28)])
+    model = hf_config.load(CONFIGS / "chatglm3-6b.json")
+    assert model.dtype == "float16"
+    assert "head_dim from kv_channels (model_type chatglm's name for it)" in model.notes
+
+
+def test_chatglm_without_multi_query_attention_has_a_kv_head_per_q_head():
+    config = dict(fixture("chatglm3-6b.json"), multi_query_attention=False)
+    assert hf_config.from_dict(config).num_kv_heads == 32
+
+
+def test_starcoder_is_48_q_heads_sharing_one_kv_head_under_gpt_bigcodes_own_key_names():
+    assert shape("starcoder.json") == ("gpt_bigcode", 48, 1, 128, [("full_attention", 40)])
+
+
+def test_dbrx_reads_its_kv_heads_from_attn_config():
+    assert shape("dbrx-instruct.json") == ("dbrx", 48, 8, 128, [("full_attention", 40)])
+
+
+@pytest.mark.parametrize("name, change, message", [
+    ("llama-3-8b.json", {"multi_query": True}, "multi_query = True gives another model family's KV heads, but "
+                                               "model_type llama reads num_key_value_heads (8 KV heads)"),
+    ("llama-3-8b.json", {"num_kv_heads": 4}, "num_kv_heads = 4 gives another model family's KV heads"),
+    ("llama-3-8b.json", {"multi_query_attention": True, "multi_query_group_num": 2},
+     "multi_query_group_num = 2 gives another model family's KV heads"),
+    ("llama-3-8b.json", {"attn_config": {"kv_n_heads": 1}}, "attn_config.kv_n_heads = 1 gives another"),
+    ("llama-3-8b.json", {"n_head_kv": 2}, "n_head_kv = 2 gives another model family's KV heads"),
+    ("falcon-7b.json", {"num_key_value_heads": 71}, "num_key_value_heads = 71 gives another model family's KV "
+                                                    "heads, but model_type falcon reads new_decoder_architecture / "
+                                                    "multi_query / num_kv_heads (1 KV heads)"),
+    ("falcon-7b.json", {"multi_query": "yes"}, "multi_query must be true or false, got 'yes'"),
+    ("falcon-40b.json", {"num_kv_heads": 0}, "num_kv_heads must be a positive integer, got 0"),
+    ("falcon-7b.json", {"alibi": True}, "alibi = True: ALiBi position biases"),
+    ("chatglm3-6b.json", {"multi_query_group_num": None}, "multi_query_group_num is missing"),
+    ("chatglm3-6b.json", {"multi_query_attention": 1}, "multi_query_attention must be true or false, got 1"),
+    ("chatglm3-6b.json", {"num_hidden_layers": 40}, "num_hidden_layers = 40 and num_layers = 28 disagree"),
+    ("starcoder.json", {"num_attention_heads": 32}, "num_attention_heads = 32 and n_head = 48 disagree"),
+    ("starcoder.json", {"scale_attn_weights": False}, "scale_attn_weights = False: logits without the"),
+    ("dbrx-instruct.json", {"attn_config": [8]}, "attn_config must be a JSON object, got list"),
+    ("llama-3-8b.json", {"model_type": "bloom"}, "model_type 'bloom': BLOOM's attention adds ALiBi"),
+    ("llama-3-8b.json", {"model_type": "mpt"}, "model_type 'mpt': MPT's attention"),
+    ("llama-3-8b.json", {"model_type": ["llama"]}, "model_type must be a string, got ['llama']"),
+])
+def test_a_kv_head_key_the_model_type_does_not_read_or_a_malformed_one_is_refused_naming_it(name, change, message):
+    config = dict(fixture(name), **change)
+    with pytest.raises(HFConfigError, match=re.escape(message)):
+        hf_config.from_dict(config, source="/models/x/config.json")
+    try:
+        hf_config.from_dict(config, source="/models/x/config.json")
+    except HFConfigError as err:
+        assert str(err).startswith("/models/x/config.json: ")
+
+
+def test_a_kv_head_key_of_another_family_that_agrees_is_noted_not_refused():
+    model = hf_config.from_dict(dict(fixture("llama-3-8b.json"), num_kv_heads=8, multi_query=False))
+    assert model.num_kv_heads == 8 and "num_kv_heads agrees: 8 KV heads" in model.notes
+
+
+@pytest.mark.parametrize("name, tp, line", [
+    ("falcon-7b.json", 1, "71 q heads, 1 KV heads, head_dim 64; one rank of 1: 71 q heads, 1 KV heads"),
+    ("falcon-40b.json", 8, "128 q heads, 8 KV heads, head_dim 64; one rank of 8: 16 q heads, 1 KV heads"),
+    ("chatglm3-6b.json", 2, "32 q heads, 2 KV heads, head_dim 128; one rank of 2: 16 q heads, 1 KV heads"),
+    ("starcoder.json", 4, "48 q heads, 1 KV heads, head_dim 128; one rank of 4: 12 q heads, 1 KV heads"),
+])
+def test_the_command_prints_and_compiles_the_kv_heads_each_family_gives(capsys, name, tp, line):
+    from metrale_attn.cli import main
+    from metrale_attn.precompile import layers_of
+
+    code = main(["precompile", "--target", "hopper", "--hf-config", str(CONFIGS / name), "--tensor-parallel-size",
+                 str(tp), "--dry-run"])
+    out = capsys.readouterr().out
+    assert code == 0 and line in out, out
+    q, kv = [int(n) for n in re.findall(r"(\d+) q heads, (\d+) KV heads$", line)[0]]
+    assert {(layer.num_q_heads, layer.num_kv_heads) for layer in layers_of(hf_config.load(CONFIGS / name), tp)} == {
+        (q, kv)}
