@@ -544,6 +544,17 @@ def _shown_layer_count(where: str, layers) -> int:
 def _soft_cap(where: str, raw) -> Optional[float]:
     if raw is None or raw == 0:
         return None
-    if isinstance(raw, bool) or not isinstance(raw, (int, float)) or not (raw > 0 and math.isfinite(raw)):
+    cap = _as_float(raw)
+    if cap is None or not (cap > 0 and math.isfinite(cap)):
         raise HFConfigError(f"{where}: attn_logit_softcapping must be a positive number (or null), got {raw!r}")
-    return float(raw)
+    return cap
+
+
+def _as_float(raw) -> Optional[float]:
+    """A JSON number as a float (an integer past the float range is inf), else None."""
+    if isinstance(raw, bool) or not isinstance(raw, (int, float)):
+        return None
+    try:
+        return float(raw)
+    except OverflowError:  # float(10**400)
+        return math.inf

@@ -306,3 +306,71 @@ def test_the_command_prints_and_compiles_the_kv_heads_each_family_gives(capsys, 
     q, kv = [int(n) for n in re.findall(r"(\d+) q heads, (\d+) KV heads$", line)[0]]
     assert {(layer.num_q_heads, layer.num_kv_heads) for layer in layers_of(hf_config.load(CONFIGS / name), tp)} == {
         (q, kv)}
+
+
+# -- any config.json: mapped or refused by name ---------------------------------------------
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+READ_KEYS = ["num_attention_heads", "num_key_value_heads", "head_dim", "hidden_size", "num_hidden_layers",
+             "torch_dtype", "dtype", "sliding_window", "use_sliding_window", "layer_types", "sliding_window_pattern",
+             "max_window_layers", "attn_logit_softcapping", "model_type", "text_config", "num_kv_heads", "n_head_kv",
+             "multi_query", "multi_query_attention", "multi_query_group_num", "new_decoder_architecture",
+             "attn_config", "n_head", "n_layer", "n_embd", "n_heads", "n_layers", "d_model", "num_layers",
+             "kv_channels", "alibi", "scale_attn_weights", "scale_attn_by_inverse_layer_idx", "attention_chunk_size",
+             "kv_lora_rank", "use_bidirectional_attention"]
+MODEL_TYPES = ["llama", "gemma2", "gemma3", "gemma3_text", "gpt_oss", "falcon", "chatglm", "gpt_bigcode", "dbrx",
+               "mpt", "bloom", "qwen2", "", "RefinedWeb"]
+FIXTURES = sorted(path.name for path in CONFIGS.glob("*.json"))
+
+scalars = (st.none() | st.booleans() | st.integers(-3, 300) | st.integers(-2**70, 2**70) | st.just(10**400)
+           | st.floats(allow_nan=True, allow_infinity=True) | st.sampled_from(MODEL_TYPES + ["full_attention",
+                                                                                              "sliding_attention"])
+           | st.text(max_size=4))
+json_values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4)
+                           | st.dictionaries(st.sampled_from(READ_KEYS + ["kv_n_heads", "x"]), inner, max_size=4),
+                           max_leaves=8)
+
+
+@st.composite
+def hostile_configs(draw) -> dict:
+    """A real config with some of the keys read here replaced by any JSON value."""
+    config = fixture(draw(st.sampled_from(FIXTURES)))
+    section = config.get("text_config", config)
+    for key in draw(st.lists(st.sampled_from(READ_KEYS), max_size=4)):
+        section[key] = draw(json_values)
+    if draw(st.booleans()):
+        section["model_type"] = draw(st.sampled_from(MODEL_TYPES))
+    return config
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(hostile_configs())
+def test_any_config_is_mapped_to_positive_counts_or_refused_with_an_hf_config_error_naming_the_file(config):
+    from metrale_attn.precompile import layers_of
+
+    try:
+        model = hf_config.from_dict(config, source="/models/x/config.json")
+    except HFConfigError as err:
+        assert str(err).startswith("/models/x/config.json")
+        return
+    for count in (model.num_q_heads, model.num_kv_heads, model.head_dim, *(k.count for k in model.kinds)):
+        assert type(count) is int and count >= 1
+    assert model.kinds and all(kind.describe() for kind in model.kinds)
+    try:
+        layers_of(model, 2)
+    except HFConfigError as err:
+        assert "--tensor-parallel-size 2 must" in str(err)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=200) | st.builds(lambda d, t: "[" * d + t + "]" * d, st.integers(0, 3000),
+                                            st.sampled_from(["", "1", '{"a": 1}', '"]"'])).map(str.encode))
+def test_any_file_is_mapped_or_refused_with_an_hf_config_error_naming_it(tmp_path_factory, data):
+    path = tmp_path_factory.mktemp("hostile") / "config.json"
+    path.write_bytes(data)
+    try:
+        hf_config.load(path)
+    except HFConfigError as err:
+        assert str(path) in str(err)
