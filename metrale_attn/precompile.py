@@ -215,13 +215,30 @@ def build(plan: TargetPlan, cache_dir: Optional[Path] = None,
         start = time.perf_counter()
         found = cubin_lookup(needed.spec, arch, root)
         if found.path.parent != root / "cubin":  # the lookup fell back to a private directory: gone at exit
-            raise PrecompileError(f"cannot write the cache directory {root / 'cubin'} (the kernel went to "
-                                  f"{found.path.parent} for this process only): give a writable --cache-dir")
+            raise PrecompileError(f"{unwritable_cache(root / 'cubin', found.path.name)} (the kernel went to "
+                                  f"{found.path.parent} for this process only)")
         built = Built(arch, needed.name, needed.why, found.compile_s is None, time.perf_counter() - start, found.path)
         done.append(built)
         if on_built is not None:
             on_built(built)
     return done
+
+
+def unwritable_cache(cubin_dir: Path, name: str) -> str:
+    """What keeps the kernel file ``name`` out of ``cubin_dir``, as the file system shows it
+    after the write failed: a directory where the entry (or its ``.json`` sidecar) goes, a file
+    where a directory goes, or a directory without write permission."""
+    for path in (cubin_dir / name, cubin_dir / f"{name}.json"):
+        if path.is_dir():
+            return f"cannot write the kernel into the cache: {path} is a directory where the cache keeps a file; " \
+                   "remove it"
+    existing = next((p for p in (cubin_dir, *cubin_dir.parents) if p.exists()), None)
+    if existing is not None and not existing.is_dir():
+        return (f"cannot make the cache directory {cubin_dir}: {existing} is a file, not a directory; give --cache-dir "
+                "a directory")
+    if existing is not None and not os.access(existing, os.W_OK | os.X_OK):
+        return f"cannot write the cache directory {cubin_dir}: {existing} is not writable; give a writable --cache-dir"
+    return f"cannot write the kernel into the cache directory {cubin_dir} (the warning above has the error)"
 
 
 def precompile(layers: Sequence[Layer], targets: Sequence[Target], options: Options = Options(), *,
