@@ -374,3 +374,55 @@ def test_any_file_is_mapped_or_refused_with_an_hf_config_error_naming_it(tmp_pat
         hf_config.load(path)
     except HFConfigError as err:
         assert str(path) in str(err)
+
+
+# -- the command line with hostile arguments ------------------------------------------------
+
+HOSTILE_FILES = {
+    "@nested": b'{"a": ' * 5000 + b"1" + b"}" * 5000,
+    "@latin1": '{"model_type": "llama", "note": "caf\u00e9"}'.encode("latin-1"),
+    "@trillion": json.dumps(dict(fixture("gemma-2-9b.json"), num_hidden_layers=TRILLION)).encode(),
+    "@falcon-with-llama-kv": json.dumps(dict(fixture("falcon-7b.json"), num_key_value_heads=71)).encode(),
+}
+"""Files the command-line fuzz may name (written once per session, named by these keys)."""
+
+
+@pytest.fixture(scope="module")
+def hostile_paths(tmp_path_factory) -> dict:
+    folder = tmp_path_factory.mktemp("hostile-configs")
+    for key, data in HOSTILE_FILES.items():
+        (folder / f"{key[1:]}.json").write_bytes(data)
+    return {key: str(folder / f"{key[1:]}.json") for key in HOSTILE_FILES}
+
+
+CLI_FLAGS = ["--target", "--arch", "--sm-count", "--hf-config", "--tensor-parallel-size", "--q-heads", "--kv-heads",
+             "--head-dim", "--window-left", "--logits-soft-cap", "--q-dtype", "--kv-dtype", "--out-dtype",
+             "--page-size", "--max-batch", "--max-q-len", "--max-decode-seqs", "--splitk", "--gqa-pack", "--impl",
+             "--mma-kernel", "--heads-per-cta"]
+CLI_VALUES = (st.sampled_from(["0", "1", "2", "-1", "-2", "8", "16", "128", "2.0", "1e9", "1000000000000", "nan",
+                               "inf", "", " ", "hopper", "gb10", "hopper,b200", "sm_90", "sm_121", "bfloat16",
+                               "fp8_e4m3", "float32", "on", "off", "legacy", "auto", "v2", "mma", "simt", "/",
+                               "/dev/zero", "/nonexistent/config.json", "--dry-run", "\x00", "é", *HOSTILE_FILES]
+                              + [str(CONFIGS / name) for name in FIXTURES])
+              | st.text(max_size=6))
+
+
+CLI_BASES = st.tuples(st.sampled_from([[], ["--target", "hopper"], ["--target", "gb10,a100"], ["--arch", "sm_90"]]),
+                      st.sampled_from([[], ["--q-heads", "8", "--kv-heads", "2", "--head-dim", "128"]]
+                                      + [["--hf-config", str(CONFIGS / name)] for name in FIXTURES]
+                                      + [["--hf-config", key] for key in HOSTILE_FILES]))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(CLI_BASES, st.lists(st.tuples(st.sampled_from(CLI_FLAGS), CLI_VALUES), max_size=4))
+def test_any_precompile_arguments_end_in_a_plan_or_a_refusal_naming_what_was_wrong(hostile_paths, base, pairs):
+    from metrale_attn.cli import main
+
+    argv = ["precompile", *base[0], *base[1], *(part for pair in pairs for part in pair), "--dry-run"]
+    argv = [hostile_paths.get(arg, arg) for arg in argv]
+    try:
+        code = main(argv)
+    except SystemExit as exit_:  # argparse's refusal of a malformed flag or value
+        assert exit_.code == 2, argv
+        return
+    assert code in (0, 2), argv
