@@ -426,3 +426,11 @@ def test_any_precompile_arguments_end_in_a_plan_or_a_refusal_naming_what_was_wro
         assert exit_.code == 2, argv
         return
     assert code in (0, 2), argv
+
+
+def test_a_layer_the_kernels_refuse_from_a_config_names_the_file_it_came_from(tmp_path, capsys):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(dict(fixture("llama-3-8b.json"), head_dim=72)))
+    err = cli_refusal(capsys, path)
+    assert err.startswith(f"metrale-attn precompile: error: --hf-config {path}: full_attention (32 q heads, 8 KV "
+                          "heads, head_dim 72) on hopper: head_dim must be a multiple of 16"), err
