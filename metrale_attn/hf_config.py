@@ -96,6 +96,9 @@ REFUSED_KEYS = {
 }
 """Keys that, when set (not null, false or 0), change attention in a way the kernels do not serve."""
 REFUSED_KEYS["alibi"] = "ALiBi position biases (Falcon's alibi) are not added by these kernels"
+REFUSED_KEYS["num_key_value_heads_per_layer"] = "KV heads that differ from layer to layer (DeciLM) are not mapped"
+REFUSED_KEYS["block_configs"] = ("attention that differs from block to block (Nemotron-NAS, DeciLM: n_heads_in_group, "
+                                 "no_op) is not mapped")
 REFUSED_KEYS["scale_attn_by_inverse_layer_idx"] = "a logits scale that changes with the layer (GPT-2) is not mapped"
 UNSCALED_KEY = "scale_attn_weights"
 """GPT-2's and GPT-BigCode's: false means logits without the 1/sqrt(head_dim) scale, refused."""
@@ -123,14 +126,16 @@ MODEL_TYPE_ALIASES: dict[str, dict[str, str]] = {
 }
 """A model type's own spelling of a key read here; the key itself, where also given, must agree."""
 
-KV_HEAD_KEYS = ("num_key_value_heads", "num_kv_heads", "n_head_kv", "multi_query", "multi_query_attention",
-                "multi_query_group_num", "attn_config.kv_n_heads")
+KV_HEAD_KEYS = ("num_key_value_heads", "num_kv_heads", "n_head_kv", "n_kv_heads", "multi_query",
+                "multi_query_attention", "multi_query_group_num", "attn_config.kv_n_heads")
 """Every key a model family transformers or vLLM knows gives its KV heads by: Llama's and most
 others' ``num_key_value_heads``, Falcon's ``num_kv_heads`` (``n_head_kv`` in its remote code)
 with ``multi_query`` and ``new_decoder_architecture``, GPT-BigCode's ``multi_query``,
 ChatGLM's ``multi_query_group_num`` with ``multi_query_attention``, DBRX's and MPT's
-``attn_config.kv_n_heads``. Each model type reads some of them (``_kv_heads``); any other of
-them that a config sets must say the same number of KV heads, or the config is refused."""
+``attn_config.kv_n_heads``, and ``n_kv_heads`` (Meta's ``params.json``, OLMo's first
+configs). Each model type reads some of them (``_kv_heads``); any other of them that a
+config sets must say the same number of KV heads, or the config is refused. Per-layer KV
+heads (``num_key_value_heads_per_layer``, ``block_configs``) are refused (``REFUSED_KEYS``)."""
 
 
 class HFConfigError(ValueError):
@@ -344,7 +349,7 @@ def _raw(section: dict, key: str):
 def _kv_claims(section: dict) -> dict:
     """The number of KV heads each key of ``KV_HEAD_KEYS`` the config sets says (1 for a true
     ``multi_query``; ChatGLM's ``multi_query_attention`` says ``multi_query_group_num``'s)."""
-    claims = {key: section[key] for key in ("num_key_value_heads", "num_kv_heads", "n_head_kv",
+    claims = {key: section[key] for key in ("num_key_value_heads", "num_kv_heads", "n_head_kv", "n_kv_heads",
                                             "multi_query_group_num") if section.get(key) is not None}
     if section.get("multi_query") not in (None, False):
         claims["multi_query"] = 1 if section["multi_query"] is True else section["multi_query"]

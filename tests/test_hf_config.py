@@ -258,6 +258,10 @@ def test_dbrx_reads_its_kv_heads_from_attn_config():
      "multi_query_group_num = 2 gives another model family's KV heads"),
     ("llama-3-8b.json", {"attn_config": {"kv_n_heads": 1}}, "attn_config.kv_n_heads = 1 gives another"),
     ("llama-3-8b.json", {"n_head_kv": 2}, "n_head_kv = 2 gives another model family's KV heads"),
+    ("llama-3-8b.json", {"n_kv_heads": 2}, "n_kv_heads = 2 gives another model family's KV heads"),
+    ("llama-3-8b.json", {"num_key_value_heads_per_layer": [8, 4]}, "num_key_value_heads_per_layer = [8, 4]: KV "
+                                                                   "heads that differ from layer to layer"),
+    ("llama-3-8b.json", {"block_configs": [{"attention": {"n_heads_in_group": 8}}]}, "block_configs = "),
     ("falcon-7b.json", {"num_key_value_heads": 71}, "num_key_value_heads = 71 gives another model family's KV "
                                                     "heads, but model_type falcon reads new_decoder_architecture / "
                                                     "multi_query / num_kv_heads (1 KV heads)"),
@@ -319,7 +323,8 @@ READ_KEYS = ["num_attention_heads", "num_key_value_heads", "head_dim", "hidden_s
              "multi_query", "multi_query_attention", "multi_query_group_num", "new_decoder_architecture",
              "attn_config", "n_head", "n_layer", "n_embd", "n_heads", "n_layers", "d_model", "num_layers",
              "kv_channels", "alibi", "scale_attn_weights", "scale_attn_by_inverse_layer_idx", "attention_chunk_size",
-             "kv_lora_rank", "use_bidirectional_attention"]
+             "kv_lora_rank", "use_bidirectional_attention", "n_kv_heads", "num_key_value_heads_per_layer",
+             "block_configs"]
 MODEL_TYPES = ["llama", "gemma2", "gemma3", "gemma3_text", "gpt_oss", "falcon", "chatglm", "gpt_bigcode", "dbrx",
                "mpt", "bloom", "qwen2", "", "RefinedWeb"]
 FIXTURES = sorted(path.name for path in CONFIGS.glob("*.json"))
