@@ -93,13 +93,13 @@ REFUSED_KEYS = {
     "use_bidirectional_attention": "bidirectional attention (an encoder) is not causal decode",
     "attention_chunk_size": "chunked local attention (Llama 4) is not a sliding window; these kernels have none",
     "kv_lora_rank": "multi-head latent attention (DeepSeek) is not served by these kernels",
+    "alibi": "ALiBi position biases (Falcon's alibi) are not added by these kernels",
+    "scale_attn_by_inverse_layer_idx": "a logits scale that changes with the layer (GPT-2) is not mapped",
+    "num_key_value_heads_per_layer": "KV heads that differ from layer to layer (DeciLM) are not mapped",
+    "block_configs": "attention that differs from block to block (Nemotron-NAS, DeciLM: n_heads_in_group, no_op) is "
+                     "not mapped",
 }
 """Keys that, when set (not null, false or 0), change attention in a way the kernels do not serve."""
-REFUSED_KEYS["alibi"] = "ALiBi position biases (Falcon's alibi) are not added by these kernels"
-REFUSED_KEYS["num_key_value_heads_per_layer"] = "KV heads that differ from layer to layer (DeciLM) are not mapped"
-REFUSED_KEYS["block_configs"] = ("attention that differs from block to block (Nemotron-NAS, DeciLM: n_heads_in_group, "
-                                 "no_op) is not mapped")
-REFUSED_KEYS["scale_attn_by_inverse_layer_idx"] = "a logits scale that changes with the layer (GPT-2) is not mapped"
 UNSCALED_KEY = "scale_attn_weights"
 """GPT-2's and GPT-BigCode's: false means logits without the 1/sqrt(head_dim) scale, refused."""
 
@@ -126,8 +126,8 @@ MODEL_TYPE_ALIASES: dict[str, dict[str, str]] = {
 }
 """A model type's own spelling of a key read here; the key itself, where also given, must agree."""
 
-KV_HEAD_KEYS = ("num_key_value_heads", "num_kv_heads", "n_head_kv", "n_kv_heads", "multi_query",
-                "multi_query_attention", "multi_query_group_num", "attn_config.kv_n_heads")
+KV_COUNT_KEYS = ("num_key_value_heads", "num_kv_heads", "n_head_kv", "n_kv_heads", "multi_query_group_num")
+KV_HEAD_KEYS = KV_COUNT_KEYS + ("multi_query", "multi_query_attention", "attn_config.kv_n_heads")
 """Every key a model family transformers or vLLM knows gives its KV heads by: Llama's and most
 others' ``num_key_value_heads``, Falcon's ``num_kv_heads`` (``n_head_kv`` in its remote code)
 with ``multi_query`` and ``new_decoder_architecture``, GPT-BigCode's ``multi_query``,
@@ -349,8 +349,7 @@ def _raw(section: dict, key: str):
 def _kv_claims(section: dict) -> dict:
     """The number of KV heads each key of ``KV_HEAD_KEYS`` the config sets says (1 for a true
     ``multi_query``; ChatGLM's ``multi_query_attention`` says ``multi_query_group_num``'s)."""
-    claims = {key: section[key] for key in ("num_key_value_heads", "num_kv_heads", "n_head_kv", "n_kv_heads",
-                                            "multi_query_group_num") if section.get(key) is not None}
+    claims = {key: section[key] for key in KV_COUNT_KEYS if section.get(key) is not None}
     if section.get("multi_query") not in (None, False):
         claims["multi_query"] = 1 if section["multi_query"] is True else section["multi_query"]
     if section.get("multi_query_attention") not in (None, False):
