@@ -13,6 +13,8 @@ import pathlib
 import re
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from metrale_attn import hf_config
 from metrale_attn.hf_config import HFConfigError
@@ -313,9 +315,6 @@ def test_the_command_prints_and_compiles_the_kv_heads_each_family_gives(capsys, 
 
 
 # -- any config.json: mapped or refused by name ---------------------------------------------
-
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
 
 READ_KEYS = ["num_attention_heads", "num_key_value_heads", "head_dim", "hidden_size", "num_hidden_layers",
              "torch_dtype", "dtype", "sliding_window", "use_sliding_window", "layer_types", "sliding_window_pattern",
