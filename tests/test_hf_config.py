@@ -349,6 +349,14 @@ def hostile_configs(draw) -> dict:
     return config
 
 
+@pytest.mark.parametrize("cap", [10**400, -10**400, float("inf"), float("nan"), "50", True, [50]])
+def test_a_soft_cap_that_is_no_finite_positive_number_is_refused_naming_it_even_past_the_float_range(cap):
+    config = dict(fixture("gemma-2-9b.json"), attn_logit_softcapping=cap)
+    with pytest.raises(HFConfigError, match=re.escape(f"attn_logit_softcapping must be a positive number (or null), "
+                                                      f"got {cap!r}")):
+        hf_config.from_dict(config)
+
+
 @settings(max_examples=400, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(hostile_configs())
 def test_any_config_is_mapped_to_positive_counts_or_refused_with_an_hf_config_error_naming_the_file(config):
