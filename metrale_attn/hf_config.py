@@ -59,6 +59,7 @@ import numbers
 import re
 from collections import Counter
 from dataclasses import dataclass
+from itertools import accumulate
 from pathlib import Path
 from typing import Optional
 
@@ -186,8 +187,9 @@ MAX_DEPTH = 64
 (``text_config.rope_scaling``); past this the text is refused before it is parsed, so the
 parser never recurses deeply (no RecursionError, whatever the caller's stack)."""
 
-_JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')
+_JSON_STRING = re.compile(r'"[^"]*"')  # once escapes are gone, a string holds no quote
 _NOT_BRACKET = re.compile(r"[^\[\]{}]+")
+_DEPTH_STEP = {"[": 1, "{": 1, "]": -1, "}": -1}
 
 
 def load(path) -> HFModel:
@@ -217,18 +219,15 @@ def load(path) -> HFModel:
     return from_dict(config, source=str(path))
 
 
-def json_depth(text: str, limit: int = MAX_DEPTH) -> int:
+def json_depth(text: str) -> int:
     """How deep the arrays and objects of JSON ``text`` nest (brackets inside strings do not
-    count), without parsing it; stops counting past ``limit`` (the result is then ``limit + 1``)."""
-    brackets = _NOT_BRACKET.sub("", _JSON_STRING.sub("", text))
-    depth = deepest = 0
-    for bracket in brackets:
-        depth += 1 if bracket in "[{" else -1
-        if depth > deepest:
-            deepest = depth
-            if deepest > limit:
-                break
-    return deepest
+    count), without parsing it, in time linear in its length whatever it holds."""
+    # JSON escapes pair from the left, so dropping each escaped backslash, then each escaped
+    # quote, leaves strings without a quote inside (a backslash outside a string is no JSON:
+    # the parser refuses it afterwards). Every step is linear: no regex retries a failed match.
+    unescaped = text.replace("\\\\", "").replace('\\"', "")
+    brackets = _NOT_BRACKET.sub("", _JSON_STRING.sub("", unescaped))
+    return max(accumulate(map(_DEPTH_STEP.__getitem__, brackets)), default=0)
 
 
 def from_dict(config, source: str = "config.json") -> HFModel:

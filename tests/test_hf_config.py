@@ -103,12 +103,24 @@ def test_a_deeply_nested_config_is_refused_naming_the_file_not_a_recursion_error
     assert f"error: --hf-config {path}: JSON nested more than 64 deep" in cli_refusal(capsys, path)
 
 
+def test_the_nesting_check_takes_linear_time_on_a_file_of_escaped_quotes(tmp_path):
+    import time
+
+    path = tmp_path / "config.json"
+    path.write_text('{"a": "' + '\\"[' * 300_000 + "}")  # an unterminated string of escaped quotes
+    start = time.perf_counter()
+    with pytest.raises(HFConfigError, match=re.escape(f"--hf-config {path}: ")):
+        hf_config.load(path)
+    assert time.perf_counter() - start < 5  # a regex retrying each quote takes tens of minutes here
+
+
 def test_brackets_inside_strings_do_not_count_as_nesting(tmp_path):
     config = dict(fixture("llama-3-8b.json"), note="[[[[{{{{" * 100, escaped='\\"[[[' * 100)
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config))
     assert hf_config.load(path).num_kv_heads == 8
     assert hf_config.json_depth('{"a": [{"b": "]]]}}}"}]}') == 3
+    assert hf_config.json_depth(r'["a\\", ["\"[[", "\\\"]"]]') == 2  # escaped backslashes and quotes
 
 
 @pytest.mark.parametrize("data, byte, offset", [
