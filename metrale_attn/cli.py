@@ -180,7 +180,14 @@ def run_precompile(args: argparse.Namespace, out=print) -> int:
                       out_dtype=args.out_dtype, page_size=args.page_size, splitk=args.splitk, gqa_pack=args.gqa_pack,
                       impl=args.impl, heads_per_cta=args.heads_per_cta, max_decode_seqs=args.max_decode_seqs,
                       mma_kernel=args.mma_kernel)
-    plans = [needed_specs(layers, target, options, sm_count=args.sm_count) for target in targets]
+    try:
+        plans = [needed_specs(layers, target, options, sm_count=args.sm_count) for target in targets]
+    except (ValueError, TypeError) as err:
+        if args.hf_config is None:
+            raise
+        # The layer kinds came from the file: say which, as hf_config's own refusals do (after
+        # the argument named, which may be a flag's).
+        raise type(err)(f"{err} (layer kinds from --hf-config {args.hf_config})") from None
     where = "--q-dtype" if args.q_dtype else ("the config's dtype" if model_dtype else "the default")
     lines.append(f"dtypes: q {q_dtype} ({where}), KV {args.kv_dtype or q_dtype}"
                  f"{'' if args.kv_dtype else ' (as q; --kv-dtype to change)'}; max_batch {args.max_batch}, "

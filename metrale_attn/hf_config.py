@@ -2,9 +2,13 @@
 
 Pure: a parsed ``config.json`` in, an ``HFModel`` out (the whole model's heads, head dim,
 model dtype, and the kinds of attention layer it has, each with its count and features).
-Only keys whose meaning the real configs of Llama 3, Qwen 2/3, Mistral, Gemma 2/3 and
-gpt-oss pin down are read, with transformers' semantics; a key that changes attention in
-a way not mapped here is refused with its name, never ignored.
+Only keys whose meaning the real configs of Llama 3, Qwen 2/3, Mistral, Gemma 2/3, gpt-oss,
+Falcon, ChatGLM, GPT-BigCode (StarCoder) and DBRX pin down are read, with transformers'
+semantics; a key that changes attention in a way not mapped here is refused with its name,
+never ignored. A ``config.json`` is hostile input: ``load`` reads at most
+``MAX_CONFIG_BYTES`` of UTF-8 nested at most ``MAX_DEPTH`` deep, layer kinds are counted
+(never one entry per layer), and every refusal is an ``HFConfigError`` naming the file and
+the key.
 
 =============================  ==============================================================
 key                            what it sets
@@ -13,7 +17,17 @@ key                            what it sets
                                from it (``torch_dtype``/``dtype`` and ``model_type`` from it,
                                else from the top level)
 ``num_attention_heads``        q heads (the whole model's; ``shard_heads`` splits them)
-``num_key_value_heads``        KV heads; absent or null: ``num_attention_heads``
+``num_key_value_heads``        KV heads; absent or null: ``num_attention_heads``. Other model
+                               families' KV-head keys (``KV_HEAD_KEYS``) are read by their model
+                               type (``KV_RULES``): Falcon's ``num_kv_heads`` under
+                               ``new_decoder_architecture`` or without ``multi_query`` (default
+                               true: one KV head), GPT-BigCode's ``multi_query``, ChatGLM's
+                               ``multi_query_group_num`` under ``multi_query_attention``, DBRX's
+                               ``attn_config.kv_n_heads``; one a model type does not read must
+                               agree, else the config is refused
+``n_head``, ``num_layers``...  a model type's own names for the keys here
+                               (``MODEL_TYPE_ALIASES``: GPT-BigCode, DBRX, ChatGLM's
+                               ``kv_channels`` as ``head_dim``)
 ``head_dim``                   head dim; absent or null: ``hidden_size / num_attention_heads``
 ``torch_dtype`` / ``dtype``    q dtype when ``bfloat16`` or ``float16`` (vLLM's ``--dtype auto``)
 ``sliding_window``             ``window_left = sliding_window - 1`` on sliding layers (vLLM's
@@ -33,15 +47,19 @@ and gpt-oss slide on even layers), ``max_window_layers``, else every layer slide
 ``MODEL_TYPE_DEFAULTS`` has one (Gemma 3's ``text_config`` omits ``head_dim`` 256, which is
 not ``hidden_size / num_attention_heads``). Refused: bidirectional attention, chunked local
 attention (``attention_chunk_size``, Llama 4), multi-head latent attention (``kv_lora_rank``,
-DeepSeek), and layer kinds other than the two above.
+DeepSeek), ALiBi (Falcon's ``alibi``; BLOOM, Jais, MPT, Baichuan: ``REFUSED_MODEL_TYPES``),
+unscaled logits (``scale_attn_weights`` false), and layer kinds other than the two above.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import numbers
+import re
 from collections import Counter
 from dataclasses import dataclass
+from itertools import accumulate
 from pathlib import Path
 from typing import Optional
 
@@ -76,8 +94,49 @@ REFUSED_KEYS = {
     "use_bidirectional_attention": "bidirectional attention (an encoder) is not causal decode",
     "attention_chunk_size": "chunked local attention (Llama 4) is not a sliding window; these kernels have none",
     "kv_lora_rank": "multi-head latent attention (DeepSeek) is not served by these kernels",
+    "alibi": "ALiBi position biases (Falcon's alibi) are not added by these kernels",
+    "scale_attn_by_inverse_layer_idx": "a logits scale that changes with the layer (GPT-2) is not mapped",
+    "num_key_value_heads_per_layer": "KV heads that differ from layer to layer (DeciLM) are not mapped",
+    "block_configs": "attention that differs from block to block (Nemotron-NAS, DeciLM: n_heads_in_group, no_op) is "
+                     "not mapped",
 }
 """Keys that, when set (not null, false or 0), change attention in a way the kernels do not serve."""
+UNSCALED_KEY = "scale_attn_weights"
+"""GPT-2's and GPT-BigCode's: false means logits without the 1/sqrt(head_dim) scale, refused."""
+
+REFUSED_MODEL_TYPES = {
+    "bloom": "BLOOM's attention adds ALiBi position biases, which these kernels do not",
+    "jais": "Jais's attention adds ALiBi position biases, which these kernels do not",
+    "mpt": "MPT's attention (ALiBi by default, attn_config's attn_type, kv_n_heads, softmax_scale, prefix_lm) is "
+           "not mapped",
+    "baichuan": "Baichuan 13B adds ALiBi position biases and 7B does not, under the same model_type",
+    "RefinedWeb": "Falcon's remote-code config (n_head_kv, before transformers' falcon) is not mapped; use the "
+                  "model's model_type falcon config.json",
+    "RefinedWebModel": "Falcon's remote-code config (before transformers' falcon) is not mapped; use the model's "
+                       "model_type falcon config.json",
+}
+"""Model types whose attention these kernels do not serve, or whose config.json does not say
+which attention it is."""
+
+MODEL_TYPE_ALIASES: dict[str, dict[str, str]] = {
+    # transformers' attribute_map: these configs spell the keys read here their own way.
+    "gpt_bigcode": {"num_attention_heads": "n_head", "num_hidden_layers": "n_layer", "hidden_size": "n_embd"},
+    "dbrx": {"num_attention_heads": "n_heads", "num_hidden_layers": "n_layers", "hidden_size": "d_model"},
+    # ChatGLM's remote code: kv_channels is the head dim (its projection is heads x kv_channels).
+    "chatglm": {"num_hidden_layers": "num_layers", "head_dim": "kv_channels"},
+}
+"""A model type's own spelling of a key read here; the key itself, where also given, must agree."""
+
+KV_COUNT_KEYS = ("num_key_value_heads", "num_kv_heads", "n_head_kv", "n_kv_heads", "multi_query_group_num")
+KV_HEAD_KEYS = KV_COUNT_KEYS + ("multi_query", "multi_query_attention", "attn_config.kv_n_heads")
+"""Every key a model family transformers or vLLM knows gives its KV heads by: Llama's and most
+others' ``num_key_value_heads``, Falcon's ``num_kv_heads`` (``n_head_kv`` in its remote code)
+with ``multi_query`` and ``new_decoder_architecture``, GPT-BigCode's ``multi_query``,
+ChatGLM's ``multi_query_group_num`` with ``multi_query_attention``, DBRX's and MPT's
+``attn_config.kv_n_heads``, and ``n_kv_heads`` (Meta's ``params.json``, OLMo's first
+configs). Each model type reads some of them (``_kv_heads``); any other of them that a
+config sets must say the same number of KV heads, or the config is refused. Per-layer KV
+heads (``num_key_value_heads_per_layer``, ``block_configs``) are refused (``REFUSED_KEYS``)."""
 
 
 class HFConfigError(ValueError):
@@ -119,18 +178,56 @@ class HFModel:
     notes: tuple[str, ...] = ()
 
 
+MAX_CONFIG_BYTES = 8 << 20
+"""The largest ``config.json`` read (bytes): real ones are a few KiB (a quantized model's with
+per-module lists, a few hundred); past this the file is not read on (``/dev/zero`` ends)."""
+
+MAX_DEPTH = 64
+"""The deepest nesting of JSON arrays and objects read: real configs nest 3 or 4 deep
+(``text_config.rope_scaling``); past this the text is refused before it is parsed, so the
+parser never recurses deeply (no RecursionError, whatever the caller's stack)."""
+
+_JSON_STRING = re.compile(r'"[^"]*"')  # once escapes are gone, a string holds no quote
+_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
+_DEPTH_STEP = {"[": 1, "{": 1, "]": -1, "}": -1}
+
+
 def load(path) -> HFModel:
-    """``from_dict`` of the JSON file at ``path`` (a ``config.json``)."""
+    """``from_dict`` of the JSON file at ``path`` (a ``config.json``): UTF-8, at most
+    ``MAX_CONFIG_BYTES`` and ``MAX_DEPTH`` deep, else an ``HFConfigError`` naming the file."""
     path = Path(path)
+    where = f"--hf-config {path}"
     try:
-        text = path.read_text(encoding="utf-8")
+        with path.open("rb") as file:
+            data = file.read(MAX_CONFIG_BYTES + 1)  # bounded: a device or a huge file is not read whole
     except OSError as err:
-        raise HFConfigError(f"--hf-config {path}: cannot read it ({err.strerror or err})") from None
+        raise HFConfigError(f"{where}: cannot read it ({err.strerror or err})") from None
+    if len(data) > MAX_CONFIG_BYTES:
+        raise HFConfigError(f"{where}: larger than {MAX_CONFIG_BYTES} bytes; a config.json is a few KiB")
+    try:
+        text = data.decode("utf-8")  # what transformers reads it as
+    except UnicodeDecodeError as err:
+        raise HFConfigError(f"{where}: not UTF-8 text (byte 0x{data[err.start]:02x} at offset {err.start}); a "
+                            "config.json is UTF-8 JSON") from None
+    depth = json_depth(text)
+    if depth > MAX_DEPTH:
+        raise HFConfigError(f"{where}: JSON nested more than {MAX_DEPTH} deep; a config.json nests a few levels")
     try:
         config = json.loads(text)
-    except ValueError as err:
-        raise HFConfigError(f"--hf-config {path}: not JSON ({err})") from None
+    except (ValueError, RecursionError) as err:  # RecursionError: only on a nearly exhausted stack
+        raise HFConfigError(f"{where}: not JSON ({err})") from None
     return from_dict(config, source=str(path))
+
+
+def json_depth(text: str) -> int:
+    """How deep the arrays and objects of JSON ``text`` nest (brackets inside strings do not
+    count), without parsing it, in time linear in its length whatever it holds."""
+    # JSON escapes pair from the left, so dropping each escaped backslash, then each escaped
+    # quote, leaves strings without a quote inside (a backslash outside a string is no JSON:
+    # the parser refuses it afterwards). Every step is linear: no regex retries a failed match.
+    unescaped = text.replace("\\\\", "").replace('\\"', "")
+    brackets = _NOT_BRACKET.sub("", _JSON_STRING.sub("", unescaped))
+    return max(accumulate(map(_DEPTH_STEP.__getitem__, brackets)), default=0)
 
 
 def from_dict(config, source: str = "config.json") -> HFModel:
@@ -142,8 +239,14 @@ def from_dict(config, source: str = "config.json") -> HFModel:
         raise HFConfigError(f"{source}: text_config must be a JSON object, got {type(text).__name__}")
     where = f"{source} text_config" if text else source
     section = text or config
-    model_type = str(section.get("model_type") or config.get("model_type") or "")
+    model_type = section.get("model_type") or config.get("model_type") or ""
+    if not isinstance(model_type, str):
+        raise HFConfigError(f"{where}: model_type must be a string, got {model_type!r}")
+    if model_type in REFUSED_MODEL_TYPES:
+        raise HFConfigError(f"{where}: model_type {model_type!r}: {REFUSED_MODEL_TYPES[model_type]} (give the shape "
+                            "and features explicitly only if the attention is plain causal softmax)")
     notes: list[str] = []
+    section = _canonical(where, section, model_type, notes)
     defaults = MODEL_TYPE_DEFAULTS.get(model_type, {})
 
     def value(key: str):
@@ -158,9 +261,11 @@ def from_dict(config, source: str = "config.json") -> HFModel:
     for key, why in REFUSED_KEYS.items():
         if section.get(key):
             raise HFConfigError(f"{where}: {key} = {section[key]!r}: {why}")
+    if section.get(UNSCALED_KEY) is False:
+        raise HFConfigError(f"{where}: {UNSCALED_KEY} = False: logits without the 1/sqrt(head_dim) scale are not "
+                            "mapped")
     heads = _positive_int(where, "num_attention_heads", value("num_attention_heads"))
-    kv = value("num_key_value_heads")
-    kv_heads = heads if kv is None else _positive_int(where, "num_key_value_heads", kv)
+    kv_heads = _kv_heads(where, section, model_type, heads, value, notes)
     head_dim = _head_dim(where, value("head_dim"), section.get("hidden_size"), heads, notes)
     dtype = _dtype(section, config, notes)
     kinds = _kinds(where, section, model_type, value, notes)
@@ -170,7 +275,12 @@ def from_dict(config, source: str = "config.json") -> HFModel:
 def shard_heads(num_q_heads: int, num_kv_heads: int, tensor_parallel: int) -> tuple[int, int]:
     """One rank's ``(q heads, KV heads)`` under tensor parallelism, as vLLM splits them: q
     heads divide evenly; KV heads divide evenly when there are at least as many as ranks,
-    else each is replicated over ``tensor_parallel / num_kv_heads`` ranks (one per rank)."""
+    else each is replicated over ``tensor_parallel / num_kv_heads`` ranks (one per rank).
+    Each count is an int >= 1 (any ``numbers.Integral``, never a bool), else a ValueError
+    naming it, as ``DecodeAttention`` checks its counts."""
+    num_q_heads = count_argument("num_q_heads", num_q_heads)
+    num_kv_heads = count_argument("num_kv_heads", num_kv_heads)
+    tensor_parallel = count_argument("tensor_parallel", tensor_parallel)
     if num_q_heads % tensor_parallel:
         raise HFConfigError(f"--tensor-parallel-size {tensor_parallel} must divide num_attention_heads "
                             f"{num_q_heads}")
@@ -185,7 +295,132 @@ def shard_heads(num_q_heads: int, num_kv_heads: int, tensor_parallel: int) -> tu
     return num_q_heads // tensor_parallel, 1
 
 
+def count_argument(argument: str, value) -> int:
+    """``value`` as an int >= 1 (a count of heads or ranks): any ``numbers.Integral``, not a
+    bool (``config.int_in``'s rule and message; this module imports nothing of the package)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"{argument} must be an int >= 1, got {value!r}")
+    return int(value)
+
+
 # -- the pieces --------------------------------------------------------------------------
+
+
+def _canonical(where: str, section: dict, model_type: str, notes: list) -> dict:
+    """``section`` with the keys read here under their own names, where the model type spells
+    them its own way (``MODEL_TYPE_ALIASES``); both spellings given must agree."""
+    aliases = MODEL_TYPE_ALIASES.get(model_type, {})
+    found = {}
+    for key, alias in aliases.items():
+        if section.get(alias) is None:
+            continue
+        if section.get(key) is not None and section[key] != section[alias]:
+            raise HFConfigError(f"{where}: {key} = {section[key]!r} and {alias} = {section[alias]!r} disagree "
+                                f"({alias} is model_type {model_type}'s name for {key})")
+        found[key] = section[alias]
+        notes.append(f"{key} from {alias} (model_type {model_type}'s name for it)")
+    return {**section, **found} if found else section
+
+
+def _kv_heads(where: str, section: dict, model_type: str, heads: int, value, notes: list) -> int:
+    """The whole model's KV heads, by the keys its model type reads (transformers' modelling
+    code, vLLM's ``get_total_num_kv_heads``); any other key of ``KV_HEAD_KEYS`` the config sets
+    must say the same number, else refused (never ignored)."""
+    read, kv_heads = KV_RULES.get(model_type, _kv_num_key_value_heads)(where, section, heads, value, notes)
+    for key, claimed in _kv_claims(section).items():
+        if key in read:
+            continue
+        if isinstance(claimed, int) and not isinstance(claimed, bool) and claimed == kv_heads:
+            notes.append(f"{key} agrees: {kv_heads} KV heads")
+            continue
+        raise HFConfigError(f"{where}: {key} = {_raw(section, key)!r} gives another model family's KV heads, "
+                            f"but model_type {model_type or '(none)'} reads {' / '.join(read)} ({kv_heads} KV "
+                            "heads): refused, not guessed (give --kv-heads with the shape instead)")
+    return kv_heads
+
+
+def _raw(section: dict, key: str):
+    if key == "attn_config.kv_n_heads":
+        return section["attn_config"]["kv_n_heads"]
+    return section.get(key)
+
+
+def _kv_claims(section: dict) -> dict:
+    """The number of KV heads each key of ``KV_HEAD_KEYS`` the config sets says (1 for a true
+    ``multi_query``; ChatGLM's ``multi_query_attention`` says ``multi_query_group_num``'s)."""
+    claims = {key: section[key] for key in KV_COUNT_KEYS if section.get(key) is not None}
+    if section.get("multi_query") not in (None, False):
+        claims["multi_query"] = 1 if section["multi_query"] is True else section["multi_query"]
+    if section.get("multi_query_attention") not in (None, False):
+        claims["multi_query_attention"] = section.get("multi_query_group_num")
+    attn = section.get("attn_config")
+    if isinstance(attn, dict) and attn.get("kv_n_heads") is not None:
+        claims["attn_config.kv_n_heads"] = attn["kv_n_heads"]
+    return claims
+
+
+def _flag(where: str, section: dict, key: str, default: bool) -> bool:
+    raw = section.get(key)
+    if raw is None:
+        return default
+    if not isinstance(raw, bool):
+        raise HFConfigError(f"{where}: {key} must be true or false, got {raw!r}")
+    return raw
+
+
+def _kv_num_key_value_heads(where, section, heads, value, notes):
+    """Llama's and most models': ``num_key_value_heads``, absent: one per q head."""
+    raw = value("num_key_value_heads")
+    return ("num_key_value_heads",), heads if raw is None else _positive_int(where, "num_key_value_heads", raw)
+
+
+def _kv_falcon(where, section, heads, value, notes):
+    """transformers' Falcon: ``num_kv_heads`` (absent: ``num_attention_heads``) under
+    ``new_decoder_architecture`` or without ``multi_query`` (default true), else one."""
+    read = ("new_decoder_architecture", "multi_query", "num_kv_heads")
+    raw = section.get("num_kv_heads")
+    if _flag(where, section, "new_decoder_architecture", False) or not _flag(where, section, "multi_query", True):
+        return read, heads if raw is None else _positive_int(where, "num_kv_heads", raw)
+    unused = f" (num_kv_heads {raw!r} unused, as Falcon's modelling ignores it here)" if raw is not None else ""
+    notes.append(f"1 KV head: falcon's multi_query without new_decoder_architecture{unused}")
+    return read, 1
+
+
+def _kv_gpt_bigcode(where, section, heads, value, notes):
+    """transformers' GPT-BigCode: one KV head under ``multi_query`` (default true), else one per q head."""
+    if _flag(where, section, "multi_query", True):
+        notes.append("1 KV head: gpt_bigcode's multi_query")
+        return ("multi_query",), 1
+    return ("multi_query",), heads
+
+
+def _kv_chatglm(where, section, heads, value, notes):
+    """ChatGLM's: ``multi_query_group_num`` under ``multi_query_attention`` (default false), else one per q head."""
+    read = ("multi_query_attention", "multi_query_group_num")
+    if _flag(where, section, "multi_query_attention", False):
+        return read, _positive_int(where, "multi_query_group_num", section.get("multi_query_group_num"))
+    if section.get("multi_query_group_num") is not None:
+        notes.append(f"multi_query_group_num {section['multi_query_group_num']!r} unused (multi_query_attention "
+                     "false)")
+    return read, heads
+
+
+def _kv_dbrx(where, section, heads, value, notes):
+    """transformers' DBRX: ``attn_config.kv_n_heads`` (DbrxAttentionConfig's default 1)."""
+    attn = section.get("attn_config")
+    if attn is None:
+        attn = {}
+    if not isinstance(attn, dict):
+        raise HFConfigError(f"{where}: attn_config must be a JSON object, got {type(attn).__name__}")
+    if attn.get("kv_n_heads") is None:
+        notes.append("attn_config.kv_n_heads 1 (dbrx's default: the config omits it)")
+        return ("attn_config.kv_n_heads",), 1
+    return ("attn_config.kv_n_heads",), _positive_int(where, "attn_config.kv_n_heads", attn["kv_n_heads"])
+
+
+KV_RULES = {"falcon": _kv_falcon, "gpt_bigcode": _kv_gpt_bigcode, "chatglm": _kv_chatglm, "dbrx": _kv_dbrx}
+"""Model types whose KV heads are not ``num_key_value_heads``: their rule returns the keys it
+read and the KV heads."""
 
 
 def _positive_int(where: str, key: str, raw) -> int:
@@ -237,17 +472,19 @@ def _kinds(where: str, section: dict, model_type: str, value, notes: list) -> tu
         if SLIDING in types and window is None:
             raise HFConfigError(f"{where}: layer_types has {SLIDING} layers but no sliding_window applies "
                                 "(null, or use_sliding_window false)")
+        if layers is not None and _shown_layer_count(where, layers) != len(types):
+            raise HFConfigError(f"{where}: layer_types has {len(types)} entries but num_hidden_layers is {layers}")
         counts = Counter(types)
     elif window is None:
-        counts = Counter({FULL: layers if isinstance(layers, int) and layers > 0 else 1})
+        counts = {FULL: _shown_layer_count(where, layers)}
     else:
-        counts = Counter(_sliding_pattern(where, section, model_type, value, layers, notes))
+        counts = _sliding_pattern(where, section, model_type, value, layers, notes)
     cap = _soft_cap(where, value("attn_logit_softcapping"))
     sinks = model_type in SINK_MODEL_TYPES
     if sinks:
         notes.append(f"sinks on every layer (model_type {model_type}: learned per-head sinks)")
     return tuple(LayerKind(name, counts[name], window - 1 if name == SLIDING else -1, cap, sinks)
-                 for name in (SLIDING, FULL) if counts[name])
+                 for name in (SLIDING, FULL) if counts.get(name))
 
 
 def _window(where: str, section: dict, value, notes: list) -> Optional[int]:
@@ -265,8 +502,9 @@ def _window(where: str, section: dict, value, notes: list) -> Optional[int]:
     return raw
 
 
-def _sliding_pattern(where: str, section: dict, model_type: str, value, layers, notes: list) -> list[str]:
-    """Each layer's kind where ``layer_types`` is absent, as transformers derives it."""
+def _sliding_pattern(where: str, section: dict, model_type: str, value, layers, notes: list) -> dict[str, int]:
+    """How many layers of each kind, where ``layer_types`` is absent, as transformers derives
+    each layer's kind; counted, never listed (``num_hidden_layers`` may be any integer)."""
     pattern = value("sliding_window_pattern")
     rule = None
     if pattern is not None:
@@ -278,16 +516,16 @@ def _sliding_pattern(where: str, section: dict, model_type: str, value, layers, 
             raise HFConfigError(f"{where}: sliding_window_pattern must be a positive integer, got {pattern!r}")
         count = _layer_count(where, layers, rule)
         notes.append(f"layer kinds from {rule}: layer i slides unless (i + 1) % {pattern} == 0")
-        return [SLIDING if (i + 1) % pattern else FULL for i in range(count)]
+        full = count // pattern  # the layers i + 1 = pattern, 2 * pattern, ... <= count
+        return {SLIDING: count - full, FULL: full}
     first = section.get("max_window_layers")
     if first is not None:
         if isinstance(first, bool) or not isinstance(first, int) or first < 0:
             raise HFConfigError(f"{where}: max_window_layers must be a non-negative integer, got {first!r}")
         count = _layer_count(where, layers, "max_window_layers")
         notes.append(f"layer kinds from max_window_layers {first}: layers {first} and up slide")
-        return [SLIDING if i >= first else FULL for i in range(count)]
-    count = layers if isinstance(layers, int) and layers > 0 else 1
-    return [SLIDING] * count
+        return {SLIDING: max(count - first, 0), FULL: min(count, first)}
+    return {SLIDING: _shown_layer_count(where, layers)}
 
 
 def _layer_count(where: str, layers, rule: str) -> int:
@@ -296,9 +534,30 @@ def _layer_count(where: str, layers, rule: str) -> int:
     return layers
 
 
+def _shown_layer_count(where: str, layers) -> int:
+    """``num_hidden_layers`` where only the printed count reads it: 1 when absent (one kind of
+    layer, count unknown), else a positive integer."""
+    if layers is None:
+        return 1
+    if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
+        raise HFConfigError(f"{where}: num_hidden_layers must be a positive integer, got {layers!r}")
+    return layers
+
+
 def _soft_cap(where: str, raw) -> Optional[float]:
     if raw is None or raw == 0:
         return None
-    if isinstance(raw, bool) or not isinstance(raw, (int, float)) or not (raw > 0 and math.isfinite(raw)):
+    cap = _as_float(raw)
+    if cap is None or not (cap > 0 and math.isfinite(cap)):
         raise HFConfigError(f"{where}: attn_logit_softcapping must be a positive number (or null), got {raw!r}")
-    return float(raw)
+    return cap
+
+
+def _as_float(raw) -> Optional[float]:
+    """A JSON number as a float (an integer past the float range is inf), else None."""
+    if isinstance(raw, bool) or not isinstance(raw, (int, float)):
+        return None
+    try:
+        return float(raw)
+    except OverflowError:  # float(10**400)
+        return math.inf

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Optional, Sequence
 
 from .cache import cache_root
-from .config import ENV_IMPL, configure, impl_chosen
+from .config import ENV_IMPL, configure, impl_chosen, int_in
 from .hf_config import HFModel, shard_heads
 from .kernels import SelfTest, launchable_config, specs_for
 from .plan import LEGACY_MAX_DECODE_SEQS
@@ -114,7 +114,8 @@ class Built:
 
 def layers_of(model: HFModel, tensor_parallel: int = 1) -> list[Layer]:
     """One ``Layer`` per layer kind of a Hugging Face model (``hf_config.load``), with one
-    rank's heads at ``tensor_parallel`` ranks (``hf_config.shard_heads``)."""
+    rank's heads at ``tensor_parallel`` ranks (``hf_config.shard_heads``: an int >= 1, else a
+    ValueError naming it)."""
     q_heads, kv_heads = shard_heads(model.num_q_heads, model.num_kv_heads, tensor_parallel)
     return [Layer(kind.name, q_heads, kv_heads, model.head_dim, kind.window_left, kind.logits_soft_cap, kind.sinks)
             for kind in model.kinds]
@@ -136,10 +137,11 @@ def needed_specs(layers: Sequence[Layer], target: Target, options: Options = Opt
     ``sm_count`` SMs, default the table's; a GPU's own count is what a construction uses),
     resolved against ``environ`` (default ``os.environ``) as a construction resolves its
     options: both outcomes of the self-test (see the module's docstring). A value the
-    kernels refuse is a ValueError naming the argument and the layer."""
+    kernels refuse is a ValueError naming the argument and the layer; ``sm_count`` is an
+    int >= 1 (the split-K policy divides work by it)."""
     env = os.environ if environ is None else environ
     if sm_count is not None:
-        target = replace(target, sm_count=sm_count)
+        target = replace(target, sm_count=int_in("sm_count", sm_count, 1))
     target_policy = resolve_target_policy(target, splitk=options.splitk, gqa_pack=options.gqa_pack, environ=environ)
     chosen = impl_chosen(options.impl, env.get(ENV_IMPL))
     found: dict[str, tuple[object, list[str]]] = {}
@@ -213,13 +215,30 @@ def build(plan: TargetPlan, cache_dir: Optional[Path] = None,
         start = time.perf_counter()
         found = cubin_lookup(needed.spec, arch, root)
         if found.path.parent != root / "cubin":  # the lookup fell back to a private directory: gone at exit
-            raise PrecompileError(f"cannot write the cache directory {root / 'cubin'} (the kernel went to "
-                                  f"{found.path.parent} for this process only): give a writable --cache-dir")
+            raise PrecompileError(f"{unwritable_cache(root / 'cubin', found.path.name)} (the kernel went to "
+                                  f"{found.path.parent} for this process only)")
         built = Built(arch, needed.name, needed.why, found.compile_s is None, time.perf_counter() - start, found.path)
         done.append(built)
         if on_built is not None:
             on_built(built)
     return done
+
+
+def unwritable_cache(cubin_dir: Path, name: str) -> str:
+    """What keeps the kernel file ``name`` out of ``cubin_dir``, as the file system shows it
+    after the write failed: a directory where the entry (or its ``.json`` sidecar) goes, a file
+    where a directory goes, or a directory without write permission."""
+    for path in (cubin_dir / name, cubin_dir / f"{name}.json"):
+        if path.is_dir():
+            return f"cannot write the kernel into the cache: {path} is a directory where the cache keeps a file; " \
+                   "remove it"
+    existing = next((p for p in (cubin_dir, *cubin_dir.parents) if p.exists()), None)
+    if existing is not None and not existing.is_dir():
+        return (f"cannot make the cache directory {cubin_dir}: {existing} is a file, not a directory; give --cache-dir "
+                "a directory")
+    if existing is not None and not os.access(existing, os.W_OK | os.X_OK):
+        return f"cannot write the cache directory {cubin_dir}: {existing} is not writable; give a writable --cache-dir"
+    return f"cannot write the kernel into the cache directory {cubin_dir} (the warning above has the error)"
 
 
 def precompile(layers: Sequence[Layer], targets: Sequence[Target], options: Options = Options(), *,

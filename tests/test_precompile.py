@@ -371,5 +371,40 @@ def test_a_cache_directory_that_cannot_take_a_missing_kernel_is_an_error_not_a_s
         code, out, err = precompile_cli(capsys, "--target", "hopper", *SMALL, "--impl", "simt",
                                         "--cache-dir", str(blocker / "cache"))
     assert code == 2 and "  miss" not in out
-    assert f"error: cannot write the cache directory {blocker / 'cache' / 'cubin'}" in err
-    assert "give a writable --cache-dir" in err
+    assert (f"error: cannot make the cache directory {blocker / 'cache' / 'cubin'}: {blocker} is a file, not a "
+            "directory; give --cache-dir a directory (the kernel went to ") in err
+
+
+@pytest.mark.parametrize("blocked", ["entry", "sidecar", "read-only"])
+def test_a_cache_that_cannot_take_a_kernel_says_what_is_actually_in_the_way(tmp_path, monkeypatch, capsys, blocked):
+    pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="NVRTC (cupy) is not installed")
+    import os
+
+    from support.builds import nvrtc_build
+    from metrale_attn.backends import cubin, cupy_backend
+
+    if blocked == "read-only" and os.geteuid() == 0:
+        pytest.skip("root writes into a read-only directory")
+    monkeypatch.setattr(cubin, "_fallback_dir", None)
+    monkeypatch.setattr(cupy_backend, "compile_cubin", lambda v, a: nvrtc_build(v, a)[0])
+    layer = Layer("layer", 4, 4, 64)
+    options = Options(impl="simt")
+    entry = cupy_backend.cubin_entry(needed_specs([layer], TARGETS["hopper"], options, environ={}).needed[0].spec,
+                                     "sm_90", tmp_path)
+    entry.parent.mkdir(parents=True)
+    if blocked == "read-only":
+        entry.parent.chmod(0o555)
+    else:
+        (entry if blocked == "entry" else entry.with_name(entry.name + ".json")).mkdir()
+    from metrale_attn import precompile
+
+    with pytest.warns(RuntimeWarning), pytest.raises(PrecompileError) as refused:
+        precompile.precompile([layer], [TARGETS["hopper"]], options, cache_dir=tmp_path)
+    entry.parent.chmod(0o755)
+    if blocked == "read-only":
+        assert f"cannot write the cache directory {entry.parent}: {entry.parent} is not writable" in str(refused.value)
+    else:
+        blocker = entry if blocked == "entry" else entry.with_name(entry.name + ".json")
+        assert str(refused.value).startswith(f"cannot write the kernel into the cache: {blocker} is a directory where "
+                                             "the cache keeps a file; remove it (the kernel went to ")
+        assert "writable --cache-dir" not in str(refused.value)
