@@ -69,6 +69,14 @@ def test_timing_points_are_parsed_and_a_bad_one_is_refused_naming_the_flag():
             parse_points(bad)
 
 
+def test_a_check_refuses_counts_and_times_that_are_not_positive_naming_them(tmp_path):
+    for bad in (dict(jobs=0), dict(jobs=True), dict(cap_s=0.0), dict(deadline_s=float("inf")), dict(check_seqs=1.5)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            CheckOptions((TINY,), "tiny", tmp_path, **bad)
+    with pytest.raises(ValueError, match="--impl"):
+        CheckOptions((TINY,), "tiny", tmp_path, impls=("mma", "triton"))
+
+
 def test_a_model_is_named_by_a_preset_or_a_config_and_sharded_over_the_ranks(tmp_path):
     label, layers = model_layers(["llama-3-70b"], tensor_parallel=8)
     assert (layers[0].num_q_heads, layers[0].num_kv_heads, layers[0].head_dim) == (8, 1, 128) and "TP 8" in label

@@ -78,6 +78,13 @@ class CheckOptions:
                 raise ValueError(f"{name} takes {', '.join(known)}; got {', '.join(values) or 'nothing'}")
         if self.backend not in ("auto", "cupy", "cpu"):
             raise ValueError(f"--backend takes auto, cupy or cpu; got {self.backend!r}")
+        for name, value in (("jobs", self.jobs), ("check_seqs", self.check_seqs)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        for name, value in (("cap_s", self.cap_s), ("deadline_s", self.deadline_s), ("copy_gib", self.copy_gib)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not 0 < value < float("inf")):
+                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
 
 
 def resolve_backend(name: str) -> str:

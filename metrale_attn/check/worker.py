@@ -256,7 +256,7 @@ class Worker:
             if cell.impl == "sdpa":
                 fn = peers.prepare_sdpa_gather(case)
             else:
-                fn = peers.prepare_flashinfer(case, status=_load_json(self.flashinfer_status))
+                fn = peers.prepare_flashinfer(case, status=_flashinfer_status(self.flashinfer_status))
             timer.synchronize_device()
             with timer.on_stream():
                 out = fn()
@@ -276,8 +276,8 @@ def fallback_message(asked: str, built: str) -> str:
             "(DecodeAttention warns and serves simt there); report it with this device's name")
 
 
-def _load_json(path: Optional[str]) -> Optional[dict]:
-    """A JSON file's object, None without a path; an unreadable one is an empty status (nothing built)."""
+def _flashinfer_status(path: Optional[str]) -> Optional[dict]:
+    """The prewarm's status file, None without one; an unreadable one says that nothing was built."""
     if not path:
         return None
     try:
