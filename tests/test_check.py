@@ -215,3 +215,21 @@ def test_a_test_worker_that_meets_a_sticky_cuda_error_ends_and_xdist_names_the_t
     assert "1 passed" in text
     status, detail = pytest_verdict(done.returncode, text, "gpu")
     assert status == "FAIL" and "a worker crashed: " in detail and "test_meets_a_sticky_cuda_error" in detail
+
+
+@pytest.mark.slow
+def test_the_kernels_a_check_needs_compile_in_parallel_processes_and_a_second_time_are_all_cached(tmp_path,
+                                                                                                 monkeypatch):
+    """NVRTC needs no GPU: the compile step (``--compile-only``) on a stand-in sm_90 device, into a fresh cache."""
+    from metrale_attn.check import run
+
+    monkeypatch.setenv("METRALE_ATTN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(run, "_device_arch", lambda: ("sm_90", 132))
+    options = CheckOptions((TINY,), "tiny", tmp_path, impls=("mma", "simt"), jobs=2)
+    plans = run.kernel_plans(options, "sm_90", 132)
+    assert len(plans) == len({p.needed[0].name for p in plans}) >= 3
+    said = []
+    run.compile_kernels(options, say=said.append)
+    assert said[-1].startswith(f"compiled {len(plans)} kernels (0 were cached, 0 failed)")
+    run.compile_kernels(options, say=said.append)
+    assert said[-1].startswith(f"compiled 0 kernels ({len(plans)} were cached, 0 failed)")
