@@ -6,15 +6,15 @@ LAST: the device tool returns only the last 12,000 characters of a run's output,
 table is kept to short lines and a few dozen of them:
 
 - the step table (``steps.tsv``: name, status, seconds, detail), a running step if any;
-- the decisive cells (``metrale-attn check``'s report): the default kernel, simt and the peers
-  in % of copy on each cell, the SASS model's prediction for that call beside the default
-  kernel's (measured against modelled), each implementation's fault named;
 - the copy bandwidth and the targets (pass/fail) from the benchmark JSON;
 - the mma self-test's verdict (whether the mma rows ran mma);
 - the decisive configurations: simt against mma per arm in % of copy, the static SASS
   model's predicted ceiling beside each ``[n]``, the speed-up, and the baselines;
 - the ``heads_per_cta`` sweep (per model), the old-vs-new kernel comparison, the L2 probe;
 - per model: the policy's default arm's % of copy, batch by context;
+- the decisive cells (``metrale-attn check``'s report), last before the verdict so that a cut tail
+  keeps them: the default kernel, simt and the peers in % of copy on each cell, the call model's
+  MODELLED prediction for that call beside the default kernel's, each implementation's fault named;
 - ``OVERALL``: ok, or FAIL with the steps that failed (the last line).
 
 Usage: ``python -m benchmarks.summary --steps steps.tsv --env env.json --bench X_bench.json
@@ -267,9 +267,6 @@ def render(steps: list[dict], env: dict, result: dict, total_s: str, *, probe: d
     if running:
         text.append(f"{running:<18} {'running':<9} {'':>4}  (this summary was written while it ran)")
     text.append("")
-    if check:
-        text += check_lines(check, predictions)
-        text.append("")
     if result:
         budget = result.get("budget", {})
         if budget.get("stopped_early"):
@@ -287,6 +284,8 @@ def render(steps: list[dict], env: dict, result: dict, total_s: str, *, probe: d
         text += grid_tables(result)
     else:
         text.append("no benchmark result")
+    if check:  # last but the verdict: the device tool keeps a run's last 12,000 characters
+        text += [""] + check_lines(check, predictions)
     if mode == "cpu":
         text.append("CPU backend simulator; not kernel performance")
     text.append(overall(steps, result, mode, check))

@@ -766,18 +766,42 @@ def full_size_result(copy: float = 4.3) -> dict:
     return result
 
 
+def _full_check_report() -> dict:
+    """A check report of every decisive cell on mma, simt, SDPA and FlashInfer (synthetic numbers)."""
+    from benchmarks import schedule
+
+    timing = []
+    for name, shape in (("llama-3-8b", (32, 8, 128)), ("llama-3-70b", (64, 8, 128)), ("qwen3.8-27b", (24, 4, 256))):
+        layer = dict(name=name, num_q_heads=shape[0], num_kv_heads=shape[1], head_dim=shape[2], window_left=-1,
+                     logits_soft_cap=None, sinks=False)
+        for kv in schedule.DECISIVE_KV:
+            for batch, context in schedule.DECISIVE_POINTS:
+                for impl in ("mma", "simt", "sdpa", "flashinfer"):
+                    spec = dict(kind="time", impl=impl, layer=layer, kv_dtype=kv, arm=None, batch=batch, context=context)
+                    timing.append(dict(impl=impl, cell=f"{impl} {name}", spec=spec, status="ok", median_us=100.0,
+                                       pct_of_copy=88.8, arm_ran="splitk", heads_per_cta=4))
+    return dict(model="decisive", timed=True, timing_note=None, verdict="ok", failures=[], correctness=[],
+                timing=timing, faults=[], device={})
+
+
 def test_the_short_table_of_a_full_run_fits_the_device_tools_output_tail():
     """The device tool returns the last 12,000 characters: the table printed last must leave room for the
     progress lines above it, in short lines, and compare simt with mma on every decisive configuration in % of
     copy, the SASS model's prediction beside each."""
+    from benchmarks import schedule
+
     result = full_size_result()
-    names = ["wheels", "import", "environment", "sanitize_memcheck", "sanitize_racecheck", "sanitize_initcheck",
-             "gpu_tests", "l2_probe", "sass_model", "benchmark", "mma_selftest", "flashinfer_jit"]
-    table = [dict(name=n, status="ok", seconds="99", detail="x" * 300) for n in names]
-    _, text = summary.render(table, {}, result, "463")
+    names = [s.name for s in schedule.FULL + schedule.QUICK] + ["mma_selftest"]
+    table = [dict(name=n, status="ok", seconds="99", detail="x" * 300) for n in dict.fromkeys(names)]
+    check = _full_check_report()
+    _, text = summary.render(table, {}, result, "463", check=check,
+                             predictions=predictions.Predictions.load(os.path.join(BENCH, "results", "sass_model.json"),
+                                                                      "sm_90"))
     lines = text.splitlines()
-    # < 8500: 12 decisive configurations (issue 19 added 64/8/128 x 1 x 32k) leave ~3.5k of the tail for progress
-    assert len(text) < 8500 and max(map(len, lines)) <= 120, (len(text), max(lines, key=len))
+    # A full sweep's tables (a real run's sweep gets ~30 s, far fewer) and the 18 decisive cells x 4 implementations:
+    # under 11k, and the decisive cells within the last 2.5k, before the verdict, whatever cuts the top
+    assert len(text) < 11000 and max(map(len, lines)) <= 120, (len(text), max(lines, key=len))
+    assert "decisive cells, metrale-attn check" in text[-2500:] and "qwen3.8-27b fp8 b1x32k" in text[-400:]
     assert lines[-1].startswith("OVERALL: ok; targets T1 PASS, T2 PASS, T3 PASS, C PASS")
     assert "old vs new kernels: mma over simt 2.00x min" in text and "L2 probe: ok" in text
     assert "mma self-test: ok" in text
