@@ -10,14 +10,16 @@ spec's ABI) before anything launches.
 
 ``CallBinder`` turns one call's arrays and scales into launches: it checks each array
 (``validation``) unless it is the buffer checked last time, and keeps one template of
-typed values per plan, scalars and strides, so a call with new buffers of the same layout
-only fills in pointers.
+typed values per plan, scalars and array ``Layout`` (everything of each array but its
+pointer), so a call with new buffers of the same layouts only fills in pointers. The
+template's values are computed from its key alone (``_Values``), so the key is complete by
+construction: an array argument added to ``ARRAY_ARGUMENTS`` is in it, whole.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 from .backends import Launch
 from .config import LayerConfig
@@ -34,7 +36,7 @@ _AT = {name: i for i, name in enumerate(ARRAY_ARGUMENTS)}
 LN2 = 0.6931471805599453
 
 ARGUMENTS: dict[str, Callable[["_Values"], object]] = {
-    # the arrays' pointers (null for an absent optional one) and the workspace
+    # the arrays' pointers (a hole filled per call; null for an absent optional one) and the workspace
     **{name: (lambda i: lambda v: v.pointer_or_null(i))(i) for name, i in _AT.items()},
     "workspace": lambda v: v.workspace,
     # their strides, in elements: q (seq, token, head), each cache (page, token, head), a
@@ -42,13 +44,13 @@ ARGUMENTS: dict[str, Callable[["_Values"], object]] = {
     "q_stride_seq": lambda v: v.q_strides[0],
     "q_stride_token": lambda v: v.q_strides[1],
     "q_stride_head": lambda v: v.q_strides[2],
-    "k_stride_page": lambda v: v.seen[_AT["k_cache"]].derived[0],
-    "k_stride_token": lambda v: v.seen[_AT["k_cache"]].derived[1],
-    "k_stride_head": lambda v: v.seen[_AT["k_cache"]].derived[2],
-    "v_stride_page": lambda v: v.seen[_AT["v_cache"]].derived[0],
-    "v_stride_token": lambda v: v.seen[_AT["v_cache"]].derived[1],
-    "v_stride_head": lambda v: v.seen[_AT["v_cache"]].derived[2],
-    "block_tables_stride": lambda v: v.seen[_AT["block_tables"]].info.strides[0] if v.seen[_AT["block_tables"]] else 0,
+    "k_stride_page": lambda v: v.arrays[_AT["k_cache"]].derived[0],
+    "k_stride_token": lambda v: v.arrays[_AT["k_cache"]].derived[1],
+    "k_stride_head": lambda v: v.arrays[_AT["k_cache"]].derived[2],
+    "v_stride_page": lambda v: v.arrays[_AT["v_cache"]].derived[0],
+    "v_stride_token": lambda v: v.arrays[_AT["v_cache"]].derived[1],
+    "v_stride_head": lambda v: v.arrays[_AT["v_cache"]].derived[2],
+    "block_tables_stride": lambda v: v.arrays[_AT["block_tables"]].strides[0] if v.arrays[_AT["block_tables"]] else 0,
     "k_scales_stride": lambda v: v.derived_or_zero(_AT["k_scales"]),
     "v_scales_stride": lambda v: v.derived_or_zero(_AT["v_scales"]),
     # the layer
@@ -138,25 +140,50 @@ class BoundCall:
         self.workspace_span = workspace_span  # the shared workspace's bytes the arrays were checked against
 
 
+class Layout(NamedTuple):
+    """Everything a launch binds of one array argument but its pointer: its description
+    (``ArrayInfo`` less ``ptr``) and what its checker derived from it. Part of a launch
+    template's key (``CallBinder._launches``)."""
+
+    shape: tuple
+    strides: tuple
+    dtype: Any
+    itemsize: int
+    device: Optional[int]
+    writable: bool
+    derived: Any
+
+    @classmethod
+    def of(cls, seen: Optional["_Seen"]) -> Optional["Layout"]:
+        return None if seen is None else cls(*seen.info[1:], seen.derived)
+
+
+class Hole(NamedTuple):
+    """Where a template leaves the pointer of ``ARRAY_ARGUMENTS[index]``, filled per call."""
+
+    index: int
+
+
 class _Values:
-    """What ``ARGUMENTS`` reads a value from: the layer, the plan, the checked arrays, the
-    folded scalars and the workspace pointer."""
+    """What ``ARGUMENTS`` reads a value from: the layer and the workspace pointer (fixed for a
+    binder), and a template's key: the plan, the folded scalars and each array's ``Layout``
+    (None: absent). An array's pointer reads as its ``Hole``: nothing else of a call can
+    reach a value, so a template's key holds everything its values depend on."""
 
-    __slots__ = ("config", "plan", "seen", "scalars", "workspace", "null", "q_strides")
+    __slots__ = ("config", "plan", "arrays", "scalars", "workspace", "null", "q_strides")
 
-    def __init__(self, config, plan, seen, scalars, workspace, null):
-        self.config, self.plan, self.seen, self.scalars, self.workspace, self.null = (
-            config, plan, seen, scalars, workspace, null)
-        qs = seen[0].info.strides
+    def __init__(self, config, plan, arrays: tuple, scalars: dict, workspace, null):
+        self.config, self.plan, self.arrays, self.scalars, self.workspace, self.null = (
+            config, plan, arrays, scalars, workspace, null)
+        qs = arrays[0].strides
         self.q_strides = qs[:3] if len(qs) == 4 else (qs[0], 0, qs[1])  # (seq, token, head)
 
     def pointer_or_null(self, index: int):
-        seen = self.seen[index]
-        return self.null if seen is None else seen.pointer
+        return self.null if self.arrays[index] is None else Hole(index)
 
     def derived_or_zero(self, index: int):
-        seen = self.seen[index]
-        return 0 if seen is None else seen.derived
+        layout = self.arrays[index]
+        return 0 if layout is None else layout.derived
 
 
 _ABSENT = ()
@@ -273,15 +300,20 @@ class CallBinder:
         """``plan``'s launches ``((module, Launch), ...)``, each with the parameters its
         source declares, by name.
 
-        Built once per plan, scalars and strides as a template: each kernel's typed
-        values (NumPy scalars of the ABI's types) with a hole per array pointer; a call
-        with new buffers of the same strides only fills the holes."""
-        key = (id(plan), *scalars.values(), *[None if x is None else x.info.strides for x in seen])
+        Built once per key as a template: each kernel's typed values (NumPy scalars of the
+        ABI's types) with a hole per array pointer; a call of the same key only fills the
+        holes. The key is what ``_template`` reads, and all it reads besides what is fixed
+        for this binder (the layer, the modules, the workspace): the plan (memoized for the
+        layer's life, so its ``id`` names it), the folded scalars and every array's
+        ``Layout`` (shape, strides, dtype, device, what its checker derived): complete by
+        construction, so a template is reused only for a call it would be built alike for."""
+        arrays = tuple(map(Layout.of, seen))
+        key = (id(plan), tuple(scalars.items()), arrays)
         template = self._templates.get(key)
         if template is None:
             if len(self._templates) >= _MAX_TEMPLATES:  # strides of many cache views: start over
                 self._templates.clear()
-            template = self._templates[key] = self._template(plan, seen, scalars)
+            template = self._templates[key] = self._template(plan, arrays, scalars)
         launches = []
         for module, kernel, grid, block, shared, values, holes, dependent in template:
             values = values.copy()
@@ -290,24 +322,23 @@ class CallBinder:
             launches.append((module, Launch(kernel, grid, block, shared, tuple(values), dependent)))
         return tuple(launches)
 
-    def _template(self, plan, seen: list, scalars: dict) -> tuple:
+    def _template(self, plan, arrays: tuple, scalars: dict) -> tuple:
         """Per kernel of ``plan``: ``(module, kernel, grid, block, shared bytes, values,
         holes, dependent)``; ``holes`` are ``(position, argument index)`` of the array pointers;
         ``dependent``: the ``mma`` merge, whose kernel waits for the attention grid on the
-        device, is its programmatic dependent unless the layer turned that off. Values
-        other than the arrays' pointers depend only on the plan, the scalars, the arrays'
-        strides and the layer."""
+        device, is its programmatic dependent unless the layer turned that off. A function
+        of its arguments (the key's parts: ``arrays`` the ``Layout`` of each array) and of
+        what is fixed for this binder only."""
         spec, module = self._modules[plan.arm, plan.row_tiles, plan.q_len > 1]
-        values_of = _Values(self.config, plan, seen, scalars, self._workspace, self.backend.pointer(None))
-        index = {name: i for i, name in enumerate(ARRAY_ARGUMENTS) if seen[i] is not None}
+        values_of = _Values(self.config, plan, arrays, scalars, self._workspace, self.backend.pointer(None))
         template = []
         for i, grid in enumerate(plan.launches):
             abi = self._abi[grid.kernel]
             values = []
             for name, typ in abi:
                 value = ARGUMENTS[name](values_of) if name in ARGUMENTS else getattr(self.config, name)
-                values.append(value if typ is None else typ(value))
-            holes = tuple((j, index[name]) for j, (name, typ) in enumerate(abi) if typ is None and name in index)
+                values.append(value if typ is None or isinstance(value, Hole) else typ(value))
+            holes = tuple((j, value.index) for j, value in enumerate(values) if isinstance(value, Hole))
             for j, _ in holes:  # filled per call; the template keeps no array alive
                 values[j] = None
             launch_grid = grid.grid
