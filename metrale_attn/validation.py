@@ -30,6 +30,10 @@ VECTOR_BYTES = 16  # kernels load K/V and q rows with 16-byte vector loads
 INDEX_BYTES = 4  # int32 block tables and seq_lens, float32 lse and sinks: 4-byte loads and stores
 LOG2E = 1.4426950408889634
 MAX_SINK = FP32_MAX / LOG2E  # the kernels hold sinks in base 2: a larger one overflows
+MAX_SEQ_LEN = 2**31 - 1
+"""The longest sequence, in tokens, of either page-table form: the kernels hold a length in an
+int32 (seq_lens as given; a CSR length ``(pages - 1) * page_size + kv_last_page_len`` computed
+there, which would wrap past it)."""
 _FP32_RANGE = f"({FP32_MIN_NORMAL:.6g} .. {FP32_MAX:.6g})"
 
 
@@ -358,12 +362,20 @@ def dense_pages(indptr: np.ndarray, indices: np.ndarray, last_page_len: np.ndarr
 
 def check_indices(config: LayerConfig, table: np.ndarray, lens: np.ndarray, num_pages: int, max_pages: int,
                   q_len: int = 1, indptr: Optional[np.ndarray] = None) -> None:
-    """Every length in range, and every page id a call reads a page id: those of the
+    """Every length in range (at most ``MAX_SEQ_LEN``, the one place that bounds a length for
+    both page-table forms), and every page id a call reads a page id: those of the
     pages the window of the first query token touches, to the sequence's end (pages
     before every window may be freed, e.g. -1). ``table`` and ``lens``: host copies (of a
     CSR table, ``dense_pages`` of it, and ``indptr`` to name the ``kv_indices`` entry)."""
     lens = lens.astype(np.int64)  # lens - q_len - window: no wrap
     page_size = config.page_size
+    long = np.flatnonzero(lens > MAX_SEQ_LEN)  # the one bound of a length the kernels hold in an int32
+    if long.size:
+        s = int(long[0])
+        what = (f"seq_lens[{s}]" if indptr is None else f"sequence {s}'s length (kv_indptr[{s + 1}] - kv_indptr[{s}] "
+                f"- 1) * page_size + kv_last_page_len[{s}]")
+        raise ValueError(f"{what} = {int(lens[s])} is past {MAX_SEQ_LEN} (2**31 - 1) tokens, the longest sequence "
+                         "the kernels' int32 lengths hold")
     if max_pages == 0 and lens.any():
         s = int(np.flatnonzero(lens)[0])
         raise ValueError(f"block_tables has 0 columns but seq_lens[{s}] = {int(lens[s])}")
