@@ -141,10 +141,12 @@ def workspace_for(
     max_q_len: int = 1,
 ) -> Workspace:
     """The workspace ``DecodeAttention`` allocates once: ``workspace_slots`` with
-    ``max_rows = max_batch x max_q_len`` (a query token of a multi-token call is a row of
-    its own; legacy: ``sm_count`` slots, whatever the batch)."""
+    ``max_rows = max_batch x max_q_len`` and ``rows_per_seq = max_q_len`` (a query token of
+    a multi-token call is a row of its own; legacy: ``sm_count`` slots a query token,
+    whatever the batch)."""
     ref = policy.split_ref_seqs(max_batch, max_decode_seqs)
-    slots = policy.workspace_slots(target_policy.splitk, target_policy.sm_count, shape.num_q_heads, max_batch * max_q_len, ref)
+    slots = policy.workspace_slots(target_policy.splitk, target_policy.sm_count, shape.num_q_heads, max_batch * max_q_len,
+                                   ref, max_q_len)
     return Workspace(slots, shape.head_dim)
 
 

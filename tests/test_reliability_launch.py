@@ -9,10 +9,14 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from metrale_attn import DecodeAttention
+from metrale_attn import DecodeAttention, tolerance
+from metrale_attn.cli import main
+from metrale_attn.policy import SplitkPolicy, num_splits, split_ref_seqs, workspace_slots
 
-from support.problems import CountingBackend
+from support.problems import CountingBackend, decoder, pick, problem, run_poisoned
 
 H, KV, D = 4, 2, 64
 
@@ -32,3 +36,40 @@ def test_a_csr_sequence_longer_than_an_int32_holds_is_refused_naming_its_length(
                                          r"2147483647"):
         attn.run(q, cache, cache, **csr)
     assert not backend.launches
+
+
+# -- defect 3: legacy split-K with multi-token decode ------------------------------------------
+
+
+@given(st.integers(1, 4096), st.integers(1, 512), st.integers(1, 1024), st.integers(0, 1024), st.integers(1, 8))
+def test_the_legacy_workspace_covers_every_multi_token_launch_that_splits(sms, heads, num_seqs, max_decode, q_len):
+    """A multi-token call splits as a one-token call of its sequences (legacy reads sequences,
+    not rows) and writes a slot per query row: sm_count slots a query token."""
+    ref = split_ref_seqs(num_seqs, max_decode)
+    splits = num_splits(SplitkPolicy.LEGACY, sms, heads, ref)
+    slots = workspace_slots(SplitkPolicy.LEGACY, sms, heads, num_seqs * q_len, ref, q_len)
+    if splits > 1:
+        assert num_seqs * q_len * heads * splits <= slots == sms * q_len
+
+
+def test_legacy_split_k_on_gb10_builds_for_two_query_tokens_and_meets_the_bar():
+    """Defect 3: GB10's declared default, legacy, with max_q_len=2 and 8 q heads splits 6 ways
+    and writes 2 x 8 x 6 = 96 slots a sequence, where the workspace held sm_count = 48:
+    WorkspaceTooSmall at construction."""
+    p = problem(seed=5, seq_lens=(1, 40), num_q_heads=8, num_kv_heads=2)
+    attn = decoder(p, target="gb10", max_q_len=2)
+    assert attn.config.target_policy.splitk.kind == "legacy" and attn.plan(1, 2).num_splits == 6
+    q = np.random.default_rng(5).standard_normal((1, 2, 8, 64)).astype(p.q.dtype)
+    one = pick(p, [1])
+    out, lse = run_poisoned(attn, one, q=q)
+    ref_out, ref_lse = one.reference(return_lse=True, q=q)
+    tolerance.assert_close_to_reference(out, ref_out, v_absmax=one.v_absmax())
+    np.testing.assert_allclose(lse, ref_lse, rtol=2e-6, atol=2e-6)
+
+
+def test_precompile_for_gb10_with_two_query_tokens_plans_every_layer(capsys):
+    code = main(["precompile", "--target", "gb10", "--q-heads", "8", "--kv-heads", "2", "--head-dim", "128",
+                 "--max-q-len", "2", "--dry-run"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "multi_token" in out and "WorkspaceTooSmall" not in out + err
