@@ -143,10 +143,18 @@ def workspace_for(
     """The workspace ``DecodeAttention`` allocates once: ``workspace_slots`` with
     ``max_rows = max_batch x max_q_len`` and ``rows_per_seq = max_q_len`` (a query token of
     a multi-token call is a row of its own; legacy: ``sm_count`` slots a query token,
-    whatever the batch)."""
+    whatever the batch). A size the policy's saturating 32-bit count cannot hold is a
+    ValueError naming ``max_batch``, never a workspace of ``2**32 - 1`` slots."""
     ref = policy.split_ref_seqs(max_batch, max_decode_seqs)
     slots = policy.workspace_slots(target_policy.splitk, target_policy.sm_count, shape.num_q_heads, max_batch * max_q_len,
                                    ref, max_q_len)
+    if slots >= policy.U32_MAX:  # saturated: the policy's unsigned 32-bit count cannot say the size
+        splits = policy.num_splits(target_policy.splitk, target_policy.sm_count, shape.num_q_heads, ref)
+        need = max_batch * max_q_len * shape.num_q_heads * splits
+        raise ValueError(f"max_batch={max_batch} is too large: {max_batch} seqs x {max_q_len} query token(s) x "
+                         f"{shape.num_q_heads} q heads x {splits} splits = {need} split-K workspace slots, past the "
+                         f"{policy.U32_MAX} (2**32 - 1) the launch policy counts "
+                         f"({Workspace(need, shape.head_dim).nbytes} bytes): lower max_batch")
     return Workspace(slots, shape.head_dim)
 
 

@@ -73,3 +73,16 @@ def test_precompile_for_gb10_with_two_query_tokens_plans_every_layer(capsys):
     out, err = capsys.readouterr()
     assert code == 0, err
     assert "multi_token" in out and "WorkspaceTooSmall" not in out + err
+
+
+def test_a_max_batch_whose_workspace_count_saturates_is_refused_naming_max_batch_not_shown_as_a_size(capsys):
+    """The policy counts slots in saturating unsigned 32 bits: a billion sequences reported
+    "the workspace holds 4294967295 slots", a saturated count shown as a size."""
+    with pytest.raises(ValueError, match=r"max_batch=1000000000 is too large: .* = 128000000000 split-K workspace "
+                                         r"slots, past the 4294967295"):
+        DecodeAttention(8, 2, 128, 16, q_dtype="bf16", kv_dtype="bf16", max_batch=10**9, backend="cpu",
+                        target="hopper", splitk="auto")
+    code = main(["precompile", "--target", "hopper", "--q-heads", "8", "--kv-heads", "2", "--head-dim", "128",
+                 "--max-batch", "1000000000", "--dry-run"])
+    err = capsys.readouterr().err
+    assert code != 0 and "max_batch=1000000000 is too large" in err and "holds 4294967295" not in err
