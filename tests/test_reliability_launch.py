@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from metrale_attn import DecodeAttention, tolerance
+from metrale_attn import DecodeAttention, merge_states, tolerance
 from metrale_attn.cli import main
 from metrale_attn.policy import SplitkPolicy, num_splits, split_ref_seqs, workspace_slots
 
@@ -86,3 +86,35 @@ def test_a_max_batch_whose_workspace_count_saturates_is_refused_naming_max_batch
                  "--max-batch", "1000000000", "--dry-run"])
     err = capsys.readouterr().err
     assert code != 0 and "max_batch=1000000000 is too large" in err and "holds 4294967295" not in err
+
+
+# -- defect 7: merge_states' alignment -------------------------------------------------------
+
+
+def _misaligned(like: np.ndarray, by: int = 1) -> np.ndarray:
+    """A copy of ``like`` ``by`` bytes past an aligned address (NumPy allows unaligned arrays)."""
+    raw = np.zeros(like.nbytes + 16, np.uint8)
+    view = raw[by:by + like.nbytes].view(like.dtype).reshape(like.shape)
+    view[...] = like
+    return view
+
+
+@pytest.mark.parametrize("argument", ["v_a", "s_a", "v_b", "s_b", "out", "lse"])
+def test_a_merge_states_argument_off_its_element_boundary_is_refused_naming_it_before_the_launch(argument):
+    """Defect 7: only the CPU shim refused a misaligned state at launch; a GPU would fault."""
+    rng = np.random.default_rng(7)
+    arrays = dict(v_a=rng.standard_normal((3, 64)).astype(ml_dtypes.bfloat16),
+                  s_a=rng.standard_normal(3).astype(np.float32),
+                  v_b=rng.standard_normal((3, 64)).astype(ml_dtypes.bfloat16),
+                  s_b=rng.standard_normal(3).astype(np.float32),
+                  out=np.empty((3, 64), ml_dtypes.bfloat16), lse=np.empty(3, np.float32))
+    arrays[argument] = _misaligned(arrays[argument])
+    backend = CountingBackend()
+    with pytest.raises(ValueError, match=f"^{argument} must start on a (2|4)-byte boundary"):
+        merge_states(**arrays, backend=backend)
+    assert not backend.launches
+    for name in ("s_a", "s_b", "lse"):  # 2 bytes off: still off a float32's 4-byte boundary
+        if name == argument:
+            arrays[argument] = _misaligned(arrays[argument], 2)
+            with pytest.raises(ValueError, match=f"^{argument} must start on a 4-byte boundary"):
+                merge_states(**arrays, backend=backend)
