@@ -60,6 +60,8 @@ PAGE_TABLES = ("dense", "csr")
 
 FP32_MAX = 3.4028234663852886e38
 FP32_MIN_NORMAL = 1.1754943508222875e-38
+LOG2E = 1.4426950408889634
+"""log2(e): the kernels hold logits in base 2, so the host folds this into their scales."""
 
 
 @dataclass(frozen=True)
@@ -400,7 +402,12 @@ def positive(argument: str, value) -> float:
 
 def soft_cap(value) -> Optional[float]:
     """The logits soft-cap, or None for none: None and 0 mean no cap, as in FlashInfer, vLLM
-    and FlashAttention."""
+    and FlashAttention.
+
+    The kernels take the cap as an fp32 value and fold it into ``cap * log2(e)`` (logits in
+    base 2), both fp32 values every call: a cap either leaves past ``FP32_MAX`` or below
+    the smallest normal fp32 would fail every ``run`` (``validation.logit_scales``), so it is
+    refused here, where it is known."""
     if value is None:
         return None
     cap = as_float("logits_soft_cap", value)
@@ -408,6 +415,10 @@ def soft_cap(value) -> Optional[float]:
         return None
     if not (cap > 0 and math.isfinite(cap)):
         raise ValueError(f"logits_soft_cap must be a finite float > 0 (or 0/None: no cap), got {value!r}")
+    if not (fp32_normal(cap) and fp32_normal(cap * LOG2E)):
+        raise ValueError(f"logits_soft_cap = {cap:.6g}: the kernels fold it into cap * log2(e) = {cap * LOG2E:.6g}; "
+                         f"both must be finite normal fp32 values ({FP32_MIN_NORMAL:.6g} .. {FP32_MAX:.6g}), so the "
+                         f"cap must lie in {FP32_MIN_NORMAL:.6g} .. {FP32_MAX / LOG2E:.6g}")
     return cap
 
 

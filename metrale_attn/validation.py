@@ -17,7 +17,7 @@ import numpy as np
 
 from . import dtypes
 from .backends import ArrayInfo
-from .config import FP32_MAX, FP32_MIN_NORMAL, LayerConfig, as_float, fp32_normal
+from .config import FP32_MAX, FP32_MIN_NORMAL, LOG2E, LayerConfig, as_float, fp32_normal
 
 ARRAY_ARGUMENTS = ("q", "k_cache", "v_cache", "block_tables", "seq_lens", "kv_indptr", "kv_indices",
                    "kv_last_page_len", "sinks", "k_scales", "v_scales", "out", "lse")
@@ -28,7 +28,6 @@ INPUTS = ARRAY_ARGUMENTS[:11]
 DENSE, CSR = ARRAY_ARGUMENTS[3:5], ARRAY_ARGUMENTS[5:8]
 VECTOR_BYTES = 16  # kernels load K/V and q rows with 16-byte vector loads
 INDEX_BYTES = 4  # int32 block tables and seq_lens, float32 lse and sinks: 4-byte loads and stores
-LOG2E = 1.4426950408889634
 MAX_SINK = FP32_MAX / LOG2E  # the kernels hold sinks in base 2: a larger one overflows
 MAX_SEQ_LEN = 2**31 - 1
 """The longest sequence, in tokens, of either page-table form: the kernels hold a length in an

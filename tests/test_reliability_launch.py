@@ -118,3 +118,23 @@ def test_a_merge_states_argument_off_its_element_boundary_is_refused_naming_it_b
             arrays[argument] = _misaligned(arrays[argument], 2)
             with pytest.raises(ValueError, match=f"^{argument} must start on a 4-byte boundary"):
                 merge_states(**arrays, backend=backend)
+
+
+# -- defect 8: a soft-cap no call can fold ---------------------------------------------------
+
+
+@pytest.mark.parametrize("cap", [3e38, 2.4e38, 1e-38, 1e-40, 1e-45])
+def test_a_soft_cap_whose_base_2_fold_is_no_normal_fp32_is_refused_at_construction_and_by_precompile(cap, capsys):
+    """Defect 8: cap x log2(e) past FLT_MAX (or below its smallest normal) was accepted, and then
+    every run() was refused."""
+    with pytest.raises(ValueError, match=r"^logits_soft_cap = .*cap \* log2\(e\)"):
+        DecodeAttention(H, KV, D, 16, q_dtype="bf16", kv_dtype="bf16", max_batch=1, backend="cpu",
+                        logits_soft_cap=cap)
+    code = main(["precompile", "--target", "hopper", "--q-heads", "4", "--kv-heads", "2", "--head-dim", "64",
+                 "--logits-soft-cap", repr(cap), "--dry-run"])
+    assert code != 0 and "logits_soft_cap = " in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("cap", [2.3e38, 1.2e-38 * 1.0001])
+def test_a_soft_cap_whose_fold_is_a_normal_fp32_builds(cap):
+    DecodeAttention(H, KV, D, 16, q_dtype="bf16", kv_dtype="bf16", max_batch=1, backend="cpu", logits_soft_cap=cap)
