@@ -15,8 +15,10 @@ from hypothesis import strategies as st
 from metrale_attn import DecodeAttention, merge_states, tolerance
 from metrale_attn.cli import main
 from metrale_attn.policy import SplitkPolicy, num_splits, split_ref_seqs, workspace_slots
+from metrale_attn.validation import ARRAY_ARGUMENTS, CSR
 
-from support.problems import CountingBackend, decoder, pick, problem, run_poisoned
+from support.optional import import_torch
+from support.problems import CountingBackend, decoder, pick, problem, run_poisoned, to_csr
 
 H, KV, D = 4, 2, 64
 
@@ -138,3 +140,50 @@ def test_a_soft_cap_whose_base_2_fold_is_no_normal_fp32_is_refused_at_constructi
 @pytest.mark.parametrize("cap", [2.3e38, 1.2e-38 * 1.0001])
 def test_a_soft_cap_whose_fold_is_a_normal_fp32_builds(cap):
     DecodeAttention(H, KV, D, 16, q_dtype="bf16", kv_dtype="bf16", max_batch=1, backend="cpu", logits_soft_cap=cap)
+
+
+# -- defect 9: torch tensors without strided storage -----------------------------------------
+
+
+def _torch_call(argument: str):
+    """A valid call through ``run``'s torch path that takes ``argument`` (the object built with
+    what makes it one: sinks, device scales, a CSR table), as keyword arguments of torch CPU
+    tensors, with its object on a counting backend."""
+    from metrale_attn.torch_op import from_numpy
+
+    torch = import_torch()
+    options = dict(sinks=argument == "sinks", device_scales=argument in ("k_scales", "v_scales"),
+                   page_table="csr" if argument.startswith("kv_") else "dense")
+    p = problem(seed=9, seq_lens=(3, 20))
+    backend = CountingBackend()
+    attn = decoder(p, backend=backend, **options)
+    call = dict(q=from_numpy(p.q), k_cache=from_numpy(p.k_cache), v_cache=from_numpy(p.v_cache),
+                out=from_numpy(np.empty_like(p.q)), lse=torch.empty(p.q.shape[:-1]))
+    if options["page_table"] == "csr":
+        call.update({name: torch.from_numpy(a) for name, a in zip(CSR, to_csr(p))})
+    else:
+        call.update(block_tables=torch.from_numpy(p.block_tables), seq_lens=torch.from_numpy(p.seq_lens))
+    if options["sinks"]:
+        call["sinks"] = torch.zeros(4)
+    if options["device_scales"]:
+        call.update(k_scales=torch.ones(1), v_scales=torch.ones(1))
+    return attn, backend, call
+
+
+@pytest.mark.parametrize("layout", ["sparse", "mkldnn"])
+@pytest.mark.parametrize("argument", ARRAY_ARGUMENTS)
+def test_a_torch_tensor_without_strided_storage_is_refused_naming_its_argument_by_run_and_by_the_op(argument, layout):
+    """Defect 9: a sparse or mkldnn tensor failed with torch's bare "Cannot access data pointer"
+    from run(), and through the op with "Could not run ... with arguments from the 'SparseCPU'
+    backend"; neither named the argument."""
+    torch = import_torch()
+    attn, backend, call = _torch_call(argument)
+    tensor = call[argument]
+    call[argument] = tensor.to_sparse() if layout == "sparse" else tensor.float().to_mkldnn()
+    with pytest.raises(TypeError, match=f"^{argument} must be a strided \\(dense\\) torch tensor"):
+        attn.run(**call)
+    op_args = {name: call.get(name) for name in ("q", "k_cache", "v_cache", "block_tables", "seq_lens", "out", "lse")}
+    with pytest.raises(TypeError, match=f"^{argument} must be a strided \\(dense\\) torch tensor"):
+        torch.ops.metrale_attn.paged_decode(attn.handle, *op_args.values(), 1.0, 1.0,
+                                            *(call.get(name) for name in ("sinks", "k_scales", "v_scales", *CSR)))
+    assert not backend.launches
