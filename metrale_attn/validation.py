@@ -353,28 +353,36 @@ def dense_pages(indptr: np.ndarray, indices: np.ndarray, last_page_len: np.ndarr
         raise ValueError(f"kv_last_page_len[{s}] = {int(last[s])} must be in 1..{page_size} (page_size) for a sequence "
                          f"of {int(pages[s])} page(s), or 0 with none")
     lens = np.where(pages > 0, (pages - 1) * page_size + last, 0)
+    check_lengths(lens, csr=True)
     table = np.full((len(pages), max(int(pages.max(initial=0)), 1)), -1, np.int64)
     for s, (a, n) in enumerate(zip(indptr[:-1], pages)):
         table[s, :n] = indices[a:a + n]
     return table, lens
 
 
+def check_lengths(lens: np.ndarray, csr: bool) -> None:
+    """Every length (int64 host values, of a dense or a CSR table) at most ``MAX_SEQ_LEN``:
+    the one bound of a length the kernels hold in an int32, for both page-table forms
+    (``check_indices`` applies it; ``dense_pages`` first, before it builds a table that long)."""
+    long = np.flatnonzero(lens > MAX_SEQ_LEN)
+    if long.size:
+        s = int(long[0])
+        what = (f"sequence {s}'s length (kv_indptr[{s + 1}] - kv_indptr[{s}] - 1) * page_size + kv_last_page_len[{s}]"
+                if csr else f"seq_lens[{s}]")
+        raise ValueError(f"{what} = {int(lens[s])} is past {MAX_SEQ_LEN} (2**31 - 1) tokens, the longest sequence "
+                         "the kernels' int32 lengths hold")
+
+
 def check_indices(config: LayerConfig, table: np.ndarray, lens: np.ndarray, num_pages: int, max_pages: int,
                   q_len: int = 1, indptr: Optional[np.ndarray] = None) -> None:
-    """Every length in range (at most ``MAX_SEQ_LEN``, the one place that bounds a length for
-    both page-table forms), and every page id a call reads a page id: those of the
+    """Every length in range (``check_lengths``: at most ``MAX_SEQ_LEN``, for both page-table
+    forms), and every page id a call reads a page id: those of the
     pages the window of the first query token touches, to the sequence's end (pages
     before every window may be freed, e.g. -1). ``table`` and ``lens``: host copies (of a
     CSR table, ``dense_pages`` of it, and ``indptr`` to name the ``kv_indices`` entry)."""
     lens = lens.astype(np.int64)  # lens - q_len - window: no wrap
     page_size = config.page_size
-    long = np.flatnonzero(lens > MAX_SEQ_LEN)  # the one bound of a length the kernels hold in an int32
-    if long.size:
-        s = int(long[0])
-        what = (f"seq_lens[{s}]" if indptr is None else f"sequence {s}'s length (kv_indptr[{s + 1}] - kv_indptr[{s}] "
-                f"- 1) * page_size + kv_last_page_len[{s}]")
-        raise ValueError(f"{what} = {int(lens[s])} is past {MAX_SEQ_LEN} (2**31 - 1) tokens, the longest sequence "
-                         "the kernels' int32 lengths hold")
+    check_lengths(lens, csr=indptr is not None)
     if max_pages == 0 and lens.any():
         s = int(np.flatnonzero(lens)[0])
         raise ValueError(f"block_tables has 0 columns but seq_lens[{s}] = {int(lens[s])}")

@@ -24,6 +24,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from metrale_attn import DecodeAttention
 from metrale_attn.problems import make_problem
 
+from support.optional import import_torch
+
 H, KV, D, PAGE = 4, 2, 64, 4
 MAX_BATCH, MAX_LEN = 3, 24
 # The objects the machine drives: one per draw. The default profile's two cover the features
@@ -269,8 +271,51 @@ def test_a_device_scales_object_called_with_per_tensor_then_per_head_scales_give
     def call(attn, scales):
         return attn.run(p.q, p.k_cache, p.v_cache, p.block_tables, p.seq_lens, return_lse=True, **scales)
 
-    for first, second in ((one, per_head), (per_head, one)):
-        attn = fresh()
-        call(attn, first)
-        got, want = call(attn, second), call(fresh(), second)
-        assert [a.tobytes() for a in got] == [a.tobytes() for a in want]
+    def call_op(attn, scales):  # the same call through torch.ops.metrale_attn.paged_decode
+        torch = import_torch()
+        from metrale_attn.torch_op import from_numpy, to_numpy
+
+        out, lse = from_numpy(np.full_like(p.q, np.nan)), torch.full(p.q.shape[:-1], float("nan"))
+        torch.ops.metrale_attn.paged_decode(
+            attn.handle, *(from_numpy(a) for a in (p.q, p.k_cache, p.v_cache, p.block_tables, p.seq_lens)), out, lse,
+            1.0, 1.0, None, *(torch.from_numpy(scales[name]) for name in ("k_scales", "v_scales")))
+        return to_numpy(out), to_numpy(lse)
+
+    for run in (call, call_op):
+        for first, second in ((one, per_head), (per_head, one)):
+            attn = fresh()
+            run(attn, first)
+            got, want = run(attn, second), run(fresh(), second)
+            assert [a.tobytes() for a in got] == [a.tobytes() for a in want], run.__name__
+
+
+def test_every_array_argument_reaches_the_binder_by_name_has_a_checker_and_is_in_the_ops_schema(monkeypatch):
+    """The cache keys (the fingerprints, the templates' layouts) range over ``ARRAY_ARGUMENTS``:
+    an array argument of ``run`` that is not there, or arrives at another position, would be
+    bound without being keyed. ``run`` passes each by its name, in that order."""
+    import inspect
+
+    from metrale_attn.binding import ARGUMENTS
+    from metrale_attn.validation import ARRAY_ARGUMENTS, CHECKERS
+
+    assert len(CHECKERS) == len(ARRAY_ARGUMENTS) and set(ARRAY_ARGUMENTS) <= set(ARGUMENTS)
+    assert set(ARRAY_ARGUMENTS) <= set(inspect.signature(DecodeAttention.run).parameters)
+    attn = DecodeAttention(H, KV, D, PAGE, q_dtype="bf16", kv_dtype="bf16", max_batch=1, backend="cpu")
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def bind(arrays, k_scale, v_scale):
+        seen.append(arrays)
+        raise Stop
+
+    monkeypatch.setattr(attn._binder, "bind", bind)
+    sentinels = {name: object() for name in ARRAY_ARGUMENTS}
+    with pytest.raises(Stop):
+        attn.run(**sentinels)
+    assert seen == [tuple(sentinels[name] for name in ARRAY_ARGUMENTS)]
+    import_torch()
+    from metrale_attn import torch_op
+
+    assert all(f" {name}" in torch_op.SCHEMA for name in ARRAY_ARGUMENTS)
