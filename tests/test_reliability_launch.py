@@ -187,3 +187,11 @@ def test_a_torch_tensor_without_strided_storage_is_refused_naming_its_argument_b
         torch.ops.metrale_attn.paged_decode(attn.handle, *op_args.values(), 1.0, 1.0,
                                             *(call.get(name) for name in ("sinks", "k_scales", "v_scales", *CSR)))
     assert not backend.launches
+
+
+def test_the_vllm_options_refuse_an_unfoldable_soft_cap_by_the_same_rule():
+    from metrale_attn.integrations.vllm import options
+
+    assert options.soft_cap(30) == 30.0 and options.soft_cap(0) is None
+    with pytest.raises(ValueError, match=r"^logits_soft_cap = 3e\+38: .*cap \* log2\(e\)"):
+        options.soft_cap(3e38)
