@@ -10,8 +10,8 @@ spec's ABI) before anything launches.
 
 ``CallBinder`` turns one call's arrays and scales into launches: it checks each array
 (``validation``) unless it is the buffer checked last time, and keeps one template of
-typed values per plan, scalars and array ``Layout`` (everything of each array but its
-pointer), so a call with new buffers of the same layouts only fills in pointers. The
+typed values per plan, scalars and array ``Layout`` (all a launch may read of each array
+but its pointer), so a call with new buffers of the same layouts only fills in pointers. The
 template's values are computed from its key alone (``_Values``), so the key is complete by
 construction: an array argument added to ``ARRAY_ARGUMENTS`` is in it, whole.
 """
@@ -19,9 +19,10 @@ construction: an array argument added to ``ARRAY_ARGUMENTS`` is in it, whole.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Any, Callable, NamedTuple, Optional
 
-from .backends import Launch
+from .backends import ArrayInfo, Launch
 from .config import LayerConfig
 from .kernels import kernel_params
 from .plan import KernelGrid
@@ -117,13 +118,15 @@ def kernel_abi(spec) -> dict[str, tuple]:
 class _Seen:
     """One array argument as last checked: its fingerprint and the rows it was checked
     for, the array (kept alive: a fingerprint may stand for its pointer by ``id``), its
-    description, byte range, what its checker derived, and its launch pointer."""
+    description, byte range, what its checker derived, its launch pointer, and its
+    ``Layout`` with the binder's number for it (``CallBinder._layout_number``)."""
 
-    __slots__ = ("fingerprint", "rows", "array", "info", "span", "derived", "pointer")
+    __slots__ = ("fingerprint", "rows", "array", "info", "span", "derived", "pointer", "layout", "number")
 
-    def __init__(self, fingerprint, rows, array, info, span, derived, pointer):
+    def __init__(self, fingerprint, rows, array, info, span, derived, pointer, layout, number):
         self.fingerprint, self.rows, self.array, self.info = fingerprint, rows, array, info
         self.span, self.derived, self.pointer = span, derived, pointer
+        self.layout, self.number = layout, number
 
 
 class BoundCall:
@@ -141,21 +144,23 @@ class BoundCall:
 
 
 class Layout(NamedTuple):
-    """Everything a launch binds of one array argument but its pointer: its description
-    (``ArrayInfo`` less ``ptr``) and what its checker derived from it. Part of a launch
-    template's key (``CallBinder._launches``)."""
+    """All that a launch may read of one array argument but its pointer: its strides,
+    element type and device, and what its checker derived from it (a checker turns the
+    array's shape into what a launch needs of it: out's rows, a cache's strides in
+    (page, token, head) order, a scale's stride 0 or 1). A launch template's key holds
+    it (``CallBinder._launches``). Not the extents: the plan holds the call's geometry
+    (batch, query tokens), and a checker refuses any other shape, so ``kv_indices`` of
+    another length every step reuses its template."""
 
-    shape: tuple
     strides: tuple
     dtype: Any
     itemsize: int
     device: Optional[int]
-    writable: bool
     derived: Any
 
     @classmethod
-    def of(cls, seen: Optional["_Seen"]) -> Optional["Layout"]:
-        return None if seen is None else cls(*seen.info[1:], seen.derived)
+    def of(cls, info: ArrayInfo, derived) -> "Layout":
+        return cls(info.strides, info.dtype, info.itemsize, info.device, derived)
 
 
 class Hole(NamedTuple):
@@ -189,6 +194,7 @@ class _Values:
 _ABSENT = ()
 """The fingerprint of an absent optional array (``lse=None``)."""
 _MAX_TEMPLATES = 64
+_MAX_LAYOUTS = 256
 
 
 class CallBinder:
@@ -208,7 +214,9 @@ class CallBinder:
         self._workspace, self._block = workspace_pointer, block
         self._seen: list = [None] * len(ARRAY_ARGUMENTS)  # per argument: the last buffer checked (_Seen)
         self.last: Optional[BoundCall] = None  # the last validated call, reused for the same buffers and scales
-        self._templates: dict = {}  # (plan, scalars, strides) -> per kernel typed values and where its pointers go
+        self._templates: dict = {}  # (plan, scalars, layout numbers) -> per kernel typed values and pointer holes
+        self._layouts: dict = {}  # Layout -> its number (_layout_number)
+        self._numbers = itertools.count()
 
     def bind(self, arrays: tuple, k_scale, v_scale) -> BoundCall:
         """The launches of a call of ``arrays`` (``ARRAY_ARGUMENTS`` in order; ``sinks`` and
@@ -284,7 +292,8 @@ class CallBinder:
                 shift = info.ptr - seen.info.ptr
                 if shift % VECTOR_BYTES == 0:
                     span = None if seen.span is None else (seen.span[0] + shift, seen.span[1] + shift)
-                    seen = _Seen(fingerprint, rows, array, info, span, seen.derived, backend.pointer(array, info))
+                    seen = _Seen(fingerprint, rows, array, info, span, seen.derived, backend.pointer(array, info),
+                                 seen.layout, seen.number)  # the same layout: only the pointer moved
                     self._seen[index] = seen
                     return seen
         info = backend.describe(array, ARRAY_ARGUMENTS[index])
@@ -292,9 +301,22 @@ class CallBinder:
             raise ValueError(f"{ARRAY_ARGUMENTS[index]} must be on the device this DecodeAttention was built on "
                              f"({where(self.device)}), got {where(info.device)}")
         derived = CHECKERS[index](self.config, info, rows)
-        seen = _Seen(fingerprint, rows, array, info, info.byte_range(), derived, backend.pointer(array, info))
+        layout = Layout.of(info, derived)
+        seen = _Seen(fingerprint, rows, array, info, info.byte_range(), derived, backend.pointer(array, info), layout,
+                     self._layout_number(layout))
         self._seen[index] = seen if fingerprint is not None else None
         return seen
+
+    def _layout_number(self, layout: Layout) -> int:
+        """A number for ``layout``, the same while it is remembered and never given to another
+        layout (a counter: forgetting, past ``_MAX_LAYOUTS``, only costs a template miss), so
+        a template's key holds a small int per array instead of hashing its layout per call."""
+        number = self._layouts.get(layout)
+        if number is None:
+            if len(self._layouts) >= _MAX_LAYOUTS:
+                self._layouts.clear()
+            number = self._layouts[layout] = next(self._numbers)
+        return number
 
     def _launches(self, plan, seen: list, scalars: dict) -> tuple:
         """``plan``'s launches ``((module, Launch), ...)``, each with the parameters its
@@ -305,14 +327,15 @@ class CallBinder:
         holes. The key is what ``_template`` reads, and all it reads besides what is fixed
         for this binder (the layer, the modules, the workspace): the plan (memoized for the
         layer's life, so its ``id`` names it), the folded scalars and every array's
-        ``Layout`` (shape, strides, dtype, device, what its checker derived): complete by
-        construction, so a template is reused only for a call it would be built alike for."""
-        arrays = tuple(map(Layout.of, seen))
-        key = (id(plan), tuple(scalars.items()), arrays)
+        ``Layout`` (strides, dtype, device, what its checker derived; by its number, which
+        names one layout for the binder's life): complete by construction, so a template is
+        reused only for a call it would be built alike for."""
+        key = (id(plan), *scalars.values(), *[None if x is None else x.number for x in seen])
         template = self._templates.get(key)
         if template is None:
             if len(self._templates) >= _MAX_TEMPLATES:  # strides of many cache views: start over
                 self._templates.clear()
+            arrays = tuple(None if x is None else x.layout for x in seen)
             template = self._templates[key] = self._template(plan, arrays, scalars)
         launches = []
         for module, kernel, grid, block, shared, values, holes, dependent in template:
