@@ -210,8 +210,10 @@ def make_plan(config: LayerConfig, num_seqs: int, q_len: int = 1, *, workspace: 
     seqs = policy.as_int(num_seqs)  # NumPy integers too, not bools
     if seqs is None or not 0 <= seqs <= config.max_batch:
         raise ValueError(f"num_seqs must be an int in 0..max_batch={config.max_batch}, got {num_seqs!r}")
-    if not 1 <= q_len <= config.max_q_len:
-        raise ValueError(f"q_len must be in 1..max_q_len={config.max_q_len}, got {q_len!r}")
+    tokens = policy.as_int(q_len)
+    if tokens is None or not 1 <= tokens <= config.max_q_len:
+        raise ValueError(f"q_len must be an int in 1..max_q_len={config.max_q_len}, got {q_len!r}")
+    q_len = tokens
     num_seqs, target_policy, shape, impl = seqs, config.target_policy, config.shape, config.impl
     if workspace is None:
         workspace = workspace_for(target_policy, shape, max_batch=config.max_batch, max_decode_seqs=config.max_decode_seqs,

@@ -195,3 +195,15 @@ def test_the_vllm_options_refuse_an_unfoldable_soft_cap_by_the_same_rule():
     assert options.soft_cap(30) == 30.0 and options.soft_cap(0) is None
     with pytest.raises(ValueError, match=r"^logits_soft_cap = 3e\+38: .*cap \* log2\(e\)"):
         options.soft_cap(3e38)
+
+
+@pytest.mark.parametrize("num_seqs, q_len, named", [(True, 1, "num_seqs"), (1, True, "q_len"), (1.0, 1, "num_seqs"),
+                                                     (1, 1.5, "q_len"), (1, "2", "q_len")])
+def test_decode_attention_plan_refuses_a_count_that_is_no_int_naming_it(num_seqs, q_len, named):
+    """Counts are validated as DecodeAttention validates them: True found 1's memoized plan, and
+    1.5 query tokens made a plan."""
+    attn = DecodeAttention(H, KV, D, 16, q_dtype="bf16", kv_dtype="bf16", max_batch=2, backend="cpu", max_q_len=2)
+    attn.plan(1, 1)
+    with pytest.raises(TypeError, match=f"^{named} must be an int"):
+        attn.plan(num_seqs, q_len)
+    assert attn.plan(np.int64(2), np.int32(2)).q_len == 2
