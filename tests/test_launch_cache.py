@@ -253,7 +253,7 @@ def test_one_object_called_with_one_argument_changed_at_a_time_gives_a_fresh_obj
 
 @pytest.mark.slow
 def test_one_object_called_with_one_argument_changed_at_a_time_gives_a_fresh_objects_bytes_on_long_sequences():
-    _run("slow", examples=150, steps=25)
+    _run("slow", examples=100, steps=25)
 
 
 def test_a_device_scales_object_called_with_per_tensor_then_per_head_scales_gives_a_fresh_objects_bytes():
