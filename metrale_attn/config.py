@@ -237,6 +237,7 @@ def configure(
     max_q_len = int_in("max_q_len", max_q_len, 1, MAX_Q_LEN)
     window_left = int_in("window_left", window_left, -1, MAX_WINDOW_LEFT)
     logits_soft_cap = soft_cap(logits_soft_cap)
+    check_logit_fold(sm_scale, logits_soft_cap)
     if not isinstance(sinks, bool):
         raise TypeError(f"sinks must be a bool (whether run() takes sink logits), got {sinks!r}")
     if not isinstance(device_scales, bool):
@@ -420,6 +421,21 @@ def soft_cap(value) -> Optional[float]:
                          f"both must be finite normal fp32 values ({FP32_MIN_NORMAL:.6g} .. {FP32_MAX:.6g}), so the "
                          f"cap must lie in {FP32_MIN_NORMAL:.6g} .. {FP32_MAX / LOG2E:.6g}")
     return cap
+
+
+def check_logit_fold(sm_scale: float, cap: Optional[float]) -> None:
+    """Some k_scale lets a call run: the kernels' logit scale, ``sm_scale * k_scale * log2(e)``
+    (with a soft-cap ``sm_scale * k_scale / cap``), must be a normal fp32 value for a k_scale
+    that is one (``validation.scales``, ``logit_scales``), so a factor ``sm_scale * log2(e)``
+    (``sm_scale / cap``) outside ``FP32_MIN_NORMAL / FP32_MAX .. FP32_MAX / FP32_MIN_NORMAL``
+    would have every ``run`` refused: refused here instead, naming ``sm_scale``."""
+    factor, what = (sm_scale * LOG2E, "sm_scale * log2(e)") if cap is None else (sm_scale / cap, "sm_scale / cap")
+    low, high = FP32_MIN_NORMAL / FP32_MAX, FP32_MAX / FP32_MIN_NORMAL
+    if not low <= factor <= high:
+        with_cap = "" if cap is None else f" with logits_soft_cap = {cap:.6g}"
+        raise ValueError(f"sm_scale = {sm_scale:.6g}{with_cap}: the kernels' logit scale {what} x k_scale = "
+                         f"{factor:.6g} x k_scale is a normal fp32 value for no normal fp32 k_scale, so every run() "
+                         f"would be refused: {what} must lie in {low:.6g} .. {high:.6g}")
 
 
 def fp32_normal(value: float) -> bool:

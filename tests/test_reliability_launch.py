@@ -207,3 +207,20 @@ def test_decode_attention_plan_refuses_a_count_that_is_no_int_naming_it(num_seqs
     with pytest.raises(TypeError, match=f"^{named} must be an int"):
         attn.plan(num_seqs, q_len)
     assert attn.plan(np.int64(2), np.int32(2)).q_len == 2
+
+
+@pytest.mark.parametrize("options", [dict(sm_scale=1e-300), dict(sm_scale=1e300),
+                                     dict(sm_scale=1e-70, logits_soft_cap=1e10)])
+def test_an_sm_scale_no_k_scale_can_fold_is_refused_at_construction_naming_it(options):
+    """The rule behind defect 8: a value that can only fail at run time is checked at
+    construction as far as it is known there. No normal fp32 k_scale brings sm_scale * log2(e)
+    x k_scale (or sm_scale / cap x k_scale) into fp32's normal range, so every run() was refused."""
+    with pytest.raises(ValueError, match=r"^sm_scale = .* is a normal fp32 value for no normal fp32 k_scale"):
+        DecodeAttention(H, KV, D, 16, q_dtype="bf16", kv_dtype="bf16", max_batch=1, backend="cpu", **options)
+
+
+def test_an_sm_scale_some_k_scale_can_fold_builds_and_runs_with_that_k_scale():
+    p = problem(seed=8, seq_lens=(5, 20))
+    attn = decoder(p, sm_scale=1e-70)
+    out = attn.run(p.q, p.k_cache, p.v_cache, p.block_tables, p.seq_lens, k_scale=1e38)
+    assert np.isfinite(out.astype(np.float32)).all()
