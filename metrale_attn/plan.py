@@ -146,8 +146,8 @@ def workspace_for(
     whatever the batch). A size the policy's saturating 32-bit count cannot hold is a
     ValueError naming ``max_batch``, never a workspace of ``2**32 - 1`` slots."""
     ref = policy.split_ref_seqs(max_batch, max_decode_seqs)
-    slots = policy.workspace_slots(target_policy.splitk, target_policy.sm_count, shape.num_q_heads, max_batch * max_q_len,
-                                   ref, max_q_len)
+    slots = policy.workspace_slots(target_policy.splitk, target_policy.sm_count, shape.num_q_heads,
+                                   max_batch * max_q_len, ref, max_q_len)
     if slots >= policy.U32_MAX:  # saturated: the policy's unsigned 32-bit count cannot say the size
         splits = policy.num_splits(target_policy.splitk, target_policy.sm_count, shape.num_q_heads, ref)
         need = max_batch * max_q_len * shape.num_q_heads * splits

@@ -24,8 +24,9 @@ def refuse_unstrided(tensor, argument: str) -> None:
     pointer", names none). Both backends call this before they read a tensor's pointer."""
     layout = getattr(tensor, "layout", None)
     if layout is not None and str(layout) != "torch.strided":
-        raise TypeError(f"{argument} must be a strided (dense) torch tensor, got a {str(layout).removeprefix('torch.').lstrip('_')} "
-                        "tensor, which has no data pointer to launch on: pass a strided one (.to_dense() makes one)")
+        name = str(layout).removeprefix("torch.").lstrip("_")
+        raise TypeError(f"{argument} must be a strided (dense) torch tensor, got a {name} tensor, which has no data "
+                        "pointer to launch on: pass a strided one (.to_dense() makes one)")
 
 
 class Launch(NamedTuple):
