@@ -405,10 +405,9 @@ def soft_cap(value) -> Optional[float]:
     """The logits soft-cap, or None for none: None and 0 mean no cap, as in FlashInfer, vLLM
     and FlashAttention.
 
-    The kernels take the cap as an fp32 value and fold it into ``cap * log2(e)`` (logits in
-    base 2), both fp32 values every call: a cap either leaves past ``FP32_MAX`` or below
-    the smallest normal fp32 would fail every ``run`` (``validation.logit_scales``), so it is
-    refused here, where it is known."""
+    The kernels take the cap and ``cap * log2(e)`` (logits in base 2) as fp32 values: a cap
+    for which either is past ``FP32_MAX`` or below the smallest normal fp32 would fail every
+    ``run`` (``validation.logit_scales``), so it is refused here, where it is known."""
     if value is None:
         return None
     cap = as_float("logits_soft_cap", value)
