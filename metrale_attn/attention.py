@@ -30,6 +30,7 @@ from .binding import CallBinder, kernel_abi
 from .config import ENV_IMPL, LayerConfig, configure, impl_chosen
 from .kernels import launchable_config, merge_threads, source_constants, specs_for
 from .plan import LEGACY_MAX_DECODE_SEQS, DecodePlan, make_plan
+from .policy import as_int
 from .targets import resolve_target_policy, target_for
 from .validation import check_indices, check_scale_values, check_sink_values, dense_pages
 from .workspace import WorkspaceGroup, adopt, allocate, layer_workspace, storage_guard
@@ -192,7 +193,7 @@ class DecodeAttention:
         abi = {kernel: params for spec in specs.values() for kernel, params in kernel_abi(spec).items()}
         constants = source_constants()
         self._binder = CallBinder(self.config, self.backend, self._device,
-                                  {key: (v, m) for (key, v), m in zip(specs.items(), modules)}, abi, self.plan,
+                                  {key: (v, m) for (key, v), m in zip(specs.items(), modules)}, abi, self._plan,
                                   self._group, self.backend.pointer(self.workspace, info),
                                   (constants.threads, merge_threads(self.config.shape.head_dim)))
         with _HANDLES_LOCK:
@@ -244,7 +245,15 @@ class DecodeAttention:
         return attn
 
     def plan(self, num_seqs: int, q_len: int = 1) -> DecodePlan:
-        """The memoized geometry of a call with ``num_seqs`` sequences of ``q_len`` query tokens."""
+        """The memoized geometry of a call with ``num_seqs`` sequences of ``q_len`` query tokens
+        (ints, NumPy integers too, never bools or floats: ``True`` would find ``1``'s plan)."""
+        for name, value in (("num_seqs", num_seqs), ("q_len", q_len)):
+            if as_int(value) is None:
+                raise TypeError(f"{name} must be an int, got {value!r}")
+        return self._plan(int(num_seqs), int(q_len))
+
+    def _plan(self, num_seqs: int, q_len: int) -> DecodePlan:
+        """``plan`` for the binder, whose counts are a shape's ints."""
         plan = self._plans.get((num_seqs, q_len))
         if plan is None:
             plan = self._plans[num_seqs, q_len] = make_plan(self.config, num_seqs, q_len,

@@ -10,16 +10,19 @@ spec's ABI) before anything launches.
 
 ``CallBinder`` turns one call's arrays and scales into launches: it checks each array
 (``validation``) unless it is the buffer checked last time, and keeps one template of
-typed values per plan, scalars and strides, so a call with new buffers of the same layout
-only fills in pointers.
+typed values per plan, scalars and array ``Layout`` (all a launch may read of each array
+but its pointer), so a call with new buffers of the same layouts only fills in pointers. The
+template's values are computed from its key alone (``_Values``), so the key is complete by
+construction: an array argument added to ``ARRAY_ARGUMENTS`` is in it, whole.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Optional
+import itertools
+from typing import Any, Callable, NamedTuple, Optional
 
-from .backends import Launch
+from .backends import ArrayInfo, Launch
 from .config import LayerConfig
 from .kernels import kernel_params
 from .plan import KernelGrid
@@ -34,7 +37,7 @@ _AT = {name: i for i, name in enumerate(ARRAY_ARGUMENTS)}
 LN2 = 0.6931471805599453
 
 ARGUMENTS: dict[str, Callable[["_Values"], object]] = {
-    # the arrays' pointers (null for an absent optional one) and the workspace
+    # the arrays' pointers (a hole filled per call; null for an absent optional one) and the workspace
     **{name: (lambda i: lambda v: v.pointer_or_null(i))(i) for name, i in _AT.items()},
     "workspace": lambda v: v.workspace,
     # their strides, in elements: q (seq, token, head), each cache (page, token, head), a
@@ -42,13 +45,13 @@ ARGUMENTS: dict[str, Callable[["_Values"], object]] = {
     "q_stride_seq": lambda v: v.q_strides[0],
     "q_stride_token": lambda v: v.q_strides[1],
     "q_stride_head": lambda v: v.q_strides[2],
-    "k_stride_page": lambda v: v.seen[_AT["k_cache"]].derived[0],
-    "k_stride_token": lambda v: v.seen[_AT["k_cache"]].derived[1],
-    "k_stride_head": lambda v: v.seen[_AT["k_cache"]].derived[2],
-    "v_stride_page": lambda v: v.seen[_AT["v_cache"]].derived[0],
-    "v_stride_token": lambda v: v.seen[_AT["v_cache"]].derived[1],
-    "v_stride_head": lambda v: v.seen[_AT["v_cache"]].derived[2],
-    "block_tables_stride": lambda v: v.seen[_AT["block_tables"]].info.strides[0] if v.seen[_AT["block_tables"]] else 0,
+    "k_stride_page": lambda v: v.arrays[_AT["k_cache"]].derived[0],
+    "k_stride_token": lambda v: v.arrays[_AT["k_cache"]].derived[1],
+    "k_stride_head": lambda v: v.arrays[_AT["k_cache"]].derived[2],
+    "v_stride_page": lambda v: v.arrays[_AT["v_cache"]].derived[0],
+    "v_stride_token": lambda v: v.arrays[_AT["v_cache"]].derived[1],
+    "v_stride_head": lambda v: v.arrays[_AT["v_cache"]].derived[2],
+    "block_tables_stride": lambda v: v.arrays[_AT["block_tables"]].strides[0] if v.arrays[_AT["block_tables"]] else 0,
     "k_scales_stride": lambda v: v.derived_or_zero(_AT["k_scales"]),
     "v_scales_stride": lambda v: v.derived_or_zero(_AT["v_scales"]),
     # the layer
@@ -115,13 +118,15 @@ def kernel_abi(spec) -> dict[str, tuple]:
 class _Seen:
     """One array argument as last checked: its fingerprint and the rows it was checked
     for, the array (kept alive: a fingerprint may stand for its pointer by ``id``), its
-    description, byte range, what its checker derived, and its launch pointer."""
+    description, byte range, what its checker derived, its launch pointer, and its
+    ``Layout`` with the binder's number for it (``CallBinder._layout_number``)."""
 
-    __slots__ = ("fingerprint", "rows", "array", "info", "span", "derived", "pointer")
+    __slots__ = ("fingerprint", "rows", "array", "info", "span", "derived", "pointer", "layout", "number")
 
-    def __init__(self, fingerprint, rows, array, info, span, derived, pointer):
+    def __init__(self, fingerprint, rows, array, info, span, derived, pointer, layout, number):
         self.fingerprint, self.rows, self.array, self.info = fingerprint, rows, array, info
         self.span, self.derived, self.pointer = span, derived, pointer
+        self.layout, self.number = layout, number
 
 
 class BoundCall:
@@ -138,30 +143,58 @@ class BoundCall:
         self.workspace_span = workspace_span  # the shared workspace's bytes the arrays were checked against
 
 
+class Layout(NamedTuple):
+    """All that a launch may read of one array argument but its pointer: its strides,
+    element type and device, and what its checker derived from it (a checker turns the
+    array's shape into what a launch needs of it: out's rows, a cache's strides in
+    (page, token, head) order, a scale's stride 0 or 1). A launch template's key holds
+    it (``CallBinder._launches``). Not the extents: the plan holds the call's geometry
+    (batch, query tokens), and a checker refuses any other shape, so ``kv_indices`` of
+    another length every step reuses its template."""
+
+    strides: tuple
+    dtype: Any
+    itemsize: int
+    device: Optional[int]
+    derived: Any
+
+    @classmethod
+    def of(cls, info: ArrayInfo, derived) -> "Layout":
+        return cls(info.strides, info.dtype, info.itemsize, info.device, derived)
+
+
+class Hole(NamedTuple):
+    """Where a template leaves the pointer of ``ARRAY_ARGUMENTS[index]``, filled per call."""
+
+    index: int
+
+
 class _Values:
-    """What ``ARGUMENTS`` reads a value from: the layer, the plan, the checked arrays, the
-    folded scalars and the workspace pointer."""
+    """What ``ARGUMENTS`` reads a value from: the layer and the workspace pointer (fixed for a
+    binder), and a template's key: the plan, the folded scalars and each array's ``Layout``
+    (None: absent). An array's pointer reads as its ``Hole``: nothing else of a call can
+    reach a value, so a template's key holds everything its values depend on."""
 
-    __slots__ = ("config", "plan", "seen", "scalars", "workspace", "null", "q_strides")
+    __slots__ = ("config", "plan", "arrays", "scalars", "workspace", "null", "q_strides")
 
-    def __init__(self, config, plan, seen, scalars, workspace, null):
-        self.config, self.plan, self.seen, self.scalars, self.workspace, self.null = (
-            config, plan, seen, scalars, workspace, null)
-        qs = seen[0].info.strides
+    def __init__(self, config, plan, arrays: tuple, scalars: dict, workspace, null):
+        self.config, self.plan, self.arrays, self.scalars, self.workspace, self.null = (
+            config, plan, arrays, scalars, workspace, null)
+        qs = arrays[0].strides
         self.q_strides = qs[:3] if len(qs) == 4 else (qs[0], 0, qs[1])  # (seq, token, head)
 
     def pointer_or_null(self, index: int):
-        seen = self.seen[index]
-        return self.null if seen is None else seen.pointer
+        return self.null if self.arrays[index] is None else Hole(index)
 
     def derived_or_zero(self, index: int):
-        seen = self.seen[index]
-        return 0 if seen is None else seen.derived
+        layout = self.arrays[index]
+        return 0 if layout is None else layout.derived
 
 
 _ABSENT = ()
 """The fingerprint of an absent optional array (``lse=None``)."""
 _MAX_TEMPLATES = 64
+_MAX_LAYOUTS = 256
 
 
 class CallBinder:
@@ -181,7 +214,9 @@ class CallBinder:
         self._workspace, self._block = workspace_pointer, block
         self._seen: list = [None] * len(ARRAY_ARGUMENTS)  # per argument: the last buffer checked (_Seen)
         self.last: Optional[BoundCall] = None  # the last validated call, reused for the same buffers and scales
-        self._templates: dict = {}  # (plan, scalars, strides) -> per kernel typed values and where its pointers go
+        self._templates: dict = {}  # (plan, scalars, layout numbers) -> per kernel typed values and pointer holes
+        self._layouts: dict = {}  # Layout -> its number (_layout_number)
+        self._numbers = itertools.count()
 
     def bind(self, arrays: tuple, k_scale, v_scale) -> BoundCall:
         """The launches of a call of ``arrays`` (``ARRAY_ARGUMENTS`` in order; ``sinks`` and
@@ -257,7 +292,8 @@ class CallBinder:
                 shift = info.ptr - seen.info.ptr
                 if shift % VECTOR_BYTES == 0:
                     span = None if seen.span is None else (seen.span[0] + shift, seen.span[1] + shift)
-                    seen = _Seen(fingerprint, rows, array, info, span, seen.derived, backend.pointer(array, info))
+                    seen = _Seen(fingerprint, rows, array, info, span, seen.derived, backend.pointer(array, info),
+                                 seen.layout, seen.number)  # the same layout: only the pointer moved
                     self._seen[index] = seen
                     return seen
         info = backend.describe(array, ARRAY_ARGUMENTS[index])
@@ -265,23 +301,42 @@ class CallBinder:
             raise ValueError(f"{ARRAY_ARGUMENTS[index]} must be on the device this DecodeAttention was built on "
                              f"({where(self.device)}), got {where(info.device)}")
         derived = CHECKERS[index](self.config, info, rows)
-        seen = _Seen(fingerprint, rows, array, info, info.byte_range(), derived, backend.pointer(array, info))
+        layout = Layout.of(info, derived)
+        seen = _Seen(fingerprint, rows, array, info, info.byte_range(), derived, backend.pointer(array, info), layout,
+                     self._layout_number(layout))
         self._seen[index] = seen if fingerprint is not None else None
         return seen
+
+    def _layout_number(self, layout: Layout) -> int:
+        """A number for ``layout``, the same while it is remembered and never given to another
+        layout (a counter: forgetting, past ``_MAX_LAYOUTS``, only costs a template miss), so
+        a template's key holds a small int per array instead of hashing its layout per call."""
+        number = self._layouts.get(layout)
+        if number is None:
+            if len(self._layouts) >= _MAX_LAYOUTS:
+                self._layouts.clear()
+            number = self._layouts[layout] = next(self._numbers)
+        return number
 
     def _launches(self, plan, seen: list, scalars: dict) -> tuple:
         """``plan``'s launches ``((module, Launch), ...)``, each with the parameters its
         source declares, by name.
 
-        Built once per plan, scalars and strides as a template: each kernel's typed
-        values (NumPy scalars of the ABI's types) with a hole per array pointer; a call
-        with new buffers of the same strides only fills the holes."""
-        key = (id(plan), *scalars.values(), *[None if x is None else x.info.strides for x in seen])
+        Built once per key as a template: each kernel's typed values (NumPy scalars of the
+        ABI's types) with a hole per array pointer; a call of the same key only fills the
+        holes. The key is what ``_template`` reads, and all it reads besides what is fixed
+        for this binder (the layer, the modules, the workspace): the plan (memoized for the
+        layer's life, so its ``id`` names it), the folded scalars and every array's
+        ``Layout`` (strides, dtype, device, what its checker derived; by its number, which
+        names one layout for the binder's life): complete by construction, so a template is
+        reused only for a call it would be built alike for."""
+        key = (id(plan), *scalars.values(), *[None if x is None else x.number for x in seen])
         template = self._templates.get(key)
         if template is None:
             if len(self._templates) >= _MAX_TEMPLATES:  # strides of many cache views: start over
                 self._templates.clear()
-            template = self._templates[key] = self._template(plan, seen, scalars)
+            arrays = tuple(None if x is None else x.layout for x in seen)
+            template = self._templates[key] = self._template(plan, arrays, scalars)
         launches = []
         for module, kernel, grid, block, shared, values, holes, dependent in template:
             values = values.copy()
@@ -290,24 +345,23 @@ class CallBinder:
             launches.append((module, Launch(kernel, grid, block, shared, tuple(values), dependent)))
         return tuple(launches)
 
-    def _template(self, plan, seen: list, scalars: dict) -> tuple:
+    def _template(self, plan, arrays: tuple, scalars: dict) -> tuple:
         """Per kernel of ``plan``: ``(module, kernel, grid, block, shared bytes, values,
         holes, dependent)``; ``holes`` are ``(position, argument index)`` of the array pointers;
         ``dependent``: the ``mma`` merge, whose kernel waits for the attention grid on the
-        device, is its programmatic dependent unless the layer turned that off. Values
-        other than the arrays' pointers depend only on the plan, the scalars, the arrays'
-        strides and the layer."""
+        device, is its programmatic dependent unless the layer turned that off. A function
+        of its arguments (the key's parts: ``arrays`` the ``Layout`` of each array) and of
+        what is fixed for this binder only."""
         spec, module = self._modules[plan.arm, plan.row_tiles, plan.q_len > 1]
-        values_of = _Values(self.config, plan, seen, scalars, self._workspace, self.backend.pointer(None))
-        index = {name: i for i, name in enumerate(ARRAY_ARGUMENTS) if seen[i] is not None}
+        values_of = _Values(self.config, plan, arrays, scalars, self._workspace, self.backend.pointer(None))
         template = []
         for i, grid in enumerate(plan.launches):
             abi = self._abi[grid.kernel]
             values = []
             for name, typ in abi:
                 value = ARGUMENTS[name](values_of) if name in ARGUMENTS else getattr(self.config, name)
-                values.append(value if typ is None else typ(value))
-            holes = tuple((j, index[name]) for j, (name, typ) in enumerate(abi) if typ is None and name in index)
+                values.append(value if typ is None or isinstance(value, Hole) else typ(value))
+            holes = tuple((j, value.index) for j, value in enumerate(values) if isinstance(value, Hole))
             for j, _ in holes:  # filled per call; the template keeps no array alive
                 values[j] = None
             launch_grid = grid.grid

@@ -60,6 +60,8 @@ PAGE_TABLES = ("dense", "csr")
 
 FP32_MAX = 3.4028234663852886e38
 FP32_MIN_NORMAL = 1.1754943508222875e-38
+LOG2E = 1.4426950408889634
+"""log2(e): the kernels hold logits in base 2, so the host folds this into their scales."""
 
 
 @dataclass(frozen=True)
@@ -235,6 +237,7 @@ def configure(
     max_q_len = int_in("max_q_len", max_q_len, 1, MAX_Q_LEN)
     window_left = int_in("window_left", window_left, -1, MAX_WINDOW_LEFT)
     logits_soft_cap = soft_cap(logits_soft_cap)
+    check_logit_fold(sm_scale, logits_soft_cap)
     if not isinstance(sinks, bool):
         raise TypeError(f"sinks must be a bool (whether run() takes sink logits), got {sinks!r}")
     if not isinstance(device_scales, bool):
@@ -400,7 +403,11 @@ def positive(argument: str, value) -> float:
 
 def soft_cap(value) -> Optional[float]:
     """The logits soft-cap, or None for none: None and 0 mean no cap, as in FlashInfer, vLLM
-    and FlashAttention."""
+    and FlashAttention.
+
+    The kernels take the cap and ``cap * log2(e)`` (logits in base 2) as fp32 values: a cap
+    for which either is past ``FP32_MAX`` or below the smallest normal fp32 would fail every
+    ``run`` (``validation.logit_scales``), so it is refused here, where it is known."""
     if value is None:
         return None
     cap = as_float("logits_soft_cap", value)
@@ -408,7 +415,26 @@ def soft_cap(value) -> Optional[float]:
         return None
     if not (cap > 0 and math.isfinite(cap)):
         raise ValueError(f"logits_soft_cap must be a finite float > 0 (or 0/None: no cap), got {value!r}")
+    if not (fp32_normal(cap) and fp32_normal(cap * LOG2E)):
+        raise ValueError(f"logits_soft_cap = {cap:.6g}: the kernels fold it into cap * log2(e) = {cap * LOG2E:.6g}; "
+                         f"both must be finite normal fp32 values ({FP32_MIN_NORMAL:.6g} .. {FP32_MAX:.6g}), so the "
+                         f"cap must lie in {FP32_MIN_NORMAL:.6g} .. {FP32_MAX / LOG2E:.6g}")
     return cap
+
+
+def check_logit_fold(sm_scale: float, cap: Optional[float]) -> None:
+    """Some k_scale lets a call run: the kernels' logit scale, ``sm_scale * k_scale * log2(e)``
+    (with a soft-cap ``sm_scale * k_scale / cap``), must be a normal fp32 value for a k_scale
+    that is one (``validation.scales``, ``logit_scales``), so a factor ``sm_scale * log2(e)``
+    (``sm_scale / cap``) outside ``FP32_MIN_NORMAL / FP32_MAX .. FP32_MAX / FP32_MIN_NORMAL``
+    would have every ``run`` refused: refused here instead, naming ``sm_scale``."""
+    factor, what = (sm_scale * LOG2E, "sm_scale * log2(e)") if cap is None else (sm_scale / cap, "sm_scale / cap")
+    low, high = FP32_MIN_NORMAL / FP32_MAX, FP32_MAX / FP32_MIN_NORMAL
+    if not low <= factor <= high:
+        with_cap = "" if cap is None else f" with logits_soft_cap = {cap:.6g}"
+        raise ValueError(f"sm_scale = {sm_scale:.6g}{with_cap}: the kernels' logit scale {what} x k_scale = "
+                         f"{factor:.6g} x k_scale is a normal fp32 value for no normal fp32 k_scale, so every run() "
+                         f"would be refused: {what} must lie in {low:.6g} .. {high:.6g}")
 
 
 def fp32_normal(value: float) -> bool:

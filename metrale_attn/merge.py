@@ -21,6 +21,7 @@ import numpy as np
 from . import dtypes
 from .backends import Launch, get_backend
 from .kernels import MergeStates
+from .validation import aligned
 
 STATE_DTYPES = (dtypes.BF16, dtypes.FP16, dtypes.FLOAT32)
 _NUMPY = {dtypes.BF16: dtypes.NUMPY_DTYPES[dtypes.BF16], dtypes.FP16: dtypes.NUMPY_DTYPES[dtypes.FP16],
@@ -34,7 +35,9 @@ def merge_states(v_a, s_a, v_b, s_b, *, out=None, lse=None, backend=None):
     ``out`` defaults to ``v_a``'s dtype), ``s_*`` and ``lse`` float32 ``[...]`` with the
     same leading shape (natural logs). ``backend``: ``"cpu"``, ``"cupy"`` or a backend;
     None picks the CPU backend for host arrays (NumPy, torch CPU tensors), else CuPy.
-    Outputs must be writable and may overlap no input.
+    Every array starts on a boundary of its element size (4 bytes for ``s_*`` and ``lse``).
+    Outputs must be writable and may overlap no input. Errors name the argument and are
+    raised before the launch.
     """
     if backend is None or isinstance(backend, str):
         backend = get_backend(backend or ("cpu" if _on_host(v_a) else "cupy"))
@@ -65,6 +68,7 @@ def merge_states(v_a, s_a, v_b, s_b, *, out=None, lse=None, backend=None):
             raise ValueError(f"{name} must be contiguous, got strides {list(info.strides)}")
         if info.device != backend.current_device():
             raise ValueError(f"{name} is not on the backend's device")
+        aligned(info, name, info.itemsize)  # the kernel loads and stores whole elements (a GPU faults otherwise)
     for info, name in ((oi, "out"), (li, "lse")):
         if not info.writable:
             raise ValueError(f"{name} must be writable, got a read-only array")

@@ -141,10 +141,20 @@ def workspace_for(
     max_q_len: int = 1,
 ) -> Workspace:
     """The workspace ``DecodeAttention`` allocates once: ``workspace_slots`` with
-    ``max_rows = max_batch x max_q_len`` (a query token of a multi-token call is a row of
-    its own; legacy: ``sm_count`` slots, whatever the batch)."""
+    ``max_rows = max_batch x max_q_len`` and ``rows_per_seq = max_q_len`` (a query token of
+    a multi-token call is a row of its own; legacy: ``sm_count`` slots a query token,
+    whatever the batch). A size the policy's saturating 32-bit count cannot hold is a
+    ValueError naming ``max_batch``, never a workspace of ``2**32 - 1`` slots."""
     ref = policy.split_ref_seqs(max_batch, max_decode_seqs)
-    slots = policy.workspace_slots(target_policy.splitk, target_policy.sm_count, shape.num_q_heads, max_batch * max_q_len, ref)
+    slots = policy.workspace_slots(target_policy.splitk, target_policy.sm_count, shape.num_q_heads,
+                                   max_batch * max_q_len, ref, max_q_len)
+    if slots >= policy.U32_MAX:  # saturated: the policy's unsigned 32-bit count cannot say the size
+        splits = policy.num_splits(target_policy.splitk, target_policy.sm_count, shape.num_q_heads, ref)
+        need = max_batch * max_q_len * shape.num_q_heads * splits
+        raise ValueError(f"max_batch={max_batch} is too large: {max_batch} seqs x {max_q_len} query token(s) x "
+                         f"{shape.num_q_heads} q heads x {splits} splits = {need} split-K workspace slots, past the "
+                         f"{policy.U32_MAX} (2**32 - 1) the launch policy counts "
+                         f"({Workspace(need, shape.head_dim).nbytes} bytes): lower max_batch")
     return Workspace(slots, shape.head_dim)
 
 
@@ -200,8 +210,10 @@ def make_plan(config: LayerConfig, num_seqs: int, q_len: int = 1, *, workspace: 
     seqs = policy.as_int(num_seqs)  # NumPy integers too, not bools
     if seqs is None or not 0 <= seqs <= config.max_batch:
         raise ValueError(f"num_seqs must be an int in 0..max_batch={config.max_batch}, got {num_seqs!r}")
-    if not 1 <= q_len <= config.max_q_len:
-        raise ValueError(f"q_len must be in 1..max_q_len={config.max_q_len}, got {q_len!r}")
+    tokens = policy.as_int(q_len)
+    if tokens is None or not 1 <= tokens <= config.max_q_len:
+        raise ValueError(f"q_len must be an int in 1..max_q_len={config.max_q_len}, got {q_len!r}")
+    q_len = tokens
     num_seqs, target_policy, shape, impl = seqs, config.target_policy, config.shape, config.impl
     if workspace is None:
         workspace = workspace_for(target_policy, shape, max_batch=config.max_batch, max_decode_seqs=config.max_decode_seqs,

@@ -232,20 +232,25 @@ def num_splits(policy: SplitkPolicy, sm_count: int, num_q_heads: int, legacy_ref
 
 
 def workspace_slots(
-    policy: SplitkPolicy, sm_count: int, num_q_heads: int, max_rows: int, legacy_ref_seqs: int
+    policy: SplitkPolicy, sm_count: int, num_q_heads: int, max_rows: int, legacy_ref_seqs: int,
+    rows_per_seq: int = 1,
 ) -> int:
     """``[o[head_dim], m, l]`` slots the split-K workspace must hold.
 
-    The split kernel writes slot ``((seq * num_q_heads) + head) * num_splits + split``,
-    so ``max_rows`` must be the widest batch a launch may carry; a short workspace
-    is a silent out-of-bounds write on the GPU. ``legacy`` needs ``sm_count`` slots:
-    when it splits, ``num_q_heads * ref_seqs < sm_count`` with ``ref_seqs >= num_seqs``,
-    so ``num_seqs * num_q_heads * num_splits <= sm_count``. The other policies need
-    ``max_rows * num_q_heads * num_splits``: 256 rows x 24 heads x 11 splits = 67584
-    slots on hopper, 69.7 MB at head_dim 256.
+    The split kernel writes slot ``((row * num_q_heads) + head) * num_splits + split``
+    for each query row (a sequence's query token: ``rows_per_seq`` of them, the most query
+    tokens a call may carry), so ``max_rows`` must be the widest launch in rows (batch x
+    ``rows_per_seq``); a short workspace is a silent out-of-bounds write on the GPU.
+    ``legacy`` needs ``sm_count`` slots a query row of a sequence: when it splits,
+    ``num_q_heads * ref_seqs < sm_count`` with ``ref_seqs >= num_seqs`` (sequences, not
+    rows: a multi-token call splits as a one-token call), so ``num_seqs * num_q_heads *
+    num_splits <= sm_count`` and ``num_seqs * rows_per_seq * num_q_heads * num_splits <=
+    sm_count * rows_per_seq``. The other policies need ``max_rows * num_q_heads *
+    num_splits``: 256 rows x 24 heads x 11 splits = 67584 slots on hopper, 69.7 MB at
+    head_dim 256.
     """
     if policy.kind == "legacy":
-        return max(_u32("sm_count", sm_count), 1)
+        return _sat_mul(max(_u32("sm_count", sm_count), 1), max(_u32("rows_per_seq", rows_per_seq), 1))
     splits = num_splits(policy, sm_count, num_q_heads, legacy_ref_seqs)
     return _sat_mul(max(_u32("max_rows", max_rows), 1), max(_u32("num_q_heads", num_q_heads), 1), splits)
 

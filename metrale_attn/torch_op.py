@@ -126,6 +126,11 @@ _LIBRARY = torch.library.Library("metrale_attn", "DEF")
 _LIBRARY.define(SCHEMA)
 for _key in ("CPU", "CUDA"):
     _LIBRARY.impl("paged_decode", paged_decode, _key)
+# A tensor without strided storage (sparse, mkldnn) dispatches to its layout's key: the same
+# implementation there, whose backend refuses that tensor naming the argument, where torch
+# would say only that the op has no kernel for the key.
+for _key in ("SparseCPU", "SparseCUDA", "SparseCsrCPU", "SparseCsrCUDA", "MkldnnCPU"):
+    _LIBRARY.impl("paged_decode", paged_decode, _key)
 torch.library.register_fake("metrale_attn::paged_decode", _paged_decode_fake, lib=_LIBRARY)
 
 

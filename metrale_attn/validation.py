@@ -17,7 +17,7 @@ import numpy as np
 
 from . import dtypes
 from .backends import ArrayInfo
-from .config import FP32_MAX, FP32_MIN_NORMAL, LayerConfig, as_float, fp32_normal
+from .config import FP32_MAX, FP32_MIN_NORMAL, LOG2E, LayerConfig, as_float, fp32_normal
 
 ARRAY_ARGUMENTS = ("q", "k_cache", "v_cache", "block_tables", "seq_lens", "kv_indptr", "kv_indices",
                    "kv_last_page_len", "sinks", "k_scales", "v_scales", "out", "lse")
@@ -28,8 +28,11 @@ INPUTS = ARRAY_ARGUMENTS[:11]
 DENSE, CSR = ARRAY_ARGUMENTS[3:5], ARRAY_ARGUMENTS[5:8]
 VECTOR_BYTES = 16  # kernels load K/V and q rows with 16-byte vector loads
 INDEX_BYTES = 4  # int32 block tables and seq_lens, float32 lse and sinks: 4-byte loads and stores
-LOG2E = 1.4426950408889634
 MAX_SINK = FP32_MAX / LOG2E  # the kernels hold sinks in base 2: a larger one overflows
+MAX_SEQ_LEN = 2**31 - 1
+"""The longest sequence, in tokens, of either page-table form: the kernels hold a length in an
+int32 (seq_lens as given; a CSR length ``(pages - 1) * page_size + kv_last_page_len`` computed
+there, which would wrap past it)."""
 _FP32_RANGE = f"({FP32_MIN_NORMAL:.6g} .. {FP32_MAX:.6g})"
 
 
@@ -350,20 +353,36 @@ def dense_pages(indptr: np.ndarray, indices: np.ndarray, last_page_len: np.ndarr
         raise ValueError(f"kv_last_page_len[{s}] = {int(last[s])} must be in 1..{page_size} (page_size) for a sequence "
                          f"of {int(pages[s])} page(s), or 0 with none")
     lens = np.where(pages > 0, (pages - 1) * page_size + last, 0)
+    check_lengths(lens, csr=True)
     table = np.full((len(pages), max(int(pages.max(initial=0)), 1)), -1, np.int64)
     for s, (a, n) in enumerate(zip(indptr[:-1], pages)):
         table[s, :n] = indices[a:a + n]
     return table, lens
 
 
+def check_lengths(lens: np.ndarray, csr: bool) -> None:
+    """Every length (int64 host values, of a dense or a CSR table) at most ``MAX_SEQ_LEN``:
+    the one bound of a length the kernels hold in an int32, for both page-table forms
+    (``check_indices`` applies it; ``dense_pages`` first, before it builds a table that long)."""
+    long = np.flatnonzero(lens > MAX_SEQ_LEN)
+    if long.size:
+        s = int(long[0])
+        what = (f"sequence {s}'s length (kv_indptr[{s + 1}] - kv_indptr[{s}] - 1) * page_size + kv_last_page_len[{s}]"
+                if csr else f"seq_lens[{s}]")
+        raise ValueError(f"{what} = {int(lens[s])} is past {MAX_SEQ_LEN} (2**31 - 1) tokens, the longest sequence "
+                         "the kernels' int32 lengths hold")
+
+
 def check_indices(config: LayerConfig, table: np.ndarray, lens: np.ndarray, num_pages: int, max_pages: int,
                   q_len: int = 1, indptr: Optional[np.ndarray] = None) -> None:
-    """Every length in range, and every page id a call reads a page id: those of the
+    """Every length in range (``check_lengths``: at most ``MAX_SEQ_LEN``, for both page-table
+    forms), and every page id a call reads a page id: those of the
     pages the window of the first query token touches, to the sequence's end (pages
     before every window may be freed, e.g. -1). ``table`` and ``lens``: host copies (of a
     CSR table, ``dense_pages`` of it, and ``indptr`` to name the ``kv_indices`` entry)."""
     lens = lens.astype(np.int64)  # lens - q_len - window: no wrap
     page_size = config.page_size
+    check_lengths(lens, csr=indptr is not None)
     if max_pages == 0 and lens.any():
         s = int(np.flatnonzero(lens)[0])
         raise ValueError(f"block_tables has 0 columns but seq_lens[{s}] = {int(lens[s])}")

@@ -64,7 +64,7 @@ CTOR_OPTIONS = {  # argument -> (valid values, invalid values)
     "impl": ([None, "mma", "mma", "mma", "simt"], ["tensor"]),
     "heads_per_cta": ([None, None, 1, 2], [3, 0, True, "2"]),
     "window_left": ([-1, -1, 0, 5, 300, 2**31 - 1], [-2, 2**31]),
-    "logits_soft_cap": ([None, None, 0.0, 30.0, 5.0], [-1.0, float("inf"), float("nan")]),
+    "logits_soft_cap": ([None, None, 0.0, 30.0, 5.0], [-1.0, float("inf"), float("nan"), 3e38, 1e-39]),
     "sinks": ([False, False, True], ["yes", 1]),
     "out_dtype": ([None, None, "float32"], ["int8"]),
     "sm_scale": ([None, None, 0.05, 1.0], [0.0, -1.0, float("nan")]),
@@ -75,7 +75,8 @@ CTOR_OPTIONS = {  # argument -> (valid values, invalid values)
     "dependent_launch": ([None, None, True, False], ["yes", 1]),
 }
 RUN_OPTIONS = {
-    "bad_length": ([None], [-1, "over"]),
+    # "wrap": a length past 2**31 - 1 (a CSR table at page_size 256 can say it; else seq_lens' largest)
+    "bad_length": ([None], [-1, "over", "wrap"]),
     "bad_page": ([None], [-1, "pool", 0x3FFFFFFF]),
     "k_scale": ([1.0, 0.5], [0.0, -1.0, float("nan"), 1e39, True]),
     "v_scale": ([1.0, 2.0], [0.0, float("inf")]),
@@ -83,8 +84,10 @@ RUN_OPTIONS = {
     "out": (["new", "given", "given"], ["read-only", "is q", "wrong dtype", "strided"]),
     "lse": ([None, "given"], ["misaligned", "read-only"]),
     "sinks": (["values", "values"], ["none", "nan", "+inf", "huge", "wrong shape"]),
-    # device_scales: the scales' array (one value, or one per KV head), or a bad one
+    # device_scales: the scales' array (one value, or one per KV head, the heads' values apart), or a
+    # bad one; a valid call is followed by one of the other shape on the same object
     "scales": (["one", "per head"], ["float64", "wrong length", "floats too"]),
+    "torch_layout": (["strided"], ["sparse q", "sparse out"]),  # the torch path's; NumPy has strided arrays only
 }
 
 
@@ -136,7 +139,7 @@ def _problem(attn: DecodeAttention, run: dict):
                      kv_dtype=kv_name, q_dtype=attn.q_dtype, layout=attn.kv_layout)
     tables, lens = p.block_tables[:n].copy(), p.seq_lens[:n].copy()
     if n and run["bad_length"] is not None:
-        lens[0] = -1 if run["bad_length"] == -1 else tables.shape[1] * attn.page_size + 1
+        lens[0] = {-1: -1, "over": tables.shape[1] * attn.page_size + 1, "wrap": 2**31 - 1}[run["bad_length"]]
     if n and run["bad_page"] is not None and lens[0] > 0:
         tables[0, 0] = p.k_cache.shape[0] if run["bad_page"] == "pool" else run["bad_page"]
     q = rng.standard_normal((n, run["q_len"], attn.shape.num_q_heads, attn.shape.head_dim))
@@ -185,28 +188,57 @@ def check_decode(ctor: dict, run: dict) -> str:
     pages = {}
     if attn.page_table == "csr":  # the same pages in FlashInfer's form, corrupted as the dense ones were
         arrays, pages = arrays[:3], _csr(p, tables, lens, attn.page_size, run)
-    k_scale, v_scale = float(run["k_scale"]), float(run["v_scale"])
-    scales = dict(k_scale=run["k_scale"], v_scale=run["v_scale"])
-    if attn.device_scales:
-        n_kv = attn.shape.num_kv_heads
-        shape = {"one": (1,), "per head": (n_kv,), "float64": (n_kv,), "wrong length": (n_kv + 1,), "floats too": (1,)}
-        dtype = np.float64 if run["scales"] == "float64" else np.float32
-        scales = dict(k_scales=np.full(shape[run["scales"]], k_scale, dtype),
-                      v_scales=np.full(shape[run["scales"]], v_scale, dtype))
-        if run["scales"] == "floats too":
-            scales.update(k_scale=2.0)
-        with np.errstate(over="ignore"):
-            k_scale, v_scale = float(np.float32(k_scale)), float(np.float32(v_scale))  # what the kernels read
+    scales, k_scale, v_scale = _scales(attn, run, run["scales"])
+    # torch has no read-only tensors: those cases take the NumPy path
+    torch_path = run["torch"] and run["out"] != "read-only" and run["lse"] != "read-only"
     LAUNCHES.clear()
     try:
-        # torch has no read-only tensors: those cases take the NumPy path
-        if run["torch"] and run["out"] != "read-only" and run["lse"] != "read-only":
-            result = _run_torch(attn, arrays, out, lse, sinks, {**scales, **pages})
+        if torch_path:
+            result = _run_torch(attn, arrays, out, lse, sinks, {**scales, **pages}, run["torch_layout"])
         else:
             result = attn.run(*arrays, out=out, lse=lse, sinks=sinks, return_lse=lse is None, **scales, **pages)
     except REFUSALS as err:
         assert not LAUNCHES, f"refused after {LAUNCHES} launched: {err}"
         return "refused"
+    _check_bar(attn, result, q, p, tables, lens, k_scale, v_scale, sinks, f"case {ctor} {run}")
+    if attn.device_scales:  # the same object again, with scales of the other shape (one <-> per head)
+        other = "per head" if run["scales"] == "one" else "one"
+        scales, k_scale, v_scale = _scales(attn, run, other)
+        if torch_path:
+            result = _run_torch(attn, arrays, None, None, sinks, {**scales, **pages}, run["torch_layout"])
+        else:
+            result = attn.run(*arrays, sinks=sinks, return_lse=True, **scales, **pages)
+        _check_bar(attn, result, q, p, tables, lens, k_scale, v_scale, sinks, f"case {ctor} {run}, then {other} scales")
+    return "ok"
+
+
+PER_HEAD = np.array([1.0, 2.0, 0.5, 4.0, 0.25, 3.0, 1.5, 0.75], np.float32)
+"""Per-KV-head scale factors: the heads' values apart, so a per-head array read as one value (or
+the reverse) misses the bar."""
+
+
+def _scales(attn, run: dict, shape: str):
+    """``run()``'s scale arguments for ``shape`` (``run["scales"]``'s spellings), and the scales the
+    reference takes: host floats, or the device arrays' fp32 values (one, or one per KV head)."""
+    k_scale, v_scale = float(run["k_scale"]), float(run["v_scale"])
+    if not attn.device_scales:
+        return dict(k_scale=run["k_scale"], v_scale=run["v_scale"]), k_scale, v_scale
+    n_kv = attn.shape.num_kv_heads
+    length = {"one": 1, "per head": n_kv, "float64": n_kv, "wrong length": n_kv + 1, "floats too": 1}[shape]
+    factors = PER_HEAD[np.arange(length) % len(PER_HEAD)]
+    with np.errstate(over="ignore", invalid="ignore"):
+        k_scales, v_scales = np.float32(k_scale) * factors, np.float32(v_scale) * factors[::-1]
+    dtype = np.float64 if shape == "float64" else np.float32
+    scales = dict(k_scales=k_scales.astype(dtype), v_scales=v_scales.astype(dtype))
+    if shape == "floats too":
+        scales.update(k_scale=2.0)
+    if length == 1:  # what the kernels read
+        return scales, float(k_scales[0]), float(v_scales[0])
+    return scales, k_scales.astype(np.float64), v_scales.astype(np.float64)
+
+
+def _check_bar(attn, result, q, p, tables, lens, k_scale, v_scale, sinks, what: str) -> None:
+    """A call's outputs within the bar of the float64 reference, lse included."""
     out, lse = result
     if not isinstance(out, np.ndarray):
         from metrale_attn.torch_op import to_numpy
@@ -222,14 +254,12 @@ def check_decode(ctor: dict, run: dict) -> str:
     logits = reference.max_abs_logit(q, p.k_cache, tables, lens, kv_layout=attn.kv_layout, sm_scale=attn.sm_scale,
                                      k_scale=k_scale, logits_soft_cap=attn.logits_soft_cap, sinks=sinks,
                                      window_left=attn.window_left)  # also bounds the lse check's tolerance
-    tolerance.assert_close_to_reference(np.asarray(out), ref, v_absmax=v_absmax, logit_absmax=logits,
-                                        what=f"case {ctor} {run}")
+    tolerance.assert_close_to_reference(np.asarray(out), ref, v_absmax=v_absmax, logit_absmax=logits, what=what)
     if attn.lse_base == "2":  # base 2: the natural lse is that times ln 2
         lse = np.asarray(lse, np.float64) * math.log(2.0)
     finite = np.isfinite(ref_lse)
     assert np.array_equal(np.isfinite(lse), finite), "lse: the empty rows, exactly"
     np.testing.assert_allclose(lse[finite], ref_lse[finite], rtol=2e-6, atol=2e-6 * (1 + logits))
-    return "ok"
 
 
 def _csr(p, tables, lens, page_size: int, run: dict) -> dict:
@@ -242,13 +272,19 @@ def _csr(p, tables, lens, page_size: int, run: dict) -> dict:
     indptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
     indices = np.concatenate([tables[s, :c] for s, c in enumerate(counts)] + [np.zeros(0, np.int32)]).astype(np.int32)
     last = np.array([int(x) - (c - 1) * page_size if c else 0 for x, c in zip(lens, counts)], np.int32)
-    if n and run["bad_length"] is not None:
+    if n and run["bad_length"] == "wrap" and page_size == 256:  # (pages - 1) * 256 + 256 = 2**31 + 256 tokens
+        pages = 2**31 // page_size + 1
+        indptr = np.concatenate([[0], pages + np.cumsum(counts[1:], dtype=np.int64)]).astype(np.int32)
+        indices = np.concatenate([np.zeros(pages, np.int32), indices[counts[0]:]])
+        last[0] = page_size
+    elif n and run["bad_length"] is not None:
         last[0] = -1 if run["bad_length"] == -1 else page_size + 1
     return dict(kv_indptr=indptr, kv_indices=indices, kv_last_page_len=last)
 
 
-def _run_torch(attn, arrays, out, lse, sinks, scales):
-    """The same call through ``torch.ops.metrale_attn.paged_decode`` on torch CPU tensors."""
+def _run_torch(attn, arrays, out, lse, sinks, scales, layout="strided"):
+    """The same call through ``torch.ops.metrale_attn.paged_decode`` on torch CPU tensors
+    (``layout``: ``"sparse q"`` or ``"sparse out"`` passes that tensor in sparse storage)."""
     import torch
 
     from metrale_attn.torch_op import from_numpy
@@ -263,6 +299,10 @@ def _run_torch(attn, arrays, out, lse, sinks, scales):
     t_sinks = None if sinks is None else torch.from_numpy(sinks)
     t_k, t_v, t_ip, t_ix, t_lp = (None if scales.get(name) is None else torch.from_numpy(scales[name])
                                   for name in ("k_scales", "v_scales", "kv_indptr", "kv_indices", "kv_last_page_len"))
+    if layout == "sparse q":
+        q = q.to_sparse()
+    elif layout == "sparse out":
+        t_out = t_out.to_sparse()
     torch.ops.metrale_attn.paged_decode(attn.handle, q, k, v, bt, sl, t_out, t_lse, scales.get("k_scale", 1.0),
                                         scales.get("v_scale", 1.0), t_sinks, t_k, t_v, t_ip, t_ix, t_lp)
     return t_out, t_lse
@@ -273,7 +313,16 @@ def merge_cases(draw):
     return dict(shape=draw(st.sampled_from([(0, 4), (3, 2), (2, 3, 1)])), head_dim=draw(st.sampled_from([8, 64, 65])),
                 dtype=draw(st.sampled_from(["float32", "bf16", "fp16"])), empty=draw(st.sampled_from([0, 0.3, 1])),
                 out=draw(st.sampled_from(["new", "given", "given", "read-only", "wrong shape", "overlaps v_a"])),
+                misaligned=draw(st.sampled_from([None] * 6 + ["v_a", "s_b", "lse"])),  # one byte off its boundary
                 seed=draw(st.integers(0, 2**16)))
+
+
+def _misaligned(like: np.ndarray) -> np.ndarray:
+    """``like``'s values one byte past an aligned address (NumPy allows unaligned arrays)."""
+    raw = np.zeros(like.nbytes + 16, np.uint8)
+    view = raw[1:1 + like.nbytes].view(like.dtype).reshape(like.shape)
+    view[...] = like
+    return view
 
 
 def check_merge(case: dict) -> str:
@@ -291,9 +340,16 @@ def check_merge(case: dict) -> str:
         out = np.zeros(shape[:-1] + (shape[-1] + 1,), dtype)
     elif case["out"] == "overlaps v_a":
         out = v_a
+    lse_given = None
+    if case["misaligned"] == "v_a":
+        v_a = _misaligned(v_a)
+    elif case["misaligned"] == "s_b":
+        s_b = _misaligned(s_b)
+    elif case["misaligned"] == "lse":
+        lse_given = _misaligned(np.empty(case["shape"], np.float32))
     LAUNCHES.clear()
     try:
-        merged, lse = merge_states(v_a, s_a, v_b, s_b, out=out)
+        merged, lse = merge_states(v_a, s_a, v_b, s_b, out=out, lse=lse_given)
     except REFUSALS as err:
         assert not LAUNCHES, f"refused after a launch: {err}"
         return "refused"

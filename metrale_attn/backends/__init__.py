@@ -18,6 +18,17 @@ from typing import Any, NamedTuple, Optional, Protocol
 BACKENDS = ("cupy", "cpu")
 
 
+def refuse_unstrided(tensor, argument: str) -> None:
+    """A torch tensor whose layout is not strided (sparse, mkldnn, ...) has no data pointer a
+    kernel could read: refused naming the argument (torch's own error, "Cannot access data
+    pointer", names none). Both backends call this before they read a tensor's pointer."""
+    layout = getattr(tensor, "layout", None)
+    if layout is not None and str(layout) != "torch.strided":
+        name = str(layout).removeprefix("torch.").lstrip("_")
+        raise TypeError(f"{argument} must be a strided (dense) torch tensor, got a {name} tensor, which has no data "
+                        "pointer to launch on: pass a strided one (.to_dense() makes one)")
+
+
 class Launch(NamedTuple):
     """One kernel launch. ``args`` are typed NumPy scalars and pointers (``Backend.pointer``).
 

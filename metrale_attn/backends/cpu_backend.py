@@ -23,7 +23,7 @@ import numpy as np
 
 from ..cache import CACHE_DIR, cache_root
 from ..kernels import SMEM_LIMIT_BYTES, KernelSpec
-from . import ArrayInfo, Launch
+from . import ArrayInfo, Launch, refuse_unstrided
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +77,7 @@ class CpuBackend:
         if _is_torch(array):
             if array.device.type != "cpu":
                 raise ValueError(f"{argument} must be a CPU tensor on the cpu backend, got a tensor on {array.device}")
+            refuse_unstrided(array, argument)
             return ArrayInfo(array.data_ptr(), tuple(array.shape), tuple(array.stride()), array.dtype,
                              array.element_size(), None)
         raise TypeError(f"{argument} must be a NumPy array or a torch CPU tensor on the cpu backend, got "
@@ -93,7 +94,10 @@ class CpuBackend:
         if type(array) is np.ndarray:
             return id(array), array.shape, array.strides, array.dtype, array.flags.writeable
         if _is_torch(array):
-            return array.data_ptr(), array.shape, array.stride(), array.dtype, array.device
+            try:
+                return array.data_ptr(), array.shape, array.stride(), array.dtype, array.device
+            except RuntimeError:  # no strided storage (sparse, mkldnn): describe names the argument
+                return None
         return None
 
     def moved(self, info: ArrayInfo, array) -> ArrayInfo:

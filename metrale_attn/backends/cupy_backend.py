@@ -36,7 +36,7 @@ import numpy as np
 
 from ..cache import cache_root
 from ..kernels import KernelSpec
-from . import ArrayInfo, DeviceInfo, Launch, cubin, dependent_launch
+from . import ArrayInfo, DeviceInfo, Launch, cubin, dependent_launch, refuse_unstrided
 
 logger = logging.getLogger(__name__)
 
@@ -250,6 +250,7 @@ class CupyBackend:
         if _is_torch(array) and hasattr(array, "data_ptr"):
             if not array.is_cuda:
                 raise ValueError(f"{argument} must be on a CUDA device, got a tensor on {array.device}")
+            refuse_unstrided(array, argument)
             return ArrayInfo(array.data_ptr(), tuple(array.shape), tuple(array.stride()), array.dtype,
                              array.element_size(), array.device.index)
         cai = getattr(array, "__cuda_array_interface__", None)
@@ -280,7 +281,10 @@ class CupyBackend:
         if type(array) is self._cupy.ndarray:
             return id(array), array.shape, array.strides, array.dtype
         if _is_torch(array):
-            return array.data_ptr(), array.shape, array.stride(), array.dtype, array.device
+            try:
+                return array.data_ptr(), array.shape, array.stride(), array.dtype, array.device
+            except RuntimeError:  # no strided storage (sparse, mkldnn): describe names the argument
+                return None
         return None
 
     def moved(self, info: ArrayInfo, array) -> ArrayInfo:

@@ -14,10 +14,10 @@ The conventions that differ between the two, pinned by tests:
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 from ...config import HEAD_DIMS, MAX_PAGE_SIZE, MAX_Q_LEN
+from ...config import soft_cap as config_soft_cap
 from ...targets import FP8_CVT_CAPABILITY, TARGETS
 
 MODEL_DTYPES = {"torch.bfloat16": "bfloat16", "torch.float16": "float16"}
@@ -62,13 +62,9 @@ def window_left(sliding_window: Optional[int]) -> int:
 
 
 def soft_cap(logits_soft_cap) -> Optional[float]:
-    """Our ``logits_soft_cap`` for vLLM's: 0 and None mean no cap."""
-    if logits_soft_cap is None or logits_soft_cap == 0:
-        return None
-    cap = float(logits_soft_cap)
-    if not (cap > 0 and math.isfinite(cap)):
-        raise ValueError(f"logits_soft_cap must be a finite float > 0 (or 0/None: no cap), got {logits_soft_cap!r}")
-    return cap
+    """Our ``logits_soft_cap`` for vLLM's: 0 and None mean no cap, as ours; a cap the kernels
+    cannot take or fold is refused by the one rule of it (``config.soft_cap``)."""
+    return config_soft_cap(logits_soft_cap)
 
 
 def decode_q_len(num_speculative_tokens: Optional[int], *, batch_invariant: bool) -> int:
