@@ -105,10 +105,18 @@ def check_kv_indptr(config: LayerConfig, info: ArrayInfo, rows) -> None:
 
 
 def check_kv_indices(config: LayerConfig, info: ArrayInfo, rows) -> None:
-    """Contiguous int32 ``[nnz]``: every sequence's page ids, one after another."""
+    """Contiguous int32 ``[nnz]``: every sequence's page ids, one after another; at most
+    ``MAX_SEQ_LEN`` tokens in all, so that no sequence's length can wrap the kernels' int32 where
+    its lengths are not read on the host (a GPU without ``check_indices``): a sequence holds at most
+    all ``nnz`` pages. 2**31 tokens of KV are terabytes, past any batch a device holds."""
     if len(info.shape) != 1:
         raise ValueError(f"kv_indices must be contiguous int32 [nnz], got {info.dtype} {list(info.shape)}")
     _contiguous_int32(info, "kv_indices", info.shape[0])
+    tokens = info.shape[0] * config.page_size
+    if tokens > MAX_SEQ_LEN:
+        raise ValueError(f"kv_indices holds {info.shape[0]} pages of {config.page_size} tokens, {tokens} in all: one "
+                         f"sequence of them could pass {MAX_SEQ_LEN} (2**31 - 1) tokens, the longest the kernels' int32 "
+                         "lengths hold; split the batch")
 
 
 def check_kv_last_page_len(config: LayerConfig, info: ArrayInfo, rows) -> None:

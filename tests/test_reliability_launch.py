@@ -34,8 +34,28 @@ def test_a_csr_sequence_longer_than_an_int32_holds_is_refused_naming_its_length(
     cache = np.zeros((1, 256, KV, D), ml_dtypes.bfloat16)
     csr = dict(kv_indptr=np.array([0, pages], np.int32), kv_indices=np.zeros(pages, np.int32),
                kv_last_page_len=np.array([1], np.int32))
-    with pytest.raises(ValueError, match=r"sequence 0's length .*kv_last_page_len\[0\] = 2147483649 is past "
-                                         r"2147483647"):
+    with pytest.raises(ValueError, match=r"kv_indices holds 8388609 pages of 256 tokens, 2147483904 in all: one "
+                                         r"sequence of them could pass 2147483647"):
+        attn.run(q, cache, cache, **csr)
+    assert not backend.launches
+
+
+def test_a_csr_table_whose_pages_could_hold_a_sequence_past_an_int32_is_refused_where_lengths_are_not_read():
+    """The same bound where the host never reads a length (a GPU without check_indices): a sequence
+    holds at most every page of kv_indices, so nnz x page_size past 2**31 - 1 is refused by its shape."""
+
+    class DeviceLike(CountingBackend):
+        always_check_indices = False  # as on a GPU: the page table's values stay on the device
+
+    backend = DeviceLike()
+    attn = DecodeAttention(H, KV, D, 256, q_dtype="bf16", kv_dtype="bf16", max_batch=1, backend=backend,
+                           page_table="csr")
+    pages = 2**31 // 256 + 1
+    q = np.zeros((1, H, D), ml_dtypes.bfloat16)
+    cache = np.zeros((1, 256, KV, D), ml_dtypes.bfloat16)
+    csr = dict(kv_indptr=np.array([0, pages], np.int32), kv_indices=np.zeros(pages, np.int32),
+               kv_last_page_len=np.array([1], np.int32))
+    with pytest.raises(ValueError, match=rf"kv_indices holds {pages} pages of 256 tokens, {pages * 256} in all"):
         attn.run(q, cache, cache, **csr)
     assert not backend.launches
 
