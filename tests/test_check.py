@@ -142,6 +142,7 @@ def test_a_worker_that_dies_or_passes_its_cap_is_a_fault_and_the_next_implementa
     assert code == 1 and "cap of 1 s" in result["faults"][0]["error"]
 
 
+@pytest.mark.slow  # CI's slow step runs it (the default run stays under 4 minutes)
 def test_a_later_check_into_the_same_folder_adds_its_implementations_to_the_report(tmp_path):
     _check(tmp_path, impls=("mma",))
     code, result, _ = _check(tmp_path, impls=("simt",))
@@ -151,6 +152,7 @@ def test_a_later_check_into_the_same_folder_adds_its_implementations_to_the_repo
 # -- the GPU timing half, on a stand-in GPU --------------------------------------------------
 
 
+@pytest.mark.slow  # CI's slow step runs it (the default run stays under 4 minutes)
 def test_the_timing_half_checks_then_times_ours_and_sdpa_against_the_copy_bandwidth_on_a_stand_in_gpu(tmp_path):
     import_torch()
     code, result, said = _check(tmp_path, impls=("mma", "sdpa"), worker=_double("fake-gpu"), timed=True,
@@ -165,6 +167,7 @@ def test_the_timing_half_checks_then_times_ours_and_sdpa_against_the_copy_bandwi
     assert "batch x context" in said and "% of the copy bandwidth" in said
 
 
+@pytest.mark.slow  # CI's slow step runs it (the default run stays under 4 minutes)
 def test_a_wrong_output_at_a_timing_point_is_not_timed_and_fails_the_check(tmp_path):
     import_torch()
     code, result, _ = _check(tmp_path, impls=("mma",), worker=_double("fake-gpu", "mma"), timed=True,
@@ -199,6 +202,7 @@ def test_metrale_attn_check_on_llama_3_8b_passes_on_the_cpu_backend(tmp_path, ca
 
 
 
+@pytest.mark.slow  # CI's slow step runs it (the default run stays under 4 minutes)
 def test_a_test_worker_that_meets_a_sticky_cuda_error_ends_and_xdist_names_the_test():
     """tests/conftest.py: the GPU tests' worker ends on a sticky error, so the failure is named once
     and the tests after it run on a fresh worker (the GPU check's verdict lists the crash)."""
