@@ -246,11 +246,22 @@ def run_worker(impl: str, cells: Sequence[Cell], options: CheckOptions, backend:
 
 
 def _echo(events: Path, seen: int, say: Callable[[str], None]) -> int:
-    """Say each result line of ``events`` past the first ``seen``; returns the lines seen now."""
-    lines = reporting.read_jsonl(events)
-    for e in lines[seen:]:
+    """Say each complete result line of ``events`` past byte ``seen`` (the file is read from there,
+    not again from its start every poll); returns the byte offset read up to."""
+    try:
+        with open(events, "rb") as f:
+            f.seek(seen)
+            chunk = f.read()
+    except OSError:
+        return seen
+    complete = chunk[: chunk.rfind(b"\n") + 1]  # a line still being written waits for the next poll
+    for line in complete.decode(errors="replace").splitlines():
+        try:
+            e = json.loads(line)
+        except ValueError:
+            continue
         if e["event"] == "result":
             say(reporting.result_line(e))
         elif e["event"] == "copy":
             say(f"{e['impl']}: copy bandwidth {e['tb_per_s']:.3f} TB/s in this process")
-    return len(lines)
+    return seen + len(complete)

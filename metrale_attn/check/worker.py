@@ -16,6 +16,7 @@ and the next cell runs.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import re
@@ -50,12 +51,15 @@ class Worker:
     def __init__(self, impl: str, backend: str, out_path: str, *, seed: int = 0, copy_gib: float = 2.0,
                  check_seqs: int = 2, flashinfer_status: Optional[str] = None):
         self.impl, self.out_path, self.seed = impl, out_path, seed
-        self.flashinfer_status = flashinfer_status
+        self.flashinfer_status = _flashinfer_status(flashinfer_status)  # read once, not once a cell
         self.copy_gib, self.check_seqs = copy_gib, check_seqs
         self.backend = get_backend(None if backend == "auto" else backend)
         self.gpu = not self.backend.emulated
-        self._timed = None  # (torch, timer, copy record, pools) once a timing cell runs
+        self._timer = None  # the device side, made when the first timing cell runs
+        self._pools: dict = {}  # (KV heads, head dim, dtype) -> the one pool alive
         self._pool_pages: dict = {}
+        self._max_batch: dict = {}  # (layer, KV dtype) -> the largest batch of its timing cells
+        self._attns: dict = {}  # (layer, KV dtype) -> its DecodeAttention, built once for every point
 
     # -- events -----------------------------------------------------------------------
 
@@ -71,6 +75,7 @@ class Worker:
             if c.kind == "time":
                 key = (c.layer.num_kv_heads, c.layer.head_dim, c.kv_dtype)
                 self._pool_pages[key] = max(self._pool_pages.get(key, 0), c.batch * -(-c.context // PAGE_SIZE))
+                self._max_batch[c.layer, c.kv_dtype] = max(self._max_batch.get((c.layer, c.kv_dtype), 64), c.batch)
         for cell in cells:
             self.emit("start", cell=cell.label)
             t0 = time.perf_counter()
@@ -165,8 +170,10 @@ class Worker:
         refusal = peer_refusal(cell)
         if refusal:
             return dict(status="unavailable", message=refusal)
-        torch, timer, copy = self._timing_state()
-        case = self._case(cell)
+        import torch
+
+        timer, copy = self._timing_state()
+        case = self._case(cell, timer)
         seqs = check_seqs(cell.batch, self.check_seqs)
         ref_cache: dict = {}
         if cell.impl in OURS:
@@ -185,33 +192,35 @@ class Worker:
         return result
 
     def _timing_state(self):
-        if self._timed is None:
-            import torch
-
+        """(the timer, the copy bandwidth measured in this process), made on the first timing cell."""
+        if self._timer is None:
             from .bandwidth import measure_copy_bandwidth
             from .timing import GpuTimer
 
-            copy = measure_copy_bandwidth(copy_gib=self.copy_gib)
-            self.emit("copy", **copy)
-            self._timed = (torch, GpuTimer(), copy, {})
-        return self._timed[:3]
+            self._copy = measure_copy_bandwidth(copy_gib=self.copy_gib)
+            self.emit("copy", **self._copy)
+            self._timer = GpuTimer()
+        return self._timer, self._copy
 
-    def _case(self, cell: Cell):
+    def _case(self, cell: Cell, timer):
+        import torch
+
         from ..config import ModelShape
         from .data import GpuPool
 
-        pools = self._timed[3]
+        pools = self._pools
         layer = cell.layer
         key = (layer.num_kv_heads, layer.head_dim, cell.kv_dtype)
         pages = cell.batch * -(-cell.context // PAGE_SIZE)
         if key not in pools or pools[key].num_pages < pages:
             pools.clear()  # one pool at a time: free the last before the next
-            _release(self._timed[0])
+            gc.collect()
+            torch.cuda.empty_cache()
             shape = ModelShape(layer.num_q_heads, layer.num_kv_heads, layer.head_dim)
             pools[key] = GpuPool(shape, cell.kv_dtype, PAGE_SIZE, max(pages, self._pool_pages.get(key, 0)),
                                  seed=self.seed)
         case = pools[key].case(cell.batch, cell.context, layer.num_q_heads)
-        self._timed[1].synchronize_device()
+        timer.synchronize_device()
         return case
 
     def _ours(self, cell: Cell, case, timer, torch, seqs, ref_cache):
@@ -221,9 +230,13 @@ class Worker:
         from .data import check_gpu_features, check_gpu_output
 
         layer, features = cell.layer, features_of(cell.layer)
-        attn = DecodeAttention(layer.num_q_heads, layer.num_kv_heads, layer.head_dim, PAGE_SIZE, q_dtype="bfloat16",
-                               kv_dtype="fp8_e4m3" if cell.kv_dtype == "fp8" else "bfloat16",
-                               max_batch=max(64, cell.batch), impl=cell.impl, backend=self.backend, **features)
+        attn = self._attns.get((layer, cell.kv_dtype))
+        if attn is None:
+            attn = self._attns[layer, cell.kv_dtype] = DecodeAttention(
+                layer.num_q_heads, layer.num_kv_heads, layer.head_dim, PAGE_SIZE, q_dtype="bfloat16",
+                kv_dtype="fp8_e4m3" if cell.kv_dtype == "fp8" else "bfloat16",
+                max_batch=self._max_batch.get((layer, cell.kv_dtype), max(64, cell.batch)), impl=cell.impl,
+                backend=self.backend, **features)
         plan = attn.plan(cell.batch)
         sinks = torch.zeros(layer.num_q_heads, dtype=torch.float32, device=case.q.device) if layer.sinks else None
         extra = {} if sinks is None else {"sinks": sinks}
@@ -256,7 +269,7 @@ class Worker:
             if cell.impl == "sdpa":
                 fn = peers.prepare_sdpa_gather(case)
             else:
-                fn = peers.prepare_flashinfer(case, status=_flashinfer_status(self.flashinfer_status))
+                fn = peers.prepare_flashinfer(case, status=self.flashinfer_status)
             timer.synchronize_device()
             with timer.on_stream():
                 out = fn()
@@ -291,13 +304,6 @@ def kv_bytes(cell: Cell) -> int:
     """K and V bytes a call of the timing cell reads: tokens x KV heads x head dim x itemsize x 2."""
     itemsize = 1 if cell.kv_dtype == "fp8" else 2
     return cell.batch * cell.context * cell.layer.num_kv_heads * cell.layer.head_dim * itemsize * 2
-
-
-def _release(torch) -> None:
-    import gc
-
-    gc.collect()
-    torch.cuda.empty_cache()
 
 
 def main(argv: Optional[list[str]] = None, worker_class: Callable[..., Worker] = Worker) -> int:
