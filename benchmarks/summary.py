@@ -29,6 +29,8 @@ import os
 import statistics
 import sys
 
+from metrale_attn.check.report import timing_cells
+
 from . import report
 from .l2_probe import probe_text
 from .predictions import Predictions, arch_digits
@@ -84,16 +86,13 @@ def check_lines(check: dict, predictions: Predictions = None) -> list[str]:
         out.append(f"decisive cells: {n_ok} of {len(check.get('correctness', []))} correctness cells ok; "
                    f"{check.get('timing_note') or 'nothing timed'}")
     else:
-        impls = list(dict.fromkeys(r["impl"] for r in timing))
+        impls, cells = timing_cells(check)
         out.append("decisive cells, metrale-attn check (% of copy; [n] the call model's MODELLED %; ! wrong output):")
         out.append(f"  {'cell':<26}" + "".join(f"{i:>13}" for i in impls))
-        by = {(r["impl"], r["spec"]["layer"]["name"], r["spec"]["kv_dtype"], r["spec"]["batch"], r["spec"]["context"]): r
-              for r in timing}
-        for key in dict.fromkeys(k[1:] for k in by):
-            name, kv, batch, context = key
-            cells = []
+        for (name, kv, batch, context), by in cells.items():
+            texts = []
             for impl in impls:
-                r = by.get((impl, *key))
+                r = by.get(impl)
                 text = "-" if r is None else (f"{r['pct_of_copy']:.1f}" if r.get("pct_of_copy") is not None
                                               else ("!" if r["status"] == "FAIL" else r["status"][:6]))
                 if r is not None and impl == "mma" and predictions is not None and r.get("arm_ran"):
@@ -104,8 +103,8 @@ def check_lines(check: dict, predictions: Predictions = None) -> list[str]:
                                               batch=batch, context=context)
                     if pred and pred.get("predicted_pct") is not None:
                         text += f"[{pred['predicted_pct']:.0f}]"
-                cells.append(f"{text:>13}")
-            out.append(f"  {name[:11] + ' ' + kv + ' b' + str(batch) + 'x' + report._ctx(context):<26}" + "".join(cells))
+                texts.append(f"{text:>13}")
+            out.append(f"  {name[:11] + ' ' + kv + ' b' + str(batch) + 'x' + report._ctx(context):<26}" + "".join(texts))
     for f in check.get("faults") or []:
         out.append(f"  FAULT {f['impl']} in {f['cell']}: {f['error'][:90]}")
     out.append(f"  check verdict: {check.get('verdict')}" + (f" ({check['failures'][0][:80]})"

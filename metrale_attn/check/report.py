@@ -115,15 +115,23 @@ def _pct(r: Optional[dict]) -> str:
     return r["status"]
 
 
+def timing_cells(result: dict) -> tuple[list[str], dict]:
+    """(the implementations in the order they ran, ``{(layer, kv, batch, context): {impl: row}}`` in the
+    order the cells ran): the timing rows as a table of cells by implementation."""
+    impls = list(dict.fromkeys(r["impl"] for r in result["timing"]))
+    cells: dict = {}
+    for r in result["timing"]:
+        spec = r["spec"]
+        cells.setdefault((spec["layer"]["name"], spec["kv_dtype"], spec["batch"], spec["context"]), {})[r["impl"]] = r
+    return impls, cells
+
+
 def timing_table(result: dict) -> list[list[str]]:
     """Rows ``[layer, kv, point, ours..., peers...]`` of % of copy bandwidth (a status where none)."""
-    impls = list(dict.fromkeys(r["impl"] for r in result["timing"]))
-    by = {(r["impl"], r["spec"]["layer"]["name"], r["spec"]["kv_dtype"], r["spec"]["batch"], r["spec"]["context"]): r
-          for r in result["timing"]}
-    keys = list(dict.fromkeys(k[1:] for k in by))
+    impls, cells = timing_cells(result)
     rows = [["layer", "kv", "batch x context", *impls]]
-    for layer, kv, batch, context in keys:
-        rows.append([layer, kv, f"{batch} x {context}", *(_pct(by.get((i, layer, kv, batch, context))) for i in impls)])
+    for (layer, kv, batch, context), by in cells.items():
+        rows.append([layer, kv, f"{batch} x {context}", *(_pct(by.get(i)) for i in impls)])
     return rows
 
 
