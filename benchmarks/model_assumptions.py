@@ -96,7 +96,7 @@ ASSUMPTIONS: dict[str, Assumption] = {
                            "(METRALE_ATTN_DECODE_PDL)"),
     "bt_sector_bytes": Assumption(32, "bytes", "an L2 sector: the first read of a 32-byte sector of the block table "
                                   "in a call misses to DRAM (the benchmark flushes L2 before every timed call, "
-                                  "benchmarks/timing.py); the warps of one CTA and the CTAs of the other KV heads "
+                                  "metrale_attn/check/timing.py); the warps of one CTA and the CTAs of the other KV heads "
                                   "reading the same sector at the same time all wait for that miss"),
     "prologue_spread": Assumption(1.0, "x half the DRAM latency range", "a CTA's prologue round trips take the DRAM "
                                   "latency of the moment plus up to +-(this x half the latency_short_ns to "
