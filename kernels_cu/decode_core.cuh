@@ -36,13 +36,13 @@
 //     in the scores, so full and ragged tiles run the same branch-free code. Page
 //     lookups: lane i < TT owns token i of the warp's next tile; its (page, offset in
 //     page) advances by W * TT tokens per tile without a division, its block-table entry
-//     is staged (PD_BT_STAGED: copied by a 4-byte cp.async into the pad of a K row of
-//     the stage its tile will use, with the copies of the tile S - 1 before, so it lands
-//     S - 1 tiles, more than a DRAM round trip, before it is read) or loaded one tile
-//     ahead (kernel v2); only entries of keys in the CTA's range are read; the 64-bit K and V row
-//     offsets are computed once per token and handed to the copying lanes through a small
-//     shared-memory table, or (PD_LANE_OFFSETS: kernel v2.3's 8-warp tilings of 16-bit
-//     caches) each copying lane computes its own rows' from their staged entries. A lane
+//     is staged (copied by a 4-byte cp.async into the pad of a K row of the stage its
+//     tile will use, with the copies of the tile S - 1 before, so it lands S - 1 tiles,
+//     more than a DRAM round trip, before it is read); only entries of keys in the CTA's
+//     range are read; the 64-bit K and V row offsets are computed once per token and
+//     handed to the copying lanes through a small shared-memory table, or (PD_LANE_OFFSETS:
+//     the 8-warp tilings of 16-bit caches) each copying lane computes its own rows' from
+//     their staged entries. A lane
 //     reads eight rows' offsets (or entries) before it issues their copies, and every copy
 //     of its tile names one shared-memory register plus the row's offset as an immediate.
 //   * Scores on tensor cores, transposed: S^T[token][row] = K Q^T, mma.m16n8k16 with the
@@ -85,15 +85,9 @@
 //   PD_STAGES      2 .. 4     depth of each warp's cp.async ring
 //   PD_MMA_WARPS   2|4|6|8    W, the warps of a CTA (block PD_MMA_THREADS = 32 W); with TT
 //                             what a row's bytes depend on (tiling.warps_for fixes it per
-//                             head dim, cache dtype, target and kernel: 6 and 8 only in v2.3)
-//   PD_BT_STAGED   0 | 1      block-table entries staged in shared memory S - 1 tiles
-//                             ahead (kernel v2.1) or loaded one tile ahead (v2)
-//   PD_PERSISTENT  0 | 1      persistent CTAs (kernels v2.2, v2.3): a launch grid of P CTAs walks
-//                             the plan's items_x * items_y * items_z items (THE SCHEDULE);
-//                             0: one CTA per item (v2.1, v2)
-//   PD_PREFETCH    0 .. S - 1 persistent: the stages of the next item each warp fills before
-//                             the current item's epilogue (tiling.prefetch_stages; "lever 5"
-//                             below); 0: none (and always with PD_PERSISTENT 0)
+//                             head dim, cache dtype and target)
+//   PD_PREFETCH    0 .. S - 1 the stages of the next item each warp fills before the current
+//                             item's epilogue (tiling.prefetch_stages; "lever 5" below)
 //   PD_SMEM_BYTES             the dynamic shared memory the launch gives; must equal
 //                             pd_mma::SMEM_BYTES (checked at compile time), so the host's
 //                             sizing and this carve cannot drift apart.
@@ -132,14 +126,8 @@
 #ifndef PD_MMA_WARPS
 #error "PD_MMA_WARPS must be defined (-DPD_MMA_WARPS=2|4|6|8: the warps of a CTA)"
 #endif
-#ifndef PD_PERSISTENT
-#error "PD_PERSISTENT must be defined (0 or 1: persistent CTAs walking the plan's items, kernels v2.2, v2.3)"
-#endif
 #ifndef PD_PREFETCH
 #error "PD_PREFETCH must be defined (0 .. PD_STAGES - 1: the next item's stages issued before the epilogue)"
-#endif
-#ifndef PD_BT_STAGED
-#error "PD_BT_STAGED must be defined (0 or 1: the block-table entries staged in shared memory)"
 #endif
 
 // The attention kernel's block (a define, not a constexpr: __launch_bounds__ takes it).
@@ -199,9 +187,9 @@ constexpr int QS = 2 * DP + 16;   // q row stride in shared memory (bytes)
 constexpr int PAD_OFF = RS - 16;  // a row's pad: past the padded row, so no copy and no ldmatrix touches it
 
 // Warp w takes the tiles k = w mod W (warp_tiles): a mask where W is a power of two, k0 % W
-// for 6 warps (kernel v2.3 where 8 do not fit). 8 warps (v2.3) x 32 threads x 255 registers
+// for 6 warps (where 8 do not fit). 8 warps x 32 threads x 255 registers
 // fit an SM's 65536 (launch bounds (256, 1)); 6 warps take 49,152 (launch bounds (192, 1)).
-static_assert(W == 2 || W == 4 || W == 6 || W == 8, "2, 4, 6 or 8 warps (tiling.WARP_CANDIDATES, WARP_CANDIDATES_V23)");
+static_assert(W == 2 || W == 4 || W == 6 || W == 8, "2, 4, 6 or 8 warps (tiling.WARP_CANDIDATES)");
 constexpr int Q_ROWS_PER_WARP = (ROWS + W - 1) / W;  // stage_q: 1 or 2 with 8 warps, 2 or 3 with 6 (the last partial)
 static_assert(NT == 1 || NT == 2, "one or two row tiles");
 static_assert(TT == 16 || TT == 32, "stages of 16 or 32 tokens");
@@ -224,7 +212,7 @@ constexpr int SMEM_BYTES = RING_OFF + W * RING_BYTES;
 constexpr int PREFETCH = PD_PREFETCH;
 constexpr int STATE_BYTES = ROWS * (D + 2) * 4;  // one warp's m, l and o
 constexpr int OWN_STATE_OFF = PREFETCH * STAGE_BYTES;  // in its ring
-static_assert(PREFETCH >= 0 && PREFETCH <= S - 1 && (PD_PERSISTENT || PREFETCH == 0), "prefetch: persistent, <= S - 1");
+static_assert(PREFETCH >= 0 && PREFETCH <= S - 1, "prefetch: <= S - 1");
 static_assert(PREFETCH == 0 || OWN_STATE_OFF + STATE_BYTES <= RING_BYTES, "a warp's state fits past its prefetch");
 constexpr int EPI_M_OFF = RING_OFF;
 constexpr int EPI_L_OFF = EPI_M_OFF + ROWS * W * 4;
@@ -555,9 +543,9 @@ __device__ __forceinline__ void stage_q(unsigned char* smem, const QRow& q_row, 
 
 // -- the K/V stream ------------------------------------------------------------------
 
-// bt_staged (PD_BT_STAGED, kernel v2.1): the block-table entries through shared memory.
-// Loaded one tile ahead (v2), an entry arrives ~450 cycles before its use: less than a
-// DRAM miss, so a tile whose entry misses waits. Staged, lane i < TT copies the entry of
+// The block-table entries through shared memory. Loaded one tile ahead, an entry would
+// arrive ~450 cycles before its use: less than a DRAM miss, so a tile whose entry misses
+// would wait (benchmarks/NOTES.md, kernel v2.1). Staged, lane i < TT copies the entry of
 // its token of the warp's tile j + S - 1 with the K/V copies of tile j, in the same commit
 // group (a 4-byte cp.async), into the 16-byte pad of K row i of the stage that tile will
 // use (entry_at): no K/V copy and no ldmatrix touches a pad, so the entry waits there
@@ -566,11 +554,8 @@ __device__ __forceinline__ void stage_q(unsigned char* smem, const QRow& q_row, 
 // before that stage is refilled. Each lane reads only the entries it copied, so no barrier
 // is needed beyond wait_group. The first S - 1 tiles' entries are loaded in the prologue
 // (start_entries).
-struct BtStaged {
-  enum { on = PD_BT_STAGED };
-};
 
-// PD_LANE_OFFSETS (derived here, not given: kernel v2.3's 8-warp tilings of 16-bit caches,
+// PD_LANE_OFFSETS (derived here, not given: the 8-warp tilings of 16-bit caches,
 // where the SM's shared memory paced a tile; benchmarks/NOTES.md, "The row-offset table,
 // replaced"): each copying lane computes its own RPL rows' K and V addresses. Row r's
 // block-table entry is the one lane r staged in the pad of K row r (entry_at: one LDS.32 a
@@ -581,13 +566,13 @@ struct BtStaged {
 // (exact for every page size 1..256 on the values below 2^22 it sees). The entry producer
 // stores 0 for a key outside the range, so an out-of-range row's source is row (its token
 // mod page_size) of page 0, an element of the cache like the table's row 0, copied with
-// src-size 0 (nothing read). Otherwise (fp8, whose tiles issue paces; v2.1, v2.2, v2.3's 6,
-// 4 and 2 warps, whose chains bind) lane r < TT computes its token's 64-bit offsets once and
+// src-size 0 (nothing read). Otherwise (fp8, whose tiles issue paces; 6, 4 and 2 warps,
+// whose chains bind) lane r < TT computes its token's 64-bit offsets once and
 // the copying lanes read them from the warp's offsets table: one STS.128 and RPL LDS.128 a
 // tile, each LDS.128 four quarter-warp wavefronts. The same bytes land either way. The
 // preprocessor, not a constexpr branch, picks the path, so the table path's source (and
 // SASS) is the one it was.
-#if (PD_KV_DTYPE == PD_DTYPE_BF16 || PD_KV_DTYPE == PD_DTYPE_FP16) && PD_MMA_WARPS == 8 && PD_BT_STAGED
+#if (PD_KV_DTYPE == PD_DTYPE_BF16 || PD_KV_DTYPE == PD_DTYPE_FP16) && PD_MMA_WARPS == 8
 #define PD_LANE_OFFSETS 1
 static_assert(ES == 2 && TT <= 32, "2-byte elements; the in-page offsets stay below 2^22 (page_magic)");
 #else
@@ -606,9 +591,9 @@ struct Stream {
   int page_size;
   unsigned lo, hi;          // the CTA's keys [lo, hi)
   unsigned tok, page;          // this lane's token of the next tile and its page index
-  int in_page, row;            // the token's offset in its page; unstaged: the page's id
+  int in_page;                 // the token's offset in its page
   int step_pages, step_in_page;  // W * TT tokens as whole pages + an offset in page
-  unsigned etok, epage;        // staged: this lane's token (and its page index) of the tile
+  unsigned etok, epage;        // the entry producer: this lane's token (and its page index) of the tile
   int ein_page;                //   whose entry is copied next, S - 1 of this warp's tiles on
   unsigned char* ring;         // this warp's ring of S stages
 #if PD_LANE_OFFSETS
@@ -617,7 +602,7 @@ struct Stream {
 #endif
 };
 
-// Staged: where lane `lane` keeps the block-table entry of the tile stage `slot` takes next
+// Where lane `lane` keeps the block-table entry of the tile stage `slot` takes next
 // (the pad of K row `lane`, past the zero-filled dims of a padded row).
 __device__ __forceinline__ int* entry_at(unsigned char* ring, int slot, int lane) {
   return reinterpret_cast<int*>(ring + slot * STAGE_BYTES + lane * RS + PAD_OFF);
@@ -728,11 +713,10 @@ __device__ __forceinline__ void copy_rows(Sources& rows, unsigned char* dst0, in
 
 // A __syncwarp, then the offsets of the next tile's rows into the warp's table (PD_LANE_OFFSETS:
 // no table, each copying lane computes its rows'), its
-// cp.async copies into `stage` (keys outside the CTA's range zero-filled), (staged) the
-// block-table entry of this lane's token S - 1 tiles on, and one commit (an empty group of
-// K/V when the tile does not exist, so the wait_group arithmetic stays uniform). Advances
-// the producer by W tiles; unstaged, it then loads the block-table entry that tile will
-// need. `slot`: the tile's stage in the ring (its warp-local index mod S; `stage` is that).
+// cp.async copies into `stage` (keys outside the CTA's range zero-filled), the block-table
+// entry of this lane's token S - 1 tiles on, and one commit (an empty group of K/V when the
+// tile does not exist, so the wait_group arithmetic stays uniform). Advances the producer by
+// W tiles. `slot`: the tile's stage in the ring (its warp-local index mod S; `stage` is that).
 // `entry`: false leaves the entry's copy out (issue_ahead: that stage holds the warp's state).
 __device__ __forceinline__ void issue_tile(Stream& st, const long long (&strides)[4], bool exists, int tile,
                                            unsigned char* stage, unsigned char* table, int slot, bool entry = true) {
@@ -764,7 +748,7 @@ __device__ __forceinline__ void issue_tile(Stream& st, const long long (&strides
       const bool valid = st.tok >= st.lo && st.tok < st.hi;
       long long koff = 0, voff = 0;  // an invalid row is copied with src-size 0 from row 0
       if (valid) {
-        const int row = BtStaged::on ? *entry_at(st.ring, slot, lane) : st.row;  // staged: landed S - 1 tiles ago
+        const int row = *entry_at(st.ring, slot, lane);  // staged S - 1 tiles ago
         // strides in elements (kernel parameters, not held in registers); bytes = elements * ES
         koff = ((long long)row * strides[0] + (long long)st.in_page * strides[1]) * ES;
         voff = ((long long)row * strides[2] + (long long)st.in_page * strides[3]) * ES;
@@ -778,16 +762,13 @@ __device__ __forceinline__ void issue_tile(Stream& st, const long long (&strides
     TableSources rows{table, st.k_lane, st.v_lane, row0};
     if (copies) copy_rows<0>(rows, stage + row0 * RS + chunk * 16, row0, first, past, chunk);
   }
-  if (BtStaged::on && entry && lane < TT && st.etok >= st.lo && st.etok < st.hi)  // the entry S - 1 tiles on, in range only
+  if (entry && lane < TT && st.etok >= st.lo && st.etok < st.hi)  // the entry S - 1 tiles on, in range only
     pd_cp_async_ca_4(entry_at(st.ring, (slot + S - 1) % S, lane), st.bt_row + st.epage, 4u);
 #endif
   pd_cp_async_commit();
   // Advance to the warp's next tile: W * TT tokens on, no division.
   advance(st, st.tok, st.page, st.in_page);
-  if (BtStaged::on)
-    advance(st, st.etok, st.epage, st.ein_page);
-  else
-    st.row = (lane < TT && st.tok >= st.lo && st.tok < st.hi) ? st.bt_row[st.page] : 0;
+  advance(st, st.etok, st.epage, st.ein_page);
 }
 
 // lever 5 (PREFETCH > 0, persistent CTAs): every item's first PREFETCH tiles are in flight
@@ -801,16 +782,11 @@ struct Carry {
   int entry[S];
 };
 
-// Staged: this lane's entries of the warp's first S - 1 tiles, loaded into stages 0 .. S - 2
-// (keys in the range only), and the entry producer set S - 1 tiles on. Unstaged: the first
-// tile's entry. One round trip, the loads independent. PREFETCH > 0: the stream starts at
+// This lane's entries of the warp's first S - 1 tiles, loaded into stages 0 .. S - 2 (keys
+// in the range only), and the entry producer set S - 1 tiles on. One round trip, the loads independent. PREFETCH > 0: the stream starts at
 // tile PREFETCH; the entries of its stages PREFETCH .. S - 1 come from carry, no load.
 __device__ __forceinline__ void start_entries(Stream& st, const Carry& carry) {
   const int lane = threadIdx.x & 31;
-  if (!BtStaged::on) {
-    st.row = (lane < TT && st.tok >= st.lo && st.tok < st.hi) ? st.bt_row[st.page] : 0;
-    return;
-  }
   st.etok = st.tok;
   st.epage = st.page;
   st.ein_page = st.in_page;
@@ -935,7 +911,6 @@ __device__ __forceinline__ void open_stream(Stream& s, const unsigned char* k_he
   s.page = s.tok / (unsigned)page_size;  // one division per lane per item; the rest are increments
   s.in_page = (int)(s.tok - s.page * page_size);
   s.ring = ring;
-  s.row = 0;
 #if PD_LANE_OFFSETS
   s.page_magic = (0x7fffffffu + (unsigned)page_size) / (unsigned)page_size;
   s.row_bias = 2 * (lane / CPL - lane + 32 * page_size);
@@ -1283,7 +1258,7 @@ __device__ __forceinline__ void cta_combine(const unsigned char* smem, int r, in
   O = o * o_unscale();  // exact
 }
 
-// Persistent CTAs (PD_PERSISTENT): bring into L2 what the prologue of the CTA's next item
+// Persistent CTAs: bring into L2 what the prologue of the CTA's next item
 // (rows rw of q_row, its keys on bt_row) waits on: its q rows and the block-table entries of
 // the tiles its warps take first (S tiles each from the first tile of its range). Only
 // lines it will read are touched (no entry of a key outside its range); nothing is written,
@@ -1442,8 +1417,7 @@ __device__ __forceinline__ void store_rows(unsigned char* smem, const Rows& rw, 
 // num_q_heads, num_splits, D + 2] fp32 (split-K only).
 
 namespace pd_mma {
-// One work item of the plan's grid: what a plain CTA (bx, by, bz) of a gx x gy x gz grid
-// serves (the arm's grid, its .cu): the query heads head0 .. head0 + heads - 1 (all of KV
+// One work item (bx, by, bz) of the plan's gx x gy x gz grid of items (the arm's, its .cu): the query heads head0 .. head0 + heads - 1 (all of KV
 // head kv_head) of sequence seq, split `split` of num_splits of its keys.
 struct Item {
   int seq, split, num_splits, head0, heads, kv_head, num_q_heads;
@@ -1471,7 +1445,7 @@ __device__ __forceinline__ int pd_item_seq(int at, int gx, int gy) {
   return PD_ARM == PD_ARM_SPLITK ? at / (gx * gy) : (at / gx) % gy;
 }
 
-// The item of plain CTA (bx, by, bz) in a grid of gx x gy x (any) CTAs.
+// Item (bx, by, bz) of a gx x gy x (any) grid of items.
 __device__ __forceinline__ pd_mma::Item pd_item(int bx, int by, int bz, int gx, int gy, int num_kv_heads,
                                                 int heads_per_cta) {
   pd_mma::Item it;
@@ -1525,18 +1499,16 @@ extern "C" __global__ void PD_LAUNCH_BOUNDS(PD_MMA_THREADS, 1) PD_ENTRY(
     long long v_scales_stride, double sm_scale, double soft_cap, float lse_scale,
     // csr: FlashInfer's page table in place of block_tables and seq_lens
     const int* __restrict__ kv_indptr, const int* __restrict__ kv_indices, const int* __restrict__ kv_last_page_len,
-    // the plan's grid of work items (x fastest): the launch grid with plain CTAs; persistent CTAs
-    // (PD_PERSISTENT) walk it, CTA b taking items b, b + gridDim.x, ... (THE SCHEDULE)
+    // the plan's grid of work items (x fastest): the persistent CTAs walk it, CTA b taking
+    // items b, b + gridDim.x, ... (THE SCHEDULE)
     int items_x, int items_y, int items_z) {
   DYNAMIC_SHARED(unsigned char, smem);
   const pd_mma::Csr csr{kv_indptr, kv_indices, kv_last_page_len};
   const pd_mma::Tables tables{block_tables, block_tables_stride, seq_lens, csr, page_size};
-#if PD_PERSISTENT
   // THE SCHEDULE: the launch grid is (P, 1, 1), P <= items (binding.launch_grid_of: the CTAs
   // the device holds at once); CTA b serves items b, b + P, b + 2P, ... in that order. An
-  // item is what a plain CTA (bx, by, bz) of the plan's grid computes, with the same code,
-  // so a row's bytes are the plain kernel's: the schedule changes only which CTA computes an
-  // item and when. While an item streams its keys, its CTA brings the next item's q rows and
+  // item's arithmetic is a function of the item alone, so a row's bytes do not depend on P:
+  // the schedule changes only which CTA computes an item and when. While an item streams its keys, its CTA brings the next item's q rows and
   // the block-table entries of its first tiles into L2 (warm_item), so that item's prologue
   // waits on L2, not DRAM, for both; and each warp, done with its last tile of an item and
   // its state published, issues its first tiles of the next (lever 5: issue_ahead), which
@@ -1570,15 +1542,6 @@ extern "C" __global__ void PD_LAUNCH_BOUNDS(PD_MMA_THREADS, 1) PD_ENTRY(
     const bool last_item = next >= items;
     // The next item's length, loaded now so that it lands while this item stages q.
     const int upcoming_len = next < items ? tables.seq_len(pd_item_seq(next, items_x, items_y)) : 0;
-#else
-  {
-    const pd_mma::Item item = pd_item(blockIdx.x, blockIdx.y, blockIdx.z, gridDim.x, gridDim.y, num_kv_heads,
-                                      heads_per_cta);
-    (void)items_x;  // the launch grid is the plan's
-    (void)items_y;
-    (void)items_z;
-    const bool last_item = true;
-#endif
     // Split-K: the merge is launched as this grid's programmatic dependent: it may start once
     // every CTA is in its last item (its launch then overlaps this grid's tail) and it waits for
     // this grid's end before it reads the workspace (pd_wait_prior_grids), so where this is
@@ -1594,7 +1557,6 @@ extern "C" __global__ void PD_LAUNCH_BOUNDS(PD_MMA_THREADS, 1) PD_ENTRY(
     if (pd_mma::DeviceScales::on) f.device_scales.fold(item.kv_head, item_qk_scale, item_v_scale);
 
     const pd_mma::QRows q_rows{q + seq * q_stride_seq + head0 * q_stride_head, q_stride_token, q_stride_head, heads};
-#if PD_PERSISTENT
     int next_lo = 0, next_hi = 0;  // the next item's keys, from warm_item (kept: recomputed cost the loop 16 instructions)
     const auto between = [&]() {
       if (next >= items) return;
@@ -1612,11 +1574,6 @@ extern "C" __global__ void PD_LAUNCH_BOUNDS(PD_MMA_THREADS, 1) PD_ENTRY(
     const auto ahead = [&]() {
       if (pd_mma::PREFETCH > 0 && next < items) issue_item(next, next_lo, next_hi);
     };
-#else
-    const auto between = []() {};
-    const pd_mma::Carry carry{};
-    const auto ahead = []() {};
-#endif
     pd_mma::run_cta(smem, rw, f, q_rows,
                     item_qk_scale, k_cache + item.kv_head * k_stride_head, k_stride_page, k_stride_token,
                     v_cache + item.kv_head * v_stride_head, v_stride_page, v_stride_token, tables.row(seq), page_size,

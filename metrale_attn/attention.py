@@ -61,11 +61,7 @@ class DecodeAttention:
     ``METRALE_ATTN_DECODE_IMPL``. ``heads_per_cta`` (``mma``: query heads one CTA
     serves, a divisor of the group size up to 16) overrides
     ``METRALE_ATTN_DECODE_HEADS_PER_CTA`` and the plan's rule; a head's output bytes
-    are the same for every value. ``mma_kernel`` (``"v2.3"``, the default: persistent CTAs
-    with 8 warps per CTA where they fit, else 6 (from head dim 144 on); ``"v2.2"``, 4 warps, other bytes, as invariant;
-    ``"v2.1"``, one CTA per work item, the same bytes as v2.2; ``"v2"``, the kernel before it;
-    the earlier ones kept so that one GPU run can time them all) overrides
-    ``METRALE_ATTN_DECODE_MMA_KERNEL``. ``max_decode_seqs`` is the
+    are the same for every value. ``max_decode_seqs`` is the
     floor of the reference batch only ``legacy`` reads. ``check_indices`` copies
     block_tables and seq_lens (and device scales) to the host on every call to prove
     every page id and length is in range (always on for the CPU backend). Integer arguments may

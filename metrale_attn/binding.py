@@ -78,11 +78,11 @@ POINTER_ARGUMENTS = ARRAY_ARGUMENTS + ("workspace",)
 
 def launch_grid_of(spec, items: KernelGrid, target) -> tuple[int, int, int]:
     """The grid ``spec``'s attention kernel launches for the plan's grid of work items
-    ``items``: that grid, or with persistent CTAs (``mma`` kernels ``v2.2``, ``v2.3``) ``(P, 1, 1)``,
+    ``items``: that grid (``simt``), or the ``mma`` kernel's persistent CTAs ``(P, 1, 1)``,
     P = min(items, ``tiling.resident_ctas`` x the target's SMs): a function of the target,
     the spec and the item count only."""
     tiling = spec.tiling
-    if tiling is None or not tiling.persistent:
+    if tiling is None:
         return items.grid
     return (min(items.ctas, persistent_ctas(tiling, target)), 1, 1)
 

@@ -178,8 +178,7 @@ def run_precompile(args: argparse.Namespace, out=print) -> int:
     q_dtype = args.q_dtype or model_dtype or "bfloat16"
     options = Options(q_dtype=q_dtype, kv_dtype=args.kv_dtype, max_batch=args.max_batch, max_q_len=args.max_q_len,
                       out_dtype=args.out_dtype, page_size=args.page_size, splitk=args.splitk, gqa_pack=args.gqa_pack,
-                      impl=args.impl, heads_per_cta=args.heads_per_cta, max_decode_seqs=args.max_decode_seqs,
-                      mma_kernel=args.mma_kernel)
+                      impl=args.impl, heads_per_cta=args.heads_per_cta, max_decode_seqs=args.max_decode_seqs)
     try:
         plans = [needed_specs(layers, target, options, sm_count=args.sm_count) for target in targets]
     except (ValueError, TypeError) as err:
@@ -303,8 +302,6 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--splitk", help="override: auto, legacy, off or a split count")
     serve.add_argument("--gqa-pack", type=_on_off, help="override: on or off")
     serve.add_argument("--impl", help="mma (default) or simt")
-    serve.add_argument("--mma-kernel", help="v2.3 (default: persistent CTAs, 8 warps where they fit, else 6), "
-                       "v2.2 (4 warps), v2.1 (one CTA per work item) or v2 (sized for sm_90)")
     serve.add_argument("--heads-per-cta", type=int, help="override the rule: a divisor of the group size up to 16")
 
     check = sub.add_parser("check", help="prove the package on this GPU for a model: every arm against float64, "

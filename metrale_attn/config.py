@@ -25,7 +25,7 @@ from typing import Callable, Optional
 
 from . import dtypes, policy
 from .targets import TargetPolicy
-from .tiling import DEFAULT_MMA_KERNEL, MMA_KERNELS, ONE_ROW_TILE_HEAD_DIM, max_row_tiles
+from .tiling import ONE_ROW_TILE_HEAD_DIM, max_row_tiles
 
 HEAD_DIMS = tuple(range(64, 257, 16))
 """Head dims the ``mma`` kernels serve: every multiple of 16 from 64 to 256 (FlashAttention
@@ -45,7 +45,6 @@ IMPLS = ("mma", "simt")
 DEFAULT_IMPL = "mma"
 ENV_IMPL = "METRALE_ATTN_DECODE_IMPL"
 ENV_HEADS_PER_CTA = "METRALE_ATTN_DECODE_HEADS_PER_CTA"
-ENV_MMA_KERNEL = "METRALE_ATTN_DECODE_MMA_KERNEL"
 ENV_DEPENDENT_LAUNCH = "METRALE_ATTN_DECODE_PDL"
 
 ROW_TILE = 8
@@ -104,9 +103,7 @@ class LayerConfig:
     base-2 states); ``page_table`` ``"dense"`` (``block_tables`` and ``seq_lens``, vLLM's) or
     ``"csr"`` (FlashInfer's ``kv_indptr``, ``kv_indices``, ``kv_last_page_len``, read by the
     kernels as they are); ``heads_per_cta`` None (the plan's rule) or the override; ``impl``
-    the implementation after any fallback; ``mma_kernel`` which ``mma`` kernel
-    (``tiling.MMA_KERNELS``: ``v2.3``, persistent CTAs with 8 warps where they fit, else 6; or the
-    earlier ``v2.2``, ``v2.1`` and ``v2``, kept for side-by-side timing); ``dependent_launch``
+    the implementation after any fallback; ``dependent_launch``
     whether the ``mma`` split-K merge is launched as the attention kernel's programmatic
     dependent where the device has it (sm_90 and later): it then starts while the attention
     grid's last items run and waits on the device for its end, which hides the merge's launch
@@ -132,7 +129,6 @@ class LayerConfig:
     device_scales: bool = False
     lse_base: str = "e"
     page_table: str = "dense"
-    mma_kernel: str = DEFAULT_MMA_KERNEL
     dependent_launch: bool = True
     features: frozenset = field(init=False)
     """The ``FEATURES`` this layer compiles (``multi_token`` for calls of ``q_len > 1`` only)."""
@@ -211,7 +207,6 @@ def configure(
     device_scales: bool = False,
     lse_base="e",
     page_table: str = "dense",
-    mma_kernel: Optional[str] = None,
     dependent_launch: Optional[bool] = None,
     environ=None,
 ) -> LayerConfig:
@@ -219,9 +214,8 @@ def configure(
     refused with its name: integers may be any ``numbers.Integral`` (never a bool), dtypes
     strings or NumPy/ml_dtypes/torch dtypes, and ``impl``/``heads_per_cta`` fall back to
     ``METRALE_ATTN_DECODE_IMPL``/``METRALE_ATTN_DECODE_HEADS_PER_CTA`` (read from
-    ``environ``, default ``os.environ``) when None, and ``mma_kernel`` to
-    ``METRALE_ATTN_DECODE_MMA_KERNEL``, else ``v2.3``, and ``dependent_launch`` to
-    ``METRALE_ATTN_DECODE_PDL``, else on. ``defaults``: the target and its resolved
+    ``environ``, default ``os.environ``) when None, and ``dependent_launch`` to
+    ``METRALE_ATTN_DECODE_PDL``, else on. ``target_policy``: the target and its resolved
     policy (``targets.resolve_target_policy``)."""
     env = os.environ if environ is None else environ
     shape = ModelShape(num_q_heads, num_kv_heads, head_dim)
@@ -259,8 +253,7 @@ def configure(
                          f"{ENV_IMPL})")
     config = LayerConfig(shape, page_size, q_dtype, kv_dtype, max_batch, target_policy, layout, out_dtype, sm_scale,
                          max_decode_seqs, impl, None, max_q_len, window_left, logits_soft_cap, sinks, device_scales,
-                         base, table, resolve_mma_kernel(mma_kernel, env.get(ENV_MMA_KERNEL)),
-                         resolve_dependent_launch(dependent_launch, env.get(ENV_DEPENDENT_LAUNCH)))
+                         base, table, resolve_dependent_launch(dependent_launch, env.get(ENV_DEPENDENT_LAUNCH)))
     if config.impl == "simt" and config.mma_only:
         raise ValueError(f"impl='simt' has no {', '.join(config.mma_only)} (features: multi_token = max_q_len > 1, "
                          "window = window_left, soft_cap = logits_soft_cap, sinks = sinks, out_f32 = out_dtype "
@@ -285,21 +278,6 @@ def resolve_impl(impl: Optional[str], env_raw: Optional[str]) -> str:
             raise ValueError(f"{where} must be one of {', '.join(IMPLS)}, got {value!r}")
         return name
     return DEFAULT_IMPL
-
-
-def resolve_mma_kernel(kernel: Optional[str], env_raw: Optional[str]) -> str:
-    """The ``mma`` kernel: the ``mma_kernel`` argument, else a non-empty
-    ``METRALE_ATTN_DECODE_MMA_KERNEL``, else ``v2.3``; one of ``tiling.MMA_KERNELS`` (trimmed,
-    case-insensitive, the leading ``v`` optional: ``"2"`` is ``v2``)."""
-    for value, where in ((kernel, "mma_kernel"), (env_raw, ENV_MMA_KERNEL)):
-        if value is None or (where == ENV_MMA_KERNEL and not policy.normalize(value)):
-            continue
-        name = policy.normalize(str(value))
-        name = name if name.startswith("v") else f"v{name}"
-        if name not in MMA_KERNELS:
-            raise ValueError(f"{where} must be one of {', '.join(MMA_KERNELS)}, got {value!r}")
-        return name
-    return DEFAULT_MMA_KERNEL
 
 
 def resolve_dependent_launch(value: Optional[bool], env_raw: Optional[str]) -> bool:

@@ -41,7 +41,7 @@ from .config import (DEFAULT_IMPL, FEATURES, HEAD_DIMS, IMPLS, ROW_TILE, SIMT_HE
                      feature_define, heads_per_cta_choices, max_rows_per_cta)
 from .plan import ARMS, KERNELS, make_plan
 from .targets import FP8_CVT_CAPABILITY
-from .tiling import DEFAULT_MMA_KERNEL, MMA_KERNELS, ONE_ROW_TILE_HEAD_DIM, SMEM_LIMIT_BYTES, Tiling, max_row_tiles, mma_tiling
+from .tiling import ONE_ROW_TILE_HEAD_DIM, SMEM_LIMIT_BYTES, Tiling, max_row_tiles, mma_tiling
 
 SOURCE_PACKAGE = "metrale_attn.kernels_cu"
 COMMON_HEADER = "pd_common.cuh"
@@ -247,17 +247,16 @@ def parse_kernel_params(text: str) -> dict[str, tuple[Param, ...]]:
 def mma_refusal(config: LayerConfig) -> str | None:
     """Why the ``mma`` kernels of this layer cannot run on its target, or None when they can:
     its fp8 cache needs the fp8 ``cvt`` the target lacks (sm_80, sm_86; the ``simt``
-    kernels convert in software), or no tiling of its kernel (``config.mma_kernel``) fits the
-    target's shared memory per block (``v2.3``, ``v2.2`` and ``v2.1`` fit every target; ``v2`` only 163 KiB and up
-    at head dim 256 and bf16 head dim 128)."""
+    kernels convert in software), or no tiling fits the target's shared memory per block
+    (one fits every target today: 2 warps of 2 stages fit 99 KiB at head dim 256)."""
     target = config.target
     if config.kv_dtype in dtypes.FP8_KINDS and not target.converts_fp8:
         return (f"the mma kernels read fp8 caches with PTX's fp8 cvt, which {target.name} ({target.arch}) lacks "
                 f"(sm_89 and later have it)")
     shape = (config.shape.head_dim, config.q_dtype, config.kv_dtype, max_row_tiles(config.shape.head_dim))
-    if mma_tiling(*shape, target.smem_per_block, config.mma_kernel) is None:
-        need = mma_tiling(*shape, SMEM_LIMIT_BYTES, config.mma_kernel)
-        return (f"the mma kernels ({config.mma_kernel}) of this shape ask for {need.smem_bytes} bytes of shared memory "
+    if mma_tiling(*shape, target.smem_per_block) is None:
+        need = mma_tiling(*shape, SMEM_LIMIT_BYTES)
+        return (f"the mma kernels of this shape ask for {need.smem_bytes} bytes of shared memory "
                 f"per block; {target.name} ({target.arch}) allows {target.smem_per_block}")
     return None
 
@@ -288,10 +287,6 @@ def launchable_config(config: LayerConfig, disagree, chosen: bool) -> tuple[Laye
     return config, None
 
 
-MMA_KERNEL_SUFFIX = {"v2.2": "_v22", "v2.1": "_v21", "v2": "_v2"}
-"""What a spec's name adds for a kernel other than the default (``v2.3``)."""
-
-
 @dataclass(frozen=True)
 class KernelSpec:
     """One compiled specialization. Its ``name`` carries every parameter and is the memo key.
@@ -299,11 +294,8 @@ class KernelSpec:
     ``row_tiles`` (``mma`` only): query-row tiles of 8 the CTA holds, so it serves up
     to ``8 * row_tiles`` heads. The KV layout is not a parameter: kernels address the
     cache by strides. ``smem_limit`` (``mma``): the dynamic shared memory per block of the
-    target it is built for (bytes), which sizes its ``tiling`` (``tiling.mma_tiling``);
-    ``mma_kernel``: ``v2.3`` (the default: persistent CTAs, 8 warps where they fit, else 6), or the
-    earlier ``v2.2`` / ``v2.1`` / ``v2`` (``tiling.MMA_KERNELS``). The name carries the
-    tiling wherever it differs from the sm_90 one (``_w2t16s2``), and ``_v22`` / ``_v21`` / ``_v2``
-    (``MMA_KERNEL_SUFFIX``).
+    target it is built for (bytes), which sizes its ``tiling`` (``tiling.mma_tiling``). The
+    name carries the tiling wherever it differs from the sm_90 one (``_w2t16s2``).
     """
 
     arm: str
@@ -316,11 +308,8 @@ class KernelSpec:
     """``mma`` only: which of ``FEATURES`` this spec is compiled with (each a
     specialization: the plain path compiles none of their code)."""
     smem_limit: int = SMEM_LIMIT_BYTES
-    mma_kernel: str = DEFAULT_MMA_KERNEL
 
     def __post_init__(self) -> None:
-        if self.mma_kernel not in MMA_KERNELS:
-            raise ValueError(f"mma_kernel must be one of {', '.join(MMA_KERNELS)}, got {self.mma_kernel!r}")
         if isinstance(self.smem_limit, bool) or not isinstance(self.smem_limit, int) or self.smem_limit <= 0:
             raise ValueError(f"smem_limit must be a positive int (bytes per block), got {self.smem_limit!r}")
         if self.impl not in IMPLS:
@@ -350,10 +339,9 @@ class KernelSpec:
         dt = f"q{self.q_dtype}_kv{self.kv_dtype}_hd{self.head_dim}"
         if self.impl == "simt":
             return f"simt_decode_{self.arm}_{dt}"
-        sm90 = mma_tiling(self.head_dim, self.q_dtype, self.kv_dtype, self.row_tiles, kernel=self.mma_kernel)
+        sm90 = mma_tiling(self.head_dim, self.q_dtype, self.kv_dtype, self.row_tiles)
         return (f"decode_{self.arm}_{dt}_r{ROW_TILE * self.row_tiles}" + "".join(
-            f"_{f}" for f in FEATURES if f in self.features) + MMA_KERNEL_SUFFIX.get(self.mma_kernel, "")
-            + (f"_{self.tiling.label}" if self.tiling != sm90 else ""))
+            f"_{f}" for f in FEATURES if f in self.features) + (f"_{self.tiling.label}" if self.tiling != sm90 else ""))
 
     def builds_for(self, arch: str) -> bool:
         """Whether this spec compiles for ``arch`` (``sm_XY``): the ``mma`` core reads fp8
@@ -379,10 +367,9 @@ class KernelSpec:
         """The K/V stream of an ``mma`` spec on its target (None for ``simt``)."""
         if self.impl != "mma":
             return None
-        tiling = mma_tiling(self.head_dim, self.q_dtype, self.kv_dtype, self.row_tiles, self.smem_limit,
-                            self.mma_kernel)
+        tiling = mma_tiling(self.head_dim, self.q_dtype, self.kv_dtype, self.row_tiles, self.smem_limit)
         if tiling is None:
-            raise KernelSourceError(f"no tiling of the {self.mma_kernel} mma kernel at head dim {self.head_dim} "
+            raise KernelSourceError(f"no tiling of the mma kernel at head dim {self.head_dim} "
                                     f"({self.kv_dtype} cache, {self.row_tiles} row tile(s)) fits {self.smem_limit} "
                                     "bytes of shared memory per block (kernels.mma_refusal says so first)")
         return tiling
@@ -416,9 +403,7 @@ class KernelSpec:
         if self.tiling:
             t = self.tiling
             out.update(PD_ROW_TILES=self.row_tiles, PD_TILE_TOKENS=t.tile_tokens, PD_STAGES=t.stages,
-                       PD_MMA_WARPS=t.warps, PD_BT_STAGED=int(t.bt_staged),
-                       PD_PERSISTENT=int(t.persistent), PD_PREFETCH=t.prefetch,
-                       PD_SMEM_BYTES=t.smem_bytes)
+                       PD_MMA_WARPS=t.warps, PD_PREFETCH=t.prefetch, PD_SMEM_BYTES=t.smem_bytes)
             out.update({feature_define(f): int(f in self.features) for f in FEATURES})
         return out
 
@@ -522,5 +507,5 @@ def specs_for(config: LayerConfig) -> dict[tuple[str, int, bool], KernelSpec]:
             for row_tiles in sorted({plan.row_tiles_for(r) for r in rows}):
                 specs.setdefault((plan.arm, row_tiles, q_len > 1), KernelSpec(
                     plan.arm, config.shape.head_dim, config.q_dtype, config.kv_dtype, plan.impl, row_tiles,
-                    config.features_at(q_len), config.target.smem_per_block, config.mma_kernel))
+                    config.features_at(q_len), config.target.smem_per_block))
     return specs

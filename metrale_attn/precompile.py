@@ -71,7 +71,6 @@ class Options:
     impl: Optional[str] = None
     heads_per_cta: Optional[int] = None
     max_decode_seqs: int = LEGACY_MAX_DECODE_SEQS
-    mma_kernel: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -160,7 +159,7 @@ def needed_specs(layers: Sequence[Layer], target: Target, options: Options = Opt
                                max_decode_seqs=options.max_decode_seqs, impl=options.impl,
                                heads_per_cta=options.heads_per_cta, max_q_len=options.max_q_len,
                                window_left=layer.window_left, logits_soft_cap=layer.logits_soft_cap,
-                               sinks=layer.sinks, mma_kernel=options.mma_kernel, environ=env)
+                               sinks=layer.sinks, environ=env)
             if config.impl == "mma":
                 need(SelfTest(), SELF_TEST)
             launchable, why = launchable_config(config, [], chosen)  # the self-test agrees

@@ -5,46 +5,33 @@ defines, and ``decode_core.cuh`` checks the carve at compile time (``PD_SMEM_BYT
 equal its own sum), so the host's sizing and the kernel's carve cannot drift apart.
 
 A tiling is W warps per CTA, each owning a ring of S shared-memory stages of TT tokens of K
-and V (every row padded by 16 bytes; ``v2.1`` keeps the block-table entries in those pads),
-behind a front of q rows, score scales and the offsets table. Four kernels (``MMA_KERNELS``):
+and V (every row padded by 16 bytes, where the block-table entries are staged), behind a
+front of q rows, score scales and the offsets table. W is the first of 8, 6, 4, 2
+(``WARP_CANDIDATES``) whose CTA of the most row tiles fits the target with rings of 2 stages
+(6 only from head dim 144 on: ``SIX_WARPS_MIN_HEAD_DIM``), then S the deepest ring that fits.
+The CTAs are persistent: ``resident_ctas`` x SMs of them walk the plan's work items
+(``decode_core.cuh``, "THE SCHEDULE"), each warp issuing its first tiles of the next item
+before the current item's epilogue (``prefetch_stages``, "lever 5").
 
-* ``v2.3`` (the default): v2.2 with up to 8 warps per CTA
-  (``WARP_CANDIDATES_V23``): W the first of 8, 6, 4, 2 whose CTA of the most row tiles fits the
-  target with rings of 2 stages (6 only from head dim 144 on: ``SIX_WARPS_MIN_HEAD_DIM``), then
-  the deepest ring that fits, as for v2.1. Where a batch-1
-  call has fewer CTAs than the SMs hold, twice the warps per CTA stream twice the bytes per busy
-  SM (benchmarks/NOTES.md, "Kernel v2.3"). Its W differs from v2.2's where 8 warps fit, so its
-  bytes differ from v2.2's there (another tile -> warp order, another combine); they are its
-  own, the same for every batch, position and ``heads_per_cta``. 8 warps x 32 threads x 255
-  registers (8,192 a warp, allocated in 256s) = 65,536: one 8-warp CTA per SM by registers
-  (``resident_ctas``), the warps per SM of v2.2's two 4-warp CTAs where those fit. Which specs
-  get 8 warps: hd 64..192 bf16/fp16 and every hd fp8 on 227 KiB targets (sm_90, sm_100,
-  sm_103; at 144..192 bf16 with 2 stages where 4 warps take 3); bf16/fp16 hd >= 208 take 6
-  there (8 warps' rings of 2 stages of 16.5 KiB, 264 KiB, do not fit); on sm_80 (163 KiB)
-  hd <= 128 bf16/fp16 and every fp8 hd; on the 99 KiB targets fp8 hd 64, 144 and 160 only.
-  Which get 6 (kernel v2.3: 6 warps, benchmarks/NOTES.md, "Kernel v2.3: 6 warps where 8 do not
-  fit"; 6 x 32 x 255 registers = 49,152, one CTA per SM): bf16/fp16 hd 208..256 on 227 KiB
-  (2 stages, where 4 warps took 3), bf16 144..160 and fp16 144..192 on 163 KiB, fp8 176..224 on
-  99 KiB; their bytes are 6-warp bytes, no longer 4-warp ones;
-* ``v2.2``: v2.1's tiling and arithmetic with persistent CTAs: ``resident_ctas`` x SMs CTAs (at
-  most one per item) walk the plan's work items in a fixed order (``decode_core.cuh``, "THE
-  SCHEDULE"), each warp issuing its first tiles of the next item before the current item's
-  epilogue ("lever 5", ``prefetch_stages``), so a row's bytes are v2.1's;
-* ``v2.1``: W and S sized from the target's per-block limit (so every spec
-  launches on sm_90, sm_100, sm_103, sm_120 and sm_121: 99 KiB there), the block-table
-  entries staged through shared memory S - 1 tiles ahead (``decode_core.cuh``, "bt_staged");
-* ``v2``: kernel v2 as it was before (4 warps, the entry loaded one tile ahead, sized for
-  sm_90's 227 KiB whatever the target), kept so that one GPU run can time both
-  (``benchmarks/impls.py``: ``mma_v2``). It fits no 99 KiB target at head dim 256 / bf16 128.
+Which specs get 8 warps: hd 64..192 bf16/fp16 and every hd fp8 on 227 KiB targets (sm_90,
+sm_100, sm_103; at 144..192 bf16 with 2 stages); bf16/fp16 hd >= 208 take 6 there (8 warps'
+rings of 2 stages of 16.5 KiB, 264 KiB, do not fit); on sm_80 (163 KiB) hd <= 128 bf16/fp16
+and every fp8 hd; on the 99 KiB targets fp8 hd 64, 144 and 160 only. Which get 6: bf16/fp16
+hd 208..256 on 227 KiB, bf16 144..160 and fp16 144..192 on 163 KiB, fp8 176..224 on 99 KiB.
+8 warps x 32 threads x 255 registers (8,192 a warp, allocated in 256s) = 65,536: one 8-warp
+CTA per SM by registers (``resident_ctas``); 6 x 32 x 255 = 49,152, one CTA per SM too.
+Where a batch-1 call has fewer items than the SMs hold, more warps per CTA stream more bytes
+per busy SM (benchmarks/NOTES.md, "Kernel v2.3").
 
-``v2.2``, ``v2.1`` and ``v2`` stay selectable so that one GPU run times every step side by side
-(``benchmarks/impls.py``).
+The earlier kernels (v2: 4 warps, entries loaded one tile ahead; v2.1: sized per target,
+entries staged; v2.2: v2.1 with persistent CTAs) are in git at the tag
+``mma-kernels-v2-to-v2.3`` (benchmarks/NOTES.md, "Kernel history").
 
 What decides a row's bytes is (W, TT): the tile -> warp order and the combine over the warps.
 So ``warps_for`` chooses W from the head dim, the cache dtype and the target's limit only,
 never from the row tiles (which follow the batch through ``heads_per_cta``), q's dtype or the
-batch; TT follows the head dim and the cache dtype. The row tiles, q's dtype and the kernel
-move only S and the front, which change no byte.
+batch; TT follows the head dim and the cache dtype. The row tiles and q's dtype move only S
+and the front, which change no byte.
 """
 
 from __future__ import annotations
@@ -54,13 +41,9 @@ from typing import Optional
 
 from . import dtypes
 
-MMA_KERNELS = ("v2.3", "v2.2", "v2.1", "v2")
-"""The ``mma`` core's kernels: the default first, then older to oldest."""
-DEFAULT_MMA_KERNEL = "v2.3"
-
 SMEM_LIMIT_BYTES = 227 * 1024
-"""Dynamic shared memory one block may use on sm_90 and sm_100 (opt-in maximum): what ``v2``
-is sized for, and the default of a spec built without a target."""
+"""Dynamic shared memory one block may use on sm_90 and sm_100 (opt-in maximum): the default
+of a spec built without a target."""
 
 STAGE_TARGET_BYTES = 8192
 """K+V bytes one warp's stage aims at: 32-token stages where 32 rows of K and V fit, else 16
@@ -79,43 +62,31 @@ the rest of the loop (plain split-K at 240 spilled 12 bytes on sm_120; every fea
 fp16 q on a bf16 cache spilled at 224 in a 99 KiB target's 2-warp tiling and at 208 on
 sm_100; 192 and 176 build clean for every architecture in both tilings)."""
 
-WARP_CANDIDATES = (4, 2)
-"""W of a ``v2.1`` spec, most first: the first whose CTA fits the target decides
-(``warps_for``). 8 warps were modelled and not kept (benchmarks/NOTES.md, "Kernel v2.1,
-lever 2"): one 8-warp CTA per SM loses 8-17 points at batch 64 without persistent CTAs.
-2 warps serve the 99 KiB targets at head dim 256 bf16, where 4 warps' rings of 2 stages of
-16.5 KiB do not fit."""
-WARP_CANDIDATES_V23 = (8, 6, 4, 2)
-"""W of a ``v2.3`` spec, most first (``warps_for``): 8 warps where their CTA fits, with 2
-stages at least; else 6 (from ``SIX_WARPS_MIN_HEAD_DIM`` on), else 4, else 2."""
+WARP_CANDIDATES = (8, 6, 4, 2)
+"""W of a spec, most first (``warps_for``): 8 warps where their CTA fits with 2 stages at
+least; else 6 (from ``SIX_WARPS_MIN_HEAD_DIM`` on), else 4, else 2 (the 99 KiB targets at
+head dim 256 bf16, where 4 warps' rings of 2 stages of 16.5 KiB do not fit)."""
 SIX_WARPS_MIN_HEAD_DIM = 144
-"""``v2.3`` takes 6 warps only from this head dim on (benchmarks/NOTES.md, "Kernel v2.3: 6 warps
+"""6 warps only from this head dim on (benchmarks/NOTES.md, "Kernel v2.3: 6 warps
 where 8 do not fit"): where 8 do not fit, 6 warps x 2 stages beat 4 x 3 in the model at every
 batch from 144 on (227 KiB: bf16/fp16 208..256; 163 KiB: 144..192; 99 KiB: fp8 176..224), but
 at 80 and 96 on the 99 KiB targets, whose stages are small and cheap to compute, they keep 6
 stages in flight where 4 x 3 keep 8 and lose 0.3-3.3 points at 8 query rows a CTA. A
-function of the head dim alone, so W stays one of (head dim, cache dtype, limit, kernel)."""
-PERSISTENT_KERNELS = ("v2.2", "v2.3")
-"""The kernels whose CTAs are persistent (``Tiling.persistent``)."""
+function of the head dim alone, so W stays one of (head dim, cache dtype, limit)."""
 
 
 @dataclass(frozen=True)
 class Tiling:
     """How an ``mma`` spec streams K and V: ``warps`` warps, each with a ring of ``stages``
     stages of ``tile_tokens`` tokens, ``smem_bytes`` of dynamic shared memory (the carve of
-    ``decode_core.cuh``); ``bt_staged``: the block-table entries copied into shared memory
-    S - 1 tiles ahead (``v2.1``) rather than loaded one tile ahead (``v2``)."""
+    ``decode_core.cuh``)."""
 
     warps: int
     tile_tokens: int
     stages: int
     smem_bytes: int
-    bt_staged: bool = True
-    persistent: bool = False
-    """Persistent CTAs (``v2.2``, ``v2.3``): the launch grid is the CTAs resident on the device
-    (``resident_ctas``), each walking the plan's work items in a fixed order."""
     prefetch: int = 0
-    """``v2.2``, ``v2.3``: the next item's tiles each warp issues before the current item's epilogue
+    """The next item's tiles each warp issues before the current item's epilogue
     (``prefetch_stages``; ``PD_PREFETCH``, which the kernel checks against its carve); 0: none."""
 
     @property
@@ -144,8 +115,8 @@ def resident_ctas(tiling: Tiling, smem_limit: int) -> int:
     shared memory per block, by shared memory (``smem_limit`` + 1 KiB per SM, 1 KiB
     reserved per block) and by registers at 255 a thread (65536 per SM, allocated per warp
     in 256s); at least 1. A function of the tiling and the target only: never of the batch.
-    Kernels ``v2.2`` and ``v2.3`` launch ``min(items, resident_ctas x SMs)`` persistent CTAs
-    (8 warps: 8 x 8,192 registers = 65,536, one CTA per SM)."""
+    A launch is ``min(items, resident_ctas x SMs)`` persistent CTAs (8 warps: 8 x 8,192
+    registers = 65,536, one CTA per SM)."""
     by_smem = (smem_limit + SMEM_RESERVED_PER_BLOCK) // (tiling.smem_bytes + SMEM_RESERVED_PER_BLOCK)
     per_warp = (MAX_REGISTERS_PER_THREAD * 32 + 255) // 256 * 256
     by_registers = REGISTERS_PER_SM // (per_warp * tiling.warps)
@@ -181,7 +152,7 @@ def max_stages(head_dim: int, kv_dtype: str) -> int:
 def carve(head_dim: int, parts: int, kv_dtype: str, row_tiles: int, warps: int, stages: int) -> int:
     """Bytes of ``decode_core.cuh``'s carve: q (parts x rows x (2 DP + 16), DP the padded
     dim), the rows' score scales (4 B each), the offsets table (W x TT x 16; unused by
-    ``v2.3``'s 8-warp 16-bit tilings, whose lanes compute their own offsets), 128-byte
+    the 8-warp 16-bit tilings, whose lanes compute their own offsets), 128-byte
     aligned, then W rings of S stages of K and V (the staged block-table entries live in the
     rows' pads: no bytes)."""
     tt = tile_tokens_for(head_dim, kv_dtype)
@@ -192,7 +163,7 @@ def carve(head_dim: int, parts: int, kv_dtype: str, row_tiles: int, warps: int, 
 
 
 def prefetch_stages(head_dim: int, kv_dtype: str, row_tiles: int, stages: int) -> int:
-    """Kernels ``v2.2`` and ``v2.3``: the stages of its ring each warp fills with the next
+    """The stages of its ring each warp fills with the next
     item's first tiles before the current item's epilogue (``decode_core.cuh``, "lever 5"), the most (<= S - 1)
     that leave the rest of the ring room for the warp's state (m, l and o of every row, fp32:
     rows x (D + 2) x 4 bytes), which the epilogue publishes there; 0 when one stage short of
@@ -209,15 +180,14 @@ def max_row_tiles(head_dim: int) -> int:
     return 1 if head_dim >= ONE_ROW_TILE_HEAD_DIM else 2
 
 
-def warps_for(head_dim: int, kv_dtype: str, smem_limit: int, kernel: str = DEFAULT_MMA_KERNEL) -> Optional[int]:
-    """W of a ``v2.1`` / ``v2.2`` spec (``v2.3``: of ``WARP_CANDIDATES_V23``, 6 only from
-    ``SIX_WARPS_MIN_HEAD_DIM`` on): the first of ``WARP_CANDIDATES`` whose CTA of the most row
-    tiles fits ``smem_limit`` bytes with rings of 2 stages, whatever q's dtype (q in two parts
-    where it can be); None when none does. A
-    function of (head dim, cache dtype, limit, kernel) only: the invariant that keeps a row's
-    bytes the same for every ``heads_per_cta`` and batch."""
+def warps_for(head_dim: int, kv_dtype: str, smem_limit: int) -> Optional[int]:
+    """W of a spec: the first of ``WARP_CANDIDATES`` (6 only from ``SIX_WARPS_MIN_HEAD_DIM``
+    on) whose CTA of the most row tiles fits ``smem_limit`` bytes with rings of 2 stages,
+    whatever q's dtype (q in two parts where it can be); None when none does. A function of
+    (head dim, cache dtype, limit) only: the invariant that keeps a row's bytes the same for
+    every ``heads_per_cta`` and batch."""
     parts = max(q_parts(q, kv_dtype) for q in dtypes.Q_DTYPES)
-    for warps in WARP_CANDIDATES_V23 if kernel == "v2.3" else WARP_CANDIDATES:
+    for warps in WARP_CANDIDATES:
         if warps == 6 and head_dim < SIX_WARPS_MIN_HEAD_DIM:
             continue
         if carve(head_dim, parts, kv_dtype, max_row_tiles(head_dim), warps, 2) <= smem_limit:
@@ -225,28 +195,18 @@ def warps_for(head_dim: int, kv_dtype: str, smem_limit: int, kernel: str = DEFAU
     return None
 
 
-def mma_tiling(head_dim: int, q_dtype: str, kv_dtype: str, row_tiles: int, smem_limit: int = SMEM_LIMIT_BYTES,
-               kernel: str = DEFAULT_MMA_KERNEL) -> Optional[Tiling]:
+def mma_tiling(head_dim: int, q_dtype: str, kv_dtype: str, row_tiles: int,
+               smem_limit: int = SMEM_LIMIT_BYTES) -> Optional[Tiling]:
     """The tiling of an ``mma`` spec on a target of ``smem_limit`` bytes per block, or None
-    when it does not fit. ``v2.1``, ``v2.2``, ``v2.3``: W from ``warps_for``, then the deepest
-    ring (4 stages of <= 4 KiB, else 3) that fits, at least 2. ``v2``: kernel v2's own rule, 4 warps sized for
-    sm_90 (``SMEM_LIMIT_BYTES``) whatever ``smem_limit`` says; None where that does not fit
-    ``smem_limit``."""
-    if kernel not in MMA_KERNELS:
-        raise ValueError(f"mma kernel must be one of {', '.join(MMA_KERNELS)}, got {kernel!r}")
-    tt = tile_tokens_for(head_dim, kv_dtype)
-    parts = q_parts(q_dtype, kv_dtype)
-    staged = kernel != "v2"  # v2.2: v2.1's tiling, its CTAs persistent; v2.3: v2.2 with up to 8 warps
-    warps = warps_for(head_dim, kv_dtype, smem_limit, kernel) if staged else 4
-    sized_for = smem_limit if staged else SMEM_LIMIT_BYTES
+    when it does not fit: W from ``warps_for``, then the deepest ring (4 stages of <= 4 KiB,
+    else 3) that fits, at least 2, and the prefetch that ring leaves room for."""
+    warps = warps_for(head_dim, kv_dtype, smem_limit)
     if warps is None:
         return None
+    tt = tile_tokens_for(head_dim, kv_dtype)
+    parts = q_parts(q_dtype, kv_dtype)
     for stages in range(max_stages(head_dim, kv_dtype), 1, -1):
         smem = carve(head_dim, parts, kv_dtype, row_tiles, warps, stages)
-        if smem <= sized_for:
-            if smem > smem_limit:
-                return None
-            persistent = kernel in PERSISTENT_KERNELS
-            ahead = prefetch_stages(head_dim, kv_dtype, row_tiles, stages) if persistent else 0
-            return Tiling(warps, tt, stages, smem, staged, persistent, ahead)
+        if smem <= smem_limit:
+            return Tiling(warps, tt, stages, smem, prefetch_stages(head_dim, kv_dtype, row_tiles, stages))
     return None

@@ -71,7 +71,6 @@ CTOR_OPTIONS = {  # argument -> (valid values, invalid values)
     "device_scales": ([False, False, True], ["yes", 1]),
     "lse_base": (["e", "e", 2], [10, "ln"]),
     "page_table": (["dense", "dense", "csr"], ["coo"]),
-    "mma_kernel": ([None, None, "v2.2", "v2.1", "v2"], ["v3", 2.5]),
     "dependent_launch": ([None, None, True, False], ["yes", 1]),
 }
 RUN_OPTIONS = {

@@ -219,10 +219,8 @@ def _function_body(ptx: str, name: str) -> str:
     return ptx[start:end if end > 0 else len(ptx)]
 
 
-@pytest.mark.parametrize("kernel", ["v2.3", "v2.1"])
-def test_on_sm_90_the_merge_waits_for_the_attention_grid_before_any_global_access_and_the_attention_grid_releases_it(
-        kernel):
-    ptx = nvrtc_ptx(KernelSpec("splitk", 128, "bf16", "fp8", "mma", 2, mma_kernel=kernel))
+def test_on_sm_90_the_merge_waits_for_the_attention_grid_before_any_global_access_and_the_attention_grid_releases_it():
+    ptx = nvrtc_ptx(KernelSpec("splitk", 128, "bf16", "fp8", "mma", 2))
     merge = _function_body(ptx, "decode_splitk_merge")
     first_global = re.search(r"\b(ld|st)\.global", merge)
     assert first_global and merge.index("griddepcontrol.wait") < first_global.start()

@@ -156,14 +156,13 @@ def test_gb10_runs_head_dim_112_on_mma_with_a_ring_sized_for_its_99_kib():
     check_against_reference(p, *run_poisoned(attn, p))
 
 
-def test_where_the_mma_kernels_do_not_fit_a_head_dim_simt_lacks_is_refused_naming_it():
-    """The previous kernel (``mma_kernel="v2"``), sized for sm_90, holds no bf16 ring at head
-    dim 112 in gb10's 99 KiB, and simt cannot take the layer over."""
-    message = r"allows 101376: they cannot launch there \(impl='simt' has no head_dim 112 \(the simt kernels take"
+def test_where_the_mma_kernels_cannot_run_a_head_dim_simt_lacks_is_refused_naming_it():
+    """An fp8 cache on a10 (sm_86: no fp8 cvt) at head dim 112, which simt cannot take over."""
+    message = r"lacks \(sm_89 and later have it\): they cannot launch there \(impl='simt' has no head_dim 112"
     with pytest.raises(ValueError, match=message):
-        decoder(problem(seq_lens=(5,), head_dim=112), target="gb10", mma_kernel="v2")
+        decoder(problem(seq_lens=(5,), head_dim=112, kv_dtype="fp8"), target="a10")
     with pytest.raises(ValueError, match=message):
-        needed_specs([Layer("layer", 4, 4, 112)], TARGETS["gb10"], Options(mma_kernel="v2"), environ={})
+        needed_specs([Layer("layer", 4, 4, 112)], TARGETS["a10"], Options(kv_dtype="fp8_e4m3"), environ={})
 
 
 @pytest.mark.slow

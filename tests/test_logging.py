@@ -64,9 +64,10 @@ def test_a_compile_still_running_after_the_threshold_says_so_while_it_runs(monke
 
 def test_a_fallback_to_simt_is_logged_as_well_as_warned(caplog):
     with caplog.at_level(logging.WARNING, logger="metrale_attn"), pytest.warns(RuntimeWarning):
-        decoder(P, target="gb10", mma_kernel="v2")
+        decoder(problem(seed=31, seq_lens=(5, 40), num_q_heads=4, num_kv_heads=2, kv_dtype="fp8"), target="a10")
     (record,) = [r for r in caplog.records if r.name == "metrale_attn.attention"]
-    assert record.levelno == logging.WARNING and "gb10 (sm_121) allows 101376; using impl='simt'" in record.getMessage()
+    assert record.levelno == logging.WARNING and "a10 (sm_86) lacks" in record.getMessage()
+    assert "using impl='simt'" in record.getMessage()
 
 
 def test_a_cache_directory_that_cannot_be_written_is_logged_as_well_as_warned(tmp_path, monkeypatch, caplog):

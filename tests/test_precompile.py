@@ -67,7 +67,7 @@ def constructed(layer: Layer, options: Options, capability, sm_count, disagree=(
                             q_dtype=options.q_dtype, kv_dtype=options.kv_dtype or options.q_dtype,
                             max_batch=options.max_batch, backend=backend, splitk=options.splitk,
                             gqa_pack=options.gqa_pack, impl=options.impl, heads_per_cta=options.heads_per_cta,
-                            max_q_len=options.max_q_len, out_dtype=options.out_dtype, mma_kernel=options.mma_kernel,
+                            max_q_len=options.max_q_len, out_dtype=options.out_dtype,
                             window_left=layer.window_left, logits_soft_cap=layer.logits_soft_cap, sinks=layer.sinks)
         except RuntimeError:  # a failed self-test and an mma-only feature: refused, nothing more loads
             return set()
@@ -85,7 +85,7 @@ CASES = {
     "gqa pack on": (Layer("layer", 24, 4, 256), Options(splitk="off", gqa_pack=True), "hopper"),
     "pinned heads per cta": (Layer("layer", 32, 4, 128), Options(heads_per_cta=4), "hopper"),
     "gb10, 99 KiB: the default kernel sized for it": (Layer("layer", 4, 4, 256), Options(), "gb10"),
-    "gb10, the previous kernel: simt": (Layer("layer", 4, 4, 64), Options(mma_kernel="v2"), "gb10"),
+    "a10, fp8 cache: simt": (Layer("layer", 4, 4, 64), Options(kv_dtype="fp8_e4m3"), "a10"),
     "simt chosen": (Layer("layer", 32, 8, 128), Options(impl="simt"), "hopper"),
     "head dim 80, fp8 cache (mma only)": (Layer("layer", 32, 32, 80), Options(kv_dtype="fp8_e4m3"), "b200"),
 }
@@ -265,8 +265,8 @@ SMALL = ("--q-heads", "4", "--kv-heads", "4", "--head-dim", "64")
     (("--target", "hopper", *SMALL, "--splitk", "sometimes"), "splitk must be 'auto', 'legacy'"),
     (("--target", "hopper", "--q-heads", "32", "--kv-heads", "8", "--head-dim", "128", "--heads-per-cta", "3"),
      "heads_per_cta must divide the group size 4"),
-    (("--target", "gb10", *SMALL, "--impl", "mma", "--mma-kernel", "v2"),
-     "gb10 (sm_121) allows 101376: they cannot launch there"),
+    (("--target", "a10", *SMALL, "--impl", "mma", "--kv-dtype", "fp8_e4m3"),
+     "a10 (sm_86) lacks (sm_89 and later have it): they cannot launch there"),
 ])
 def test_bad_input_is_refused_with_the_argument_it_came_from(capsys, argv, message):
     code, out, err = precompile_cli(capsys, *argv, "--dry-run")

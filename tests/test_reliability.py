@@ -272,22 +272,26 @@ def test_a_logits_soft_cap_of_zero_means_no_cap_as_in_flashinfer_vllm_and_flasha
     check_against_reference(P, out0, lse0)
 
 
-def test_a_target_whose_shared_memory_the_mma_kernels_exceed_runs_simt_with_a_warning_or_refuses():
-    """The CPU backend refuses what the target GPU would: gb10 (sm_121) allows 99 KiB of shared
-    memory per block. The default kernel (v2.3) is sized for it and runs there; the oldest one
-    (v2, sized for sm_90) asks for more, so an object that picks it falls back to simt, saying
-    so, and one that also asked for mma, or for a feature only mma has, is refused."""
-    p = problem(seed=23, seq_lens=(5, 40), num_q_heads=4, num_kv_heads=2)
+def test_a_target_whose_shared_memory_no_mma_tiling_fits_runs_simt_with_a_warning_or_refuses(monkeypatch):
+    """Every target declared today holds a tiling of every head dim (2 warps of 2 stages fit 99
+    KiB at 256); a target of 48 KiB per block (gb10 declared smaller here) does not at head dim
+    256, so an object falls back to simt, saying so, and one that also asked for mma, or for a
+    feature only mma has, is refused."""
+    from dataclasses import replace
+
+    from metrale_attn.targets import TARGETS
+
+    p = problem(seed=23, seq_lens=(5, 40), num_q_heads=4, num_kv_heads=2, head_dim=256)
     assert decoder(p, target="gb10").impl == "mma"
-    with pytest.warns(RuntimeWarning, match=r"mma kernels \(v2\) of this shape ask for \d+ bytes of shared memory "
-                                            r"per block; gb10 \(sm_121\) allows 101376; using impl='simt'"):
-        attn = decoder(p, target="gb10", mma_kernel="v2")
+    monkeypatch.setitem(TARGETS, "gb10", replace(TARGETS["gb10"], smem_per_block=48 * 1024))
+    with pytest.warns(RuntimeWarning, match=r"mma kernels of this shape ask for \d+ bytes of shared memory "
+                                            r"per block; gb10 \(sm_121\) allows 49152; using impl='simt'"):
+        attn = decoder(p, target="gb10")
     assert attn.impl == "simt"
     check_against_reference(p, *run_poisoned(attn, p))
     for options in (dict(impl="mma"), dict(window_left=8), dict(sinks=True)):
-        with pytest.raises(ValueError, match="allows 101376: they cannot launch there"):
-            decoder(p, target="gb10", mma_kernel="v2", **options)
-    assert decoder(p, target="hopper", mma_kernel="v2").impl == "mma"
+        with pytest.raises(ValueError, match="allows 49152: they cannot launch there"):
+            decoder(p, target="gb10", **options)
 
 
 def test_an_fp8_cache_on_a_target_without_the_fp8_conversion_runs_simt_or_is_refused():

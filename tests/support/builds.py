@@ -185,7 +185,7 @@ TIGHTEST_DEFAULT_ARCHES = ("sm_90", "sm_120")
 
 
 def tightest_spill_params(tightest, first) -> list:
-    """``(spec, arch)`` test parameters of every feature at once, ``v2.3``, both arms, on every
+    """``(spec, arch)`` test parameters of every feature at once, both arms, on every
     architecture that builds them: ``tightest`` rows ``(head dim, q, cache, row tiles, smem
     limit)``. The default run builds the ``first`` spec ``(arm, head dim, cache)`` for
     ``TIGHTEST_DEFAULT_ARCHES`` and the others for sm_90; the rest are ``slow`` (CI's slow step)."""
@@ -196,7 +196,7 @@ def tightest_spill_params(tightest, first) -> list:
     for head_dim, q, kv, rt, limit in tightest:
         for arch in ARCHES:
             for arm in ("unpacked", "splitk"):
-                spec = KernelSpec(arm, head_dim, q, kv, "mma", rt, set(FEATURES), smem_limit=limit, mma_kernel="v2.3")
+                spec = KernelSpec(arm, head_dim, q, kv, "mma", rt, set(FEATURES), smem_limit=limit)
                 if not spec.builds_for(arch):  # fp8: sm_89 and later
                     continue
                 slow = arch not in TIGHTEST_DEFAULT_ARCHES or (arm, head_dim, kv) != first and arch != "sm_90"

@@ -1,5 +1,5 @@
-"""Kernel v2.3's 8-warp tilings of 16-bit caches compute each copying lane's row addresses in
-the lane itself (decode_core.cuh, LANE_OFFSETS): row r's block-table entry from the pad where
+"""The same keys and values paged any way give the same bytes. The 8-warp tilings of 16-bit
+caches compute each copying lane's row addresses in the lane itself (decode_core.cuh, LANE_OFFSETS): row r's block-table entry from the pad where
 lane r staged it, its offset in its page as (in_page(token lane) + r - lane) mod page_size by
 a multiply-high. A lane that took another row's entry or offset would copy another key's bytes:
 the same logical keys and values, paged in any page size (1, 3, 16, 48: tiles inside a page,
@@ -56,7 +56,7 @@ def test_a_copying_lane_takes_its_own_rows_entry_and_offset_for_every_page_size_
     for page_size in PAGE_SIZES:
         for layout in ("NHD", "HND") if page_size in (3, 48) else ("NHD",):
             p = _repaged(base, page_size, layout, seed=page_size)
-            attn = decoder(p, splitk="3", mma_kernel="v2.3")
+            attn = decoder(p, splitk="3")
             assert {(v.tiling.warps, v.kv_dtype) for v in specs_for(attn.config).values()} == {(8, "bf16")}
             got = run_poisoned(attn, p)
             check_against_reference(p, *got)
@@ -66,7 +66,7 @@ def test_a_copying_lane_takes_its_own_rows_entry_and_offset_for_every_page_size_
                                                                                                         layout)
 
 
-def test_lane_offsets_with_a_window_and_query_tokens_starting_mid_tile():
+def test_repaged_keys_give_the_same_bytes_with_a_window_and_query_tokens_starting_mid_tile():
     """Two query tokens and a window of 45 keys: each row's range starts mid-tile, the CTA's
     one key earlier; fp16 cache (the other 16-bit type)."""
     base = _logical(92, 128, "fp16")
@@ -74,7 +74,7 @@ def test_lane_offsets_with_a_window_and_query_tokens_starting_mid_tile():
     first = None
     for page_size in (3, 48):
         p = _repaged(base, page_size, "NHD", seed=page_size + 1)
-        attn = decoder(p, splitk="3", mma_kernel="v2.3", max_q_len=2, window_left=45)
+        attn = decoder(p, splitk="3", max_q_len=2, window_left=45)
         assert {v.tiling.warps for v in specs_for(attn.config).values()} == {8}
         got = run_poisoned(attn, p, q=q)
         ref_out, ref_lse = p.reference(return_lse=True, q=q, window_left=45)
