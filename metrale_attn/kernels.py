@@ -7,7 +7,7 @@ ships inside the wheel as ``metrale_attn.kernels_cu``, its ``simt/`` folder too)
 compilers see one self-contained string and their errors name the real file and line.
 Nothing is compiled here, and nothing at import time.
 
-Two implementations (``plan.IMPLS``) serve the same three arms (``plan.ARMS``):
+Two implementations (``config.IMPLS``) serve the same three arms (``plan.ARMS``):
 
 - ``mma`` (the default): ``decode_core.cuh``, the tensor-core core, its features and
   its one kernel (which each arm's ``decode_<arm>.cu`` names and selects): a CTA serves

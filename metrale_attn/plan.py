@@ -160,7 +160,7 @@ def workspace_for(
 
 def heads_per_cta_for(shape: ModelShape, num_seqs: int, num_splits: int, sm_count: int, q_len: int = 1) -> int:
     """Query heads per ``mma`` CTA: the largest divisor of the group size G (at most
-    ``MAX_HEADS_PER_CTA``) whose grid, ``num_kv_heads * (G / h) * num_splits *
+    ``config.max_rows_per_cta`` / ``q_len``) whose grid, ``num_kv_heads * (G / h) * num_splits *
     num_seqs`` CTAs, still gives ``MIN_CTAS_PER_SM`` per SM; 1 when none does.
 
     Larger is better as long as the device stays covered: each KV row is read once

@@ -29,22 +29,22 @@ def layer_workspace(config: LayerConfig) -> Workspace:
                          max_decode_seqs=config.max_decode_seqs, max_q_len=config.max_q_len)
 
 
-def allocate(backend, config: LayerConfig, spec: Workspace):
-    """A new workspace of ``spec.nbytes`` on ``backend``, or a MemoryError saying what to lower."""
+def allocate(backend, config: LayerConfig, size: Workspace):
+    """A new workspace of ``size.nbytes`` on ``backend``, or a MemoryError saying what to lower."""
     try:
-        return backend.empty((spec.slots * spec.slot_floats,), np.float32)
+        return backend.empty((size.slots * size.slot_floats,), np.float32)
     except MemoryError as err:  # CuPy's OutOfMemoryError is one too
         raise MemoryError(
-            f"cannot allocate the split-K workspace of {spec.nbytes} bytes ({spec.slots} slots x "
-            f"{spec.slot_floats} fp32) for max_batch={config.max_batch}, {config.shape.num_q_heads} q heads and "
+            f"cannot allocate the split-K workspace of {size.nbytes} bytes ({size.slots} slots x "
+            f"{size.slot_floats} fp32) for max_batch={config.max_batch}, {config.shape.num_q_heads} q heads and "
             f"attn_decode_splitk={config.target_policy.splitk.label()}: lower max_batch (the workspace grows "
             f"linearly with it) or pin fewer splits (splitk=)"
         ) from err
 
 
-def adopt(backend, workspace, config: LayerConfig, spec: Workspace, device):
+def adopt(backend, workspace, config: LayerConfig, size: Workspace, device):
     """A caller's workspace, after checking that it can hold this layer's partials: on
-    ``device``, dense, writable, 16-byte aligned, and at least ``spec.nbytes`` bytes (any
+    ``device``, dense, writable, 16-byte aligned, and at least ``size.nbytes`` bytes (any
     dtype: it is used as bytes)."""
     info = backend.describe(workspace, "workspace")
     span = info.byte_range()
@@ -57,10 +57,10 @@ def adopt(backend, workspace, config: LayerConfig, spec: Workspace, device):
                          f"{list(info.shape)} strides {list(info.strides)}")
     writable(info, "workspace")
     aligned(info, "workspace")
-    if nbytes < spec.nbytes:
+    if nbytes < size.nbytes:
         raise ValueError(
-            f"workspace too small: it has {nbytes} bytes, but this DecodeAttention needs {spec.nbytes} bytes "
-            f"({spec.slots} slots x {spec.slot_floats} fp32 for max_batch={config.max_batch}, "
+            f"workspace too small: it has {nbytes} bytes, but this DecodeAttention needs {size.nbytes} bytes "
+            f"({size.slots} slots x {size.slot_floats} fp32 for max_batch={config.max_batch}, "
             f"{config.shape.num_q_heads} q heads, attn_decode_splitk={config.target_policy.splitk.label()}); size one "
             "for every layer shape with metrale_attn.workspace_bytes(...)")
     return workspace
