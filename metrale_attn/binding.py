@@ -25,8 +25,6 @@ from typing import Any, Callable, NamedTuple, Optional
 from .backends import ArrayInfo, Launch
 from .config import LayerConfig
 from .kernels import kernel_params
-from .plan import KernelGrid
-from .tiling import resident_ctas
 from .validation import (ARRAY_ARGUMENTS, CHECKERS, CSR, DENSE, INPUTS, VECTOR_BYTES, check_together, logit_scales,
                          refuse_page_table, refuse_scales, refuse_sinks, scales)
 from .workspace import where
@@ -74,24 +72,6 @@ ARGUMENTS: dict[str, Callable[["_Values"], object]] = {
 layer's own fields, ``page_size`` or ``window_left``, are found by name in ``LayerConfig``)."""
 POINTER_ARGUMENTS = ARRAY_ARGUMENTS + ("workspace",)
 """The parameters that are pointers: the arrays of ``run`` and the workspace."""
-
-
-def launch_grid_of(spec, items: KernelGrid, target) -> tuple[int, int, int]:
-    """The grid ``spec``'s attention kernel launches for the plan's grid of work items
-    ``items``: that grid (``simt``), or the ``mma`` kernel's persistent CTAs ``(P, 1, 1)``,
-    P = min(items, ``tiling.resident_ctas`` x the target's SMs): a function of the target,
-    the spec and the item count only."""
-    tiling = spec.tiling
-    if tiling is None:
-        return items.grid
-    return (min(items.ctas, persistent_ctas(tiling, target)), 1, 1)
-
-
-def persistent_ctas(tiling, target) -> int:
-    """The CTAs a persistent launch of ``tiling`` starts on ``target``: as many as its SMs
-    hold at once (``tiling.resident_ctas`` x ``sm_count``), so none waits for another to
-    exit before it starts, and each walks its share of the items."""
-    return resident_ctas(tiling, target.smem_per_block) * target.sm_count
 
 
 def argument_source(name: str) -> Optional[str]:
@@ -364,13 +344,11 @@ class CallBinder:
             holes = tuple((j, value.index) for j, value in enumerate(values) if isinstance(value, Hole))
             for j, _ in holes:  # filled per call; the template keeps no array alive
                 values[j] = None
-            launch_grid = grid.grid
             if i == 0:  # the attention kernel: its spec's block (mma: the tiling's warps)
                 block, shared = (spec.threads, 1, 1), spec.shared_bytes
-                launch_grid = launch_grid_of(spec, grid, self.config.target)
                 dependent = False
             else:  # the merge
                 block, shared = (self._block[1], 1, 1), 0
                 dependent = self.config.impl == "mma" and self.config.dependent_launch
-            template.append((module, grid.kernel, launch_grid, block, shared, values, holes, dependent))
+            template.append((module, grid.kernel, plan.launch_grid(i), block, shared, values, holes, dependent))
         return tuple(template)

@@ -88,8 +88,8 @@ def render_plan_table(args: argparse.Namespace) -> str:
         f"max_batch={max_batch}; impl {impl}; workspace {workspace.slots} slots x {workspace.slot_floats} fp32 = "
         f"{workspace.nbytes} bytes",
         "",
-        f"{'batch':>6}  {'arm':<10}  {'splits':>6}  {'h/CTA':>5}  {'grids':<28}  {'CTAs':>7}  {'waves':>6}  "
-        f"{'ws bytes':>10}",
+        f"{'batch':>6}  {'arm':<10}  {'splits':>6}  {'h/CTA':>5}  {'work items':<28}  {'items':>7}  {'/SM':>6}  "
+        f"{'CTAs':>5}  {'ws bytes':>10}",
     ]
     for batch in args.batch:
         plan = make_plan(config, batch, workspace=workspace)
@@ -97,7 +97,7 @@ def render_plan_table(args: argparse.Namespace) -> str:
         used = plan.slots_used * workspace.slot_floats * 4
         lines.append(
             f"{batch:>6}  {plan.arm:<10}  {plan.num_splits:>6}  {plan.heads_per_cta:>5}  {grids:<28}  "
-            f"{plan.ctas:>7}  {plan.waves(target_policy.sm_count):>6.2f}  {used:>10}"
+            f"{plan.items:>7}  {plan.items_per_sm(target_policy.sm_count):>6.2f}  {plan.ctas:>5}  {used:>10}"
         )
     return "\n".join(lines)
 

@@ -36,7 +36,7 @@ def run_demo(backend: Optional[str] = None, target: Optional[str] = None, seed: 
     print(attn.target_line())
     print(f"backend: {be.name}; batch {len(SEQ_LENS)} seqs, lengths {list(SEQ_LENS)}, page size {PAGE_SIZE}, "
           f"KV fp8 e4m3 (k_scale {problem.k_scale:.4g}, v_scale {problem.v_scale:.4g}), one shared prefix page")
-    print(f"plan: impl={plan.impl} arm={plan.arm} splits={plan.num_splits} heads/CTA={plan.heads_per_cta} grids="
+    print(f"plan: impl={plan.impl} arm={plan.arm} splits={plan.num_splits} heads/CTA={plan.heads_per_cta} work items="
           f"{' + '.join(str(g.grid) for g in plan.launches)} CTAs={plan.ctas} ({plan.reason})")
 
     args = _to_backend(be, problem)

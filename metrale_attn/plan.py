@@ -1,13 +1,19 @@
 """Launch plans: the geometry of one decode call, as a pure function of configuration.
 
 policy (rules) -> plan (this module: implementation, arm, split count, heads per
-CTA, grids, workspace) -> kernels (what to compile) -> launch (backends). A plan is
+CTA, work items, the CTAs launched, workspace) -> kernels (what to compile) -> launch (backends). A plan is
 frozen and cheap; ``DecodeAttention`` memoizes one per batch size. Dispatch rule:
 one split -> the GQA-packed kernel if the pack is on and the shape fits, else the unpacked
 kernel; more -> split-K, then merge. The split count comes from the launch policy
 alone; ``heads_per_cta`` from ``heads_per_cta_for``, which may read the batch
 because a head's bytes do not depend on which heads share its CTA. The rules and
 their worked numbers: docs/launch-policy.md.
+
+A *work item* is what one CTA computes at a time: the query heads of one KV head that
+share a CTA, of one sequence, over one split of its keys. A kernel's grid of items is what
+the arm's indexing names (``KernelGrid``); every kernel launches one CTA per item but the
+``mma`` attention kernel, whose persistent CTAs, as many as the SMs hold, walk its items
+(``DecodePlan.ctas``, computed here and nowhere else).
 """
 
 from __future__ import annotations
@@ -18,7 +24,8 @@ from typing import Optional
 
 from . import policy
 from .config import DEFAULT_IMPL, ROW_TILE, LayerConfig, ModelShape, heads_per_cta_choices, max_rows_per_cta
-from .targets import TargetPolicy
+from .targets import Target, TargetPolicy
+from .tiling import Tiling, mma_tiling, resident_ctas
 
 ARMS = ("unpacked", "splitk", "gqa_packed")
 FP32_BYTES = 4
@@ -34,11 +41,11 @@ KERNELS = {
 """(impl, arm) -> the ``extern "C"`` kernels a plan launches, in order (their sources:
 ``kernels.SOURCE_FILES``; tests check that each source defines them)."""
 
-MIN_CTAS_PER_SM = 0.5
-"""``heads_per_cta_for`` keeps at least this many attention CTAs per SM. One CTA keeps
-4 warps x 2 stages x 8 KiB = 64 KiB of K/V loads in flight; by Little's law at 800 ns
+MIN_ITEMS_PER_SM = 0.5
+"""``heads_per_cta_for`` keeps at least this many attention work items per SM. One CTA
+keeps 4 warps x 2 stages x 8 KiB = 64 KiB of K/V loads in flight; by Little's law at 800 ns
 that sustains ~80 GB/s, so the 4.3 TB/s of an H200 needs ~54 busy CTAs: half of its
-132 SMs, with margin. Below that, smaller groups buy CTAs (each KV row is then read
+132 SMs, with margin. Below that, smaller groups buy items (each KV row is then read
 once per group of the KV head instead of once)."""
 
 
@@ -64,9 +71,10 @@ MAX_GRID = (2**31 - 1, 65535, 65535)
 
 @dataclass(frozen=True)
 class KernelGrid:
-    """One kernel launch of a plan: the ``extern "C"`` name and its 3-D grid, within
-    ``MAX_GRID`` (a grid past it is refused when the plan is made: a GPU would refuse
-    the launch)."""
+    """One kernel launch of a plan: the ``extern "C"`` name and its 3-D grid of work items
+    (x fastest), within ``MAX_GRID`` (a grid past it is refused when the plan is made: a GPU
+    would refuse the launch). One CTA serves one item, except in the ``mma`` attention
+    kernel (``DecodePlan.launch_grid``)."""
 
     kernel: str
     grid: tuple[int, int, int]
@@ -78,7 +86,7 @@ class KernelGrid:
                                "lower max_batch (rows are sequences x query tokens) or max_q_len")
 
     @property
-    def ctas(self) -> int:
+    def items(self) -> int:
         x, y, z = self.grid
         return x * y * z
 
@@ -88,7 +96,8 @@ class DecodePlan:
     """Geometry of one decode call of ``num_seqs`` sequences.
 
     ``slots_used`` workspace slots are written (0 off the split arm); the
-    workspace itself holds ``workspace.slots``.
+    workspace itself holds ``workspace.slots``. ``ctas``: the CTAs the attention kernel
+    launches (``persistent_ctas``: at most one per item).
     """
 
     arm: str
@@ -101,6 +110,7 @@ class DecodePlan:
     impl: str = DEFAULT_IMPL
     heads_per_cta: int = 1
     q_len: int = 1
+    ctas: int = 0
 
     @property
     def row_tiles(self) -> int:
@@ -110,16 +120,26 @@ class DecodePlan:
 
     def row_tiles_for(self, rows: int) -> int:
         """Row tiles of ``ROW_TILE`` rows that hold ``rows`` query rows on this plan's implementation."""
-        return 1 if self.impl == "simt" else -(-rows // ROW_TILE)
+        return row_tiles_for(self.impl, rows)
 
     @property
-    def ctas(self) -> int:
-        """CTAs of the attention kernel (the first launch)."""
-        return self.launches[0].ctas
+    def items(self) -> int:
+        """Work items of the attention kernel (the first launch)."""
+        return self.launches[0].items
 
-    def waves(self, sm_count: int) -> float:
-        """Attention CTAs per SM: below 1 the device is partly idle."""
-        return self.ctas / max(sm_count, 1)
+    def items_per_sm(self, sm_count: int) -> float:
+        """Attention work items per SM: below 1 the device is partly idle."""
+        return self.items / max(sm_count, 1)
+
+    def launch_grid(self, i: int) -> tuple[int, int, int]:
+        """The grid launch ``i`` starts: ``(ctas, 1, 1)`` persistent CTAs for the ``mma``
+        attention kernel, the grid of items (one CTA each) for every other."""
+        return (self.ctas, 1, 1) if i == 0 and self.impl == "mma" else self.launches[i].grid
+
+
+def row_tiles_for(impl: str, rows: int) -> int:
+    """Row tiles of ``ROW_TILE`` rows that hold ``rows`` query rows (``simt``: 1)."""
+    return 1 if impl == "simt" else -(-rows // ROW_TILE)
 
 
 class WorkspaceTooSmall(ValueError):
@@ -158,22 +178,39 @@ def workspace_for(
     return Workspace(slots, shape.head_dim)
 
 
+def persistent_ctas(tiling: Tiling, target: Target) -> int:
+    """The CTAs a persistent launch of ``tiling`` starts on ``target``: as many as its SMs
+    hold at once (``tiling.resident_ctas`` x ``sm_count``), so none waits for another to
+    exit before it starts, and each walks its share of the items. A function of the target
+    and the tiling only, never of the batch."""
+    return resident_ctas(tiling, target.smem_per_block) * target.sm_count
+
+
+def attention_ctas(config: LayerConfig, items: int, row_tiles: int) -> int:
+    """The CTAs the attention kernel launches for ``items`` work items: ``simt`` one per
+    item; ``mma`` min(items, ``persistent_ctas``) (one per item where no tiling of the
+    shape fits the target, which ``kernels.mma_refusal`` refuses before any launch)."""
+    tiling = mma_tiling(config.shape.head_dim, config.q_dtype, config.kv_dtype, row_tiles,
+                        config.target.smem_per_block) if config.impl == "mma" else None
+    return items if tiling is None else min(items, persistent_ctas(tiling, config.target))
+
+
 def heads_per_cta_for(shape: ModelShape, num_seqs: int, num_splits: int, sm_count: int, q_len: int = 1) -> int:
     """Query heads per ``mma`` CTA: the largest divisor of the group size G (at most
     ``config.max_rows_per_cta`` / ``q_len``) whose grid, ``num_kv_heads * (G / h) * num_splits *
-    num_seqs`` CTAs, still gives ``MIN_CTAS_PER_SM`` per SM; 1 when none does.
+    num_seqs`` items, still gives ``MIN_ITEMS_PER_SM`` per SM; 1 when none does.
 
     Larger is better as long as the device stays covered: each KV row is read once
-    per CTA, so G / h CTAs read every row of a group. Worked numbers on 132 SMs (at
-    least 66 CTAs), ``auto`` splits:
+    per item, so G / h items read every row of a group. Worked numbers on 132 SMs (at
+    least 66 items), ``auto`` splits:
 
     * Llama-3-8B (32/8, G = 4, 9 splits), one sequence: h = 4 gives 8 x 1 x 9 = 72
-      CTAs: 4. Any batch: 4.
-    * Llama-3-70B (64/8, G = 8, 5 splits), one sequence: h = 8 gives 40 CTAs, h = 4
-      gives 80: 4. Two sequences: 80 CTAs at h = 8: 8.
-    * 24/4/256 (G = 6, 11 splits), one sequence: 44 CTAs at 6, 88 at 3: 3; from two
+      items: 4. Any batch: 4.
+    * Llama-3-70B (64/8, G = 8, 5 splits), one sequence: h = 8 gives 40 items, h = 4
+      gives 80: 4. Two sequences: 80 items at h = 8: 8.
+    * 24/4/256 (G = 6, 11 splits), one sequence: 44 items at 6, 88 at 3: 3; from two
       sequences on: 6.
-    * Llama-3-8B with split-K off (one split), batch 8: 64 CTAs at 4, 128 at 2: 2;
+    * Llama-3-8B with split-K off (one split), batch 8: 64 items at 4, 128 at 2: 2;
       from batch 9 on: 4.
 
     With ``q_len`` query tokens per sequence a CTA holds ``h x q_len`` rows, so ``h``
@@ -182,7 +219,7 @@ def heads_per_cta_for(shape: ModelShape, num_seqs: int, num_splits: int, sm_coun
     The batch may move this choice (unlike the split count) because a head's output
     bytes do not depend on which heads share its CTA.
     """
-    need = math.ceil(MIN_CTAS_PER_SM * max(sm_count, 1))
+    need = math.ceil(MIN_ITEMS_PER_SM * max(sm_count, 1))
     choices = heads_per_cta_choices(shape.group_size, q_len, max_rows_per_cta(shape.head_dim))
     for h in reversed(choices):
         if shape.num_kv_heads * (shape.group_size // h) * num_splits * num_seqs >= need:
@@ -233,9 +270,10 @@ def make_plan(config: LayerConfig, num_seqs: int, q_len: int = 1, *, workspace: 
         hpc, why_h = heads_per_cta, "override"
     else:
         hpc = heads_per_cta_for(shape, max(num_seqs, 1), splits, sms, q_len)
-        why_h = f"rule (>= {MIN_CTAS_PER_SM:g} CTAs per SM)"
+        why_h = f"rule (>= {MIN_ITEMS_PER_SM:g} items per SM)"
     why += f"; {impl}: {hpc} head(s) per CTA ({why_h})"
-    ctas_x = heads // hpc
+    items_x = heads // hpc
+    row_tiles = row_tiles_for(impl, hpc * q_len)
 
     if splits > 1:
         needed = num_seqs * q_len * heads * splits
@@ -247,24 +285,25 @@ def make_plan(config: LayerConfig, num_seqs: int, q_len: int = 1, *, workspace: 
                 f"holds {workspace.slots} slots ({workspace.nbytes} bytes)"
             )
         launches = (
-            KernelGrid(KERNELS[impl, "splitk"][0], (ctas_x, splits, num_seqs)),
+            KernelGrid(KERNELS[impl, "splitk"][0], (items_x, splits, num_seqs)),
             KernelGrid(KERNELS[impl, "splitk"][1], (heads, num_seqs * q_len, 1)),
         )
         return DecodePlan("splitk", num_seqs, splits, launches, workspace, needed, why + "; split-K then merge",
-                          impl, hpc, q_len)
+                          impl, hpc, q_len, attention_ctas(config, launches[0].items, row_tiles))
 
     if target_policy.gqa_pack and pack_fits:
         grid = KernelGrid(KERNELS[impl, "gqa_packed"][0], (shape.num_kv_heads, num_seqs, 1))
-        assert grid.ctas == policy.gqa_pack_ctas(shape.num_kv_heads, num_seqs)
+        assert grid.items == policy.gqa_pack_ctas(shape.num_kv_heads, num_seqs)
         return DecodePlan("gqa_packed", num_seqs, 1, (grid,), workspace, 0, why + "; GQA pack on and shape fits",
-                          impl, hpc, q_len)
+                          impl, hpc, q_len, attention_ctas(config, grid.items, row_tiles))
     if target_policy.gqa_pack:
         why += (
             f"; GQA pack on but the shape does not fit (needs q_heads = kv_heads x "
             f"{policy.DECODE_GQA_PACK_WIDTH} at head_dim {policy.DECODE_GQA_PACK_HEAD_DIM}, one query token)"
         )
-    grid = KernelGrid(KERNELS[impl, "unpacked"][0], (ctas_x, num_seqs, 1))
-    return DecodePlan("unpacked", num_seqs, 1, (grid,), workspace, 0, why + "; unpacked", impl, hpc, q_len)
+    grid = KernelGrid(KERNELS[impl, "unpacked"][0], (items_x, num_seqs, 1))
+    return DecodePlan("unpacked", num_seqs, 1, (grid,), workspace, 0, why + "; unpacked", impl, hpc, q_len,
+                      attention_ctas(config, grid.items, row_tiles))
 
 
 def _why_splits(target_policy: TargetPolicy, heads: int, ref: int, splits: int) -> str:

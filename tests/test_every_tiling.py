@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from metrale_attn import binding, tiling, tolerance
+from metrale_attn import tiling, tolerance
 from metrale_attn.backends.cpu_backend import CpuBackend
 from metrale_attn.kernels import specs_for
 
@@ -82,12 +82,10 @@ def test_one_two_or_three_persistent_ctas_give_the_bytes_of_a_ctas_per_sm_launch
     options = dict(max_q_len=3, window_left=70, sinks=True, **ARMS[arm])
     full = run_poisoned(decoder(p, **options), p, q=q, sinks=sinks)
     for ctas in (1, 2, 3):
-        monkeypatch.setattr(binding, "persistent_ctas", lambda tiling, target: ctas)
+        monkeypatch.setattr("metrale_attn.plan.persistent_ctas", lambda tiling, target: ctas)
         attn = decoder(p, **options)
         plan = attn.plan(4)
-        assert plan.launches[0].ctas > ctas
-        assert {binding.launch_grid_of(v, plan.launches[0], attn.config.target)
-                for v in specs_for(attn.config).values()} == {(ctas, 1, 1)}
+        assert plan.items > ctas and plan.launch_grid(0) == (ctas, 1, 1)
         assert _bytes(run_poisoned(attn, p, q=q, sinks=sinks)) == _bytes(full), ctas
 
 
@@ -106,7 +104,7 @@ def test_the_next_items_tiles_in_flight_across_the_epilogue_change_no_byte_at_an
     sinks = np.random.default_rng(73).normal(0, 2, p.q.shape[1]).astype(np.float32)
     options = dict(max_q_len=2, window_left=260, sinks=True, **dict(ARMS[arm], splitk="2") if arm == "splitk"
                    else ARMS[arm])
-    monkeypatch.setattr(binding, "persistent_ctas", lambda tiling, target: 2)
+    monkeypatch.setattr("metrale_attn.plan.persistent_ctas", lambda tiling, target: 2)
     most = tiling.prefetch_stages
     got = {}
     for depth in (0, 1, "the most"):
@@ -114,6 +112,7 @@ def test_the_next_items_tiles_in_flight_across_the_epilogue_change_no_byte_at_an
         attn = decoder(p, **options)
         expected = {v.tiling.stages - 1 if depth == "the most" else depth for v in specs_for(attn.config).values()}
         assert {v.tiling.prefetch for v in specs_for(attn.config).values()} == expected
+        assert attn.plan(6).launch_grid(0) == (2, 1, 1)
         got[depth] = _bytes(run_poisoned(attn, p, q=q, sinks=sinks))
     assert got[1] == got[0] and got["the most"] == got[0]
 
@@ -132,7 +131,7 @@ def test_every_tiling_reads_a_csr_page_table_and_device_scales_within_one_ulp(ar
                 head_dim=head_dim, per_head_scales=True)
     indptr, indices, last = to_csr(p)
     csr = dict(kv_indptr=indptr, kv_indices=indices, kv_last_page_len=last, csr=True)
-    monkeypatch.setattr(binding, "persistent_ctas", lambda tiling, target: 2)
+    monkeypatch.setattr("metrale_attn.plan.persistent_ctas", lambda tiling, target: 2)
     attn = decoder(p, backend=backend, page_table="csr", device_scales=True, target=target, **ARMS[arm])
     assert _warps(attn) == {warps}
     check_against_reference(p, *run_poisoned(attn, p, **csr))
@@ -152,7 +151,7 @@ def test_a_rows_bytes_do_not_depend_on_heads_per_cta_its_company_or_its_position
 def test_a_sequences_bytes_on_three_persistent_ctas_do_not_depend_on_its_company_or_position(monkeypatch):
     p = problem(seed=64, page_size=16, seq_lens=(700, 3, 0, 257, 64), head_dim=128, num_q_heads=4,
                 num_kv_heads=1, kv_dtype="fp8")
-    monkeypatch.setattr(binding, "persistent_ctas", lambda tiling, target: 3)
+    monkeypatch.setattr("metrale_attn.plan.persistent_ctas", lambda tiling, target: 3)
     attn = decoder(p, splitk="4", max_batch=5)
     full = run_poisoned(attn, p)
     check_against_reference(p, *full)

@@ -140,7 +140,7 @@ LLAMA70 = MODELS["llama-3-70b"]
     [("hopper", QWEN, 11), ("b200", QWEN, 13), ("b300", QWEN, 13),
      ("hopper", LLAMA8, 9), ("b200", LLAMA8, 10), ("hopper", LLAMA70, 5), ("b300", LLAMA70, 5)],
 )
-def test_auto_plans_split_the_same_way_for_every_batch_with_exact_cta_counts(target, shape, splits):
+def test_auto_plans_split_the_same_way_for_every_batch_with_exact_item_and_cta_counts(target, shape, splits):
     d = target_policy(target)
     for batch in (1, 8, 64, 256):
         for impl in IMPLS:
@@ -150,18 +150,20 @@ def test_auto_plans_split_the_same_way_for_every_batch_with_exact_cta_counts(tar
             assert hpc == 1 if impl == "simt" else shape.group_size % hpc == 0
             assert [g.grid for g in plan.launches] == [
                 (shape.num_q_heads // hpc, splits, batch), (shape.num_q_heads, batch, 1)]
-            assert plan.ctas == shape.num_q_heads // hpc * splits * batch
+            assert plan.items == shape.num_q_heads // hpc * splits * batch
+            sms = TARGETS[target].sm_count  # 8 or 6 warps: one persistent CTA an SM
+            assert plan.ctas == (plan.items if impl == "simt" else min(plan.items, sms))
             assert plan.slots_used == batch * shape.num_q_heads * splits
 
 
 def test_gb10_legacy_plans_move_with_the_batch():
     d = target_policy("gb10")
     rows = [(b, make_plan(layer_config(d, QWEN, max_batch=64, impl="simt"), b)) for b in (1, 2, 8)]
-    assert [(b, p.arm, p.num_splits, p.ctas) for b, p in rows] == [
-        (1, "splitk", 2, 48), (2, "unpacked", 1, 48), (8, "unpacked", 1, 192)]
+    assert [(b, p.arm, p.num_splits, p.items, p.ctas) for b, p in rows] == [
+        (1, "splitk", 2, 48, 48), (2, "unpacked", 1, 48, 48), (8, "unpacked", 1, 192, 192)]
     # mma: the same split counts; grouped heads while the grid keeps 24 of 48 SMs busy.
     rows = [(b, make_plan(layer_config(d, QWEN, max_batch=64), b)) for b in (1, 2, 8)]
-    assert [(b, p.arm, p.num_splits, p.heads_per_cta, p.ctas) for b, p in rows] == [
+    assert [(b, p.arm, p.num_splits, p.heads_per_cta, p.items) for b, p in rows] == [
         (1, "splitk", 2, 2, 24), (2, "unpacked", 1, 2, 24), (8, "unpacked", 1, 6, 32)]
 
 
@@ -174,9 +176,9 @@ def test_one_split_with_the_pack_on_and_a_fitting_shape_takes_the_packed_arm():
     d = target_policy("gb10", gqa_pack=True)
     for impl, kernel in (("simt", "simt_decode_gqa_packed"), ("mma", "decode_gqa_packed")):
         plan = make_plan(layer_config(d, QWEN, max_batch=64, impl=impl), 8)
-        assert (plan.arm, plan.launches[0].kernel, plan.launches[0].grid, plan.ctas, plan.heads_per_cta) == (
+        assert (plan.arm, plan.launches[0].kernel, plan.launches[0].grid, plan.items, plan.heads_per_cta) == (
             "gqa_packed", kernel, (4, 8, 1), 32, policy.DECODE_GQA_PACK_WIDTH)
-        assert plan.ctas == policy.gqa_pack_ctas(4, 8)
+        assert plan.items == plan.ctas == policy.gqa_pack_ctas(4, 8)
 
 
 def test_the_packed_arm_is_never_used_under_split_k():
@@ -211,9 +213,9 @@ def test_a_batch_wider_than_max_batch_is_refused():
         make_plan(layer_config(target_policy("hopper"), QWEN, max_batch=8), 9)
 
 
-def test_an_empty_batch_plans_zero_ctas():
+def test_an_empty_batch_plans_zero_items_and_zero_ctas():
     plan = make_plan(layer_config(target_policy("hopper"), QWEN, max_batch=8), 0)
-    assert plan.ctas == 0 and plan.slots_used == 0
+    assert plan.items == plan.ctas == 0 and plan.slots_used == 0
 
 
 @pytest.mark.parametrize(
@@ -235,14 +237,16 @@ def test_workspace_bytes_are_slots_times_head_dim_plus_two_floats():
 # -- CLI --------------------------------------------------------------------
 
 
-def test_the_plan_command_prints_the_target_line_and_one_row_per_batch(capsys):
+def test_the_plan_command_prints_the_target_line_and_one_row_per_batch_with_the_ctas_launched(capsys):
     assert main(["plan", "--target", "hopper", "--q-heads", "24", "--kv-heads", "4", "--head-dim", "256",
                  "--batch", "1,8,64", "--max-batch", "256"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0] == "target defaults (hopper: H100/H200): attn_decode_splitk=auto gqa_pack=off sm_count=132"
     rows = [line.split() for line in out[4:]]
     assert [r[:4] for r in rows] == [["1", "splitk", "11", "3"], ["8", "splitk", "11", "6"], ["64", "splitk", "11", "6"]]
-    assert rows[0][-3:] == ["88", "0.67", str(24 * 11 * 258 * 4)]
+    assert out[3].split()[-5:] == ["items", "/SM", "CTAs", "ws", "bytes"]
+    assert rows[0][-4:] == ["88", "0.67", "88", str(24 * 11 * 258 * 4)]
+    assert rows[2][-4:-1] == ["2816", "21.33", "132"]  # 6 warps: one persistent CTA an SM
 
 
 def test_the_plan_command_shows_the_simt_grids_and_a_heads_per_cta_override(capsys):

@@ -13,18 +13,19 @@ import numpy as np
 import pytest
 
 from cuda_on_cpu import CudaOnCpuError
-from metrale_attn import binding, dtypes, tiling
+from metrale_attn import dtypes, tiling
 from metrale_attn.config import HEAD_DIMS
 from metrale_attn.kernels import KernelSpec, all_specs, kernel_params
 from metrale_attn.backends.cpu_backend import CpuBackend
-from metrale_attn.plan import KernelGrid
+from metrale_attn.config import ModelShape
+from metrale_attn.plan import make_plan, persistent_ctas
 from metrale_attn.problems import Problem
 from metrale_attn.targets import TARGETS
 from metrale_attn.tiling import (SIX_WARPS_MIN_HEAD_DIM, kv_row_bytes, max_row_tiles, mma_tiling, resident_ctas,
                                  tile_tokens_for, warps_for)
 
 from support.builds import needs_nvrtc, nvrtc_build, spill_frames
-from support.problems import check_against_reference, decoder, problem, run_poisoned
+from support.problems import check_against_reference, decoder, layer_config, problem, run_poisoned
 
 LIMITS = sorted({t.smem_per_block for t in TARGETS.values()})
 """Every target's per-block limit: 99 KiB (sm_86, sm_89, sm_120, sm_121), 163 KiB (sm_80),
@@ -101,14 +102,20 @@ def test_an_eight_or_six_warp_cta_is_alone_on_its_sm_and_a_persistent_launch_is_
         assert (t.warps, t.stages, t.smem_bytes, t.prefetch, spec.threads) == (warps, stages, smem, prefetch, 32 * warps)
         assert resident_ctas(t, hopper.smem_per_block) == 1
         assert resident_ctas(replace(t, smem_bytes=1024), hopper.smem_per_block) == 1  # by registers
-        assert binding.launch_grid_of(spec, KernelGrid("k", (8, 9, 64)), hopper) == (132, 1, 1)
-        assert binding.launch_grid_of(spec, KernelGrid("k", (4, 2, 3)), hopper) == (24, 1, 1)
+        assert persistent_ctas(t, hopper) == 132
     four = KernelSpec("splitk", 128, "bf16", "bf16", smem_limit=99 * 1024).tiling
     assert four.warps == 4 and resident_ctas(four, 99 * 1024) == 1
     assert resident_ctas(replace(four, smem_bytes=40 * 1024), 99 * 1024) == 2
-    simt = KernelSpec("splitk", 128, "bf16", "bf16", "simt")
-    assert binding.launch_grid_of(simt, KernelGrid("k", (8, 9, 64)), hopper) == (8, 9, 64)  # one CTA an item
+    from metrale_attn.targets import resolve_target_policy
 
+    hopper_policy = resolve_target_policy(TARGETS["hopper"], environ={})
+    configs = {impl: layer_config(hopper_policy, ModelShape(32, 8, 128), max_batch=64, impl=impl)
+               for impl in ("mma", "simt")}
+    for batch, items in ((64, 4608), (1, 72)):
+        mma, simt = (make_plan(configs[impl], batch) for impl in ("mma", "simt"))
+        assert mma.items == items and mma.launch_grid(0) == (min(items, 132), 1, 1)
+        assert simt.launch_grid(0) == simt.launches[0].grid and simt.ctas == simt.items  # one CTA an item
+        assert mma.launch_grid(1) == mma.launches[1].grid  # the merge: one CTA an item
 
 def test_each_warps_state_fits_past_the_stages_it_prefetches_and_one_more_stage_would_not_leave_room():
     """PREFETCH per spec family: S - 1 where a warp's state (rows x (D + 2) x 4 bytes) fits one
