@@ -20,7 +20,6 @@ lowest first; a module imports only modules of lower rows
 - ``model_probes``: one CTA's tile and fixed cost, and the fp8 conversion's rate, measured (what the models disagree on)
 - ``pdl_check``: the split-K merge launched as a programmatic dependent and plainly, side by side
 - ``host_overhead``: microseconds of Python per ``DecodeAttention.run``, kernels stubbed
-- ``cuda_on_cpu_speed``, ``cuda_on_cpu_ptx_speed``: the speed of the CPU backend's simulator
 - ``baselines``: PyTorch SDPA, FlexAttention and FlashInfer on the same data; FlashInfer's JIT prewarm
 - ``sweep_plan``: what the sweep runs and in which order (tiers, profiles, slots)
 - ``sass``: SASS as the model reads it (instructions, CFG, loops, divergence, the steady-state tile)

@@ -10,7 +10,7 @@ PACKAGE = ROOT / "benchmarks"
 # Lower layers first; a module may import only modules of lower layers (and metrale_attn).
 LAYERS = [
     {"__init__", "schedule", "steps", "predictions", "environment", "impls", "hot_loop", "model_assumptions",
-     "decode_loop_check", "host_overhead", "cuda_on_cpu_speed", "cuda_on_cpu_ptx_speed"},
+     "decode_loop_check", "host_overhead"},
     {"baselines", "sweep_plan", "sass", "pdl_check", "model_probes"},
     {"warp_chain"},
     {"call_model"},
