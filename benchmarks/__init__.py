@@ -1,4 +1,5 @@
-"""The GPU proof-and-benchmark harness of metrale-attn: a package of its own beside the library.
+"""The GPU proof-and-benchmark harness of metrale-attn, with the static SASS model below it (``model``):
+a package of its own beside the library.
 
 It imports ``metrale_attn``; nothing in ``metrale_attn`` imports it. How a call is timed (``timing``), the
 data a timed configuration runs on (``data``), the copy bandwidth and the SDPA and FlashInfer peers live
@@ -8,31 +9,25 @@ the library: run its modules from the repository root, ``python -m benchmarks.<m
 lowest first; a module imports only modules of lower rows
 (``benchmarks/tests/test_benchmarks_layering.py``):
 
+- ``model``: the static SASS model, a subpackage below every module here (it imports none of them;
+  ``model/README.md``); ``predictions`` and ``model_assumptions`` are what the harness reads of it
 - ``schedule``: the GPU check's steps in order, their caps and expected times, and the device session they fit
 - ``steps``: the verdicts of ``gpu_check.sh``'s steps and its exit code
-- ``predictions``: the static SASS model's prediction joined to each measured row
 - ``environment``: the environment probe and the device-to-device copy bandwidth (every ratio's ceiling,
   measured by ``metrale_attn.check.bandwidth``)
 - ``impls``: the kernel implementations measured, and building one with the mma self-test's verdict
-- ``hot_loop``: what one iteration of a spec's K/V loop consumes (the SASS model's input)
-- ``model_assumptions``: the SASS model's assumption table (clocks, rates, latencies, limits, cap; each sourced)
 - ``decode_loop_check``: the end-to-end step, ``examples/decode_loop.py`` on the device
 - ``model_probes``: one CTA's tile and fixed cost, and the fp8 conversion's rate, measured (what the models disagree on)
 - ``pdl_check``: the split-K merge launched as a programmatic dependent and plainly, side by side
 - ``host_overhead``: microseconds of Python per ``DecodeAttention.run``, kernels stubbed
-- ``cuda_on_cpu_speed``, ``cuda_on_cpu_ptx_speed``: the speed of the CPU backend's simulator
 - ``baselines``: PyTorch SDPA, FlexAttention and FlashInfer on the same data; FlashInfer's JIT prewarm
 - ``sweep_plan``: what the sweep runs and in which order (tiers, profiles, slots)
-- ``sass``: SASS as the model reads it (instructions, CFG, loops, divergence, the steady-state tile)
-- ``warp_chain``: one warp's per-tile dependency chain (a scoreboard) and the levers' SASS rewrites
-- ``call_model``: one decode call on 132 SMs from the plan's grid: time, % of copy, the binding limit
-- ``sass_model``: the static SASS model and its report (no GPU; every figure modelled)
 - ``l2_probe``: ncu's L2 and DRAM counters on one small configuration per arm and implementation
 - ``sanitize_cases``: one small checked decode per arm and implementation, for compute-sanitizer
 - ``report``: a sweep's result as targets, markdown, plots and files
 - ``sweep``: the sweep's job loop (data, check before timing, bytes, rows, budget, checkpoints)
 - ``summary``: ``summary.md`` and the short table ``gpu_check.sh`` prints last
 
-Beside them: ``gpu_check.sh`` (the one device command), ``fetch_wheels.sh``, ``results/``,
+Beside them: ``gpu_check.sh`` (the one device command), ``fetch_wheels.sh``, ``results/`` (GPU runs only),
 ``NOTES.md``, ``README.md`` and ``tests/`` (this package's own tests, in the default test run).
 """

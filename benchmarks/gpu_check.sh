@@ -42,7 +42,7 @@
 # (6, with pytest-xdist), GPU_TEST_PATHS (tests/; --cpu: tests/test_gpu.py), DECODE_LOOP_CAP_S (schedule's;
 # 0: skip), PDL_CHECK_CAP_S (schedule's; 0: skip), SANITIZE_IMPLS (mma,simt), FLASHINFER_JIT_CAP_S (300),
 # L2_PROBE (1), NCU (ncu to use; "none"), SASS_MODEL_JSON (predictions to use; default the committed
-# benchmarks/results/sass_model.json), BENCH_BUDGET_S (300 at most), BENCH_ARGS (extra sweep.py flags),
+# benchmarks/model/results/sass_model.json), BENCH_BUDGET_S (300 at most), BENCH_ARGS (extra sweep.py flags),
 # CHECKPOINT_S (30), KEEP_WORK=1 (keep the log folder).
 set -uo pipefail
 
@@ -99,7 +99,7 @@ pack_logs() {
   tar -czf "$OUT/.logs.tar.gz.tmp" -C "$WORK" "${excludes[@]}" . 2>/dev/null
   [ -s "$OUT/.logs.tar.gz.tmp" ] && mv -f "$OUT/.logs.tar.gz.tmp" "$OUT/logs.tar.gz"
 }
-SASS_JSON=${SASS_MODEL_JSON:-$REPO/benchmarks/results/sass_model.json}
+SASS_JSON=${SASS_MODEL_JSON:-$REPO/benchmarks/model/results/sass_model.json}
 # checkpoint [RUNNING_STEP]: summary.md rewritten from what is known now, logs repacked.
 checkpoint() {
   local json; json=$(latest_json)

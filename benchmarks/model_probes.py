@@ -38,7 +38,7 @@ import numpy as np
 
 from metrale_attn import DecodeAttention, kernels
 
-from .model_assumptions import a
+from .model.model_assumptions import a
 
 CHAIN_SHAPES = (("bf16", 8, 128), ("fp8", 8, 128), ("bf16", 6, 256))
 """(KV dtype, q heads of the one KV head, head dim): the two hd128 tiles the models disagree on

@@ -33,7 +33,7 @@ from metrale_attn.check.report import timing_cells
 
 from . import report
 from .l2_probe import probe_text
-from .predictions import Predictions, arch_digits
+from .model.predictions import Predictions, arch_digits
 from .steps import check_cells, load_json, timed_rows
 
 FAILING = ("FAIL", "TIMEOUT", "ERRORS", "WRONG", "FALLBACK")

@@ -92,8 +92,8 @@ from metrale_attn.check.data import GpuPool, check_gpu_features, check_gpu_outpu
 from metrale_attn.check.timing import Timing, time_host
 
 from . import environment, impls, report
-from .predictions import Predictions, arch_digits, call_ratio
-from .predictions import ratio as prediction_ratio
+from .model.predictions import Predictions, arch_digits, call_ratio
+from .model.predictions import ratio as prediction_ratio
 from .steps import load_json
 from .sweep_plan import (ARM_OPTIONS, BASELINE_NAMES, DEFAULT_ARMS, LATE_BASELINES, MODELS, PROFILES,  # noqa: F401
                          SOFT_CAP, Config, Job, Slot, apply_profile, arm_options, arms_for, baseline_list,

@@ -37,7 +37,7 @@ and the semantics), and the runtime every library links, by job:
     runtime/errors.cpp        error messages and crash reports (SIGSEGV/SIGBUS, ASan)
     runtime/switch_x86_64.S   the fiber switch on x86-64 (ucontext elsewhere)
 
-Its tests are in tests/ beside this file (not shipped).
+Its tests are in tests/ beside this file, its speed scripts in bench/ (neither shipped).
 """
 
 from .abi import Param

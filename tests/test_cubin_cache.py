@@ -13,7 +13,7 @@ import subprocess
 import pytest
 from support.builds import ARCHES, arch_matrix, nvrtc_build
 
-from benchmarks.sass_model import find_nvdisasm
+from benchmarks.model.sass_model import find_nvdisasm
 from metrale_attn.backends import cubin
 from metrale_attn.kernels import KernelSpec, all_specs
 from metrale_attn.plan import ARMS

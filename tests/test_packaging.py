@@ -59,14 +59,14 @@ def test_every_kernel_source_is_shipped_inside_the_package(wheel_names):
 
 
 def test_the_cpu_backend_ships_its_shim(wheel_names):
-    """The shim's modules and every runtime source it compiles; its tests stay in the repository."""
+    """The shim's modules and every runtime source it compiles; its tests and speed scripts stay in the repository."""
     shim = ROOT / "cuda_on_cpu"
     shipped = sorted(p.relative_to(ROOT).as_posix() for p in shim.rglob("*")
-                     if p.suffix in (".py", ".h", ".hpp", ".cpp", ".S") and "tests" not in p.relative_to(shim).parts)
+                     if p.suffix in (".py", ".h", ".hpp", ".cpp", ".S") and not {"tests", "bench"} & set(p.relative_to(shim).parts))
     assert "cuda_on_cpu/cuda_on_cpu.h" in shipped and "cuda_on_cpu/build.py" in shipped
     missing = [name for name in shipped if name not in wheel_names]
     assert not missing
-    assert not [name for name in wheel_names if name.startswith("cuda_on_cpu/tests/")]
+    assert not [name for name in wheel_names if name.startswith(("cuda_on_cpu/tests/", "cuda_on_cpu/bench/"))]
 
 
 @pytest.mark.slow  # ~5 s on two cores: .ci/run's slow step runs it

@@ -30,7 +30,8 @@ import time
 import numpy as np
 import pytest
 
-from benchmarks import baselines, impls, l2_probe, predictions, report, steps, summary, sweep, sweep_plan
+from benchmarks import baselines, impls, l2_probe, report, steps, summary, sweep, sweep_plan
+from benchmarks.model import predictions
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BENCH = os.path.join(REPO, "benchmarks")
@@ -587,7 +588,7 @@ def test_predictions_join_by_variant_on_the_device_arch(tmp_path):
 
 
 def test_the_committed_sass_model_predicts_every_decisive_variant_of_both_implementations():
-    """benchmarks/results/sass_model.json (``sass_model.py --json``) joined as the sweep joins it: every forced
+    """benchmarks/model/results/sass_model.json (``sass_model.py --json``) joined as the sweep joins it: every forced
     arm on simt and mma at every decisive configuration, at the heads per CTA its plan on an H200 runs. The
     report gives mma at the group's largest heads per CTA only, so the one plan that picks fewer (unpacked, one
     sequence: 8 KV heads x 4 / h CTAs, h = 1 to cover half the SMs; and 64/8/128's one sequence, h = 1 unpacked,
@@ -596,7 +597,7 @@ def test_the_committed_sass_model_predicts_every_decisive_variant_of_both_implem
     from metrale_attn.plan import make_plan
     from metrale_attn.targets import get_target, resolve_target_policy
 
-    p = predictions.Predictions.load(os.path.join(BENCH, "results", "sass_model.json"), "sm_90")
+    p = predictions.Predictions.load(os.path.join(BENCH, "model", "results", "sass_model.json"), "sm_90")
     decisive, missing = [j for j in _planned() if j.tier.startswith("decisive")], []
     for job in decisive:
         c = job.config
@@ -795,7 +796,7 @@ def test_the_short_table_of_a_full_run_fits_the_device_tools_output_tail():
     table = [dict(name=n, status="ok", seconds="99", detail="x" * 300) for n in dict.fromkeys(names)]
     check = _full_check_report()
     _, text = summary.render(table, {}, result, "463", check=check,
-                             predictions=predictions.Predictions.load(os.path.join(BENCH, "results", "sass_model.json"),
+                             predictions=predictions.Predictions.load(os.path.join(BENCH, "model", "results", "sass_model.json"),
                                                                       "sm_90"))
     lines = text.splitlines()
     # A full sweep's tables (a real run's sweep gets ~30 s, far fewer) and the 18 decisive cells x 4 implementations:
@@ -998,7 +999,7 @@ def _check_report(mma_status="ok", fault=None):
 
 
 def test_the_summary_shows_the_decisive_cells_with_the_call_models_prediction_beside_the_default_kernel():
-    p = predictions.Predictions.load(os.path.join(BENCH, "results", "sass_model.json"), "sm_90")
+    p = predictions.Predictions.load(os.path.join(BENCH, "model", "results", "sass_model.json"), "sm_90")
     lines = summary.check_lines(_check_report(), p)
     (row,) = [line for line in lines if line.strip().startswith("llama-3-8b bf16 b64x4k")]
     assert "91.0[98]" in row and "40.5" in row and "30.2" in row  # 97.8 MODELLED for this very call

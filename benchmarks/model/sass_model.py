@@ -38,7 +38,7 @@ from the spec's public fields and source text): the kernel holding the loop, hea
 CTA, warps per CTA, tokens and K+V bytes one warp iteration consumes, pipeline stages and
 stage bytes, dynamic shared memory.
 
-Usage: ``python -m benchmarks.sass_model [--json PATH] [--arch sm_90 [sm_100]]
+Usage: ``python -m benchmarks.model.sass_model [--json PATH] [--arch sm_90 [sm_100]]
 [--specs NAME_OR_ARM ...] [--shapes 32/8/128 ...] [--kv-dtypes bf16 fp8] [--calls decisive|none]
 [--levers all|none] [--hmma-latency CYCLES]``. The markdown goes to stdout; ``--json`` writes
 a dict: ``rows`` (one per spec x shape x arch, the fields ``predictions.py`` joins),
@@ -379,7 +379,7 @@ def calls_markdown(calls: list[dict]) -> str:
     by = {((c["q_heads"], c["kv_heads"], c["head_dim"]), c["batch"], c["kv_dtype"]): c for c in today}
     cols = list(dict.fromkeys((c["batch"], c["context"]) for c in today))
     lines = ["", "Predicted % of H200 copy bandwidth per call, today's kernel (MODELLED, not measured: "
-             "`benchmarks/call_model.py`; the issue's independent model in brackets):", "",
+             "`benchmarks/model/call_model.py`; the issue's independent model in brackets):", "",
              "| shape (q/kv/hd) | " + " | ".join(f"batch {b} x {ctx // 1024}k bf16 / fp8" for b, ctx in cols) +
              " | binding (bf16 / fp8 per column) |", "|---|" + "---|" * (len(cols) + 1)]
     for shape in shapes:
@@ -497,7 +497,7 @@ STEADY_STATE_RULE = (
     "warp-uniform branch the side keeping the loads (the next tile exists), at a lane-divergent branch "
     "(lane < TT, a token against the CTA's range) BOTH sides, at a data-dependent branch (the simt inf/NaN "
     "test on K/V bytes) the common side, the rare detour weighted by rare_path_probability = 0; BRA.DIV "
-    "fallbacks never (benchmarks/sass.py).")
+    "fallbacks never (benchmarks/model/sass.py).")
 
 
 def markdown(rows: list[dict], calls: list[dict] | None = None, fit: dict | None = None) -> str:
@@ -537,7 +537,7 @@ def chain_markdown(rows: list[dict]) -> str:
 def variant_markdown(rows: list[dict]) -> str:
     """The per-spec ceilings table and the hot path's instruction mix."""
     lines = [
-        "Static SASS model (NOT measured): H200 assumption table in benchmarks/sass_model.py; "
+        "Static SASS model (NOT measured): H200 assumption table in benchmarks/model/sass_model.py; "
         "% of the 4.3 TB/s copy bandwidth",
         "",
         "| arm | q/kv/D | KV | arch | heads/CTA | instr/KiB unique | regs | spill B | CTAs/SM | KiB in flight/SM "

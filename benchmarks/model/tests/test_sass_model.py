@@ -1,4 +1,4 @@
-"""benchmarks/sass_model.py: the static SASS model, without a GPU.
+"""benchmarks/model/sass_model.py: the static SASS model, without a GPU.
 
 The CFG machinery is checked on small hand-written listings (nested loops, a divergent
 fallback, a rare detour, two memory waits); the real report runs on one spec end to
@@ -16,13 +16,13 @@ import sys
 
 import pytest
 
-from benchmarks import sass_model as sr
-from benchmarks.sass import _width_bytes, never_executes
-from benchmarks.hot_loop import hot_loop
+from benchmarks.model import sass_model as sr
+from benchmarks.model.sass import _width_bytes, never_executes
+from benchmarks.model.hot_loop import hot_loop
 from metrale_attn.backends import cubin
 from metrale_attn.kernels import KernelSpec
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 # -------------------------------------------------------------------------------------
 # The CFG and the model on hand-written SASS
@@ -116,7 +116,7 @@ def test_every_assumption_names_its_source_and_the_table_prints():
                 "lat_alu", "lat_xu", "lat_hmma", "lat_shared", "lat_mio", "lat_l2_hit", "launch", "bt_sector_bytes"):
         assert key in sr.ASSUMPTIONS
     assert "gpu-l2-cache/h200.txt" in sr.ASSUMPTIONS["l2_tb_s"].source
-    done = subprocess.run([sys.executable, "-m", "benchmarks.sass_model", "--assumptions"], cwd=REPO,
+    done = subprocess.run([sys.executable, "-m", "benchmarks.model.sass_model", "--assumptions"], cwd=REPO,
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and "| `l2_tb_s` | 9.8 |" in done.stdout
 
@@ -187,7 +187,7 @@ def test_the_loop_the_report_finds_loads_the_bytes_the_source_declares(spec):
 def test_the_report_on_one_variant_writes_the_interface(tmp_path):
     out = tmp_path / "rows.json"
     done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.sass_model", "--json", str(out), "--arch", "sm_90",
+        [sys.executable, "-m", "benchmarks.model.sass_model", "--json", str(out), "--arch", "sm_90",
          "--specs", "simt_decode_unpacked_qbf16_kvbf16_hd128", "--shapes", "32/8/128", "--calls", "none"],
         cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, "NVDISASM": NVDISASM})
     assert done.returncode == 0, done.stdout + done.stderr

@@ -4,7 +4,7 @@ A grid of 1024 blocks x 128 threads; every block runs 10 __syncthreads and a
 warp-shuffle reduction (5 __shfl_xor_sync per warp, twice). Prints the launch time with
 the hand-written x86-64 context switch and with the ucontext fallback.
 
-    python -m benchmarks.cuda_on_cpu_speed [--repeat N]
+    python -m cuda_on_cpu.bench.speed [--repeat N]
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import numpy as np
 from cuda_on_cpu import compile_module
 
 SOURCE = r'''
-#line 1 "benchmarks/cuda_on_cpu_speed.cu"
+#line 1 "cuda_on_cpu/bench/speed.cu"
 #define FULL_MASK 0xffffffffu
 
 __device__ __forceinline__ float warp_sum(float v) {

@@ -1,9 +1,9 @@
-"""benchmarks/hot_loop.py: a spec's steady-state K/V loop, described from its public fields and
+"""benchmarks/model/hot_loop.py: a spec's steady-state K/V loop, described from its public fields and
 the sources' own constants."""
 
 import pytest
 
-from benchmarks.hot_loop import hot_loop, read_constexpr
+from benchmarks.model.hot_loop import hot_loop, read_constexpr
 from metrale_attn.kernels import KernelSourceError, KernelSpec
 
 

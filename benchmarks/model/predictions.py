@@ -1,6 +1,6 @@
 """The static SASS model's prediction beside each measured row.
 
-``python -m benchmarks.sass_model --json PATH`` (it needs no GPU: NVRTC compiles, nvdisasm
+``python -m benchmarks.model.sass_model --json PATH`` (it needs no GPU: NVRTC compiles, nvdisasm
 disassembles) writes a JSON list of rows, each with at least ``arm``, ``q_heads``,
 ``kv_heads``, ``head_dim``, ``q_dtype``, ``kv_dtype`` (``bf16``, ``fp16``,
 ``fp8_e4m3``), ``arch``, ``heads_per_cta``, ``instr_per_kib``,
@@ -9,8 +9,8 @@ disassembles) writes a JSON list of rows, each with at least ``arm``, ``q_heads`
 ``calls`` are the call model's predictions (``predicted_pct`` and ``binding`` of one call:
 shape, dtypes, ``batch``, ``context``, on the plan's kernel; a bare list of rows is still
 read). ``gpu_check.sh`` runs it on the device's CPU beside the GPU tests, and
-falls back to the committed ``benchmarks/results/sass_model.json`` (regenerate it with
-``python -m benchmarks.sass_model --json benchmarks/results/sass_model.json``).
+falls back to the committed ``benchmarks/model/results/sass_model.json`` (regenerate it with
+``python -m benchmarks.model.sass_model --json benchmarks/model/results/sass_model.json``).
 
 Rows are joined by (implementation, arm, q_heads, kv_heads, head_dim, q_dtype,
 kv_dtype, heads_per_cta) on the device's architecture, the implementation and heads per

@@ -3,7 +3,7 @@ model uses (``sass``, ``warp_chain``, ``call_model``, ``sass_model``), each with
 EVERY VALUE IS AN ASSUMPTION about an H200 SXM (sm_90); none was measured by this project's
 model, and a GPU session that measures one should replace it here, with the date.
 
-``python -m benchmarks.sass_model --assumptions`` prints the table. Latencies are in SM
+``python -m benchmarks.model.sass_model --assumptions`` prints the table. Latencies are in SM
 clock cycles unless the unit says ns; an ns value becomes cycles at ``clock_ghz``.
 """
 

@@ -1,4 +1,4 @@
-"""benchmarks/call_model.py: the plan's grid on 132 SMs, the waves and fixed costs, the % of copy
+"""benchmarks/model/call_model.py: the plan's grid on 132 SMs, the waves and fixed costs, the % of copy
 and its losses; the shared-memory fit per target; the report reproducing its committed JSON."""
 
 from __future__ import annotations
@@ -11,13 +11,13 @@ from dataclasses import replace
 
 import pytest
 
-from benchmarks import call_model as cm
-from benchmarks import sass_model as sr
-from benchmarks import warp_chain as wc
-from benchmarks.model_assumptions import a, cycles_of_ns
+from benchmarks.model import call_model as cm
+from benchmarks.model import sass_model as sr
+from benchmarks.model import warp_chain as wc
+from benchmarks.model.model_assumptions import a, cycles_of_ns
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-COMMITTED = os.path.join(REPO, "benchmarks", "results", "sass_model.json")
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+COMMITTED = os.path.join(REPO, "benchmarks", "model", "results", "sass_model.json")
 
 
 def test_llama3_8b_at_batch_1_x_32k_is_72_ctas_of_3641_tokens_and_at_batch_64_x_4k_17_waves_of_456():
@@ -157,7 +157,7 @@ def test_the_report_reproduces_its_committed_json_for_llama3_8b_bf16(tmp_path):
         pytest.skip(f"the committed report came from {committed.get('toolchain')}, this is {sr.toolchain(NVDISASM)}")
     out = tmp_path / "report.json"
     done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.sass_model", "--json", str(out), "--specs",
+        [sys.executable, "-m", "benchmarks.model.sass_model", "--json", str(out), "--specs",
          "decode_splitk_qbf16_kvbf16_hd128_r8", "--shapes", "32/8/128", "--kv-dtypes", "bf16", "--levers", "none"],
         cwd=REPO, capture_output=True, text=True, timeout=600, env={**os.environ, "NVDISASM": NVDISASM})
     assert done.returncode == 0, done.stdout + done.stderr
@@ -182,7 +182,7 @@ def test_the_report_reproduces_its_committed_json_for_llama3_8b_bf16(tmp_path):
 
 
 def test_a_measured_call_gets_the_call_models_prediction_where_the_report_predicted_that_call(tmp_path):
-    from benchmarks import predictions
+    from benchmarks.model import predictions
 
     row = dict(impl="mma", arm="splitk", q_heads=32, kv_heads=8, head_dim=128, q_dtype="bf16", kv_dtype="fp8_e4m3",
                arch="sm_90", heads_per_cta=4, instr_per_kib=86.0, kib_in_flight_per_sm=128.0, registers=128,

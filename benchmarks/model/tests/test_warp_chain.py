@@ -1,4 +1,4 @@
-"""benchmarks/sass.py's steady-state tile and benchmarks/warp_chain.py's per-tile chain, on
+"""benchmarks/model/sass.py's steady-state tile and benchmarks/model/warp_chain.py's per-tile chain, on
 small hand-written SASS listings whose answers are worked out in the comments (no GPU, no
 compiler)."""
 
@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks import sass
-from benchmarks import warp_chain as wc
-from benchmarks.model_assumptions import a
+from benchmarks.model import sass
+from benchmarks.model import warp_chain as wc
+from benchmarks.model.model_assumptions import a
 
 
 def listing(body: str, name: str = "toy") -> tuple[list[sass.Instr], dict[str, int]]:

@@ -7,18 +7,22 @@ reps = 0 (fibers, barriers, stores), divided by the number of instructions: per 
 instruction for mma and ldmatrix (32 lanes' switches and the completing step), per copy for
 cp.async.
 
-    python -m benchmarks.cuda_on_cpu_ptx_speed [--repeat N]
+    python -m cuda_on_cpu.bench.ptx_speed [--repeat N]
 """
 
 from __future__ import annotations
 
 import argparse
+import pathlib
 import time
 
 import numpy as np
 
 from cuda_on_cpu import compile_module
-from metrale_attn.kernels import inline
+
+HEADER = pathlib.Path(__file__).resolve().parents[2] / "kernels_cu" / "pd_ptx.cuh"
+"""metrale-attn's PTX intrinsics header, read from the checkout (it includes nothing): the shim
+imports nothing of metrale-attn, so the header is read as a file, not through ``metrale_attn.kernels``."""
 
 SOURCE = r'''
 #include "pd_ptx.cuh"
@@ -60,7 +64,7 @@ GRID, BLOCK = 64, 128
 
 
 def module():
-    text = SOURCE.replace('#include "pd_ptx.cuh"', inline("pd_ptx.cuh") + '\n#line 3 "benchmarks/cuda_on_cpu_ptx_speed.cu"')
+    text = SOURCE.replace('#include "pd_ptx.cuh"', '#line 1 "kernels_cu/pd_ptx.cuh"\n' + HEADER.read_text() + '\n#line 3 "cuda_on_cpu/bench/ptx_speed.cu"')
     return compile_module(text, name="cuda_on_cpu_ptx_speed")
 
 
