@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 
 from metrale_attn import tolerance
 from metrale_attn.backends.cpu_backend import CpuBackend
-from metrale_attn.config import heads_per_cta_choices
+from metrale_attn.config import FEATURES, heads_per_cta_choices
+from metrale_attn.features import FEATURE_RECORDS
 from metrale_attn.problems import Problem
 
 from support.problems import CountingBackend, decoder, problem, run_poisoned
@@ -293,6 +294,26 @@ def test_a_feature_the_kernels_cannot_serve_is_refused_at_construction(options, 
     p = problem(seq_lens=(5,), num_q_heads=16, num_kv_heads=1) if "heads_per_cta" in options else P
     with pytest.raises((ValueError, TypeError), match=match):
         decoder(p, **options)
+
+
+ASKED = {"multi_token": dict(max_q_len=2), "window": dict(window_left=4), "soft_cap": dict(logits_soft_cap=30.0),
+         "sinks": dict(sinks=True), "out_f32": dict(out_dtype="float32"), "device_scales": dict(device_scales=True),
+         "csr": dict(page_table="csr")}
+"""The keyword that asks for each feature (a new feature adds its own here)."""
+
+
+def test_the_simt_refusal_names_every_feature_and_the_keyword_that_asks_for_it():
+    """A layer asking ``simt`` for any feature is refused naming that feature first, and the
+    message lists every feature with the keyword that asks for it (from the records)."""
+    assert set(ASKED) == set(FEATURES)
+    for record in FEATURE_RECORDS:
+        with pytest.raises(ValueError) as refused:
+            decoder(P, impl="simt", **ASKED[record.name])
+        message = str(refused.value)
+        assert message.startswith(f"impl='simt' has no {record.name} (features: ") and message.endswith("impl='mma'")
+        for other in FEATURE_RECORDS:
+            keyword = next(iter(ASKED[other.name]))
+            assert f"{other.name} = {other.asked}" in message and other.asked.startswith(keyword), other.name
 
 
 def test_simt_refuses_an_fp8_e5m2_cache():
