@@ -34,7 +34,7 @@ from .kernels import launchable_config, merge_threads, source_constants, specs_f
 from .plan import LEGACY_MAX_DECODE_SEQS, DecodePlan, make_plan
 from .policy import as_int
 from .targets import resolve_target_policy, target_for
-from .validation import check_indices, check_scale_values, check_sink_values, dense_pages
+from .validation import ARRAY_ARGUMENTS, check_values
 from .workspace import WorkspaceGroup, adopt, allocate, layer_workspace, storage_guard
 
 logger = logging.getLogger(__name__)
@@ -69,8 +69,9 @@ class DecodeAttention:
     the earlier ones kept so that one GPU run can time them all) overrides
     ``METRALE_ATTN_DECODE_MMA_KERNEL``. ``max_decode_seqs`` is the
     floor of the reference batch only ``legacy`` reads. ``check_indices`` copies
-    block_tables and seq_lens (and device scales) to the host on every call to prove
-    every page id and length is in range (always on for the CPU backend). Integer arguments may
+    the page table (and device scales and sinks) to the host on every call to prove
+    every page id and length is in range, and their values sound (``validation.check_values``;
+    always on for the CPU backend). Integer arguments may
     be any ``numbers.Integral`` (NumPy integers too), never a bool. The checked
     configuration is ``attn.config`` (a ``LayerConfig``); its fields read through
     (``attn.q_dtype`` is ``attn.config.q_dtype``).
@@ -315,36 +316,16 @@ class DecodeAttention:
         if self._workspace_guard is not None:
             self._workspace_guard()
         feature_arrays = tuple(map(arrays.get, _FEATURE_ARRAY_ORDER)) if arrays else _NO_FEATURE_ARRAYS
-        call = self._binder.bind((q, k_cache, v_cache, block_tables, seq_lens, *feature_arrays, out, lse), k_scale,
-                                 v_scale)
-        if self.check_indices:
-            self._check_index_values(call, block_tables, seq_lens, arrays)
-            k_scales, v_scales = arrays.get("k_scales"), arrays.get("v_scales")
-            if k_scales is not None:
-                host = self.backend.host_copy
-                check_scale_values(self.config, np.asarray(host(k_scales)), np.asarray(host(v_scales)))
-        sinks = arrays.get("sinks")
-        if sinks is not None and self._device is None:  # host values: read on every call, like the indices
-            check_sink_values(sinks)
+        given = (q, k_cache, v_cache, block_tables, seq_lens, *feature_arrays, out, lse)
+        call = self._binder.bind(given, k_scale, v_scale)
+        if self.check_indices:  # host values: read on every call
+            check_values(self.config, self.backend.host_copy, call, dict(zip(ARRAY_ARGUMENTS, given)))
         if call.launches:
             with self.backend.launch_stream(stream, like=q), self._group.lock:
                 self._note_stream(self.backend.current_stream())
                 for module, launch in call.launches:
                     module.launch(launch)
         return (out, lse) if want_lse else out
-
-    def _check_index_values(self, call, block_tables, seq_lens, arrays: dict) -> None:
-        """``check_indices``: host copies of the page table (dense, or CSR made dense) proved in range."""
-        host = self.backend.host_copy
-        kv_indptr = arrays.get("kv_indptr")
-        if kv_indptr is None:
-            table, lens = np.asarray(host(block_tables)), np.asarray(host(seq_lens))
-            check_indices(self.config, table, lens, call.num_pages, call.max_pages, call.q_len)
-            return
-        indptr = np.asarray(host(kv_indptr))
-        table, lens = dense_pages(indptr, np.asarray(host(arrays["kv_indices"])),
-                                  np.asarray(host(arrays["kv_last_page_len"])), self.config.page_size)
-        check_indices(self.config, table, lens, call.num_pages, table.shape[1], call.q_len, indptr=indptr)
 
     def _allocate_outputs(self, q, out, lse, want_lse):
         """New ``out`` (q's library, ``out_dtype``) and, when asked, ``lse``, shaped by q (checked first)."""

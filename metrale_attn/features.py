@@ -153,6 +153,14 @@ def check_scales(config, info, argument: str) -> int:
     return 1 if per_head and KV > 1 else 0
 
 
+def check_k_scales(config, info, rows) -> int:
+    return check_scales(config, info, "k_scales")
+
+
+def check_v_scales(config, info, rows) -> int:
+    return check_scales(config, info, "v_scales")
+
+
 def check_kv_indptr(config, info, rows) -> None:
     """Contiguous int32 ``[num_seqs + 1]``: sequence ``s``'s pages are ``kv_indices[kv_indptr[s]
     : kv_indptr[s + 1]]``."""
@@ -197,8 +205,8 @@ FEATURE_RECORDS = (
     Feature("out_f32", lambda c: c.out_dtype == dtypes.FLOAT32, "out_dtype float32"),
     Feature(
         "device_scales", lambda c: c.device_scales, "device_scales",
-        arrays=tuple(Array(name, lambda config, info, rows, name=name: check_scales(config, info, name), "float32",
-                           "[] or [num_kv_heads]", (0, 1), f"{name}_stride") for name in ("k_scales", "v_scales")),
+        arrays=(Array("k_scales", check_k_scales, "float32", "[] or [num_kv_heads]", (0, 1), "k_scales_stride"),
+                Array("v_scales", check_v_scales, "float32", "[] or [num_kv_heads]", (0, 1), "v_scales_stride")),
         replaces=("k_scale", "v_scale"),
         refuse_with="this DecodeAttention was built with device_scales=True: k_scales and v_scales must both be given "
                     "(float32 arrays on its device of one value or [{config.shape.num_kv_heads}], one per KV head), "

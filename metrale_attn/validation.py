@@ -218,6 +218,28 @@ def logit_scales(config: LayerConfig, k_scale: float) -> tuple[float, float]:
 # -- values, read on the host --------------------------------------------------------------
 
 
+def check_values(config: LayerConfig, host, call, arrays: dict) -> None:
+    """What ``check_indices`` proves on host copies (``host``: the backend's ``host_copy``) of a
+    call's arrays (``arrays``: ``ARRAY_ARGUMENTS`` by name, None where absent; ``call``: the
+    ``binding.BoundCall`` they were bound as): the page table's page ids and lengths
+    (``check_indices``, a CSR table through ``dense_pages``), and the values of the layer's
+    features' arrays that have a host check: its device scales (``check_scale_values``), its
+    sinks (``check_sink_values``). A feature whose arrays' values need a host check adds it here."""
+    def values(name: str) -> np.ndarray:
+        return np.asarray(host(arrays[name]))
+
+    if config.page_table == "csr":
+        indptr = values("kv_indptr")
+        table, lens = dense_pages(indptr, values("kv_indices"), values("kv_last_page_len"), config.page_size)
+        check_indices(config, table, lens, call.num_pages, table.shape[1], call.q_len, indptr=indptr)
+    else:
+        check_indices(config, values("block_tables"), values("seq_lens"), call.num_pages, call.max_pages, call.q_len)
+    if config.device_scales:
+        check_scale_values(config, values("k_scales"), values("v_scales"))
+    if config.sinks:
+        check_sink_values(values("sinks"))
+
+
 def check_sink_values(sinks) -> None:
     """Host sink logits are -inf or finite within ``MAX_SINK`` in magnitude: +inf or NaN
     would make every output NaN, and a larger finite one overflows the kernels' base-2
