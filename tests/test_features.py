@@ -279,6 +279,30 @@ def test_a_feature_the_object_was_not_built_for_is_refused_before_any_launch(opt
     assert be.launches == []
 
 
+ASKED = {"multi_token": dict(max_q_len=2), "window": dict(window_left=4), "soft_cap": dict(logits_soft_cap=30.0),
+         "sinks": dict(sinks=True), "out_f32": dict(out_dtype="float32"), "device_scales": dict(device_scales=True),
+         "csr": dict(page_table="csr")}
+"""The keyword that asks for each feature (a new feature adds its own here)."""
+
+
+@pytest.mark.parametrize("record", [f for f in FEATURE_RECORDS if f.arrays], ids=lambda f: f.name)
+def test_a_features_arrays_given_to_a_layer_without_it_are_refused_naming_the_keyword_that_builds_one(record):
+    be = CountingBackend()
+    attn = decoder(P, backend=be)
+    arrays = {a.name: np.zeros(1, np.float32) for a in record.arrays}
+    with pytest.raises(ValueError) as refused:
+        attn.run(P.q, P.k_cache, P.v_cache, P.block_tables, P.seq_lens, **arrays)
+    message = str(refused.value)  # the layer's refusal (Feature.refuse_without), not an array checker's
+    assert "this DecodeAttention was built" in message and next(iter(ASKED[record.name])) in message
+    assert be.launches == []
+
+
+def test_a_misspelt_array_keyword_of_run_is_refused_not_ignored():
+    attn = decoder(P, sinks=True)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'sink'"):
+        attn.run(P.q, P.k_cache, P.v_cache, P.block_tables, P.seq_lens, sink=np.zeros(4, np.float32))
+
+
 @pytest.mark.parametrize("options, match", [
     (dict(logits_soft_cap=-1.0), "logits_soft_cap must be a finite float > 0"),
     (dict(logits_soft_cap=float("inf")), "logits_soft_cap must be a finite float > 0"),
@@ -294,12 +318,6 @@ def test_a_feature_the_kernels_cannot_serve_is_refused_at_construction(options, 
     p = problem(seq_lens=(5,), num_q_heads=16, num_kv_heads=1) if "heads_per_cta" in options else P
     with pytest.raises((ValueError, TypeError), match=match):
         decoder(p, **options)
-
-
-ASKED = {"multi_token": dict(max_q_len=2), "window": dict(window_left=4), "soft_cap": dict(logits_soft_cap=30.0),
-         "sinks": dict(sinks=True), "out_f32": dict(out_dtype="float32"), "device_scales": dict(device_scales=True),
-         "csr": dict(page_table="csr")}
-"""The keyword that asks for each feature (a new feature adds its own here)."""
 
 
 def test_the_simt_refusal_names_every_feature_and_the_keyword_that_asks_for_it():
