@@ -12,6 +12,7 @@ nothing and never synchronizes, so a CUDA graph can capture it.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import itertools
 import logging
 import numbers
@@ -28,11 +29,12 @@ from . import dtypes
 from .backends import get_backend
 from .binding import CallBinder, kernel_abi
 from .config import ENV_IMPL, LayerConfig, configure, impl_chosen
+from .features import FEATURE_ARRAYS
 from .kernels import launchable_config, merge_threads, source_constants, specs_for
 from .plan import LEGACY_MAX_DECODE_SEQS, DecodePlan, make_plan
 from .policy import as_int
 from .targets import resolve_target_policy, target_for
-from .validation import check_indices, check_scale_values, check_sink_values, dense_pages
+from .validation import ARRAY_ARGUMENTS, check_values
 from .workspace import WorkspaceGroup, adopt, allocate, layer_workspace, storage_guard
 
 logger = logging.getLogger(__name__)
@@ -63,8 +65,9 @@ class DecodeAttention:
     ``METRALE_ATTN_DECODE_HEADS_PER_CTA`` and the plan's rule; a head's output bytes
     are the same for every value. ``max_decode_seqs`` is the
     floor of the reference batch only ``legacy`` reads. ``check_indices`` copies
-    block_tables and seq_lens (and device scales) to the host on every call to prove
-    every page id and length is in range (always on for the CPU backend). Integer arguments may
+    the page table (and device scales and sinks) to the host on every call to prove
+    every page id and length is in range, and their values sound (``validation.check_values``;
+    always on for the CPU backend). Integer arguments may
     be any ``numbers.Integral`` (NumPy integers too), never a bool. The checked
     configuration is ``attn.config`` (a ``LayerConfig``); its fields read through
     (``attn.q_dtype`` is ``attn.config.q_dtype``).
@@ -261,8 +264,7 @@ class DecodeAttention:
         return self.config.target_policy.line()
 
     def run(self, q, k_cache, v_cache, block_tables=None, seq_lens=None, *, k_scale: float = 1.0,
-            v_scale: float = 1.0, out=None, return_lse: bool = False, lse=None, stream=None, sinks=None,
-            k_scales=None, v_scales=None, kv_indptr=None, kv_indices=None, kv_last_page_len=None):
+            v_scale: float = 1.0, out=None, return_lse: bool = False, lse=None, stream=None, **arrays):
         """Decode one step. Returns ``out`` (and ``lse`` when ``return_lse`` or ``lse`` is given).
 
         q is ``[num_seqs, num_q_heads, head_dim]``, or ``[num_seqs, q_len, num_q_heads,
@@ -297,39 +299,29 @@ class DecodeAttention:
         call's validated launches; an array that changed is described and checked
         again on its own, then the checks across arrays (overlaps) run again.
         The object keeps the last call's arrays alive until the next call.
+
+        The features' arrays (``sinks``, ``k_scales``, ...) are keyword arguments named by their
+        records (``features.FEATURE_ARRAYS``; the signature lists them); any other is a TypeError.
         """
+        if arrays and not _FEATURE_ARRAY_NAMES.issuperset(arrays):
+            unknown = sorted(set(arrays) - _FEATURE_ARRAY_NAMES)
+            raise TypeError(f"run() got an unexpected keyword argument {unknown[0]!r}")
         want_lse = return_lse or lse is not None
         if out is None or (want_lse and lse is None):
             out, lse = self._allocate_outputs(q, out, lse, want_lse)
         if self._workspace_guard is not None:
             self._workspace_guard()
-        call = self._binder.bind((q, k_cache, v_cache, block_tables, seq_lens, kv_indptr, kv_indices, kv_last_page_len,
-                                  sinks, k_scales, v_scales, out, lse), k_scale, v_scale)
-        if self.check_indices:
-            self._check_index_values(call, block_tables, seq_lens, kv_indptr, kv_indices, kv_last_page_len)
-            if k_scales is not None:
-                host = self.backend.host_copy
-                check_scale_values(self.config, np.asarray(host(k_scales)), np.asarray(host(v_scales)))
-        if sinks is not None and self._device is None:  # host values: read on every call, like the indices
-            check_sink_values(sinks)
+        feature_arrays = tuple(map(arrays.get, _FEATURE_ARRAY_ORDER)) if arrays else _NO_FEATURE_ARRAYS
+        given = (q, k_cache, v_cache, block_tables, seq_lens, *feature_arrays, out, lse)
+        call = self._binder.bind(given, k_scale, v_scale)
+        if self.check_indices:  # host values: read on every call
+            check_values(self.config, self.backend.host_copy, call, dict(zip(ARRAY_ARGUMENTS, given)))
         if call.launches:
             with self.backend.launch_stream(stream, like=q), self._group.lock:
                 self._note_stream(self.backend.current_stream())
                 for module, launch in call.launches:
                     module.launch(launch)
         return (out, lse) if want_lse else out
-
-    def _check_index_values(self, call, block_tables, seq_lens, kv_indptr, kv_indices, kv_last_page_len) -> None:
-        """``check_indices``: host copies of the page table (dense, or CSR made dense) proved in range."""
-        host = self.backend.host_copy
-        if kv_indptr is None:
-            table, lens = np.asarray(host(block_tables)), np.asarray(host(seq_lens))
-            check_indices(self.config, table, lens, call.num_pages, call.max_pages, call.q_len)
-            return
-        indptr = np.asarray(host(kv_indptr))
-        table, lens = dense_pages(indptr, np.asarray(host(kv_indices)), np.asarray(host(kv_last_page_len)),
-                                  self.config.page_size)
-        check_indices(self.config, table, lens, call.num_pages, table.shape[1], call.q_len, indptr=indptr)
 
     def _allocate_outputs(self, q, out, lse, want_lse):
         """New ``out`` (q's library, ``out_dtype``) and, when asked, ``lse``, shaped by q (checked first)."""
@@ -361,6 +353,18 @@ class DecodeAttention:
                 StreamReuseWarning, stacklevel=3)
 
 
+def _run_signature() -> inspect.Signature:
+    """``run``'s signature as callers see it: each feature array a keyword (None: absent)."""
+    signature = inspect.signature(DecodeAttention.run)
+    plain = [p for p in signature.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    return signature.replace(parameters=plain + [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None)
+                                                 for name in _FEATURE_ARRAY_ORDER])
+
+
+_FEATURE_ARRAY_ORDER = tuple(a.name for a in FEATURE_ARRAYS)
+_FEATURE_ARRAY_NAMES = frozenset(_FEATURE_ARRAY_ORDER)
+_NO_FEATURE_ARRAYS = (None,) * len(_FEATURE_ARRAY_ORDER)
+DecodeAttention.run.__signature__ = _run_signature()
 _BY_HANDLE: "weakref.WeakValueDictionary[int, DecodeAttention]" = weakref.WeakValueDictionary()
 _NEXT_HANDLE = itertools.count(1)
 _HANDLES_LOCK = threading.Lock()

@@ -4,7 +4,9 @@ Each kernel's parameter list (names, order, C types) is read from its source
 (``kernels.kernel_params``): the C signature is the one description of the ABI. Here
 ``ARGUMENTS`` says where the value of every parameter a kernel may declare comes from,
 and a parameter named after a ``LayerConfig`` field takes that field's value (``int
-window_left``), so a feature whose kernels read a configured value needs no entry here.
+window_left``), so a feature whose kernels read a configured value needs no entry here; a
+feature's arrays bring theirs from its record (``features.Array``: the pointer under the
+array's name, and the parameter that takes what its checker derives).
 A parameter that is neither fails ``kernel_abi`` (and the test that builds every
 spec's ABI) before anything launches.
 
@@ -25,13 +27,14 @@ from typing import Any, Callable, NamedTuple, Optional
 from .backends import ArrayInfo, Launch
 from .config import LayerConfig
 from .kernels import kernel_params
-from .validation import (ARRAY_ARGUMENTS, CHECKERS, CSR, DENSE, INPUTS, VECTOR_BYTES, check_together, logit_scales,
-                         refuse_page_table, refuse_scales, refuse_sinks, scales)
+from .features import FEATURE_ARRAYS, FEATURE_RECORDS
+from .validation import ARRAY_ARGUMENTS, CHECKERS, INPUTS, VECTOR_BYTES, check_together, logit_scales, scales
 from .workspace import where
 
 _CONFIG_FIELDS = frozenset(f.name for f in dataclasses.fields(LayerConfig))
 
 _AT = {name: i for i, name in enumerate(ARRAY_ARGUMENTS)}
+_ARRAY_FEATURES = tuple(f for f in FEATURE_RECORDS if f.arrays or f.replaces)
 LN2 = 0.6931471805599453
 
 ARGUMENTS: dict[str, Callable[["_Values"], object]] = {
@@ -50,8 +53,9 @@ ARGUMENTS: dict[str, Callable[["_Values"], object]] = {
     "v_stride_token": lambda v: v.arrays[_AT["v_cache"]].derived[1],
     "v_stride_head": lambda v: v.arrays[_AT["v_cache"]].derived[2],
     "block_tables_stride": lambda v: v.arrays[_AT["block_tables"]].strides[0] if v.arrays[_AT["block_tables"]] else 0,
-    "k_scales_stride": lambda v: v.derived_or_zero(_AT["k_scales"]),
-    "v_scales_stride": lambda v: v.derived_or_zero(_AT["v_scales"]),
+    # what a feature array's checker derives, where its record names a parameter for it (k_scales_stride)
+    **{a.derived_parameter: (lambda i: lambda v: v.derived_or_zero(i))(_AT[a.name])
+       for a in FEATURE_ARRAYS if a.derived_parameter},
     # the layer
     "num_kv_heads": lambda v: v.config.shape.num_kv_heads,
     "soft_cap": lambda v: v.config.logits_soft_cap or 0.0,  # the kernels fold device scales with it
@@ -229,15 +233,7 @@ class CallBinder:
         config = self.config
         q_seen = self._checked(0, arrays[0], prints[0], None)
         rows = q_seen.derived  # out's leading dims: (num_seqs, num_q_heads) or (num_seqs, q_len, num_q_heads)
-        if (arrays[_AT["sinks"]] is None) == config.sinks:
-            refuse_sinks(config)
-        csr = config.page_table == "csr"
-        if any((arrays[_AT[name]] is None) != csr for name in DENSE) or any(
-                (arrays[_AT[name]] is None) == csr for name in CSR):
-            refuse_page_table(config)
-        device_scales = (arrays[_AT["k_scales"]] is not None, arrays[_AT["v_scales"]] is not None)
-        if device_scales != (config.device_scales,) * 2 or (config.device_scales and (k_scale, v_scale) != (1.0, 1.0)):
-            refuse_scales(config, k_scale, v_scale)
+        self._refuse_mismatch(arrays, k_scale, v_scale)
         seen = [q_seen] + [None if a is None else self._checked(i, a, prints[i], rows)
                            for i, a in enumerate(arrays[1:], 1)]
         span = [None if x is None else x.span for x in seen]
@@ -252,6 +248,15 @@ class CallBinder:
         launches = self._launches(plan, seen, scalars) if num_seqs else ()
         return BoundCall(prints, k_scale, v_scale, launches, k.info.shape[0], None if bt is None else bt.info.shape[1],
                          q_len, seen, self._group.span)
+
+    def _refuse_mismatch(self, arrays: tuple, k_scale, v_scale) -> None:
+        """A feature's arrays given exactly when the layer has it, and what they replace left out
+        (``features.Feature.refusal``), before any array is described."""
+        call = dict(zip(ARRAY_ARGUMENTS, arrays), k_scale=k_scale, v_scale=v_scale)
+        for feature in _ARRAY_FEATURES:
+            why = feature.refusal(self.config, call)
+            if why:
+                raise ValueError(why)
 
     def _checked(self, index: int, array, fingerprint, rows) -> _Seen:
         """``array`` (argument ``ARRAY_ARGUMENTS[index]``) described and checked, or what

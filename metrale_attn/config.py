@@ -6,11 +6,12 @@ refusing a bad value with the argument's name. Nothing below it checks those val
 again: ``plan.make_plan``, ``kernels.specs_for`` and the launch binding take the
 config as true.
 
-A feature of the ``mma`` core is one entry of ``FEATURES``: its name, and the rule
-saying when a layer has it. The name is the feature's only spelling: the kernels
-compile it as ``-DPD_<NAME>=0|1`` (``PD_WINDOW``), spec names carry it as a suffix
-(``..._window``), and a kernel parameter named after a ``LayerConfig`` field (``int
-window_left``) takes that field's value. docs/adding-a-kernel-feature.md walks through it.
+A feature of the ``mma`` core is one record of ``features.FEATURE_RECORDS``; ``FEATURES``
+(name -> when a layer has it) is derived from them. The name is the feature's only
+spelling: the kernels compile it as ``-DPD_<NAME>=0|1`` (``PD_WINDOW``), spec names carry
+it as a suffix (``..._window``), and a kernel parameter named after a ``LayerConfig`` field
+(``int window_left``) takes that field's value. Its keyword is checked here.
+docs/adding-a-kernel-feature.md walks through it.
 
 Pure: no backend, no device, no kernel source is touched here.
 """
@@ -24,6 +25,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
 
 from . import dtypes, policy
+from .features import FEATURE_RECORDS, simt_features_line
 from .targets import TargetPolicy
 from .tiling import ONE_ROW_TILE_HEAD_DIM, max_row_tiles
 
@@ -163,20 +165,10 @@ class LayerConfig:
                 + ((simt_head_dim_refusal(head_dim),) if head_dim not in SIMT_HEAD_DIMS else ()))
 
 
-FEATURES: dict[str, Callable[[LayerConfig], bool]] = {
-    "multi_token": lambda c: c.max_q_len > 1,
-    "window": lambda c: c.window_left >= 0,
-    "soft_cap": lambda c: c.logits_soft_cap is not None,
-    "sinks": lambda c: c.sinks,
-    "out_f32": lambda c: c.out_dtype == dtypes.FLOAT32,
-    "device_scales": lambda c: c.device_scales,
-    "csr": lambda c: c.page_table == "csr",
-}
-"""The ``mma`` core's specializations, by name, and when a layer has each: multi-token
-decode (``max_q_len > 1``: query rows that see different keys), a sliding window, the
-logits soft-cap, attention sinks, fp32 output, dequantization scales read on the device,
-FlashInfer's CSR page table. Each compiles as ``-DPD_<NAME>=0|1``
-(``feature_define``), so the plain path compiles none of their code."""
+FEATURES: dict[str, Callable[[LayerConfig], bool]] = {f.name: f.has for f in FEATURE_RECORDS}
+"""The ``mma`` core's specializations, by name, and when a layer has each (``features``:
+one record per feature says it, and everything else the host derives for it). Each compiles
+as ``-DPD_<NAME>=0|1`` (``feature_define``), so the plain path compiles none of their code."""
 
 
 def feature_define(name: str) -> str:
@@ -255,10 +247,8 @@ def configure(
                          max_decode_seqs, impl, None, max_q_len, window_left, logits_soft_cap, sinks, device_scales,
                          base, table, resolve_dependent_launch(dependent_launch, env.get(ENV_DEPENDENT_LAUNCH)))
     if config.impl == "simt" and config.mma_only:
-        raise ValueError(f"impl='simt' has no {', '.join(config.mma_only)} (features: multi_token = max_q_len > 1, "
-                         "window = window_left, soft_cap = logits_soft_cap, sinks = sinks, out_f32 = out_dtype "
-                         "float32, device_scales = device_scales, csr = page_table 'csr'; fp8_e5m2 caches): use "
-                         "impl='mma'")
+        raise ValueError(f"impl='simt' has no {', '.join(config.mma_only)} (features: {simt_features_line()}; "
+                         "fp8_e5m2 caches): use impl='mma'")
     override = resolve_heads_per_cta(heads_per_cta, env.get(ENV_HEADS_PER_CTA), shape.group_size, max_q_len,
                                      max_rows_per_cta(shape.head_dim))
     return replace(config, heads_per_cta=override)

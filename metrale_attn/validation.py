@@ -4,9 +4,10 @@ and happens before anything is launched.
 Array checks read an array's description (``backends.ArrayInfo``), never its values
 (values are read only by ``check_indices`` and ``check_sink_values``, on the host). Each
 array argument of ``run`` has one checker in ``CHECKERS``: ``(config, info, rows) ->``
-what the launch needs of it, where ``rows`` are out's leading dims, from q. A checker
-reads an array's address only modulo ``VECTOR_BYTES`` (alignment): ``binding`` relies on
-that to keep a verdict for a buffer of the same layout at a moved address.
+what the launch needs of it, where ``rows`` are out's leading dims, from q. The plain call's
+checkers are here; a feature's arrays bring theirs in their record (``features.Array``). A
+checker reads an array's address only modulo ``VECTOR_BYTES`` (alignment): ``binding`` relies
+on that to keep a verdict for a buffer of the same layout at a moved address.
 """
 
 from __future__ import annotations
@@ -18,21 +19,16 @@ import numpy as np
 from . import dtypes
 from .backends import ArrayInfo
 from .config import FP32_MAX, FP32_MIN_NORMAL, LOG2E, LayerConfig, as_float, fp32_normal
+from .features import (FEATURE_ARRAYS, INDEX_BYTES, MAX_SEQ_LEN, VECTOR_BYTES, aligned, empty,
+                       forward_strides)
 
-ARRAY_ARGUMENTS = ("q", "k_cache", "v_cache", "block_tables", "seq_lens", "kv_indptr", "kv_indices",
-                   "kv_last_page_len", "sinks", "k_scales", "v_scales", "out", "lse")
-"""The array arguments of ``run``, in order: the page table is ``block_tables`` and ``seq_lens``
-(dense) or the three ``kv_*`` (CSR), and ``sinks``, ``k_scales``, ``v_scales``, ``lse`` may be
-absent."""
-INPUTS = ARRAY_ARGUMENTS[:11]
-DENSE, CSR = ARRAY_ARGUMENTS[3:5], ARRAY_ARGUMENTS[5:8]
-VECTOR_BYTES = 16  # kernels load K/V and q rows with 16-byte vector loads
-INDEX_BYTES = 4  # int32 block tables and seq_lens, float32 lse and sinks: 4-byte loads and stores
+PLAIN_ARRAYS = ("q", "k_cache", "v_cache", "block_tables", "seq_lens")
+"""The plain call's input arrays (the dense page table is absent where a feature replaces it)."""
+ARRAY_ARGUMENTS = PLAIN_ARRAYS + tuple(a.name for a in FEATURE_ARRAYS) + ("out", "lse")
+"""The array arguments of ``run``, in order: the plain inputs, every feature's arrays
+(``features.FEATURE_ARRAYS``, absent without the feature), the outputs (``lse`` may be absent)."""
+INPUTS = ARRAY_ARGUMENTS[:-2]
 MAX_SINK = FP32_MAX / LOG2E  # the kernels hold sinks in base 2: a larger one overflows
-MAX_SEQ_LEN = 2**31 - 1
-"""The longest sequence, in tokens, of either page-table form: the kernels hold a length in an
-int32 (seq_lens as given; a CSR length ``(pages - 1) * page_size + kv_last_page_len`` computed
-there, which would wrap past it)."""
 _FP32_RANGE = f"({FP32_MIN_NORMAL:.6g} .. {FP32_MAX:.6g})"
 
 
@@ -76,11 +72,11 @@ def check_block_tables(config: LayerConfig, bi: ArrayInfo, rows) -> None:
     """int32 ``[num_seqs, max_pages]`` with rows of adjacent page ids (any strides when it
     has no columns)."""
     num_seqs = rows[0]
-    _forward_strides(bi, "block_tables")
+    forward_strides(bi, "block_tables")
     if len(bi.shape) != 2 or bi.shape[0] != num_seqs or dtypes.name_of(bi.dtype) != dtypes.INT32:
         raise ValueError(f"block_tables must be int32 [{num_seqs}, max_pages] with contiguous rows, got "
                          f"{bi.dtype} {list(bi.shape)}")
-    if not _empty(bi) and bi.strides[1] != 1:
+    if not empty(bi) and bi.strides[1] != 1:
         raise ValueError(f"block_tables must be int32 [{num_seqs}, max_pages] with contiguous rows, got strides "
                          f"{list(bi.strides)} (a row's page ids must be adjacent: stride 1)")
     aligned(bi, "block_tables", INDEX_BYTES)
@@ -89,73 +85,13 @@ def check_block_tables(config: LayerConfig, bi: ArrayInfo, rows) -> None:
 def check_seq_lens(config: LayerConfig, si: ArrayInfo, rows) -> None:
     """Contiguous int32 ``[num_seqs]``."""
     num_seqs = rows[0]
-    _forward_strides(si, "seq_lens")
+    forward_strides(si, "seq_lens")
     if len(si.shape) != 1 or si.shape[0] != num_seqs or dtypes.name_of(si.dtype) != dtypes.INT32:
         raise ValueError(f"seq_lens must be contiguous int32 [{num_seqs}], got {si.dtype} {list(si.shape)}")
     if num_seqs > 1 and si.strides[0] != 1:
         raise ValueError(f"seq_lens must be contiguous int32 [{num_seqs}], got a strided view (element stride "
                          f"{si.strides[0]}, not 1)")
     aligned(si, "seq_lens", INDEX_BYTES)
-
-
-def check_kv_indptr(config: LayerConfig, info: ArrayInfo, rows) -> None:
-    """Contiguous int32 ``[num_seqs + 1]``: sequence ``s``'s pages are ``kv_indices[kv_indptr[s]
-    : kv_indptr[s + 1]]``."""
-    _contiguous_int32(info, "kv_indptr", rows[0] + 1)
-
-
-def check_kv_indices(config: LayerConfig, info: ArrayInfo, rows) -> None:
-    """Contiguous int32 ``[nnz]``: every sequence's page ids, one after another; at most
-    ``MAX_SEQ_LEN`` tokens in all, so that no sequence's length can wrap the kernels' int32 where
-    its lengths are not read on the host (a GPU without ``check_indices``): a sequence holds at most
-    all ``nnz`` pages. 2**31 tokens of KV are terabytes, past any batch a device holds."""
-    if len(info.shape) != 1:
-        raise ValueError(f"kv_indices must be contiguous int32 [nnz], got {info.dtype} {list(info.shape)}")
-    _contiguous_int32(info, "kv_indices", info.shape[0])
-    tokens = info.shape[0] * config.page_size
-    if tokens > MAX_SEQ_LEN:
-        raise ValueError(f"kv_indices holds {info.shape[0]} pages of {config.page_size} tokens, {tokens} in all: one "
-                         f"sequence of them could pass {MAX_SEQ_LEN} (2**31 - 1) tokens, the longest the kernels' int32 "
-                         "lengths hold; split the batch")
-
-
-def check_kv_last_page_len(config: LayerConfig, info: ArrayInfo, rows) -> None:
-    """Contiguous int32 ``[num_seqs]``: the tokens of each sequence's last page (1 ..
-    page_size; a sequence of no page has none)."""
-    _contiguous_int32(info, "kv_last_page_len", rows[0])
-
-
-def _contiguous_int32(info: ArrayInfo, argument: str, length: int) -> None:
-    _forward_strides(info, argument)
-    if info.shape != (length,) or dtypes.name_of(info.dtype) != dtypes.INT32:
-        raise ValueError(f"{argument} must be contiguous int32 [{length}], got {info.dtype} {list(info.shape)}")
-    if length > 1 and info.strides[0] != 1:
-        raise ValueError(f"{argument} must be contiguous int32 [{length}], got a strided view (element stride "
-                         f"{info.strides[0]}, not 1)")
-    aligned(info, argument, INDEX_BYTES)
-
-
-def check_sinks(config: LayerConfig, info: ArrayInfo, rows) -> None:
-    """Contiguous float32 ``[num_q_heads]`` (given only to a layer built with sinks:
-    ``refuse_sinks``); host values are checked on every call (``check_sink_values``)."""
-    H = config.shape.num_q_heads
-    if info.shape != (H,) or (H > 1 and info.strides != (1,)) or dtypes.name_of(info.dtype) != dtypes.FLOAT32:
-        raise ValueError(f"sinks must be a contiguous float32 [{H}] array, got {info.dtype} {list(info.shape)} "
-                         f"strides {list(info.strides)}")
-    aligned(info, "sinks", INDEX_BYTES)
-
-
-def check_scales(config: LayerConfig, info: ArrayInfo, argument: str) -> int:
-    """A float32 dequantization scale on the device (``device_scales``): one value (shape
-    ``[]`` or ``[1]``, for the tensor) or ``[num_kv_heads]`` contiguous (one per KV head);
-    returns the element stride a KV head's scale is read at (0 for one value)."""
-    KV = config.shape.num_kv_heads
-    per_head = info.shape == (KV,) and (KV == 1 or info.strides == (1,))
-    if dtypes.name_of(info.dtype) != dtypes.FLOAT32 or not (info.shape in ((), (1,)) or per_head):
-        raise ValueError(f"{argument} must be a float32 array of one value ([] or [1]) or of one per KV head "
-                         f"([{KV}], contiguous), got {info.dtype} {list(info.shape)} strides {list(info.strides)}")
-    aligned(info, argument, INDEX_BYTES)
-    return 1 if per_head and KV > 1 else 0
 
 
 def check_out(config: LayerConfig, oi: ArrayInfo, rows) -> None:
@@ -182,48 +118,11 @@ CHECKERS = (
     lambda config, info, rows: check_cache(config, info, "v_cache"),
     check_block_tables,
     check_seq_lens,
-    check_kv_indptr,
-    check_kv_indices,
-    check_kv_last_page_len,
-    check_sinks,
-    lambda config, info, rows: check_scales(config, info, "k_scales"),
-    lambda config, info, rows: check_scales(config, info, "v_scales"),
+    *(a.check for a in FEATURE_ARRAYS),
     check_out,
     check_lse,
 )
 """One checker per ``ARRAY_ARGUMENTS`` entry, in order."""
-
-
-def refuse_scales(config: LayerConfig, k_scale, v_scale) -> None:
-    """Device scales given to a layer built for host scales, or host scales (or none) given
-    to one built with ``device_scales=True``."""
-    if not config.device_scales:
-        raise ValueError("k_scales / v_scales given, but this DecodeAttention was built for host scales: pass "
-                         "k_scale= and v_scale= floats, or build it with device_scales=True")
-    if (k_scale, v_scale) != (1.0, 1.0):
-        raise ValueError("this DecodeAttention was built with device_scales=True: pass the scales as k_scales= and "
-                         "v_scales= float32 arrays on its device, not k_scale= / v_scale= floats")
-    raise ValueError(f"k_scales and v_scales must both be given: this DecodeAttention was built with "
-                     f"device_scales=True (float32 arrays of one value or [{config.shape.num_kv_heads}], one per KV "
-                     "head)")
-
-
-def refuse_page_table(config: LayerConfig) -> None:
-    """The page table given in the other form than the layer was built for, or in part."""
-    if config.page_table == "csr":
-        raise ValueError("this DecodeAttention was built with page_table='csr': pass kv_indptr=, kv_indices= and "
-                         "kv_last_page_len= (int32), and no block_tables or seq_lens")
-    raise ValueError("pass block_tables and seq_lens (this DecodeAttention was built with page_table='dense'; "
-                     "FlashInfer's kv_indptr / kv_indices / kv_last_page_len need page_table='csr')")
-
-
-def refuse_sinks(config: LayerConfig) -> None:
-    """Sinks given to a layer built without them, or missing from one built with them."""
-    if not config.sinks:
-        raise ValueError("sinks given, but this DecodeAttention was built without sinks: build it with "
-                         "sinks=True (a kernel without sinks would ignore them)")
-    raise ValueError(f"sinks must be given: this DecodeAttention was built with sinks=True (a float32 "
-                     f"[{config.shape.num_q_heads}] array of sink logits; -inf for no sink)")
 
 
 # -- across arrays -----------------------------------------------------------------------
@@ -317,6 +216,28 @@ def logit_scales(config: LayerConfig, k_scale: float) -> tuple[float, float]:
 
 
 # -- values, read on the host --------------------------------------------------------------
+
+
+def check_values(config: LayerConfig, host, call, arrays: dict) -> None:
+    """What ``check_indices`` proves on host copies (``host``: the backend's ``host_copy``) of a
+    call's arrays (``arrays``: ``ARRAY_ARGUMENTS`` by name, None where absent; ``call``: the
+    ``binding.BoundCall`` they were bound as): the page table's page ids and lengths
+    (``check_indices``, a CSR table through ``dense_pages``), and the values of the layer's
+    features' arrays that have a host check: its device scales (``check_scale_values``), its
+    sinks (``check_sink_values``). A feature whose arrays' values need a host check adds it here."""
+    def values(name: str) -> np.ndarray:
+        return np.asarray(host(arrays[name]))
+
+    if config.page_table == "csr":
+        indptr = values("kv_indptr")
+        table, lens = dense_pages(indptr, values("kv_indices"), values("kv_last_page_len"), config.page_size)
+        check_indices(config, table, lens, call.num_pages, table.shape[1], call.q_len, indptr=indptr)
+    else:
+        check_indices(config, values("block_tables"), values("seq_lens"), call.num_pages, call.max_pages, call.q_len)
+    if config.device_scales:
+        check_scale_values(config, values("k_scales"), values("v_scales"))
+    if config.sinks:
+        check_sink_values(values("sinks"))
 
 
 def check_sink_values(sinks) -> None:
@@ -424,24 +345,10 @@ def contiguous(shape: tuple) -> tuple:
     return tuple(reversed(strides))
 
 
-def aligned(info: ArrayInfo, argument: str, boundary: int = VECTOR_BYTES) -> None:
-    """The array starts on a ``boundary``-byte boundary (an empty one may start anywhere)."""
-    if info.ptr % boundary and not _empty(info):
-        what = "vector loads" if boundary == VECTOR_BYTES else f"its {boundary}-byte elements"
-        raise ValueError(f"{argument} must start on a {boundary}-byte boundary for {what} (address {info.ptr:#x})")
-
-
-
 def writable(info: ArrayInfo, argument: str) -> None:
     if not info.writable:
         raise ValueError(f"{argument} must be writable, got a read-only array")
 
-
-
-def _forward_strides(info: ArrayInfo, argument: str) -> None:
-    if info.strides and min(info.strides) < 0:
-        raise ValueError(f"{argument} has negative strides {list(info.strides)}, which are not supported: pass a "
-                         f"copy (np.ascontiguousarray) or a view with positive strides")
 
 
 def _dtype(info: ArrayInfo, argument: str, expected: str) -> None:
@@ -452,18 +359,12 @@ def _dtype(info: ArrayInfo, argument: str, expected: str) -> None:
         raise ValueError(f"{argument} must hold {expected} values (as this DecodeAttention was built), got {info.dtype}")
 
 
-def _empty(info: ArrayInfo) -> bool:
-    """No element: nothing is read or written through it, so its strides and address do
-    not matter (NumPy 2 gives ``np.empty((0, ...))`` strides of 0)."""
-    return 0 in info.shape
-
-
 def _vector_rows(info: ArrayInfo, argument: str) -> None:
     """No negative strides; last dim contiguous; base and every other stride a multiple of
     16 bytes (an empty array: nothing to check)."""
-    if _empty(info):
+    if empty(info):
         return
-    _forward_strides(info, argument)
+    forward_strides(info, argument)
     if info.strides[-1] != 1:
         raise ValueError(f"{argument} must be contiguous in its last dim (stride 1), got strides {list(info.strides)}")
     aligned(info, argument)

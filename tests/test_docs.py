@@ -48,9 +48,16 @@ def _checklist_files() -> list[str]:
     return re.findall(r"^\d+\. `([^`]+)`", FEATURE_CHECKLIST.read_text(), re.MULTILINE)
 
 
-def test_the_feature_checklist_names_four_files_that_exist():
-    files = _checklist_files()
-    assert len(files) == 4, files
+COUNTS = {"three": 3, "four": 4, "five": 5, "six": 6, "seven": 7}
+
+
+def test_the_feature_checklist_names_as_many_files_as_its_title_says_and_each_exists():
+    """The title's count ("a five-file checklist") and the sentences that repeat it are the
+    numbered list's length."""
+    text, files = FEATURE_CHECKLIST.read_text(), _checklist_files()
+    title = re.match(r"# .*: an? (\w+)-file checklist\n", text)
+    assert title and COUNTS[title.group(1)] == len(files), files
+    assert f"by editing {title.group(1)} files" in text and f"the {title.group(1)} files:" in text
     assert [f for f in files if not (ROOT / f).is_file()] == []
 
 
@@ -68,7 +75,7 @@ def test_every_line_the_feature_checklist_quotes_stands_in_the_file_it_names():
 
 
 def test_a_features_kernel_code_stands_in_one_kernel_file_the_checklists_core():
-    """The four-file rule on the kernel side: each feature's define (PD_WINDOW, ...) and the
+    """The checklist's rule on the kernel side: each feature's define (PD_WINDOW, ...) and the
     window's parameter appear in one kernel file, the one the checklist names."""
     from metrale_attn.config import FEATURES, feature_define
 

@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 
 from metrale_attn import tolerance
 from metrale_attn.backends.cpu_backend import CpuBackend
-from metrale_attn.config import heads_per_cta_choices
+from metrale_attn.config import FEATURES, heads_per_cta_choices
+from metrale_attn.features import FEATURE_RECORDS
 from metrale_attn.problems import Problem
 
 from support.problems import CountingBackend, decoder, problem, run_poisoned
@@ -278,6 +279,30 @@ def test_a_feature_the_object_was_not_built_for_is_refused_before_any_launch(opt
     assert be.launches == []
 
 
+ASKED = {"multi_token": dict(max_q_len=2), "window": dict(window_left=4), "soft_cap": dict(logits_soft_cap=30.0),
+         "sinks": dict(sinks=True), "out_f32": dict(out_dtype="float32"), "device_scales": dict(device_scales=True),
+         "csr": dict(page_table="csr")}
+"""The keyword that asks for each feature (a new feature adds its own here)."""
+
+
+@pytest.mark.parametrize("record", [f for f in FEATURE_RECORDS if f.arrays], ids=lambda f: f.name)
+def test_a_features_arrays_given_to_a_layer_without_it_are_refused_naming_the_keyword_that_builds_one(record):
+    be = CountingBackend()
+    attn = decoder(P, backend=be)
+    arrays = {a.name: np.zeros(1, np.float32) for a in record.arrays}
+    with pytest.raises(ValueError) as refused:
+        attn.run(P.q, P.k_cache, P.v_cache, P.block_tables, P.seq_lens, **arrays)
+    message = str(refused.value)  # the layer's refusal (Feature.refuse_without), not an array checker's
+    assert "this DecodeAttention was built" in message and next(iter(ASKED[record.name])) in message
+    assert be.launches == []
+
+
+def test_a_misspelt_array_keyword_of_run_is_refused_not_ignored():
+    attn = decoder(P, sinks=True)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'sink'"):
+        attn.run(P.q, P.k_cache, P.v_cache, P.block_tables, P.seq_lens, sink=np.zeros(4, np.float32))
+
+
 @pytest.mark.parametrize("options, match", [
     (dict(logits_soft_cap=-1.0), "logits_soft_cap must be a finite float > 0"),
     (dict(logits_soft_cap=float("inf")), "logits_soft_cap must be a finite float > 0"),
@@ -293,6 +318,20 @@ def test_a_feature_the_kernels_cannot_serve_is_refused_at_construction(options, 
     p = problem(seq_lens=(5,), num_q_heads=16, num_kv_heads=1) if "heads_per_cta" in options else P
     with pytest.raises((ValueError, TypeError), match=match):
         decoder(p, **options)
+
+
+def test_the_simt_refusal_names_every_feature_and_the_keyword_that_asks_for_it():
+    """A layer asking ``simt`` for any feature is refused naming that feature first, and the
+    message lists every feature with the keyword that asks for it (from the records)."""
+    assert set(ASKED) == set(FEATURES)
+    for record in FEATURE_RECORDS:
+        with pytest.raises(ValueError) as refused:
+            decoder(P, impl="simt", **ASKED[record.name])
+        message = str(refused.value)
+        assert message.startswith(f"impl='simt' has no {record.name} (features: ") and message.endswith("impl='mma'")
+        for other in FEATURE_RECORDS:
+            keyword = next(iter(ASKED[other.name]))
+            assert f"{other.name} = {other.asked}" in message and other.asked.startswith(keyword), other.name
 
 
 def test_simt_refuses_an_fp8_e5m2_cache():

@@ -12,7 +12,7 @@ SHIM = ROOT / "cuda_on_cpu"
 LAYERS = [
     {"policy", "cache"},
     {"targets", "dtypes", "reference", "tolerance", "hf_config"},
-    {"tiling"},
+    {"tiling", "features"},
     {"config"},
     {"plan", "problems", "models"},
     {"kernels"},
@@ -29,10 +29,11 @@ LAYERS = [
 ]
 RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}
 ALLOWED = {"reference": {"policy"}, "tolerance": set(), "problems": {"reference"}, "dtypes": set(),
-           "hf_config": set()}
+           "hf_config": set(), "features": {"dtypes"}}
 """Modules that may import even less than their layer allows: the reference (the oracle)
 and the tolerance (the bar) share no code with what they check, the problem builder asks
-only the oracle, and the Hugging Face config reader is a pure mapping of a JSON object."""
+only the oracle, the Hugging Face config reader is a pure mapping of a JSON object, and the
+feature records, under config, read only the dtype spellings."""
 
 
 def _top(path: pathlib.Path) -> str:

@@ -14,11 +14,14 @@ from hypothesis import strategies as st
 
 from metrale_attn import DecodeAttention, merge_states, tolerance
 from metrale_attn.cli import main
+from metrale_attn.features import FEATURE_ARRAYS, FEATURE_RECORDS
 from metrale_attn.policy import SplitkPolicy, num_splits, split_ref_seqs, workspace_slots
-from metrale_attn.validation import ARRAY_ARGUMENTS, CSR
+from metrale_attn.validation import ARRAY_ARGUMENTS
 
 from support.optional import import_torch
 from support.problems import CountingBackend, decoder, pick, problem, run_poisoned, to_csr
+
+CSR = next(f for f in FEATURE_RECORDS if f.name == "csr").arrays  # kv_indptr, kv_indices, kv_last_page_len
 
 H, KV, D = 4, 2, 64
 
@@ -180,7 +183,7 @@ def _torch_call(argument: str):
     call = dict(q=from_numpy(p.q), k_cache=from_numpy(p.k_cache), v_cache=from_numpy(p.v_cache),
                 out=from_numpy(np.empty_like(p.q)), lse=torch.empty(p.q.shape[:-1]))
     if options["page_table"] == "csr":
-        call.update({name: torch.from_numpy(a) for name, a in zip(CSR, to_csr(p))})
+        call.update({a.name: torch.from_numpy(t) for a, t in zip(CSR, to_csr(p))})
     else:
         call.update(block_tables=torch.from_numpy(p.block_tables), seq_lens=torch.from_numpy(p.seq_lens))
     if options["sinks"]:
@@ -205,7 +208,7 @@ def test_a_torch_tensor_without_strided_storage_is_refused_naming_its_argument_b
     op_args = {name: call.get(name) for name in ("q", "k_cache", "v_cache", "block_tables", "seq_lens", "out", "lse")}
     with pytest.raises(TypeError, match=f"^{argument} must be a strided \\(dense\\) torch tensor"):
         torch.ops.metrale_attn.paged_decode(attn.handle, *op_args.values(), 1.0, 1.0,
-                                            *(call.get(name) for name in ("sinks", "k_scales", "v_scales", *CSR)))
+                                            *(call.get(a.name) for a in FEATURE_ARRAYS))
     assert not backend.launches
 
 
