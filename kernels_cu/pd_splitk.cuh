@@ -3,8 +3,8 @@
 //
 // A split's range comes from the sequence's own length L only (never from the batch),
 // floored at PD_MIN_KV_PER_SPLIT (the policy's constant, passed by Python):
-//   chunk = max(ceil(L / num_splits), PD_MIN_KV_PER_SPLIT),
-//   split i covers [i * chunk, min((i + 1) * chunk, L))   (possibly empty).
+//   split_len = max(ceil(L / num_splits), PD_MIN_KV_PER_SPLIT),
+//   split i covers [i * split_len, min((i + 1) * split_len, L))   (possibly empty).
 // Slot ((seq * num_q_heads) + head) * num_splits + split of the workspace holds
 // PD_HEAD_DIM + 2 fp32 values: o[D] (normalized within the split, v_scale included), then
 // m = max_t x_t (log2 units), then l = sum_t 2^(x_t - m); an empty split writes o = 0,
@@ -32,10 +32,10 @@
 // This split's token range [start, end) (no overflow for any int32 length: ceil without
 // L + n - 1, products in 64 bits).
 __device__ __forceinline__ void pd_split_range(int seq_len, int split, int num_splits, int& start, int& end) {
-  long long chunk = seq_len / num_splits + (seq_len % num_splits != 0 ? 1 : 0);
-  chunk = chunk > PD_MIN_KV_PER_SPLIT ? chunk : PD_MIN_KV_PER_SPLIT;
-  const long long start64 = (long long)split * chunk;
-  const long long end64 = start64 + chunk;
+  long long split_len = seq_len / num_splits + (seq_len % num_splits != 0 ? 1 : 0);
+  split_len = split_len > PD_MIN_KV_PER_SPLIT ? split_len : PD_MIN_KV_PER_SPLIT;
+  const long long start64 = (long long)split * split_len;
+  const long long end64 = start64 + split_len;
   start = start64 < seq_len ? (int)start64 : seq_len;
   end = end64 < seq_len ? (int)end64 : seq_len;
 }

@@ -35,7 +35,7 @@ from .plan import LEGACY_MAX_DECODE_SEQS, DecodePlan, make_plan
 from .policy import as_int
 from .targets import resolve_target_policy, target_for
 from .validation import ARRAY_ARGUMENTS, check_values
-from .workspace import WorkspaceGroup, adopt, allocate, layer_workspace, storage_guard
+from .workspace import SharedWorkspace, adopt, allocate, layer_workspace, storage_guard
 
 logger = logging.getLogger(__name__)
 
@@ -181,7 +181,7 @@ class DecodeAttention:
         # A caller's torch tensor can lose its memory under us (resize_(0), set_()): checked every call.
         self._workspace_guard = None if workspace is None else storage_guard(workspace, self.workspace_nbytes)
         info = self.backend.describe(self.workspace, "workspace")
-        self._group = WorkspaceGroup.join(self._device, info.byte_range())
+        self._group = SharedWorkspace.join(self._device, info.byte_range())
 
         # Every spec a call can reach, compiled now, so that run() never compiles.
         self._plans: dict[tuple[int, int], DecodePlan] = {}

@@ -186,7 +186,7 @@ class CallBinder:
 
     ``modules``: ``(arm, row_tiles, multi_token) -> (spec, module)``; ``abi``: kernel ->
     ``kernel_abi``; ``plan``: the layer's memoized ``plan(num_seqs, q_len)``; ``group``: the
-    ``WorkspaceGroup`` (its byte range is what inputs may not overlap); ``block``: the
+    ``SharedWorkspace`` (its byte range is what inputs may not overlap); ``block``: the
     attention kernels' and the merge's block sizes (an ``mma`` spec's attention kernel takes
     its tiling's, ``KernelSpec.threads``).
     """

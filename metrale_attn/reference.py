@@ -328,8 +328,8 @@ def paged_decode(
 def split_bounds(seq_len: int, num_splits: int) -> list[tuple[int, int]]:
     """Token ranges of the ``num_splits`` splits of a sequence of ``seq_len`` tokens.
 
-    ``chunk = max(ceil(seq_len / num_splits), PD_MIN_KV_PER_SPLIT)``; split ``i``
-    covers ``[i * chunk, min((i + 1) * chunk, seq_len))``. Trailing splits may be
+    ``split_len = max(ceil(seq_len / num_splits), PD_MIN_KV_PER_SPLIT)``; split ``i``
+    covers ``[i * split_len, min((i + 1) * split_len, seq_len))``. Trailing splits may be
     empty; an empty split is reported as ``(seq_len, seq_len)`` (its begin is clamped
     too, so ``begin <= end`` always holds). The ranges tile ``[0, seq_len)`` in order
     with no overlap. This is the kernel's partitioning, shared with its dispatch.
@@ -340,8 +340,8 @@ def split_bounds(seq_len: int, num_splits: int) -> list[tuple[int, int]]:
         raise ValueError(f"seq_len must be >= 0, got {seq_len}")
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
-    chunk = max(-(-seq_len // num_splits), PD_MIN_KV_PER_SPLIT)
-    return [(min(i * chunk, seq_len), min((i + 1) * chunk, seq_len)) for i in range(num_splits)]
+    split_len = max(-(-seq_len // num_splits), PD_MIN_KV_PER_SPLIT)
+    return [(min(i * split_len, seq_len), min((i + 1) * split_len, seq_len)) for i in range(num_splits)]
 
 
 def splitk_partials(

@@ -3,7 +3,7 @@
 A layer's kernels write their split-K partials (``plan.Workspace``: slots of ``[o[head_dim],
 m, l]`` fp32) into one buffer, allocated at construction for ``max_batch`` rows or passed
 in by the caller, who may share one buffer between every layer of a model
-(``workspace_bytes`` sizes it). The layers that share one buffer form a ``WorkspaceGroup``:
+(``workspace_bytes`` sizes it). The layers that share one buffer form a ``SharedWorkspace``:
 one call's launches at a time (a lock), one stream at a time.
 """
 
@@ -85,7 +85,7 @@ def storage_guard(workspace, nbytes: int):
     return check
 
 
-class WorkspaceGroup:
+class SharedWorkspace:
     """What the layers sharing one workspace share: the lock under which one call's
     launches run (a split kernel and its merge, which must not interleave with another
     call's), and the stream of the last launch into it (``StreamReuseWarning``).
@@ -95,14 +95,14 @@ class WorkspaceGroup:
     groups is refused (their layers already hold different locks)."""
 
     __slots__ = ("lock", "last_stream", "device", "span", "__weakref__")
-    _live: "weakref.WeakSet[WorkspaceGroup]" = weakref.WeakSet()
+    _live: "weakref.WeakSet[SharedWorkspace]" = weakref.WeakSet()
     _registry = threading.Lock()
 
     def __init__(self, device, span):
         self.lock, self.last_stream, self.device, self.span = threading.Lock(), None, device, span
 
     @classmethod
-    def join(cls, device, span) -> "WorkspaceGroup":
+    def join(cls, device, span) -> "SharedWorkspace":
         if span is None:  # an empty workspace: nothing to share
             return cls(device, None)
         with cls._registry:

@@ -48,7 +48,7 @@ POINTS = ((1, 4096), (16, 4096), (64, 4096), (1, 32768))
 and one long sequence (where split-K decides)."""
 CORRECT_SEQ_LENS = (1, 37, 300, 777, 1300)
 """Sequence lengths of a correctness cell's problem: an empty-but-one sequence, ragged page
-tails, and one long enough for split-K to split (the auto policy's chunk is at least 256)."""
+tails, and one long enough for split-K to split (the auto policy's split length is at least 256)."""
 PAGE_SIZE = 16
 
 
