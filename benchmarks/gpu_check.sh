@@ -18,7 +18,7 @@
 #   5. compute-sanitizer memcheck on 12 small cases (3 arms x 2 cases x mma, simt)
 #   6. FlashInfer on the decisive cells (what its JIT built), into the same report
 #   7. the sweep, with what the deadline leaves: heads per CTA, the features, every forced arm
-#      with the earlier mma kernels, the grid; FlexAttention and FlashInfer last     (sweep.py)
+#      on simt and mma, the grid; FlexAttention and FlashInfer last                  (sweep.py)
 #   8. the decode loop (the vLLM backend's serving path on the device), then the split-K merge
 #      as a programmatic dependent and plainly                      (decode_loop_check.py, pdl_check.py)
 #   9. summary: summary.md, and a short table printed LAST                        (summary.py)

@@ -1,14 +1,13 @@
 """The kernel implementations the harness measures, and building one with the mma self-test's verdict.
 
 ``metrale_attn`` has two (``metrale_attn.plan.IMPLS``): ``mma``, the default, the tensor-core
-kernels whose CTA serves ``heads_per_cta`` query heads of one KV head; and ``simt``, the first
-CUDA-core kernels, one head per CTA. The ``mma`` core has four kernels (``tiling.MMA_KERNELS``):
-the default ``v2.3`` (persistent CTAs, 8 warps where they fit) and the earlier ``v2.2``, ``v2.1``
-and ``v2``, kept so that one GPU run times every step side by side. The harness names five
-(``IMPLS``, old to new: ``simt``, ``mma_v2``, ``mma_v21``, ``mma_v22``, ``mma``, each a set of
-``DecodeAttention`` arguments, ``ARGUMENTS``); the sweep and the L2 probe force each; the
-``heads_per_cta`` tier forces every choice of a group (``plan.heads_per_cta_choices``) on
-``SWEEP_IMPL``.
+kernels whose CTA serves ``heads_per_cta`` query heads of one KV head (persistent CTAs, 8 warps
+where they fit, else 6, 4 or 2); and ``simt``, the first CUDA-core kernels, one head per CTA,
+the reference implementation and fallback. The harness names both (``IMPLS``, old to new:
+``simt``, ``mma``, each a set of ``DecodeAttention`` arguments, ``ARGUMENTS``); the sweep and the
+L2 probe force each; the ``heads_per_cta`` tier forces every choice of a group
+(``plan.heads_per_cta_choices``) on ``SWEEP_IMPL``. The earlier mma kernels (v2, v2.1, v2.2)
+are in git at the tag ``mma-kernels-v2-to-v2.3`` (benchmarks/NOTES.md, "Kernel history").
 
 On a GPU the first ``mma`` construction per device runs a known-answer test of the PTX the mma
 kernels use (``metrale_attn/backends/selftest.py``). Where the device disagrees with the emulation
@@ -26,16 +25,11 @@ import warnings
 from dataclasses import dataclass
 from typing import Optional
 
-from metrale_attn.config import ENV_IMPL, ENV_MMA_KERNEL, resolve_impl, resolve_mma_kernel
-from metrale_attn.tiling import DEFAULT_MMA_KERNEL
+from metrale_attn.config import ENV_IMPL, resolve_impl
 
-OLD_MMA = {"mma_v2": "v2", "mma_v21": "v2.1", "mma_v22": "v2.2"}
-"""The earlier mma kernels the harness names, old to new: timed on the decisive tiers only, beside
-``mma`` (the default kernel), so that a GPU run gives each step as a ratio."""
-IMPLS = ("simt", *OLD_MMA, "mma")
+IMPLS = ("simt", "mma")
 """The implementations the harness forces, in the order rows are timed and shown: old to new."""
-ARGUMENTS = {"simt": dict(impl="simt"), **{name: dict(impl="mma", mma_kernel=k) for name, k in OLD_MMA.items()},
-             "mma": dict(impl="mma", mma_kernel=DEFAULT_MMA_KERNEL)}
+ARGUMENTS = {"simt": dict(impl="simt"), "mma": dict(impl="mma")}
 """What each of ``IMPLS`` asks ``DecodeAttention`` for."""
 SWEEP_IMPL = "mma"
 """The implementation the ``heads_per_cta`` tier forces (``simt`` serves one head per CTA)."""
@@ -56,16 +50,15 @@ class Built:
     @property
     def wanted(self) -> str:
         """The implementation the request resolves to (one of ``IMPLS``; None: the environment,
-        else ``mma``, the default kernel)."""
+        else ``mma``, the default)."""
         if self.asked is not None:
             return self.asked
-        return label(resolve_impl(None, os.environ.get(ENV_IMPL)), resolve_mma_kernel(None, os.environ.get(
-            ENV_MMA_KERNEL)))
+        return resolve_impl(None, os.environ.get(ENV_IMPL))
 
     @property
     def impl(self) -> str:
-        """What was built: the plan's implementation, and its mma kernel (one of ``IMPLS``)."""
-        return label(self.attn.plan(1).impl, kernel_of(self.attn))
+        """What was built: the plan's implementation (one of ``IMPLS``)."""
+        return self.attn.plan(1).impl
 
     @property
     def fell_back(self) -> bool:
@@ -74,22 +67,6 @@ class Built:
     def fallback_reason(self) -> str:
         said = "; ".join(self.warnings) or "no warning was raised"
         return f"asked for {self.wanted}, built {self.impl} (mma self-test failed on this device: {said})"[:400]
-
-
-def label(impl: str, mma_kernel: str) -> str:
-    """The harness's name (one of ``IMPLS``) of a plan's implementation and its layer's mma kernel."""
-    return next((name for name, k in OLD_MMA.items() if (impl, mma_kernel) == ("mma", k)), impl)
-
-
-def kernel_of(attn) -> str:
-    """The mma kernel of a built ``DecodeAttention`` (a stand-in without a config: the default)."""
-    return getattr(getattr(attn, "config", None), "mma_kernel", DEFAULT_MMA_KERNEL)
-
-
-def ran(plan_impl: str, asked: Optional[str]) -> str:
-    """What a row of a slot that asked for ``asked`` ran: the plan's implementation, or the earlier
-    mma kernel (``OLD_MMA``) the slot asked for where the plan runs mma."""
-    return asked if plan_impl == "mma" and asked in OLD_MMA else plan_impl
 
 
 def build(decode_attention, *args, impl: Optional[str] = None, **kwargs) -> Built:

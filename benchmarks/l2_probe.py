@@ -62,8 +62,7 @@ MINIMAL_METRICS = METRICS[:3]
 GPU_SHAPES = ((8, 8, 128), (32, 8, 128), (64, 8, 128))
 CPU_SHAPES = ((2, 2, 256), (8, 2, 256), (16, 2, 256))
 PROBE_IMPLS = ("simt", "mma")
-"""The implementations the probe profiles: ``impls.IMPLS`` less the earlier mma kernels (``impls.OLD_MMA``),
-which read the same K/V bytes in the same order as ``mma`` (and each profiled kernel costs an ncu pass)."""
+"""The implementations the probe profiles: both of ``impls.IMPLS`` (each profiled kernel costs an ncu pass)."""
 ARMS = ("unpacked", "splitk")
 REFUSALS = ("ERR_NVGPUCTRPERM", "LibraryNotLoaded", "Failed to initialize", "not supported", "permission",
             "Permission")
@@ -106,7 +105,7 @@ def run_target(manifest_path: str, *, cpu: bool, batch: int, context: int) -> di
                     else:
                         plan = built.attn.plan(batch)
                         run_once(built.attn, inputs)
-                        entry.update(plan_arm=plan.arm, num_splits=plan.num_splits, impl=impls.ran(plan.impl, impl),
+                        entry.update(plan_arm=plan.arm, num_splits=plan.num_splits, impl=plan.impl,
                                      heads_per_cta=plan.heads_per_cta, kernels=[g.kernel for g in plan.launches])
                 except Exception as err:  # recorded per launch: the others still run
                     entry.update(error=f"{type(err).__name__}: {err}"[:300], kernels=[])

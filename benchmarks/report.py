@@ -53,14 +53,12 @@ FEATURE_SHORT = {"window": "win", "multi_token": "mt", "soft_cap": "cap", "sinks
 
 
 def short_label(r: dict) -> str:
-    """A row on a short line: ``spk/mma``, ``spk/v2`` / ``spk/v21`` / ``spk/v22`` (the earlier mma kernels),
-    ``dflt/mma/h4``, ``sdpa+g``, ``+win`` (a feature row)."""
+    """A row on a short line: ``spk/mma``, ``dflt/mma/h4``, ``sdpa+g``, ``+win`` (a feature row)."""
     if r["impl"] != "metrale":
         return BASELINE_SHORT.get(r["impl"], r["impl"])
     if r.get("feature"):
         return "+" + FEATURE_SHORT.get(r["feature"], r["feature"])
     arm, _, rest = (r.get("arm_label") or r.get("arm") or "ours").partition("/")
-    rest = rest.removeprefix("mma_") if rest.startswith("mma_v2") else rest
     return ARM_SHORT.get(arm, arm) + (f"/{rest}" if rest else "")
 
 
@@ -429,22 +427,18 @@ def _speedup(old: dict | None, new: dict | None) -> str:
 
 
 def _impl_comparison(result: dict) -> list[str]:
-    """Old against new kernels (simt, the earlier mma kernels v2, v2.1 and v2.2, mma: the default
-    v2.3), arm by arm, on every configuration two of them ran: the speed-ups of mma over simt and
-    of each mma kernel over the one before it."""
-    out = ["## Old vs new kernels (simt vs mma v2, v2.1, v2.2, v2.3)", "", selftest_line(result) + ".", ""]
+    """Old (simt) against new (mma) kernels, arm by arm, on every configuration both ran: the
+    speed-up of mma over simt."""
+    out = ["## Old vs new kernels (simt vs mma)", "", selftest_line(result) + ".", ""]
     pairs = impl_pairs(result)
     if not any(len(by) > 1 for by in pairs.values()):
-        return out + ["Not compared: no configuration timed two implementations.", ""]
-    out += ["| configuration | arm | simt us (% copy) | mma v2 us (% copy) | mma v2.1 us (% copy) | "
-            "mma v2.2 us (% copy) | mma v2.3 us (% copy) | mma / simt | v2.1 / v2 | v2.2 / v2.1 | v2.3 / v2.2 |",
-            "|" + " --- |" * 11]
+        return out + ["Not compared: no configuration timed both implementations.", ""]
+    out += ["| configuration | arm | simt us (% copy) | mma us (% copy) | mma / simt |", "|" + " --- |" * 5]
     for (key, arm), by in pairs.items():
-        old, v2, v21, v22, new = (by.get(i) for i in ("simt", "mma_v2", "mma_v21", "mma_v22", "mma"))
-        r = old or v2 or v21 or v22 or new
+        old, new = by.get("simt"), by.get("mma")
+        r = old or new
         out.append(f"| {r['model']} {r['kv_dtype']} b{r['batch']} {_ctx(r['context'])} | {arm} | {_us_pct(old)} | "
-                   f"{_us_pct(v2)} | {_us_pct(v21)} | {_us_pct(v22)} | {_us_pct(new)} | {_speedup(old, new)} | "
-                   f"{_speedup(v2, v21)} | {_speedup(v21, v22)} | {_speedup(v22, new)} |")
+                   f"{_us_pct(new)} | {_speedup(old, new)} |")
     return out + [""]
 
 

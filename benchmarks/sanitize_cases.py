@@ -2,8 +2,7 @@
 
 This script owns the cases ``gpu_check.sh`` runs under ``compute-sanitizer``: every
 arm (unpacked, split-K + merge, GQA-packed) on each implementation (mma first: the
-default, persistent CTAs with cp.async rings in shared memory; then mma_v22, mma_v21 and
-mma_v2, the earlier mma kernels; then simt) once per case below, at small shapes, each output checked
+default, persistent CTAs with cp.async rings in shared memory; then simt) once per case below, at small shapes, each output checked
 against the float64 reference. It exits 0 only if every output met the correctness bar; the sanitizer's own verdict is its ERROR SUMMARY.
 A line says which implementation the plan ran (an mma request that fell back to simt
 after a failed self-test says so).
@@ -37,7 +36,7 @@ import numpy as np
 
 from metrale_attn import DecodeAttention, problems, tolerance
 
-from .impls import ARGUMENTS, IMPLS, label
+from .impls import ARGUMENTS, IMPLS
 from .sweep_plan import ARM_OPTIONS as ARMS
 
 CASES = [
@@ -85,7 +84,7 @@ def run_case(arm: str, impl: str, kv: str, layout: str, page: int, head_dim: int
     if not np.all(np.isneginf(lse[empty])):
         raise AssertionError(f"lse of empty sequences should be -inf, got {lse[empty]}")
     np.testing.assert_allclose(lse[~empty], ref_lse[~empty], rtol=2e-6, atol=2e-6)
-    return (f"{label(plan.impl, attn.config.mma_kernel)} ({plan.heads_per_cta} head(s)/CTA), {plan.num_splits} split(s), grids "
+    return (f"{plan.impl} ({plan.heads_per_cta} head(s)/CTA), {plan.num_splits} split(s), grids "
             f"{[g.grid for g in plan.launches]}")
 
 

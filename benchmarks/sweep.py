@@ -122,7 +122,7 @@ def make_row(config: Config, impl: str, *, timing: Optional[Timing], copy_tb_per
         row.update(plan_arm=plan.arm, num_splits=plan.num_splits, ctas=plan.ctas,
                    grids=[list(g.grid) for g in plan.launches], plan_reason=plan.reason,
                    kernels=[g.kernel for g in plan.launches], plan_heads_per_cta=plan.heads_per_cta,
-                   kernel_impl=impls.ran(plan.impl, slot.impl if slot else None), heads_per_cta=plan.heads_per_cta)
+                   kernel_impl=plan.impl, heads_per_cta=plan.heads_per_cta)
     if slot is not None and slot.heads_per_cta is not None:
         row["heads_per_cta"] = slot.heads_per_cta  # forced (plan_heads_per_cta says what the plan made of it)
     if timing is not None:
@@ -359,10 +359,9 @@ class Sweep:
         print(f"[bench {self.elapsed():.0f}s] mma self-test: {record['status']} ({record['detail']})", flush=True)
 
     @staticmethod
-    def geometry(attn, plan) -> tuple:
-        """What makes a forced slot the policy's choice: its arm, splits, implementation (the mma
-        kernel too: the earlier ones, ``impls.OLD_MMA``, are not the default) and heads per CTA."""
-        return (plan.arm, plan.num_splits, impls.label(plan.impl, impls.kernel_of(attn)), plan.heads_per_cta)
+    def geometry(plan) -> tuple:
+        """What makes a forced slot the policy's choice: its arm, splits, implementation and heads per CTA."""
+        return (plan.arm, plan.num_splits, plan.impl, plan.heads_per_cta)
 
     def _run_arms(self, job: Job, case) -> None:
         config, rows = job.config, self.result["rows"]
@@ -370,7 +369,7 @@ class Sweep:
         default_plan = default_attn.plan(config.batch)
         if self.result["kernel_impls"]["default_impl"] is None:
             self.result["kernel_impls"]["default_impl"] = default_plan.impl
-        want, matched = self.geometry(default_attn, default_plan), False
+        want, matched = self.geometry(default_plan), False
         for slot in slots_for(job, self.arms):
             try:
                 attn = self.attn(config, slot)
@@ -381,7 +380,7 @@ class Sweep:
                 rows.append(self._unavailable(job, slot, _short(err)))
                 continue
             plan = attn.plan(config.batch)
-            is_default = not matched and self.geometry(attn, plan) == want
+            is_default = not matched and self.geometry(plan) == want
             matched |= is_default
             rows.append(self.measure_ours(job, case, attn, slot, plan, is_default))
         if not matched:  # the policy's geometry is none of the forced specs': time it as its own row
@@ -457,8 +456,7 @@ class Sweep:
         prediction = self.predictions.lookup(
             arm=plan.arm, q_heads=config.shape.num_q_heads, kv_heads=config.shape.num_kv_heads,
             head_dim=config.shape.head_dim, q_dtype="bf16", kv_dtype=config.kv_dtype,
-            heads_per_cta=plan.heads_per_cta, impl=impls.ran(plan.impl, slot.impl), batch=config.batch,
-            context=config.context)  # the earlier kernels' rows find no row of the (default kernel's) report
+            heads_per_cta=plan.heads_per_cta, impl=plan.impl, batch=config.batch, context=config.context)
         row.update(sass=prediction, pred_ratio=prediction_ratio(row.get("pct_of_copy"), prediction),
                    call_ratio=call_ratio(row.get("pct_of_copy"), prediction))
         return row

@@ -16,9 +16,8 @@ from the questions the decisive step does not answer to the grid (``plan_jobs``)
    CSR page table and the scales read from the device).
 3. ``decisive-bf16``: Llama-3-8B (32/8/128) batch 64 x 4k and 16k, one sequence x 32k,
    Llama-3-70B (64/8/128) batch 64 x 4k and one sequence x 32k, and 24/4/256 batch 64 x 4k,
-   KV bf16; every FORCED arm on every kernel implementation (``impls.IMPLS``: simt, the
-   earlier mma kernels mma_v2, mma_v21 and mma_v22 as a late tier, mma), and the SDPA
-   baselines.
+   KV bf16; every FORCED arm on both kernel implementations (``impls.IMPLS``: simt, mma),
+   and the SDPA baselines.
 4. ``decisive-fp8``: the same configurations with an fp8 e4m3 KV cache.
 5. ``rest``: the grid (models x KV dtypes x batch 1, 16, 64, 256 x context 4k, 16k, 64k),
    less what the tiers above measured; ours only.
@@ -41,7 +40,7 @@ from metrale_attn import policy
 from metrale_attn.models import MODELS
 from metrale_attn.config import ModelShape, heads_per_cta_choices
 
-from .impls import IMPLS, OLD_MMA, SWEEP_IMPL
+from .impls import IMPLS, SWEEP_IMPL
 
 ITEMSIZE = {"bf16": 2, "fp8": 1}
 Q_ITEMSIZE = 2  # q and out are bf16
@@ -71,8 +70,7 @@ FEATURES_AT = "llama-3-8b:64:16384"
 DECISIVE = ("llama-3-8b:64:4096,llama-3-8b:64:16384,llama-3-8b:1:32768,llama-3-70b:64:4096,llama-3-70b:1:32768,"
             "qwen3.8-27b:64:4096")
 """Issue 19's decisive calls: batch 64 x 4k and 1 x 32k of 32/8/128 and 64/8/128 (bf16 and, in the
-next tier, fp8), each on simt, the earlier mma kernels (mma_v2, mma_v21, mma_v22) and the default
-one (mma, v2.3), so each change is a ratio measured side by side in one run."""
+next tier, fp8), each on simt and mma, so mma over simt is a ratio measured side by side in one run."""
 PROFILES = {
     "full": dict(models="llama-3-8b,llama-3-70b,qwen3.8-27b", kv_dtypes="bf16,fp8", batches="1,16,64,256",
                  contexts="4096,16384,65536", page_size=16, decisive=DECISIVE, decisive_dtypes="bf16,fp8",
@@ -316,12 +314,10 @@ def plan_jobs(args) -> list[Job]:
 
 
 def slots_for(job: Job, arms: list[str]) -> list[Slot]:
-    """The specs of ours a job times: each forced arm on each implementation (the earlier mma
-    kernels, ``impls.OLD_MMA``, on the decisive tiers only: the grid behind them stays as long as it was),
-    (``hpc``) each ``heads_per_cta`` on the mma kernels, or (``features``) each feature on them."""
+    """The specs of ours a job times: each forced arm on each implementation, (``hpc``) each
+    ``heads_per_cta`` on the mma kernels, or (``features``) each feature on them."""
     if job.kind == "hpc":
         return [Slot("default", SWEEP_IMPL, h) for h in job.hpc_values]
     if job.kind == "features":
         return [Slot("default", SWEEP_IMPL, feature=f) for f in features_for(job.config.kv_dtype)]
-    impls = IMPLS if job.tier.startswith("decisive") else tuple(i for i in IMPLS if i not in OLD_MMA)
-    return [Slot(arm, impl) for arm in arms_for(job.config.shape, arms) for impl in impls]
+    return [Slot(arm, impl) for arm in arms_for(job.config.shape, arms) for impl in IMPLS]

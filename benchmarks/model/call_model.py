@@ -47,7 +47,6 @@ from metrale_attn.config import LayerConfig, ModelShape
 from metrale_attn.kernels import KernelSpec, merge_threads
 from metrale_attn.plan import DecodePlan, make_plan
 from metrale_attn.targets import get_target, resolve_target_policy
-from metrale_attn.tiling import DEFAULT_MMA_KERNEL
 
 from . import warp_chain as wc
 from .model_assumptions import a, cycles_of_ns
@@ -93,10 +92,9 @@ def plan_for(call: Call, impl: str = "mma") -> DecodePlan:
     return make_plan(config, call.batch)
 
 
-def variant_for(call: Call, plan: DecodePlan, mma_kernel: str = DEFAULT_MMA_KERNEL) -> KernelSpec:
-    """The spec the plan launches (``mma_kernel``: the default ``v2.3``, or the earlier ``v2.2`` / ``v2.1`` / ``v2``), on hopper."""
-    return KernelSpec(plan.arm, call.head_dim, call.q_dtype, call.kv_dtype, plan.impl, plan.row_tiles,
-                      mma_kernel=mma_kernel)
+def variant_for(call: Call, plan: DecodePlan) -> KernelSpec:
+    """The spec the plan launches, on hopper."""
+    return KernelSpec(plan.arm, call.head_dim, call.q_dtype, call.kv_dtype, plan.impl, plan.row_tiles)
 
 
 def split_range(seq_len: int, split: int, num_splits: int) -> tuple[int, int]:
@@ -135,10 +133,11 @@ class Levers:
     shared memory), ``no_fragment_moves`` (V by an ldmatrix mapping yielding the A fragment
     in register order), ``qk_chains`` (independent QK accumulator chains), ``bt_in_smem``
     (the CTA's block-table slice staged in shared memory in the prologue), ``persistent``
-    (persistent CTAs: the next item's prologue overlapped with the current epilogue),
+    (persistent CTAs in their idealised form: every round trip of a later item's prologue
+    hidden behind the previous item),
     ``fp8_selectors`` (the fp8 unpack reads a word's high half directly: no shifts),
     ``hmma_latency`` (a sensitivity, not a lever); ``warm_next`` and ``next_in_flight`` are
-    no levers but what kernels v2.2 and v2.3 do (set by ``sass_model`` for their persistent specs):
+    no levers but what the ``mma`` kernel does (set by ``sass_model`` for every mma spec):
     persistent CTAs that bring the next item's q rows and first block-table entries into L2
     (``warm_prologue_cycles``), and whose warps issue the next item's first
     ``next_in_flight`` stages (the spec's ``Tiling.prefetch``) before the epilogue
@@ -208,11 +207,11 @@ class KernelTiming:
     levers: Levers = field(default_factory=Levers)
     rewrites: dict[str, int] = field(default_factory=dict)
     stages: int = 0  # each warp's ring
-    item_prologue_instructions: int | None = None  # a persistent kernel's later item (None: prologue_instructions)
+    item_prologue_instructions: int | None = None  # a persistent CTA's later item (None: prologue_instructions)
 
     @property
     def item_prologue(self) -> int:
-        """Instructions of a later item's prologue (kernels v2.2, v2.3: from the item loop's top)."""
+        """Instructions of a later item's prologue (the mma kernel: from the item loop's top)."""
         return self.prologue_instructions if self.item_prologue_instructions is None else self.item_prologue_instructions
 
     @property
@@ -287,7 +286,7 @@ def prologue_cycles(k: KernelTiming, dram: float) -> float:
 
 
 def warm_prologue_cycles(k: KernelTiming, dram: float) -> float:
-    """The prologue of a persistent CTA's later item in kernels v2.2/v2.3 (``Levers.warm_next``):
+    """The prologue of a persistent CTA's later item in the mma kernel (``Levers.warm_next``):
     its q rows and its first block-table entries were brought into L2 while the previous
     item streamed (decode_core.cuh, ``warm_item``), so those two round trips are L2 hits;
     the first stage's copies still wait on DRAM (their addresses need the entries)."""
@@ -295,7 +294,7 @@ def warm_prologue_cycles(k: KernelTiming, dram: float) -> float:
 
 
 def ahead_prologue_cycles(k: KernelTiming, dram: float, epilogue: float) -> float:
-    """The prologue of a persistent CTA's later item in kernels v2.2/v2.3 with its first P =
+    """The prologue of a persistent CTA's later item in the mma kernel with its first P =
     ``Levers.next_in_flight`` stages issued before the previous item's epilogue (decode_core.cuh,
     ``issue_ahead``): each warp, its state published, loads the item's first block-table entries
     (L2 hits, ``warm_item``: the barrier waits for them) and issues its first P tiles, whose
@@ -312,7 +311,7 @@ def ahead_prologue_cycles(k: KernelTiming, dram: float, epilogue: float) -> floa
 
 def epilogue_cycles(k: KernelTiming, head_dim: int) -> float:
     """A CTA's fixed cost after its last tile: the warp states published (two barriers, one
-    where each warp publishes into its own ring: ``Levers.next_in_flight``, kernels v2.2 and v2.3; and
+    where each warp publishes into its own ring: ``Levers.next_in_flight``, the mma kernel; and
     the epilogue's instructions issued), then per output element a thread combines the W
     warp states (a shared load, exp2, the sums: ``lat_shared + lat_xu + 2 lat_alu``), for
     ``rows x D / threads`` elements in turn; the stores are not waited for."""
@@ -478,7 +477,7 @@ def simulate(call: Call, plan: DecodePlan, k: KernelTiming, lockstep: bool = Fal
         spread = 0.0 if lockstep else _spread(nxt) * half_range
         if k.levers.persistent and items_done[slot] > 0:  # its round trips overlapped with the previous item
             left[slot] = k.prologue_instructions + a("bar_sync")
-        elif k.levers.next_in_flight and items_done[slot] > 0:  # kernels v2.2, v2.3: its first stages in flight
+        elif k.levers.next_in_flight and items_done[slot] > 0:  # the mma kernel: its first stages in flight
             left[slot] = ahead_prologue_cycles(k, dram(u) + spread, epi)
         elif k.levers.warm_next and items_done[slot] > 0:  # q and the entries in L2
             left[slot] = warm_prologue_cycles(k, dram(u) + spread)

@@ -613,7 +613,7 @@ def find_hot_path(instrs: list[Instr], labels: dict[str, int]) -> HotPath | None
 def steady_state(instrs: list[Instr], blocks: list[Block], dom, loop: Loop, loads: dict[int, int]) -> HotPath | None:
     """Every block a warp issues in one steady-state iteration of ``loop`` (the module's
     docstring states the rule), in program order; None when no latch is reachable."""
-    # A loop around the hot loop (persistent CTAs' walk over work items, kernel v2.2) carries
+    # A loop around the hot loop (persistent CTAs' walk over work items, the mma kernel's) carries
     # only the item index into its next iteration, every other value being recomputed from it;
     # its back edges would join the previous item's lane-varying registers into a predicated
     # write's old flags (ptxas reuses registers), so they carry none here.

@@ -59,7 +59,6 @@ from metrale_attn import dtypes
 from metrale_attn.kernels import KernelSourceError, KernelSpec, all_specs
 from metrale_attn.config import max_rows_per_cta
 from metrale_attn.targets import TARGETS, get_target
-from metrale_attn.tiling import DEFAULT_MMA_KERNEL, MMA_KERNELS
 
 from . import call_model
 from .call_model import Call, KernelTiming, Levers, kernel_timing
@@ -93,7 +92,7 @@ class SpecFacts:
     warp_iters_per_sass_iter: int
     prologue_instructions: int = 0
     epilogue_instructions: int = 0
-    item_prologue_instructions: int = 0  # a persistent kernel's later item (from the item loop's top)
+    item_prologue_instructions: int = 0  # a persistent CTA's later item (from the item loop's top)
     launch_bounds: tuple[int, int] | None = None  # (max threads, min CTAs per SM) of the kernel
     timings: dict = field(default_factory=dict)  # Levers -> call_model.KernelTiming (None: does not fit)
 
@@ -300,11 +299,10 @@ def serves(spec: KernelSpec, q_heads: int, kv_heads: int, head_dim: int) -> bool
     return (best > 8) == (loop.heads_per_cta > 8)
 
 
-def select(patterns, shapes, kv_dtypes, q_dtypes, mma_kernel: str = DEFAULT_MMA_KERNEL
-           ) -> list[tuple[KernelSpec, tuple[int, int, int]]]:
+def select(patterns, shapes, kv_dtypes, q_dtypes) -> list[tuple[KernelSpec, tuple[int, int, int]]]:
     chosen = []
     for shape in shapes:
-        for v in (replace(v, mma_kernel=mma_kernel) for v in all_specs()):
+        for v in all_specs():
             if v.kv_dtype not in kv_dtypes or v.q_dtype not in q_dtypes or not serves(v, *shape):
                 continue
             if v.features and not (patterns and any(fnmatch.fnmatch(v.name, p) for p in patterns)):
@@ -330,20 +328,19 @@ def decisive_calls(shapes, kv_dtypes, q_dtype: str = "bf16") -> list[Call]:
             for batch, ctx in call_model.DECISIVE_BATCHES]
 
 
-def predict_calls(calls: list[Call], facts_of, levers=(Levers(),), mma_kernel: str = DEFAULT_MMA_KERNEL) -> list[dict]:
+def predict_calls(calls: list[Call], facts_of, levers=(Levers(),)) -> list[dict]:
     """One row per call and lever (``call_model.simulate`` on the plan ``DecodeAttention``
     makes); ``facts_of(spec)`` gives the spec's ``SpecFacts`` (compiling it if
     needed). A lever whose carve does not fit gives a row with ``predicted_pct`` None."""
     out = []
     for call in calls:
         plan = call_model.plan_for(call)
-        spec = call_model.variant_for(call, plan, mma_kernel)
+        spec = call_model.variant_for(call, plan)
         facts = facts_of(spec)
         for lever in levers:
-            if spec.impl == "mma":  # every mma kernel's merge is the attention grid's dependent
-                lever = replace(lever, dependent_merge=True)
-            if spec.tiling is not None and spec.tiling.persistent:  # kernels v2.2, v2.3: the next item warmed, in flight
-                lever = replace(lever, warm_next=True, next_in_flight=spec.tiling.prefetch)
+            if spec.impl == "mma":  # its merge is the attention grid's dependent; its CTAs are persistent:
+                # the next item warmed, its first stages in flight
+                lever = replace(lever, dependent_merge=True, warm_next=True, next_in_flight=spec.tiling.prefetch)
             k = timing(facts, lever)
             if k is None:
                 out.append({"call": call.label(), "lever": lever.name, "spec": spec.name,
@@ -456,8 +453,8 @@ def smem_limits() -> dict[str, int]:
 def smem_fit(specs=None, static_smem: dict[str, int] | None = None) -> dict:
     """Per architecture, which ``mma`` specs' shared memory (the launch's dynamic bytes plus
     the static bytes ptxas reported, where this run compiled the spec) fits a block, each spec
-    sized for that architecture's limit (``KernelSpec.smem_limit``; ``v2`` keeps its sm_90
-    sizing, so where that does not fit it counts with its sm_90 bytes)."""
+    sized for that architecture's limit (``KernelSpec.smem_limit``; a spec no tiling of which
+    fits the limit counts with its sm_90 bytes)."""
     specs = [v for v in (specs or all_specs()) if v.impl == "mma"]
     static_smem = static_smem or {}
     out = {}
@@ -467,7 +464,7 @@ def smem_fit(specs=None, static_smem: dict[str, int] | None = None) -> dict:
             sized = replace(v, smem_limit=limit)
             try:
                 name, need = sized.name, sized.shared_bytes + static_smem.get(v.name, 0)
-            except KernelSourceError:  # no tiling of its kernel fits this limit
+            except KernelSourceError:  # no tiling fits this limit
                 name, need = v.name, v.shared_bytes + static_smem.get(v.name, 0)
             if need > limit:
                 misfits.append({"spec": name, "bytes": need})
@@ -600,9 +597,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also compute every lever of issue 19 on those calls (default all)")
     p.add_argument("--hmma-latency", type=float, default=None, metavar="CYCLES",
                    help="a sensitivity: the calls with this HMMA latency instead of the table's lat_hmma")
-    p.add_argument("--mma-kernel", choices=MMA_KERNELS, default=DEFAULT_MMA_KERNEL,
-                   help="the mma kernel modelled: v2.3 (default: persistent CTAs, 8 warps where they fit), v2.2, "
-                        "v2.1 or v2 (the earlier ones), for old vs new")
     p.add_argument("--assumptions", action="store_true", help="print the assumption table and exit")
     return p
 
@@ -616,7 +610,7 @@ def main(argv=None) -> int:
     if nvdisasm is None:
         print("nvdisasm not found: pip install nvidia-cuda-nvdisasm (or set NVDISASM)", file=sys.stderr)
         return 2
-    chosen = select(args.specs, args.shapes, args.kv_dtypes, args.q_dtypes, args.mma_kernel)
+    chosen = select(args.specs, args.shapes, args.kv_dtypes, args.q_dtypes)
     if not chosen:
         print("no spec matches", file=sys.stderr)
         return 2
@@ -637,13 +631,11 @@ def main(argv=None) -> int:
         levers = (Levers(),) if args.levers == "none" else call_model.LEVERS
         if args.hmma_latency:
             levers = tuple(replace(lv, hmma_latency=args.hmma_latency) for lv in levers)
-        calls = predict_calls(decisive_calls(args.shapes, args.kv_dtypes, args.q_dtypes[0]), facts_of, levers,
-                              args.mma_kernel)
+        calls = predict_calls(decisive_calls(args.shapes, args.kv_dtypes, args.q_dtypes[0]), facts_of, levers)
     fit = smem_fit(static_smem={name: f.resources["static_smem_bytes"] for (name, _), f in facts.items()})
     print(markdown(rows, calls, fit), end="")
     if args.json:
         report = {"format": "sass_model/2", "modelled": True, "toolchain": toolchain(nvdisasm),
-                  "mma_kernel": args.mma_kernel,
                   "note": "Every figure is MODELLED from NVRTC's SASS and the assumption table; nothing is measured.",
                   "steady_state_rule": STEADY_STATE_RULE, "rows": rows, "calls": calls, "smem_fit": fit,
                   "assumptions": {k: {"value": x.value, "unit": x.unit, "source": x.source}

@@ -107,7 +107,7 @@ def test_gpu_check_cpu_dry_run_writes_every_output(tmp_path):
     ours = [r for r in result["rows"] if r["impl"] == "metrale"]
     assert all(r["check"]["status"] == "ok" and r["median_us"] > 0 for r in ours)
     # Tiers in order after the check's decisive cells: the heads_per_cta sweep, the features, the forced arms
-    # of the decisive configurations (the earlier kernels with them), then the grid.
+    # of the decisive configurations, then the grid.
     assert list(dict.fromkeys(r["tier"] for r in ours)) == ["heads_per_cta", "features", "decisive-bf16",
                                                              "decisive-fp8", "rest"]
     # The features tier: every feature on bf16, then fp8's host-scale dense row beside its CSR and
@@ -117,18 +117,16 @@ def test_gpu_check_cpu_dry_run_writes_every_output(tmp_path):
     assert [r["vs_plain"] for r in ours if r["tier"] == "features" and r["feature"] == "plain"] == [1.0, 1.0]
     # Every forced arm on both implementations, each row saying what its plan ran; the default flagged once.
     caps = result["kernel_impls"]
-    assert caps["impls"] == ["simt", "mma_v2", "mma_v21", "mma_v22", "mma"] and caps["default_impl"] == "mma"
+    assert caps["impls"] == ["simt", "mma"] and caps["default_impl"] == "mma"
     assert caps["selftest"]["status"] == "ok" and "CPU backend" in caps["selftest"]["detail"]
     for tier in ("decisive-bf16", "decisive-fp8"):
         rows = [r for r in ours if r["tier"] == tier]
         assert {(r["arm"], r["kernel_impl"]) for r in rows} == {(a, i) for a in ("unpacked", "splitk", "gqa_packed")
-                                                                 for i in ("simt", "mma_v2", "mma_v21", "mma_v22", "mma")}
+                                                                 for i in ("simt", "mma")}
         assert [(r["arm"], r["kernel_impl"]) for r in rows if r["default"]] == [("splitk", "mma")]
         assert all(r["heads_per_cta"] == (6 if r["arm"] == "gqa_packed" else 1)
                    for r in rows if r["kernel_impl"] == "simt")
-        assert all(r["kernels"][0].startswith("decode_") for r in rows if r["kernel_impl"].startswith("mma"))
-        # the earlier mma kernels and the default one side by side, and only the default one predicted
-        assert all(r["sass"] is None for r in rows if r["kernel_impl"] in impls.OLD_MMA)
+        assert all(r["kernels"][0].startswith("decode_") for r in rows if r["kernel_impl"] == "mma")
     # The sweep: every heads_per_cta of each group (4: 1, 2, 4; 8: 1, 2, 4, 8) on mma, the plan's choice marked once.
     hpc = [r for r in ours if r.get("sweep") == "heads_per_cta"]
     assert {(r["model"], r["batch"]) for r in hpc} == {(m, b) for m in ("4/1/64", "8/1/64") for b in (1, 2)}
@@ -184,8 +182,8 @@ def test_gpu_check_cpu_dry_run_writes_every_output(tmp_path):
     assert all(r["bytes_equal"] for r in json.loads((out / "pdl_check.json").read_text())["rows"])
     # Progress lines as they come, short; the short table printed last, its verdict the last line.
     progress = [line for line in done.stdout.splitlines() if line.startswith("[bench ")]
-    # < 320: a decisive line has 15 slots here (3 arms x simt, the earlier mma kernels v2, v2.1 and v2.2, mma)
-    # in microseconds (`unp/v21 13946us`); a GPU's line gives % of copy (`unp/v21 88%`), ~75 characters shorter
+    # < 320: a decisive line has 6 slots here (3 arms x simt, mma) in microseconds (`unp/mma 13946us`); a GPU's
+    # line gives % of copy (`unp/mma 88%`), shorter
     assert len(progress) >= 6 and all(len(line) < 320 for line in progress), max(progress, key=len)
     assert "decisive configurations, simt vs mma" in done.stdout and "L2 probe: not run" in done.stdout
     assert re.search(r"^  6/1/256 bf16 b2 300 +unp +\d+us\[41\] +\d+us\[-\] +\d\.\d\dx\n {27}spk .*\n"
@@ -253,7 +251,7 @@ def test_sanitizer_cases_pass_on_the_cpu_backend():
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     lines = [line.split() for line in done.stdout.splitlines() if line.startswith("ok ")]
-    assert [(line[1], line[2]) for line in lines] == [(i, a) for i in ("mma", "mma_v22", "mma_v21", "mma_v2", "simt")
+    assert [(line[1], line[2]) for line in lines] == [(i, a) for i in ("mma", "simt")
                                                       for a in sweep_plan.DEFAULT_ARMS
                                                       for _ in range(2)]
     assert all(f") {line[1]} (" in " ".join(line) for line in lines)  # the plan ran the implementation asked for
@@ -347,9 +345,9 @@ def test_the_full_profile_runs_heads_per_cta_and_the_features_then_the_decisive_
                 ("llama-3-70b", 64, 4096), ("llama-3-70b", 1, 32768), ("qwen3.8-27b", 64, 4096)]
     assert arms == [(f"decisive-{dt}", *c) for dt in ("bf16", "fp8") for c in decisive]
     assert all(j.baselines == ("sdpa_gather", "sdpa_nogather") for j in jobs[8:20])
-    # the earlier mma kernels and the default one timed side by side on every forced arm (a late tier)
+    # simt and mma timed side by side on every forced arm
     assert all({s.impl for s in sweep_plan.slots_for(j, list(sweep_plan.DEFAULT_ARMS))} == {
-        "simt", "mma_v2", "mma_v21", "mma_v22", "mma"} for j in jobs[8:20])
+        "simt", "mma"} for j in jobs[8:20])
     rest = jobs[20:]
     assert rest and all(j.tier == "rest" and not j.baselines for j in rest)
     assert {j.config.batch for j in rest} == {1, 16, 64, 256} and {j.config.context for j in rest} == {
@@ -363,9 +361,9 @@ def test_the_full_profile_runs_heads_per_cta_and_the_features_then_the_decisive_
 def test_slots_force_every_arm_on_every_implementation():
     jobs = _planned()
     assert [s.label for s in sweep_plan.slots_for(jobs[13], list(sweep_plan.DEFAULT_ARMS))] == [  # 24/4/256
-        f"{arm}/{i}" for arm in ("unpacked", "splitk", "gqa_packed") for i in ("simt", "mma_v2", "mma_v21", "mma_v22", "mma")]
+        f"{arm}/{i}" for arm in ("unpacked", "splitk", "gqa_packed") for i in ("simt", "mma")]
     assert [s.label for s in sweep_plan.slots_for(jobs[8], list(sweep_plan.DEFAULT_ARMS))] == [  # 32/8/128: no pack
-        f"{arm}/{i}" for arm in ("unpacked", "splitk") for i in ("simt", "mma_v2", "mma_v21", "mma_v22", "mma")]
+        f"{arm}/{i}" for arm in ("unpacked", "splitk") for i in ("simt", "mma")]
     assert [s.label for s in sweep_plan.slots_for(jobs[3], [])] == [  # 64/8/128: group 8
         "default/mma/h1", "default/mma/h2", "default/mma/h4", "default/mma/h8"]
     assert [s.label for s in sweep_plan.slots_for(jobs[-1], ["unpacked"])] == [  # the grid: simt and mma only
@@ -592,7 +590,7 @@ def test_the_committed_sass_model_predicts_every_decisive_variant_of_both_implem
     arm on simt and mma at every decisive configuration, at the heads per CTA its plan on an H200 runs. The
     report gives mma at the group's largest heads per CTA only, so the one plan that picks fewer (unpacked, one
     sequence: 8 KV heads x 4 / h CTAs, h = 1 to cover half the SMs; and 64/8/128's one sequence, h = 1 unpacked,
-    h = 4 split-K) has none. The earlier mma kernels (mma_v2, mma_v21, mma_v22) are not in the report."""
+    h = 4 split-K) has none."""
     from metrale_attn.config import LayerConfig
     from metrale_attn.plan import make_plan
     from metrale_attn.targets import get_target, resolve_target_policy
@@ -602,8 +600,6 @@ def test_the_committed_sass_model_predicts_every_decisive_variant_of_both_implem
     for job in decisive:
         c = job.config
         for slot in sweep_plan.slots_for(job, list(sweep_plan.DEFAULT_ARMS)):
-            if slot.impl in impls.OLD_MMA:  # the committed report models the default kernel only
-                continue
             target_policy = resolve_target_policy(get_target("hopper"), environ={}, **sweep_plan.arm_options(slot.arm))
             plan = make_plan(LayerConfig(c.shape, 16, "bf16", c.kv_dtype, c.batch, target_policy, impl=slot.impl), c.batch)
             found = p.lookup(impl=plan.impl, arm=plan.arm, q_heads=c.shape.num_q_heads,
@@ -735,7 +731,7 @@ def full_size_result(copy: float = 4.3) -> dict:
         c = job.config
         at = lambda pct: c.bytes_moved / (pct / 100 * copy * 1e12) * 1e6  # noqa: E731  (us at pct % of copy)
         for slot in sweep_plan.slots_for(job, list(sweep_plan.DEFAULT_ARMS)):
-            us = at({"mma": 92.0, "mma_v22": 90.0, "mma_v21": 88.0, "mma_v2": 80.0}.get(slot.impl, 46.0))
+            us = at(92.0 if slot.impl == "mma" else 46.0)
             row = sweep.make_row(c, "metrale", arm=slot.arm, copy_tb_per_s=copy, status="ok",
                                         timing=sweep.Timing(us, us, us, 20, "cuda-graph"),
                                         check={"status": "ok"}, slot=slot, tier=job.tier,
@@ -818,12 +814,10 @@ def test_the_short_table_of_a_full_run_fits_the_device_tools_output_tail():
     assert any(line.startswith("  llama-3-8b b16:") and "h4*" in line and "h8" not in line for line in lines)
     assert any(line.startswith("  llama-3-70b b64:") and "h4*" in line and "h8 " in line for line in lines)
     md = report.render_markdown(result)
-    assert ("| unpacked/simt us (% copy) | unpacked/mma_v2 us (% copy) | unpacked/mma_v21 us (% copy) | "
-            "unpacked/mma_v22 us (% copy) | unpacked/mma us (% copy) | split-K/simt us (% copy) |") in md
-    assert ("| simt us (% copy) | mma v2 us (% copy) | mma v2.1 us (% copy) | mma v2.2 us (% copy) | "
-            "mma v2.3 us (% copy) | mma / simt | v2.1 / v2 | v2.2 / v2.1 | v2.3 / v2.2 |") in md
+    assert "| unpacked/simt us (% copy) | unpacked/mma us (% copy) | split-K/simt us (% copy) |" in md
+    assert "| configuration | arm | simt us (% copy) | mma us (% copy) | mma / simt |" in md
     step = next(line for line in md.splitlines() if line.startswith("| llama-3-8b bf16 b64 4k | unpacked |"))
-    assert step.endswith("| 2.00x | 1.10x | 1.02x | 1.02x |"), step  # 92 / 46, 88 / 80, 90 / 88, 92 / 90 % of copy
+    assert step.endswith("| 2.00x |"), step  # 92 / 46 % of copy
     assert "llama-3-70b (64/8/128, group 8), mma kernels" in md
 
 

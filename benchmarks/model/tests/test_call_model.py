@@ -113,25 +113,11 @@ def test_a_dependent_merge_launches_during_the_last_items_and_waits_only_for_the
     assert plain.merge - dependent.merge == pytest.approx(a("launch") - a("pdl_wait"))
 
 
-def test_every_mma_variant_sized_for_its_target_fits_a_block_on_every_architecture_and_v2_only_on_sm90_sized_ones():
+def test_every_mma_variant_sized_for_its_target_fits_a_block_on_every_architecture():
     fit = sr.smem_fit()
     assert set(fit) == {"sm_80", "sm_86", "sm_89", "sm_90", "sm_100", "sm_103", "sm_120", "sm_121"}
-    assert all(not f["do_not_fit"] for f in fit.values())  # v2.1: the tiling follows the limit
+    assert all(not f["do_not_fit"] for f in fit.values())  # the tiling follows the limit
     assert fit["sm_80"]["limit_bytes"] == 163 * 1024
-    previous = sr.smem_fit([replace(v, mma_kernel="v2") for v in sr.all_specs()])
-    for arch in ("sm_90", "sm_100", "sm_103"):
-        assert previous[arch]["limit_bytes"] == 227 * 1024 and not previous[arch]["do_not_fit"]
-    assert previous["sm_80"]["do_not_fit"]
-    for arch in ("sm_86", "sm_89", "sm_120", "sm_121"):  # 99 KiB: v2 is sized for sm_90, not for the target
-        assert previous[arch]["limit_bytes"] == 101376
-        fits = {v.name for v in sr.all_specs() if v.impl == "mma"} - {
-            m["spec"].removesuffix("_v2") for m in previous[arch]["do_not_fit"]}
-        # what v2 fits in 99 KiB: head dim 64 fp8, the 16-token rings of head dims 80 and 96 (rows
-        # padded to 96), and fp8 from 144 to 224 (16-token rings)
-        small = {f"_hd{d}_" for d in (80, 96)} | {f"kvfp8{e}_hd{d}_" for e in ("", "e5m2")
-                                                for d in (64, *range(144, 225, 16))}
-        assert fits and all(any(part in name for part in small) for name in fits), sorted(fits)
-        assert min(m["bytes"] for m in previous[arch]["do_not_fit"]) > 101376
 
 
 def test_the_levers_name_what_they_change_and_today_changes_nothing():
@@ -210,7 +196,7 @@ def test_a_measured_call_gets_the_call_models_prediction_where_the_report_predic
 
 
 def test_a_later_item_with_its_first_stages_in_flight_waits_only_what_the_round_trip_outlasts_the_epilogue_by():
-    """Kernel v2.2, lever 5 (``ahead_prologue_cycles``): the entries and q from L2, a barrier and
+    """The mma kernel's lever 5 (``ahead_prologue_cycles``): the entries and q from L2, a barrier and
     the item's own instructions always; the first stage's DRAM round trip only past the
     epilogue, the q staging, the barrier and those instructions; with P < S - 1 stages in
     flight, tile P's round trip past the P tiles computed before it too."""
