@@ -10,8 +10,8 @@ built by another NVRTC version; at DEBUG, every kernel loaded or compiled.
 
 A library prints nothing of its own by default: without ``METRALE_ATTN_LOG_LEVEL`` this
 module changes nothing, and Python's last-resort handler shows WARNING and above only.
-``METRALE_ATTN_LOG_LEVEL`` (``DEBUG``, ``INFO``, ``WARNING``, ``ERROR``, ``CRITICAL`` in any
-case, or a non-negative integer), read once when the package is imported, sets the tree's
+``METRALE_ATTN_LOG_LEVEL`` (DEBUG, INFO, WARNING, ERROR or CRITICAL in any case, or a
+non-negative integer), read once when the package is imported, sets the tree's
 level and attaches one handler writing ``metrale_attn: LEVEL message`` lines to stderr. That
 handler stands down while the root logger has handlers of its own (the application
 configured logging, e.g. ``logging.basicConfig``, before or after the import): the records
