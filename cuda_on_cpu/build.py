@@ -263,18 +263,7 @@ def compile_module(source: str, *, name: str, defines: dict[str, int | str] | No
     directory cannot be written) and its ``logger`` (each build, cache hit and fallback is
     logged there), so that its users see one cache and one logger.
     """
-    if not re.fullmatch(r"[A-Za-z0-9_.+-]+", name or ""):
-        raise ValueError(f"module name {name!r} must be a plain file-name stem")
-    cxx = environment.cxx()
-    fiber = environment.fiber_impl()
-    flags = _flags(asan, fiber)
-    dflags = _define_flags(defines)
-    h = hashlib.sha256()
-    for part in (_FORMAT_VERSION, platform.machine(), _compiler_version(cxx), shlex.join(cxx),
-                 shlex.join(flags), shlex.join(dflags), name, source, _resource_text(_HEADER),
-                 _resource_text(_RUNTIME_HEADER), *map(_resource_text, _runtime_sources(fiber))):
-        h.update(part.encode() + b"\0")
-    digest = h.hexdigest()
+    cxx, flags, dflags, fiber, digest = _identity(source, name, defines, asan)
     with _MEMO_LOCK:
         if digest in _MEMO:
             return _MEMO[digest]
@@ -312,6 +301,39 @@ def compile_module(source: str, *, name: str, defines: dict[str, int | str] | No
             _MEMO[digest] = module
             del _BUILDING[digest]
         return module
+
+
+def _identity(source: str, name: str, defines: dict | None, asan: bool):
+    """``(cxx, flags, define flags, fiber, digest)`` of a library: the digest hashes everything
+    that goes into it (its cache key)."""
+    if not re.fullmatch(r"[A-Za-z0-9_.+-]+", name or ""):
+        raise ValueError(f"module name {name!r} must be a plain file-name stem")
+    cxx = environment.cxx()
+    fiber = environment.fiber_impl()
+    flags = _flags(asan, fiber)
+    dflags = _define_flags(defines)
+    h = hashlib.sha256()
+    for part in (_FORMAT_VERSION, platform.machine(), _compiler_version(cxx), shlex.join(cxx),
+                 shlex.join(flags), shlex.join(dflags), name, source, _resource_text(_HEADER),
+                 _resource_text(_RUNTIME_HEADER), *map(_resource_text, _runtime_sources(fiber))):
+        h.update(part.encode() + b"\0")
+    return cxx, flags, dflags, fiber, h.hexdigest()
+
+
+def is_cached(source: str, *, name: str, defines: dict[str, int | str] | None = None, asan: bool = False,
+              cache_dir: Path | None = None) -> bool:
+    """Whether ``compile_module`` with these arguments would find its library (this process's
+    memo, or a cache entry that proves itself) rather than run the host compiler: asked
+    before a build so that a caller can say a cold compile is starting. Writes nothing."""
+    digest = _identity(source, name, defines, asan)[-1]
+    with _MEMO_LOCK:
+        if digest in _MEMO:
+            return True
+        home = Path(cache_dir) if cache_dir is not None else environment.cache_dir()
+        places = [home] + ([_FALLBACK_DIRS[home]] if home in _FALLBACK_DIRS else [])
+    stem = f"{name}-{digest[:20]}{'-asan' if asan else ''}"
+    identity = {"name": name, "key": digest}
+    return any(_cached_meta(where, stem, identity) is not None for where in places)
 
 
 def _cached_meta(directory: Path, stem: str, identity: dict) -> dict | None:

@@ -1,5 +1,6 @@
 """metrale-attn: paged-decode attention with a batch-invariant split-K policy."""
 
+from . import logs
 from .attention import DecodeAttention, StreamReuseWarning
 from .config import LayerConfig, ModelShape
 from .merge import merge_states
@@ -10,3 +11,5 @@ from .workspace import workspace_bytes
 __all__ = ["DecodeAttention", "DecodePlan", "LayerConfig", "ModelShape", "SplitkPolicy", "StreamReuseWarning",
            "merge_states", "workspace_bytes"]
 __version__ = "0.1.0"
+
+logs.configure()  # METRALE_ATTN_LOG_LEVEL: read once, here (see metrale_attn/logs.py)

@@ -28,6 +28,7 @@ import numpy as np
 from . import dtypes
 from .backends import get_backend
 from .binding import CallBinder, kernel_abi
+from .cache import cache_root
 from .config import ENV_IMPL, LayerConfig, configure, impl_chosen
 from .features import FEATURE_ARRAYS
 from .kernels import launchable_config, merge_threads, source_constants, specs_for
@@ -186,8 +187,7 @@ class DecodeAttention:
         # Every spec a call can reach, compiled now, so that run() never compiles.
         self._plans: dict[tuple[int, int], DecodePlan] = {}
         specs = specs_for(self.config)
-        with _said_while_slow(f"compiling {len(specs)} kernel spec(s) for {self.config.target.arch} "
-                              f"({', '.join(v.name for v in specs.values())})"):
+        with _compiling(self.backend, self.config.target.arch, list(specs.values())):
             modules = self.backend.load_many(specs.values())
         abi = {kernel: params for spec in specs.values() for kernel, params in kernel_abi(spec).items()}
         constants = source_constants()
@@ -198,13 +198,27 @@ class DecodeAttention:
         with _HANDLES_LOCK:
             self._handle = next(_NEXT_HANDLE)
             _BY_HANDLE[self._handle] = self
-        if logger.isEnabledFor(logging.DEBUG):
-            shape = self.config.shape
-            logger.debug("DecodeAttention %d/%d/%d, page %d, %s, impl %s, max_batch %d: %s; batch 1: %s; batch %d: %s",
-                         shape.num_q_heads, shape.num_kv_heads, shape.head_dim, self.config.page_size,
-                         self.target_line(), self.config.impl, self.config.max_batch,
-                         ", ".join(v.name for v in specs.values()), self.plan(1).reason, self.config.max_batch,
-                         self.plan(self.config.max_batch).reason)
+        self._say_layer(specs)
+
+    def _say_layer(self, specs) -> None:
+        """One line per layer configuration (INFO the first time in this process, DEBUG for
+        each later layer like it: a model's 80 identical layers say it once): the shape, the
+        target, the implementation and the plans of batch 1 and ``max_batch``, with the
+        policy's reasons; at DEBUG, the kernel specs too."""
+        config = self.config
+        with _HANDLES_LOCK:
+            first = config not in _LAYERS_SAID
+            _LAYERS_SAID.add(config)
+        level = logging.INFO if first else logging.DEBUG
+        if not logger.isEnabledFor(level):
+            return
+        shape, features = config.shape, sorted(config.features)
+        plans = "; ".join(f"batch {n}: {_plan_line(self.plan(n))}" for n in sorted({1, config.max_batch}))
+        specs_line = f"; kernels {', '.join(v.name for v in specs.values())}" if logger.isEnabledFor(logging.DEBUG) else ""
+        logger.log(level, "DecodeAttention %d/%d/%d, page %d, q %s, KV %s %s%s, %s, impl %s, max_batch %d: %s%s",
+                   shape.num_q_heads, shape.num_kv_heads, shape.head_dim, config.page_size, config.q_dtype,
+                   config.kv_dtype, config.kv_layout, f", features {'+'.join(features)}" if features else "",
+                   self.target_line(), config.impl, config.max_batch, plans, specs_line)
 
     def __getattr__(self, name: str):
         """The configuration's fields read through: ``attn.q_dtype`` is ``attn.config.q_dtype``."""
@@ -382,6 +396,15 @@ def _with_launchable_impl(config: LayerConfig, backend, chosen: bool) -> LayerCo
     return launchable
 
 
+_LAYERS_SAID: set = set()
+"""The ``LayerConfig``s this process has described at INFO (``_say_layer``)."""
+
+
+def _plan_line(plan: DecodePlan) -> str:
+    """``splitk, 11 splits, 6 heads/CTA (reason)``: a plan as the layer's log line gives it."""
+    return f"{plan.arm}, {plan.num_splits} split(s), {plan.heads_per_cta} head(s)/CTA ({plan.reason})"
+
+
 SLOW_COMPILE_S = 10.0
 """A construction still compiling after this many seconds says so (INFO), once."""
 
@@ -394,21 +417,33 @@ def _fall_back(why: str) -> None:
 
 
 @contextlib.contextmanager
-def _said_while_slow(what: str):
-    """Log ``what`` at INFO if it is still running after ``SLOW_COMPILE_S`` (a cold cache's
-    NVRTC or host-compiler builds), and how long it took when it ends after that."""
+def _compiling(backend, arch: str, specs: list):
+    """Around a construction's ``load_many``: what an operator needs to tell a cold compile
+    from a hang, at INFO. Before it, when the cache lacks some of ``specs`` (asked of the
+    backend only when INFO is on: the question costs a hash of each source), ``compiling N
+    kernel(s) for ARCH (not in the cache): names``, and after it, how long that took; while
+    it runs past ``SLOW_COMPILE_S``, ``still compiling ...`` once (a wait on another
+    process's build lock is said by ``cache.build_lock``)."""
+    uncached = backend.uncached(specs) if logger.isEnabledFor(logging.INFO) else []
+    names = ", ".join(v.name for v in uncached or specs)
+    what = (f"compiling {len(uncached)} kernel(s) for {arch}" if uncached
+            else f"loading {len(specs)} kernel(s) for {arch}")
+    if uncached:
+        logger.info("%s (%s backend; not in the cache %s): %s", what, backend.name, cache_root(), names)
     start = time.perf_counter()
-    timer = threading.Timer(SLOW_COMPILE_S, lambda: logger.info("still %s (%.0f s so far)", what,
-                                                                time.perf_counter() - start))
+    timer = threading.Timer(SLOW_COMPILE_S, lambda: logger.info("still %s (%.0f s so far): %s", what,
+                                                                time.perf_counter() - start, names))
     timer.daemon = True
     timer.start()
     try:
         yield
     finally:
         timer.cancel()
-        took = time.perf_counter() - start
-        if took >= SLOW_COMPILE_S:
-            logger.info("done %s in %.1f s", what, took)
+    took = time.perf_counter() - start  # reached only when the loads succeeded
+    if uncached:
+        logger.info("compiled %d kernel(s) for %s in %.1f s", len(uncached), arch, took)
+    elif took >= SLOW_COMPILE_S:
+        logger.info("done %s in %.1f s", what, took)
 
 
 def _stream_name(stream) -> str:

@@ -112,7 +112,10 @@ def test_a_damaged_cache_entry_is_rebuilt_not_loaded(counted, damage):
     path = pathlib.Path(cupy_backend.cubin_path(VARIANT, "sm_90"))
     good = path.read_bytes()
     sidecar = path.with_name(path.name + ".json")
-    assert json.loads(sidecar.read_text()) == {"size": len(good), "sha256": cubin.hashlib.sha256(good).hexdigest()}
+    from cupy_backends.cuda.libs import nvrtc
+
+    assert json.loads(sidecar.read_text()) == {"arch": "sm_90", "nvrtc": cubin.nvrtc_label(nvrtc.getVersion()),
+                                               "size": len(good), "sha256": cubin.hashlib.sha256(good).hexdigest()}
     if damage == "truncated":
         path.write_bytes(good[: len(good) // 2])
     elif damage == "empty":
@@ -130,6 +133,23 @@ def test_a_damaged_cache_entry_is_rebuilt_not_loaded(counted, damage):
     assert again == path and again.read_bytes() == good
     assert counted == ["sm_90", "sm_90"]
     assert cubin.read_cached(path) == good
+
+
+def test_a_cache_filled_by_another_nvrtc_is_warned_about_when_this_one_compiles_again(counted, tmp_path,
+                                                                                        monkeypatch):
+    """What the server sees: the entries precompile left carry their NVRTC version, which
+    ``warn_other_nvrtc`` holds against the NVRTC of the process that now misses them all."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    monkeypatch.setattr(cubin, "_nvrtc_checked", set())
+    cupy_backend.cubin_lookup(VARIANT, "sm_90", tmp_path)
+    mine = nvrtc.getVersion()
+    with pytest.warns(RuntimeWarning, match=f"built by NVRTC {cubin.nvrtc_label(mine)} and none by this "
+                                            r"environment's NVRTC 99\.0"):
+        assert cubin.warn_other_nvrtc(tmp_path / "cubin", "sm_90", (99, 0)) == {cubin.nvrtc_label(mine)}
+    assert cubin.warn_other_nvrtc(tmp_path / "cubin", "sm_90", mine) == set()  # once: already checked
+    monkeypatch.setattr(cubin, "_nvrtc_checked", set())
+    assert cubin.warn_other_nvrtc(tmp_path / "cubin", "sm_90", mine) == set()  # its own NVRTC: nothing to say
 
 
 def test_a_whole_cache_entry_is_used_without_compiling(counted):

@@ -10,7 +10,7 @@ SHIM = ROOT / "cuda_on_cpu"
 
 # Lower layers first; a module may import only modules of lower layers (or its own subpackage).
 LAYERS = [
-    {"policy", "cache"},
+    {"policy", "cache", "logs"},
     {"targets", "dtypes", "reference", "tolerance", "hf_config"},
     {"tiling", "features"},
     {"config"},

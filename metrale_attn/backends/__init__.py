@@ -111,6 +111,10 @@ class Backend(Protocol):
     def load(self, spec) -> Module:
         """Compile (or fetch from cache) one kernel spec."""
 
+    def uncached(self, specs) -> list:
+        """The specs among ``specs`` that ``load`` would compile (in neither this process nor
+        the on-disk cache): asked before ``load_many`` so that a cold compile is announced."""
+
     def describe(self, array, argument: str) -> ArrayInfo:
         """Pointer, shape, strides and dtype of an array this backend can launch on."""
 

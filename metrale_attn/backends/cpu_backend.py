@@ -61,6 +61,14 @@ class CpuBackend:
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="metrale-attn-build") as pool:
             return list(pool.map(self.load, specs))
 
+    def uncached(self, specs) -> list:
+        """The specs among ``specs`` whose libraries ``load`` would build (neither this process
+        nor the cache has them), so that a construction can say a cold compile is starting."""
+        from cuda_on_cpu.build import is_cached
+
+        return [v for v in specs if not is_cached(v.source(), name=v.name, defines=v.defines(), asan=self.asan,
+                                                  cache_dir=cache_root() / "cuda_on_cpu")]
+
     def load(self, spec: KernelSpec) -> _CpuModule:
         from cuda_on_cpu import compile_module  # not at import: ``import metrale_attn`` stays light
 

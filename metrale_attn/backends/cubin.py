@@ -9,10 +9,12 @@ refuses it ("invalid ELF file"). ``nvrtc_cubin`` asks NVRTC itself for the size
 loaded, so the program handle CuPy created is valid there.
 
 A cached cubin is written with a sidecar ``<file>.json`` holding its size and
-SHA-256; ``read_cached`` accepts a file only when both match and its ELF tables lie
-inside it, so a truncated, empty or overwritten entry is rebuilt instead of loaded. A
-missing entry is built under its inter-process lock (``cache.build_lock``): ranks
-starting at once compile it once.
+SHA-256 (and what built it: the architecture and the NVRTC version); ``read_cached``
+accepts a file only when size and hash match and its ELF tables lie inside it, so a
+truncated, empty or overwritten entry is rebuilt instead of loaded. A missing entry is
+built under its inter-process lock (``cache.build_lock``): ranks starting at once compile
+it once. ``warn_other_nvrtc`` reads the sidecars to say, once, that a cache was filled by
+another NVRTC version (every entry's key includes it, so all of them miss).
 """
 
 from __future__ import annotations
@@ -236,12 +238,13 @@ def _write_atomically(path: Path, data: bytes) -> None:
         raise
 
 
-def write_cached(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path``, then its sidecar (size, SHA-256), each atomically:
-    a reader sees either a matching pair or a mismatch it rebuilds."""
+def write_cached(path: Path, data: bytes, built_by: dict | None = None) -> None:
+    """Write ``data`` to ``path``, then its sidecar (size, SHA-256, and ``built_by``'s
+    fields: ``arch``, ``nvrtc``), each atomically: a reader sees either a matching pair or
+    a mismatch it rebuilds."""
     path.parent.mkdir(parents=True, exist_ok=True)
     _write_atomically(path, data)
-    meta = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    meta = {**(built_by or {}), "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
     _write_atomically(_sidecar(path), (json.dumps(meta) + "\n").encode())
 
 
@@ -260,7 +263,13 @@ def fallback_dir(unwritable: Path, err: OSError) -> Path:
     return _fallback_dir
 
 
-def cached_cubin(path: Path, build, what: str | None = None) -> Path:
+def is_cached(path: Path) -> bool:
+    """Whether ``cached_cubin(path, ...)`` would find a whole cubin rather than build one."""
+    return read_cached(path) is not None or (_fallback_dir is not None
+                                             and read_cached(_fallback_dir / path.name) is not None)
+
+
+def cached_cubin(path: Path, build, what: str | None = None, built_by: dict | None = None) -> Path:
     """The path of a whole cached cubin named ``path.name``: ``path`` itself when it
     holds one (validated); else ``build()``'s bytes written there, or, where that
     directory cannot be written, into this process's private temporary directory.
@@ -268,7 +277,7 @@ def cached_cubin(path: Path, build, what: str | None = None) -> Path:
     A miss builds under the entry's inter-process lock (``cache.build_lock``; ``what``
     names it in the log), so processes missing the same entry at once build it once:
     the others wait, then find it here. A hit takes no lock (a read-only cache a
-    container ships is read as it is)."""
+    container ships is read as it is). ``built_by`` goes into the sidecar (``write_cached``)."""
     if read_cached(path) is not None:
         return path
     if _fallback_dir is not None and read_cached(_fallback_dir / path.name) is not None:
@@ -279,9 +288,52 @@ def cached_cubin(path: Path, build, what: str | None = None) -> Path:
         data = build()
         check_cubin(data)
         try:
-            write_cached(path, data)
+            write_cached(path, data, built_by)
             return path
         except OSError as err:
             spare = fallback_dir(path.parent, err) / path.name
-            write_cached(spare, data)
+            write_cached(spare, data, built_by)
             return spare
+
+
+def nvrtc_label(version) -> str:
+    """``(12, 9)`` -> ``"12.9"``: how the sidecars and the messages spell an NVRTC version."""
+    return ".".join(str(part) for part in version)
+
+
+_nvrtc_checked: set[tuple[Path, str]] = set()
+
+
+def warn_other_nvrtc(directory: Path, arch: str, version) -> set[str]:
+    """Once per process per ``(directory, arch)``: when the cubins of ``arch`` cached in
+    ``directory`` were all built by other NVRTC versions than ``version`` (this process's),
+    warn (a RuntimeWarning and a WARNING record) naming them and this one, since every kernel
+    will then be compiled again. Returns those other versions (empty: nothing to say). Only
+    sidecars that record their NVRTC (``write_cached``'s ``built_by``) are read; reading stops
+    at the first entry this version built."""
+    directory = Path(directory)
+    if (directory, arch) in _nvrtc_checked:
+        return set()
+    _nvrtc_checked.add((directory, arch))
+    mine, others = nvrtc_label(version), set()
+    try:
+        sidecars = sorted(directory.glob(f"*_{arch}_*.cubin.json"))
+    except OSError:
+        return set()
+    for sidecar in sidecars:
+        try:
+            built = json.loads(sidecar.read_text(encoding="utf-8")).get("nvrtc")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if built == mine:
+            return set()
+        if isinstance(built, str):
+            others.add(built)
+    if others:
+        message = (f"metrale-attn: the kernel cache {directory} holds {arch} cubins built by NVRTC "
+                   f"{', '.join(sorted(others))} and none by this environment's NVRTC {mine}: the cache key includes "
+                   "the NVRTC version, so every kernel will be compiled again here (run metrale-attn precompile in "
+                   "this environment, or serve with the NVRTC the cache was built with)")
+        logger.warning("%s", message)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+    return others

@@ -10,7 +10,9 @@ taken from NVRTC whole (``cubin.nvrtc_cubin``: CuPy's ``getCUBIN`` drops the las
 byte), cached on disk by a hash of source, options, architecture and NVRTC version
 with their size and SHA-256 beside them (a damaged entry is rebuilt, an unwritable
 cache directory gives way to a private temporary one, a missing one is compiled once
-under its inter-process lock however many processes miss it at once), loaded with
+under its inter-process lock however many processes miss it at once, and a cache whose
+cubins for this architecture another NVRTC version built is warned about once,
+``cubin.warn_other_nvrtc``), loaded with
 ``cupy.RawModule(path=...)`` and memoized per ``(device, spec)``.
 
 Launches go to the stream ``launch_stream`` picks: the one the caller names, else
@@ -126,7 +128,10 @@ def cubin_lookup(spec: KernelSpec, arch: str, root: Path | None = None) -> Cubin
         built.append(time.perf_counter() - start)
         return data
 
-    found = cubin.cached_cubin(path, build, f"{spec.name} for {arch}")
+    from cupy_backends.cuda.libs import nvrtc
+
+    built_by = {"arch": arch, "nvrtc": cubin.nvrtc_label(nvrtc.getVersion())}
+    found = cubin.cached_cubin(path, build, f"{spec.name} for {arch}", built_by)
     if built:
         logger.debug("compiled %s for %s with NVRTC in %.2f s (cache miss: %s)", spec.name, arch, built[0], found)
     else:
@@ -227,12 +232,24 @@ class CupyBackend:
         device's context, which another thread would not share."""
         return [self.load(v) for v in specs]
 
+    def uncached(self, specs) -> list:
+        """The specs among ``specs`` that ``load`` would compile with NVRTC: neither loaded in
+        this process nor whole in the cubin cache."""
+        device = self.device()
+        arch = "sm_{}{}".format(*device.compute_capability)
+        return [v for v in specs
+                if (device.ordinal, v.name) not in _MODULES and not cubin.is_cached(cubin_entry(v, arch))]
+
     def load(self, spec: KernelSpec) -> _CupyModule:
         device = self.device()
         key = (device.ordinal, spec.name)
         module = _MODULES.get(key)
         if module is None:
-            raw = self._cupy.RawModule(path=cubin_path(spec, "sm_{}{}".format(*device.compute_capability)))
+            from cupy_backends.cuda.libs import nvrtc
+
+            arch = "sm_{}{}".format(*device.compute_capability)
+            cubin.warn_other_nvrtc(cache_root() / "cubin", arch, nvrtc.getVersion())  # once per cache and arch
+            raw = self._cupy.RawModule(path=cubin_path(spec, arch))
             functions = {k: raw.get_function(k) for k in spec.kernels}
             if spec.shared_bytes:  # past 48 KiB a kernel must opt in to its dynamic shared memory
                 functions[spec.kernels[0]].max_dynamic_shared_size_bytes = spec.shared_bytes

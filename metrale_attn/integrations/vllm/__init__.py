@@ -13,8 +13,9 @@ batch of only decodes never touches the other backend.
 
 ``register`` is the plugin: vLLM calls it in every process (entry point group
 ``vllm.general_plugins``, declared in pyproject.toml), and it only adds the name
-``METRALE_ATTN`` to ``AttentionBackendEnum``; nothing is imported or changed until that
-backend is selected. The backend itself is ``backend.MetraleAttentionBackend``.
+``METRALE_ATTN`` to ``AttentionBackendEnum`` (and sends the ``metrale_attn`` logger's records
+through vLLM's log handlers, ``logs.follow_vllm``); nothing else is imported or changed until
+that backend is selected. The backend itself is ``backend.MetraleAttentionBackend``.
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ def register() -> None:
     plugins more than once per process)."""
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
+    from ...logs import follow_vllm
+
+    follow_vllm()  # our records in vLLM's log, at its level (again when the backend is imported)
     if BACKEND_NAME in AttentionBackendEnum.__members__:
         return
     register_backend(BACKEND_NAME, BACKEND_CLASS)

@@ -55,11 +55,13 @@ from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from ... import policy
+from ...logs import follow_vllm
 from ...serving import ModelAttention
 from ...targets import DEFAULT_TARGET, detect_target, get_target, resolve_target_policy
 from . import BACKEND_NAME, options
 
 logger = init_logger(__name__)
+follow_vllm()  # vLLM configures only its own logger tree: without this our records never reach its log
 
 KERNEL_BLOCK_SIZES = (256, 128, 64, 32, 16)
 """The page sizes we offer vLLM for a kernel block, largest first: ours are 1..256 tokens
