@@ -1,11 +1,15 @@
-"""Compile before serving: every kernel a model's layers need, for a target, into the cubin cache.
+"""Compile before serving: every kernel a model's layers need, for a target, into the cubin cache;
+and the model every command describes (``describe_model``: ``--model``, ``--hf-config``, a shape).
 
 ``needed_specs`` (pure) says what a ``DecodeAttention`` of each kind of layer compiles
 on a target, by asking the rules it runs: ``config.configure``, ``kernels.launchable_config``
-(the simt fallback) and ``kernels.specs_for``. ``precompile`` compiles them with NVRTC
-(no GPU needed) through the CuPy backend's own lookup (``cupy_backend.cubin_lookup``: the
-same file names, under the same inter-process lock), so a construction on a GPU of that
-architecture, pointed at the same cache, finds every one: a cache hit.
+(the simt fallback) and ``kernels.specs_for``; ``plan_targets`` does so for several targets,
+each layer kind a target refuses a ``Refusal``. ``build_all`` compiles them with NVRTC
+(no GPU needed), in parallel processes, through the CuPy backend's own lookup
+(``cupy_backend.cubin_lookup``: the same file names, under the same inter-process lock), so a
+construction on a GPU of that architecture, pointed at the same cache, finds every one: a
+cache hit. ``precompile`` runs the steps; ``metrale-attn precompile`` and ``metrale-attn
+check`` compile through ``build_all``.
 
 A construction on a GPU runs the ``mma`` known-answer self-test first (a kernel of its own,
 ``kernels.SelfTest``), and falls back to ``simt`` where the device disagrees. No device is

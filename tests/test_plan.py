@@ -329,6 +329,22 @@ def test_the_plan_command_refuses_flags_that_do_not_describe_one_model_naming_th
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "llama-3-8b,llama-3-70b"], "--model: the demo runs one model, got 2 (llama-3-8b, llama-3-70b)"),
+    (["--tp", "2"], "--tensor-parallel-size splits the heads of --model; give --model too"),
+    (["--model", "llama-3-9b"], "--model takes llama-3-70b, llama-3-8b, qwen3.8-27b or Q/KV/HEAD_DIM"),
+])
+def test_the_demo_refuses_a_model_it_cannot_run_naming_the_flag_before_running(capsys, argv, message):
+    assert main(["demo", "--backend", "cpu", *argv]) == 2
+    captured = capsys.readouterr()
+    assert message in captured.err and not captured.out
+
+
+def test_the_demo_takes_no_config_file_only_a_preset_or_a_shape():
+    with pytest.raises(SystemExit):
+        main(["demo", "--hf-config", "config.json"])
+
+
 def test_the_demo_refuses_a_negative_seed_naming_the_flag(capsys):
     with pytest.raises(SystemExit) as done:
         main(["demo", "--seed", "-1"])
