@@ -67,7 +67,7 @@ def render_plan_table(args: argparse.Namespace) -> str:
     model = model_of(args)
     lines = [target_policy.line(), *(model.lines if model.config else ())]
     for n, layer in enumerate(model.layers):
-        title = "model" if len(model.layers) == 1 else f"layer {layer.name}"
+        title = "model" if len(model.layers) == 1 else f"{'layer' if model.config else 'model'} {layer.name}"
         lines += ([""] if n else []) + _plan_rows(args, target_policy, layer, title)
     return "\n".join(lines)
 
