@@ -12,16 +12,19 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-from . import hf_config
 from .cache import cache_root
 from .config import ENV_IMPL, ModelShape, configure, impl_chosen
 from .kernels import launchable_config
 from .models import MODELS
 from .plan import LEGACY_MAX_DECODE_SEQS, make_plan, workspace_for
 from .policy import parse_gqa_pack
-from .precompile import (Layer, Options, PrecompileError, build, check_nvrtc, layers_of, needed_specs,
-                         target_for_arch)
+from .precompile import (FEATURE_FLAGS, SHAPE_FLAGS, Layer, Model, Options, PrecompileError, build_all, check_nvrtc,
+                         describe_model, plan_targets, target_for_arch)
 from .targets import TARGETS, get_target, resolve_target_policy
+
+SKIPPED_EXIT = 3
+"""``metrale-attn precompile``'s exit code when it compiled for some targets and skipped others
+that refuse a layer kind of the model (``--skip-unsupported``: 0)."""
 
 
 
@@ -57,36 +60,35 @@ def _on_off(text: str) -> bool:
     return value
 
 
-def _shape(args: argparse.Namespace) -> ModelShape:
-    given = (args.q_heads, args.kv_heads, args.head_dim)
-    if args.model:
-        base = MODELS[args.model]
-        preset = (base.num_q_heads, base.num_kv_heads, base.head_dim)
-        return ModelShape(*(p if g is None else g for g, p in zip(given, preset)))  # a flag given wins over the preset
-    missing = [flag for flag, value in zip(("--q-heads", "--kv-heads", "--head-dim"), given) if value is None]
-    if missing:
-        raise ValueError(f"give --model or all of --q-heads, --kv-heads, --head-dim (missing {', '.join(missing)})")
-    return ModelShape(*given)
-
-
 def render_plan_table(args: argparse.Namespace) -> str:
-    """The target line and one row per batch size."""
+    """The target line, then for each layer kind of the model its line (and why it falls back to
+    ``simt``, where it does) and one row per batch size."""
     target_policy = resolve_target_policy(get_target(args.target), splitk=args.splitk, gqa_pack=args.gqa_pack)
-    shape = _shape(args)
+    model = model_of(args)
+    lines = [target_policy.line(), *(model.lines if model.config else ())]
+    for n, layer in enumerate(model.layers):
+        title = "model" if len(model.layers) == 1 else f"{'layer' if model.config else 'model'} {layer.name}"
+        lines += ([""] if n else []) + _plan_rows(args, target_policy, layer, title)
+    return "\n".join(lines)
+
+
+def _plan_rows(args: argparse.Namespace, target_policy, layer: Layer, title: str) -> list[str]:
+    """One layer kind's part of ``plan``: its line, why it falls back to simt, its table."""
+    shape = ModelShape(layer.num_q_heads, layer.num_kv_heads, layer.head_dim)
     max_batch = max(max(args.batch), 1) if args.max_batch is None else args.max_batch
     workspace = workspace_for(target_policy, shape, max_batch=max_batch, max_decode_seqs=args.max_decode_seqs)
     # What the library would run: the flags, else the same environment variables it reads.
     config = configure(shape.num_q_heads, shape.num_kv_heads, shape.head_dim, 16, q_dtype=args.q_dtype,
                        kv_dtype=args.kv_dtype, max_batch=max_batch, target_policy=target_policy,
-                       max_decode_seqs=args.max_decode_seqs, impl=args.impl, heads_per_cta=args.heads_per_cta)
+                       max_decode_seqs=args.max_decode_seqs, impl=args.impl, heads_per_cta=args.heads_per_cta,
+                       window_left=layer.window_left, logits_soft_cap=layer.logits_soft_cap, sinks=layer.sinks)
     # As DecodeAttention falls back where the target cannot run the mma kernels (no self-test here).
-    config, _ = launchable_config(config, [], impl_chosen(args.impl, os.environ.get(ENV_IMPL)))
-    impl = config.impl
+    config, why = launchable_config(config, [], impl_chosen(args.impl, os.environ.get(ENV_IMPL)))
     lines = [
-        target_policy.line(),
-        f"model: q_heads={shape.num_q_heads} kv_heads={shape.num_kv_heads} head_dim={shape.head_dim} "
-        f"max_batch={max_batch}; impl {impl}; workspace {workspace.slots} slots x {workspace.slot_floats} fp32 = "
-        f"{workspace.nbytes} bytes",
+        f"{title}: q_heads={shape.num_q_heads} kv_heads={shape.num_kv_heads} head_dim={shape.head_dim} "
+        f"max_batch={max_batch}; impl {config.impl}; workspace {workspace.slots} slots x {workspace.slot_floats} "
+        f"fp32 = {workspace.nbytes} bytes",
+        *([f"impl simt, not mma: {why}"] if why else []),
         "",
         f"{'batch':>6}  {'arm':<10}  {'splits':>6}  {'h/CTA':>5}  {'work items':<28}  {'items':>7}  {'/SM':>6}  "
         f"{'CTAs':>5}  {'ws bytes':>10}",
@@ -99,7 +101,7 @@ def render_plan_table(args: argparse.Namespace) -> str:
             f"{batch:>6}  {plan.arm:<10}  {plan.num_splits:>6}  {plan.heads_per_cta:>5}  {grids:<28}  "
             f"{plan.items:>7}  {plan.items_per_sm(target_policy.sm_count):>6.2f}  {plan.ctas:>5}  {used:>10}"
         )
-    return "\n".join(lines)
+    return lines
 
 
 def _float_above_zero(text: str) -> float:
@@ -121,10 +123,41 @@ def _names(text: str) -> list[str]:
     return names
 
 
-# -- precompile ----------------------------------------------------------------------------
+# -- the model: one description for every command ------------------------------------------
 
-_SHAPE_FLAGS = (("q_heads", "--q-heads"), ("kv_heads", "--kv-heads"), ("head_dim", "--head-dim"))
-_FEATURE_FLAGS = (("window_left", "--window-left"), ("logits_soft_cap", "--logits-soft-cap"), ("sinks", "--sinks"))
+
+def add_model_options(parser: argparse.ArgumentParser, *, plain: bool = False) -> None:
+    """``--model``, ``--hf-config`` and ``--tensor-parallel-size``/``--tp``, and one rank's shape and
+    features (``--q-heads``... ``--sinks``), as every command that takes a model reads them
+    (``model_of``). ``plain``: ``--model`` and ``--tp`` only (one plain layer kind)."""
+    group = parser.add_argument_group("the model: --model, --hf-config, or one rank's shape and features"
+                                      if not plain else "the model")
+    group.add_argument("--model", type=_names, help="comma-separated presets (" + ", ".join(sorted(MODELS)) + ") or "
+                       "Q/KV/HEAD_DIM shapes (32/8/128): the whole model's heads")
+    if not plain:
+        group.add_argument("--hf-config", help="a Hugging Face config.json (heads, head dim, sliding windows, "
+                           "soft-cap, sinks, dtype) instead of --model")
+    group.add_argument("--tensor-parallel-size", "--tp", type=_int_at_least(1), default=1,
+                       help="ranks the heads of --model or --hf-config are split over, as vLLM splits them "
+                       "(default 1)")
+    if plain:
+        return
+    group.add_argument("--q-heads", type=_int_at_least(1), help="one rank's q heads")
+    group.add_argument("--kv-heads", type=_int_at_least(1), help="one rank's KV heads")
+    group.add_argument("--head-dim", type=_int_at_least(1))
+    group.add_argument("--window-left", type=_int_at_least(-1),
+                       help="sliding window: keys before the current one a token sees (-1: none, default)")
+    group.add_argument("--logits-soft-cap", type=_float_above_zero, help="the logits soft-cap (default none)")
+    group.add_argument("--sinks", action="store_true", help="attention sinks (run() takes sink logits)")
+
+
+def model_of(args: argparse.Namespace) -> Model:
+    """The model ``add_model_options``' flags describe (``precompile.describe_model``)."""
+    flags = {name: getattr(args, name, None) for name in (*SHAPE_FLAGS, *FEATURE_FLAGS)}
+    return describe_model(args.model or (), getattr(args, "hf_config", None), args.tensor_parallel_size, **flags)
+
+
+# -- precompile ----------------------------------------------------------------------------
 
 
 def _precompile_targets(args: argparse.Namespace) -> list:
@@ -140,92 +173,74 @@ def _precompile_targets(args: argparse.Namespace) -> list:
     return [target_for_arch(arch) for arch in args.arch]
 
 
-def _precompile_model(args: argparse.Namespace) -> tuple[list[Layer], list[str], Optional[str]]:
-    """The layer kinds, the lines describing the model, and the model's dtype (or None)."""
-    given = [flag for name, flag in _SHAPE_FLAGS + _FEATURE_FLAGS if getattr(args, name) not in (None, False)]
-    if args.hf_config is not None:
-        if given:
-            raise ValueError(f"--hf-config gives the shape and the features; drop {', '.join(given)} (or give the "
-                             "shape and features without --hf-config)")
-        model = hf_config.load(args.hf_config)
-        tp = args.tensor_parallel_size
-        layers = layers_of(model, tp)
-        lines = [f"model: {model.source} ({model.model_type or 'no model_type'}): {model.num_q_heads} q heads, "
-                 f"{model.num_kv_heads} KV heads, head_dim {model.head_dim}; one rank of {tp}: "
-                 f"{layers[0].num_q_heads} q heads, {layers[0].num_kv_heads} KV heads",
-                 "layer kinds: " + ", ".join(kind.describe() for kind in model.kinds)]
-        lines += [f"  from the config: {note}" for note in model.notes]
-        return layers, lines, model.dtype
-    if args.tensor_parallel_size != 1:
-        raise ValueError("--tensor-parallel-size splits --hf-config's heads; --q-heads and --kv-heads are already "
-                         "one rank's")
-    missing = [flag for name, flag in _SHAPE_FLAGS if getattr(args, name) is None]
-    if missing:
-        raise ValueError(f"give --hf-config or all of --q-heads, --kv-heads, --head-dim (missing {', '.join(missing)})")
-    window = -1 if args.window_left is None else args.window_left
-    layer = Layer("layer", args.q_heads, args.kv_heads, args.head_dim, window, args.logits_soft_cap, args.sinks)
-    features = [f"window_left {window}"] if window >= 0 else []
-    features += [f"logits_soft_cap {args.logits_soft_cap:g}"] if args.logits_soft_cap is not None else []
-    features += ["sinks"] if args.sinks else []
-    return [layer], [f"model: {args.q_heads} q heads, {args.kv_heads} KV heads, head_dim {args.head_dim} (one "
-                     f"rank's){'; ' + ', '.join(features) if features else ''}"], None
-
-
 def run_precompile(args: argparse.Namespace, out=print) -> int:
-    """``metrale-attn precompile``: plan every target (each refusal first), then compile."""
-    layers, lines, model_dtype = _precompile_model(args)
+    """``metrale-attn precompile``: plan every target (each refusal said, naming the target and
+    the layer kind), then compile for those that take every layer kind, ``--jobs`` at a time.
+    Exits ``SKIPPED_EXIT`` when a target was skipped (0 with ``--skip-unsupported``); a model no
+    target takes is an error."""
+    model = model_of(args)
     targets = _precompile_targets(args)
-    q_dtype = args.q_dtype or model_dtype or "bfloat16"
+    q_dtype = args.q_dtype or model.dtype or "bfloat16"
     options = Options(q_dtype=q_dtype, kv_dtype=args.kv_dtype, max_batch=args.max_batch, max_q_len=args.max_q_len,
                       out_dtype=args.out_dtype, page_size=args.page_size, splitk=args.splitk, gqa_pack=args.gqa_pack,
                       impl=args.impl, heads_per_cta=args.heads_per_cta, max_decode_seqs=args.max_decode_seqs)
-    try:
-        plans = [needed_specs(layers, target, options, sm_count=args.sm_count) for target in targets]
-    except (ValueError, TypeError) as err:
-        if args.hf_config is None:
-            raise
-        # The layer kinds came from the file: say which, as hf_config's own refusals do (after
-        # the argument named, which may be a flag's).
-        raise type(err)(f"{err} (layer kinds from --hf-config {args.hf_config})") from None
-    where = "--q-dtype" if args.q_dtype else ("the config's dtype" if model_dtype else "the default")
-    lines.append(f"dtypes: q {q_dtype} ({where}), KV {args.kv_dtype or q_dtype}"
-                 f"{'' if args.kv_dtype else ' (as q; --kv-dtype to change)'}; max_batch {args.max_batch}, "
-                 f"max_q_len {args.max_q_len}")
+    plans, refusals = plan_targets(model.layers, targets, options, sm_count=args.sm_count)
+    # The layer kinds came from the file: say which, as hf_config's own refusals do.
+    from_file = f" (layer kinds from --hf-config {model.config})" if model.config else ""
+    if not plans:
+        raise refusals[0].error_type("; ".join(r.line() + from_file for r in refusals))
+    where = "--q-dtype" if args.q_dtype else ("the config's dtype" if model.dtype else "the default")
+    lines = [*model.lines, f"dtypes: q {q_dtype} ({where}), KV {args.kv_dtype or q_dtype}"
+             f"{'' if args.kv_dtype else ' (as q; --kv-dtype to change)'}; max_batch {args.max_batch}, "
+             f"max_q_len {args.max_q_len}"]
     root = Path(args.cache_dir) if args.cache_dir else cache_root()
-    version = None if args.dry_run else check_nvrtc(t.arch for t in targets)
+    version = None if args.dry_run else check_nvrtc(p.target.arch for p in plans)
     for line in lines:
         out(line)
-    start, built = time.perf_counter(), []
-    for plan in plans:
-        target = plan.target
-        out(f"{target.arch}: {plan.defaults_line}")
-        for note in plan.notes:
-            out(f"  {note}")
-        if args.dry_run:
-            for needed in plan.needed:
+    for target in targets:
+        for plan in (p for p in plans if p.target.name == target.name):
+            out(f"{plan.target.arch}: {plan.defaults_line}")
+            for note in plan.notes:
+                out(f"  {note}")
+            for needed in plan.needed if args.dry_run else ():
                 out(f"  {needed.name}  [{needed.why}]")
-            continue
-        built += build(plan, root, on_built=lambda b: out(b.line()))
-    arches = ", ".join(t.arch for t in targets)
+        for refusal in (r for r in refusals if r.target.name == target.name):
+            out(f"{target.arch}: skipped: {refusal.line()}{from_file}")
+    arches = ", ".join(p.target.arch for p in plans)
+    count = sum(len(p.needed) for p in plans)
     if args.dry_run:
-        out(f"would compile {sum(len(p.needed) for p in plans)} kernel(s) for {arches} (dry run: nothing compiled)")
-        return 0
-    misses = sum(not b.hit for b in built)
-    out(f"precompiled {len(built)} kernel(s) for {arches} with NVRTC {version} into {root / 'cubin'}: {misses} "
-        f"compiled, {len(built) - misses} already cached, {time.perf_counter() - start:.1f} s")
-    if args.cache_dir:
+        out(f"would compile {count} kernel(s) for {arches} (dry run: nothing compiled)")
+    else:
+        jobs = min(args.jobs, count) or 1
+        out(f"compiling {count} kernel(s), {jobs} at a time, each said as it is done:")
+        start = time.perf_counter()
+        built = build_all(plans, root, jobs=args.jobs, on_built=lambda b: out(b.line()))
+        failed = next((b for b in built if b.error), None)
+        if failed is not None:
+            raise PrecompileError(failed.error)
+        misses = sum(not b.hit for b in built)
+        out(f"precompiled {len(built)} kernel(s) for {arches} with NVRTC {version} into {root / 'cubin'}: {misses} "
+            f"compiled, {len(built) - misses} already cached, {time.perf_counter() - start:.1f} s ({jobs} "
+            f"process{'es' if jobs > 1 else ''})")
+    code = 0
+    if refusals:
+        skipped = list(dict.fromkeys(f"{r.target.name} ({r.target.arch})" for r in refusals))
+        code = 0 if args.skip_unsupported else SKIPPED_EXIT
+        out(f"skipped {', '.join(skipped)}: a layer kind of the model is refused there (above); exit {code}"
+            + (" (--skip-unsupported)" if args.skip_unsupported else " (--skip-unsupported to exit 0)"))
+    if args.cache_dir and not args.dry_run:
         out(f"serve with METRALE_ATTN_CACHE_DIR={root} (the same CuPy and NVRTC) to find them")
-    return 0
+    return code
 
 
 def run_check_command(args: argparse.Namespace, out=print) -> int:
     """``metrale-attn check``: the model's layers, then ``check.run_check``."""
-    from .check import CheckOptions, compile_kernels, model_layers, run_check
+    from .check import CheckOptions, compile_kernels, run_check
     from .check.cells import parse_points
     from .check.run import resolve_backend
 
-    label, layers = model_layers(args.model or (), args.hf_config, args.tensor_parallel_size)
-    options = CheckOptions(tuple(layers), label, Path(args.out), kv_dtypes=tuple(args.kv_dtype),
+    model = model_of(args)
+    options = CheckOptions(model.layers, model.label, Path(args.out), kv_dtypes=tuple(args.kv_dtype),
                            impls=tuple(args.impl), points=parse_points(args.points), backend=args.backend,
                            cap_s=args.cap_s, jobs=args.jobs, correctness=not args.no_correctness,
                            deadline_s=args.deadline_s, flashinfer_status=args.flashinfer_status)
@@ -239,16 +254,24 @@ def run_check_command(args: argparse.Namespace, out=print) -> int:
     return code
 
 
+def _demo_layer(args: argparse.Namespace) -> Optional[Layer]:
+    """The one plain layer kind ``demo`` runs: ``--model``'s (one model), or None for the demo's own."""
+    if not args.model:
+        if args.tensor_parallel_size != 1:
+            raise ValueError("--tensor-parallel-size splits the heads of --model; give --model too")
+        return None
+    if len(args.model) != 1:
+        raise ValueError(f"--model: the demo runs one model, got {len(args.model)} ({', '.join(args.model)})")
+    return model_of(args).layers[0]
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="metrale-attn", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
     plan = sub.add_parser("plan", help="print the launch geometry for a model shape on a target")
     plan.add_argument("--target", default="hopper", choices=sorted(TARGETS))
-    plan.add_argument("--model", choices=sorted(MODELS), help="a preset shape (flags below override it)")
-    plan.add_argument("--q-heads", type=_int_at_least(1))
-    plan.add_argument("--kv-heads", type=_int_at_least(1))
-    plan.add_argument("--head-dim", type=_int_at_least(1))
+    add_model_options(plan)
     plan.add_argument("--batch", type=_batches, default=[1, 8, 64], help="comma-separated batch sizes")
     plan.add_argument("--max-batch", type=_int_at_least(1), help="workspace rows (default: the largest batch)")
     plan.add_argument("--max-decode-seqs", type=_int_at_least(0), default=1,
@@ -274,18 +297,12 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--cache-dir", help="the cache root to fill (what METRALE_ATTN_CACHE_DIR names at serving "
                        "time; default: the package's cache)")
     where.add_argument("--dry-run", action="store_true", help="list the kernels without compiling (needs no NVRTC)")
-    model = pre.add_argument_group("the model: --hf-config, or the shape and features of one layer kind")
-    model.add_argument("--hf-config", help="a Hugging Face config.json (heads, head dim, sliding windows, soft-cap, "
-                       "sinks, dtype)")
-    model.add_argument("--tensor-parallel-size", type=_int_at_least(1), default=1,
-                       help="ranks the config's heads are split over, as vLLM splits them (default 1)")
-    model.add_argument("--q-heads", type=_int_at_least(1), help="one rank's q heads")
-    model.add_argument("--kv-heads", type=_int_at_least(1), help="one rank's KV heads")
-    model.add_argument("--head-dim", type=_int_at_least(1))
-    model.add_argument("--window-left", type=_int_at_least(-1),
-                       help="sliding window: keys before the current one a token sees (-1: none, default)")
-    model.add_argument("--logits-soft-cap", type=_float_above_zero, help="the logits soft-cap (default none)")
-    model.add_argument("--sinks", action="store_true", help="attention sinks (run() takes sink logits)")
+    where.add_argument("-j", "--jobs", type=_int_at_least(1), default=os.cpu_count() or 1,
+                       help="NVRTC compiles at a time, each in a process of its own (default: the cores)")
+    where.add_argument("--skip-unsupported", action="store_true", help="exit 0 when a target that refuses a layer "
+                       "kind of the model was skipped (default: exit %d; the other targets are compiled either way)"
+                       % SKIPPED_EXIT)
+    add_model_options(pre)
     serve = pre.add_argument_group("how it is served (DecodeAttention's arguments)")
     serve.add_argument("--q-dtype", help="q and out: bfloat16 or float16 (default: the config's dtype, else "
                        "bfloat16)")
@@ -311,11 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "32k against the copy bandwidth with PyTorch SDPA and FlashInfer beside ours where "
                            "installed, and write report.md, report.json and report.png. Exits 1 when a check of "
                            "ours fails. Without a GPU: the correctness half, on the CPU backend.")
-    check.add_argument("--model", type=_names, help="comma-separated presets (" + ", ".join(sorted(MODELS)) + ") or "
-                       "Q/KV/HEAD_DIM shapes")
-    check.add_argument("--hf-config", help="a Hugging Face config.json instead of --model")
-    check.add_argument("--tensor-parallel-size", "--tp", type=_int_at_least(1), default=1,
-                       help="ranks the model's heads are split over (default 1)")
+    add_model_options(check)
     check.add_argument("--kv-dtype", type=_names, default=["bf16"], help="comma-separated: bf16 (default), fp8 "
                        "(e4m3, a per-tensor scale)")
     check.add_argument("--impl", type=_names, default=["mma", "sdpa", "flashinfer"],
@@ -341,6 +354,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--backend", choices=["cupy", "cpu"], help="default: cupy with a GPU, else cpu")
     demo.add_argument("--target", choices=sorted(TARGETS), help="default: detected, or hopper on the CPU")
     demo.add_argument("--seed", type=_int_at_least(0), default=0)
+    add_model_options(demo, plain=True)
     return parser
 
 
@@ -356,7 +370,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return run_check_command(args, out=lambda line: print(line, flush=True))
         from .demo import run_demo
 
-        return run_demo(backend=args.backend, target=args.target, seed=args.seed)
+        return run_demo(backend=args.backend, target=args.target, seed=args.seed, layer=_demo_layer(args))
     except (ValueError, TypeError, PrecompileError) as err:
         print(f"metrale-attn {args.command}: error: {err}", file=sys.stderr)
         return 2

@@ -1,6 +1,6 @@
 """``metrale-attn demo``: a realistic mixed decode batch, checked against the reference.
 
-The 24/4/256 shape with an fp8 e4m3 KV cache (bf16 queries), page size 16, six
+The 24/4/256 shape (or one rank of ``--model``'s) with an fp8 e4m3 KV cache (bf16 queries), page size 16, six
 sequences of different lengths that share a prefix page, on the best backend
 present: CuPy on a GPU, else the CPU backend (whose time is the simulator's, not a
 kernel's).
@@ -23,14 +23,17 @@ PAGE_SIZE = 16
 SEQ_LENS = (1, 16, 17, 300, 777, 1500)
 
 
-def run_demo(backend: Optional[str] = None, target: Optional[str] = None, seed: int = 0) -> int:
-    """Run, check, print; returns 0 when every element is within the 1-ulp bar."""
+def run_demo(backend: Optional[str] = None, target: Optional[str] = None, seed: int = 0, layer=None) -> int:
+    """Run, check, print; returns 0 when every element is within the 1-ulp bar. ``layer``: a
+    ``precompile.Layer`` whose heads and head dim to run (its features are not read; None: 24/4/256)."""
     be = get_backend(backend)
+    shape = SHAPE if layer is None else dict(num_q_heads=layer.num_q_heads, num_kv_heads=layer.num_kv_heads,
+                                             head_dim=layer.head_dim)
     problem = make_problem(
         np.random.default_rng(seed), num_seqs=len(SEQ_LENS), page_size=PAGE_SIZE, seq_lens=list(SEQ_LENS),
-        kv_dtype="fp8", q_dtype="bf16", layout="NHD", share_prefix_pages=1, **SHAPE,
+        kv_dtype="fp8", q_dtype="bf16", layout="NHD", share_prefix_pages=1, **shape,
     )
-    attn = DecodeAttention(**SHAPE, page_size=PAGE_SIZE, q_dtype="bfloat16", kv_dtype="fp8_e4m3",
+    attn = DecodeAttention(**shape, page_size=PAGE_SIZE, q_dtype="bfloat16", kv_dtype="fp8_e4m3",
                            max_batch=64, target=target, backend=be)
     plan = attn.plan(len(SEQ_LENS))
     print(attn.target_line())

@@ -1,11 +1,15 @@
-"""Compile before serving: every kernel a model's layers need, for a target, into the cubin cache.
+"""Compile before serving: every kernel a model's layers need, for a target, into the cubin cache;
+and the model every command describes (``describe_model``: ``--model``, ``--hf-config``, a shape).
 
 ``needed_specs`` (pure) says what a ``DecodeAttention`` of each kind of layer compiles
 on a target, by asking the rules it runs: ``config.configure``, ``kernels.launchable_config``
-(the simt fallback) and ``kernels.specs_for``. ``precompile`` compiles them with NVRTC
-(no GPU needed) through the CuPy backend's own lookup (``cupy_backend.cubin_lookup``: the
-same file names, under the same inter-process lock), so a construction on a GPU of that
-architecture, pointed at the same cache, finds every one: a cache hit.
+(the simt fallback) and ``kernels.specs_for``; ``plan_targets`` does so for several targets,
+each layer kind a target refuses a ``Refusal``. ``build_all`` compiles them with NVRTC
+(no GPU needed), in parallel processes, through the CuPy backend's own lookup
+(``cupy_backend.cubin_lookup``: the same file names, under the same inter-process lock), so a
+construction on a GPU of that architecture, pointed at the same cache, finds every one: a
+cache hit. ``precompile`` runs the steps; ``metrale-attn precompile`` and ``metrale-attn
+check`` compile through ``build_all``.
 
 A construction on a GPU runs the ``mma`` known-answer self-test first (a kernel of its own,
 ``kernels.SelfTest``), and falls back to ``simt`` where the device disagrees. No device is
@@ -26,8 +30,10 @@ from typing import Callable, Iterable, Optional, Sequence
 
 from .cache import cache_root
 from .config import ENV_IMPL, configure, impl_chosen, int_in
+from . import hf_config
 from .hf_config import HFModel, shard_heads
 from .kernels import SelfTest, launchable_config, specs_for
+from .models import model_shape
 from .plan import LEGACY_MAX_DECODE_SEQS
 from .targets import TARGETS, Target, resolve_target_policy
 
@@ -98,17 +104,21 @@ class TargetPlan:
 
 @dataclass(frozen=True)
 class Built:
-    """One kernel in the cache: where, whether it was there already, the seconds it took."""
+    """One kernel in the cache: where, whether it was there already, the seconds it took; or
+    why it could not be built."""
 
     arch: str
     name: str
     why: str
     hit: bool
     seconds: float
-    path: Path
+    path: Optional[Path]
+    error: str = ""  # why it could not be built (then ``path`` is None)
 
     def line(self) -> str:
-        return f"  {'hit' if self.hit else 'miss':<4}  {self.seconds:6.2f} s  {self.name}  [{self.why}]"
+        state = "FAIL" if self.error else ("hit" if self.hit else "miss")
+        return (f"  {state:<4}  {self.seconds:6.2f} s  {self.arch}  {self.name}  [{self.why}]"
+                + (f": {self.error}" if self.error else ""))
 
 
 def layers_of(model: HFModel, tensor_parallel: int = 1) -> list[Layer]:
@@ -118,6 +128,80 @@ def layers_of(model: HFModel, tensor_parallel: int = 1) -> list[Layer]:
     q_heads, kv_heads = shard_heads(model.num_q_heads, model.num_kv_heads, tensor_parallel)
     return [Layer(kind.name, q_heads, kv_heads, model.head_dim, kind.window_left, kind.logits_soft_cap, kind.sinks)
             for kind in model.kinds]
+
+
+@dataclass(frozen=True)
+class Model:
+    """A model as every command takes it (``describe_model``): one rank's layer kinds, a label,
+    the lines that describe it, its served dtype (None: not said) and the config file it came
+    from (None: from the flags)."""
+
+    label: str
+    layers: tuple[Layer, ...]
+    lines: tuple[str, ...]
+    dtype: Optional[str] = None
+    config: Optional[str] = None
+
+
+SHAPE_FLAGS = {"q_heads": "--q-heads", "kv_heads": "--kv-heads", "head_dim": "--head-dim"}
+FEATURE_FLAGS = {"window_left": "--window-left", "logits_soft_cap": "--logits-soft-cap", "sinks": "--sinks"}
+
+
+def describe_model(models: Sequence[str] = (), hf_config_path: Optional[str] = None, tensor_parallel: int = 1,
+                   **flags) -> Model:
+    """The model of the command line: ``--model NAME[,NAME...]`` (presets of ``models.MODELS`` or
+    ``Q/KV/HEAD_DIM``, the whole model's heads), ``--hf-config FILE``, or one rank's layer from
+    ``flags`` (``q_heads``, ``kv_heads``, ``head_dim``; and ``window_left``, ``logits_soft_cap``,
+    ``sinks``, which also apply to ``--model``'s layers), with the heads of the first two split
+    over ``tensor_parallel`` ranks. A combination that does not describe one model is a
+    ValueError naming the flags."""
+    shape = {name: flags.get(name) for name in SHAPE_FLAGS}
+    given = [SHAPE_FLAGS[name] for name, value in shape.items() if value is not None]
+    features = [FEATURE_FLAGS[name] for name in FEATURE_FLAGS if flags.get(name) not in (None, False)]
+    window = -1 if flags.get("window_left") is None else flags["window_left"]
+    cap, sinks = flags.get("logits_soft_cap"), bool(flags.get("sinks"))
+    if models and hf_config_path is not None:
+        raise ValueError("--model and --hf-config both describe the model: give one of the two")
+    if hf_config_path is not None:
+        if given or features:
+            raise ValueError(f"--hf-config gives the shape and the features; drop {', '.join(given + features)} (or "
+                             "give the shape and features without --hf-config)")
+        model = hf_config.load(hf_config_path)
+        layers = layers_of(model, tensor_parallel)
+        lines = [f"model: {model.source} ({model.model_type or 'no model_type'}): {model.num_q_heads} q heads, "
+                 f"{model.num_kv_heads} KV heads, head_dim {model.head_dim}; one rank of {tensor_parallel}: "
+                 f"{layers[0].num_q_heads} q heads, {layers[0].num_kv_heads} KV heads",
+                 "layer kinds: " + ", ".join(kind.describe() for kind in model.kinds)]
+        lines += [f"  from the config: {note}" for note in model.notes]
+        return Model(f"{model.source} ({model.model_type or 'no model_type'}, TP {tensor_parallel})", tuple(layers),
+                     tuple(lines), model.dtype, hf_config_path)
+    described = [f"window_left {window}"] if window >= 0 else []
+    described += [f"logits_soft_cap {cap:g}"] if cap is not None else []
+    described += ["sinks"] if sinks else []
+    features_text = f"; {', '.join(described)}" if described else ""
+    if models:
+        if given:
+            raise ValueError(f"--model gives the shape; drop {', '.join(given)} (or give the shape without --model)")
+        layers, lines = [], []
+        for name in models:
+            whole = model_shape(name)
+            q, kv = shard_heads(whole.num_q_heads, whole.num_kv_heads, tensor_parallel)
+            layers.append(Layer(name, q, kv, whole.head_dim, window, cap, sinks))
+            rank = f"; one rank of {tensor_parallel}: {q} q heads, {kv} KV heads" if tensor_parallel != 1 else ""
+            lines.append(f"model: {name}: {whole.num_q_heads} q heads, {whole.num_kv_heads} KV heads, head_dim "
+                         f"{whole.head_dim}{rank}{features_text}")
+        label = ", ".join(models) + (f" (TP {tensor_parallel})" if tensor_parallel != 1 else "")
+        return Model(label, tuple(layers), tuple(lines))
+    if tensor_parallel != 1:
+        raise ValueError("--tensor-parallel-size splits the heads of --model or --hf-config; --q-heads and --kv-heads "
+                         "are already one rank's")
+    missing = [flag for name, flag in SHAPE_FLAGS.items() if shape[name] is None]
+    if missing:
+        raise ValueError(f"give --model, --hf-config or all of --q-heads, --kv-heads, --head-dim (missing "
+                         f"{', '.join(missing)})")
+    q, kv, d = shape["q_heads"], shape["kv_heads"], shape["head_dim"]
+    return Model(f"{q}/{kv}/{d}", (Layer("layer", q, kv, d, window, cap, sinks),),
+                 (f"model: {q} q heads, {kv} KV heads, head_dim {d} (one rank's){features_text}",))
 
 
 def target_for_arch(arch: str) -> Target:
@@ -131,13 +215,56 @@ def target_for_arch(arch: str) -> Target:
 
 
 def needed_specs(layers: Sequence[Layer], target: Target, options: Options = Options(), *,
-                    sm_count: Optional[int] = None, environ=None) -> TargetPlan:
+                 sm_count: Optional[int] = None, environ=None) -> TargetPlan:
     """Every kernel a ``DecodeAttention`` of each of ``layers`` compiles on ``target`` (with
     ``sm_count`` SMs, default the table's; a GPU's own count is what a construction uses),
     resolved against ``environ`` (default ``os.environ``) as a construction resolves its
     options: both outcomes of the self-test (see the module's docstring). A value the
-    kernels refuse is a ValueError naming the argument and the layer; ``sm_count`` is an
-    int >= 1 (the split-K policy divides work by it)."""
+    kernels refuse is a ValueError naming the argument and the layer (the first layer
+    refused; ``plan_targets`` reports every one); ``sm_count`` is an int >= 1 (the split-K
+    policy divides work by it)."""
+    plan, refused = _plan_target(layers, target, options, sm_count, environ)
+    if refused:
+        first = refused[0]
+        raise first.error_type(first.line())
+    return plan
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A layer kind a target cannot take, and why (the kernels' own refusal, naming the argument)."""
+
+    target: Target
+    layer: Layer
+    why: str
+    error_type: type = ValueError
+
+    def line(self) -> str:
+        """``full (32 q heads, 4 KV heads, head_dim 64) on a100: ...``: the error ``needed_specs`` raises."""
+        layer = self.layer
+        return (f"{layer.name} ({layer.num_q_heads} q heads, {layer.num_kv_heads} KV heads, head_dim "
+                f"{layer.head_dim}) on {self.target.name}: {self.why}")
+
+
+def plan_targets(layers: Sequence[Layer], targets: Sequence[Target], options: Options = Options(), *,
+                 sm_count: Optional[int] = None, environ=None) -> tuple[list[TargetPlan], list[Refusal]]:
+    """``needed_specs`` of every target that takes every one of ``layers``, and every refusal of
+    the others (each target, each layer kind it refuses, why): a target that refuses a layer
+    kind cannot serve the model, so nothing is compiled for it."""
+    plans, refusals = [], []
+    for target in targets:
+        plan, refused = _plan_target(layers, target, options, sm_count, environ)
+        if refused:
+            refusals += refused
+        else:
+            plans.append(plan)
+    return plans, refusals
+
+
+def _plan_target(layers: Sequence[Layer], target: Target, options: Options, sm_count: Optional[int],
+                 environ) -> tuple[TargetPlan, list[Refusal]]:
+    """``needed_specs``' plan of ``target`` and the layers it refuses (the plan is whole only
+    where none is refused)."""
     env = os.environ if environ is None else environ
     if sm_count is not None:
         target = replace(target, sm_count=int_in("sm_count", sm_count, 1))
@@ -145,6 +272,7 @@ def needed_specs(layers: Sequence[Layer], target: Target, options: Options = Opt
     chosen = impl_chosen(options.impl, env.get(ENV_IMPL))
     found: dict[str, tuple[object, list[str]]] = {}
     notes: list[str] = []
+    refused: list[Refusal] = []
 
     def need(spec, why: str) -> None:
         whys = found.setdefault(spec.name, (spec, []))[1]
@@ -160,22 +288,23 @@ def needed_specs(layers: Sequence[Layer], target: Target, options: Options = Opt
                                heads_per_cta=options.heads_per_cta, max_q_len=options.max_q_len,
                                window_left=layer.window_left, logits_soft_cap=layer.logits_soft_cap,
                                sinks=layer.sinks, environ=env)
-            if config.impl == "mma":
-                need(SelfTest(), SELF_TEST)
             launchable, why = launchable_config(config, [], chosen)  # the self-test agrees
-            if why:
-                notes.append(f"{layer.name}: {why}; using impl='simt' instead, as a construction there does")
-            for spec in specs_for(launchable).values():
-                need(spec, layer.name)
+            specs = [(spec, layer.name) for spec in specs_for(launchable).values()]
             if launchable.impl == "mma" and not launchable.mma_only:  # it would fall back, not refuse
                 fallback, _ = launchable_config(config, ["(a failed self-test)"], chosen)
-                for spec in specs_for(fallback).values():
-                    need(spec, f"simt fallback of {layer.name}, if the device fails the self-test")
+                specs += [(spec, f"simt fallback of {layer.name}, if the device fails the self-test")
+                          for spec in specs_for(fallback).values()]
         except (ValueError, TypeError) as err:
-            raise type(err)(f"{layer.name} ({layer.num_q_heads} q heads, {layer.num_kv_heads} KV heads, head_dim "
-                            f"{layer.head_dim}) on {target.name}: {err}") from None
+            refused.append(Refusal(target, layer, str(err), type(err)))
+            continue
+        if config.impl == "mma":
+            need(SelfTest(), SELF_TEST)
+        if why:
+            notes.append(f"{layer.name}: {why}; using impl='simt' instead, as a construction there does")
+        for spec, who in specs:
+            need(spec, who)
     needed = tuple(Needed(spec, ", ".join(whys)) for spec, whys in found.values())
-    return TargetPlan(target, target_policy.line(), needed, tuple(notes))
+    return TargetPlan(target, target_policy.line(), needed, tuple(notes)), refused
 
 
 def check_nvrtc(arches: Iterable[str]) -> str:
@@ -199,28 +328,65 @@ def check_nvrtc(arches: Iterable[str]) -> str:
     return f"{version[0]}.{version[1]}"
 
 
-def build(plan: TargetPlan, cache_dir: Optional[Path] = None,
-          on_built: Optional[Callable[[Built], None]] = None) -> list[Built]:
-    """Compile (or find) every kernel of ``plan`` into ``cache_dir`` (the directory
-    ``METRALE_ATTN_CACHE_DIR`` names; default the package's cache), one after another,
-    calling ``on_built`` with each as it is done. A directory that holds every kernel may
-    be read-only; one that cannot take a missing kernel is a ``PrecompileError``."""
+def build_all(plans: Sequence[TargetPlan], cache_dir: Optional[Path] = None, *, jobs: int = 1,
+              on_built: Optional[Callable[[Built], None]] = None, keep_going: bool = False) -> list[Built]:
+    """Compile (or find) every kernel of ``plans`` into ``cache_dir`` (the directory
+    ``METRALE_ATTN_CACHE_DIR`` names; default the package's cache), ``jobs`` at a time in
+    processes of their own (spawned: NVRTC and CuPy start fresh in each; ``jobs`` 1: one after
+    another in this process), calling ``on_built`` with each as it is done (in the order they
+    finish). Returns them in the plans' order. A kernel that cannot be built is a ``Built``
+    whose ``error`` says why; unless ``keep_going``, none is started after it. A directory
+    that holds every kernel may be read-only."""
+    root = Path(cache_dir) if cache_dir is not None else cache_root()
+    todo = [(plan.target.arch, needed, root) for plan in plans for needed in plan.needed]
+    jobs = int_in("jobs", jobs, 1)
+    done: dict[int, Built] = {}
+
+    def finished(index: int, built: Built) -> bool:
+        done[index] = built
+        if on_built is not None:
+            on_built(built)
+        return keep_going or not built.error
+
+    if jobs == 1 or len(todo) <= 1:
+        for index, job in enumerate(todo):
+            if not finished(index, _build_one(job)):
+                break
+        return [done[i] for i in sorted(done)]
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    with ProcessPoolExecutor(max_workers=min(jobs, len(todo)), mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {pool.submit(_build_one, job): index for index, job in enumerate(todo)}
+        for future in as_completed(futures):
+            index = futures[future]
+            try:
+                built = future.result()
+            except Exception as err:  # noqa: BLE001 - the process died (a crash in NVRTC): said as its kernel's error
+                arch, needed, _ = todo[index]
+                built = Built(arch, needed.name, needed.why, False, 0.0, None, f"{type(err).__name__}: {err}")
+            if not finished(index, built):
+                for other in futures:
+                    other.cancel()
+    return [done[i] for i in sorted(done)]
+
+
+def _build_one(job: tuple[str, Needed, Path]) -> Built:
+    """One kernel into the cache (``build_all``'s unit of work, in this process or a pool's):
+    an error is returned in the ``Built``, as a pool's process must return it."""
     from .backends.cupy_backend import cubin_lookup  # needs CuPy: check_nvrtc first
 
-    root = Path(cache_dir) if cache_dir is not None else cache_root()
-    arch = plan.target.arch
-    done = []
-    for needed in plan.needed:
-        start = time.perf_counter()
+    arch, needed, root = job
+    start = time.perf_counter()
+    try:
         found = cubin_lookup(needed.spec, arch, root)
         if found.path.parent != root / "cubin":  # the lookup fell back to a private directory: gone at exit
             raise PrecompileError(f"{unwritable_cache(root / 'cubin', found.path.name)} (the kernel went to "
                                   f"{found.path.parent} for this process only)")
-        built = Built(arch, needed.name, needed.why, found.compile_s is None, time.perf_counter() - start, found.path)
-        done.append(built)
-        if on_built is not None:
-            on_built(built)
-    return done
+    except Exception as err:  # noqa: BLE001 - returned, named by its kernel
+        error = str(err) if isinstance(err, PrecompileError) else f"{type(err).__name__}: {err}"
+        return Built(arch, needed.name, needed.why, False, time.perf_counter() - start, None, error)
+    return Built(arch, needed.name, needed.why, found.compile_s is None, time.perf_counter() - start, found.path)
 
 
 def unwritable_cache(cubin_dir: Path, name: str) -> str:
@@ -241,14 +407,19 @@ def unwritable_cache(cubin_dir: Path, name: str) -> str:
 
 
 def precompile(layers: Sequence[Layer], targets: Sequence[Target], options: Options = Options(), *,
-               cache_dir: Optional[Path] = None, sm_count: Optional[int] = None,
+               cache_dir: Optional[Path] = None, sm_count: Optional[int] = None, jobs: int = 1,
                on_built: Optional[Callable[[Built], None]] = None) -> list[Built]:
     """Compile every kernel ``layers`` need on each of ``targets`` into ``cache_dir`` (default:
-    the package's cache, where ``DecodeAttention`` looks), without a GPU. Returns what was
-    built or found, in order; a second call finds them all (every one a hit). The steps are
-    ``needed_specs`` for every target (so any refusal comes first), ``check_nvrtc``, then
-    ``build`` each; ``metrale-attn precompile`` runs the same steps, printing between them."""
+    the package's cache, where ``DecodeAttention`` looks), without a GPU, ``jobs`` processes
+    at a time. Returns what was built or found, in order; a second call finds them all (every
+    one a hit). The steps are ``needed_specs`` for every target (so any refusal comes first),
+    ``check_nvrtc``, then ``build_all``; a kernel that could not be built is a
+    ``PrecompileError`` naming why. ``metrale-attn precompile`` runs the same steps, printing
+    between them, and compiles for the targets that take the model where others refuse it."""
     plans = [needed_specs(layers, t, options, sm_count=sm_count) for t in targets]  # every refusal first
     check_nvrtc(t.arch for t in targets)
-    return [built for plan in plans for built in build(plan, cache_dir, on_built)]
-
+    built = build_all(plans, cache_dir, jobs=jobs, on_built=on_built)
+    failed = next((b for b in built if b.error), None)
+    if failed is not None:
+        raise PrecompileError(failed.error)
+    return built

@@ -1,5 +1,6 @@
 """Targets, resolved target policies, launch plans and the plan CLI."""
 
+import pathlib
 import subprocess
 import sys
 from dataclasses import astuple
@@ -290,7 +291,58 @@ def test_the_plan_command_refuses_zero_sizes_instead_of_taking_the_defaults(caps
 @pytest.mark.parametrize("argv", [[], ["--q-heads", "8", "--head-dim", "128"]])
 def test_the_plan_command_without_a_shape_exits_2_naming_what_is_missing(capsys, argv):
     assert main(["plan", *argv]) == 2
-    assert "give --model or all of --q-heads, --kv-heads, --head-dim" in capsys.readouterr().err
+    assert "give --model, --hf-config or all of --q-heads, --kv-heads, --head-dim" in capsys.readouterr().err
+
+
+def test_the_plan_command_says_why_an_object_falls_back_to_simt(capsys):
+    assert main(["plan", "--target", "a10", "--model", "llama-3-8b", "--kv-dtype", "fp8_e4m3", "--batch", "1"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "; impl simt; " in out[1]
+    assert out[2] == ("impl simt, not mma: the mma kernels read fp8 caches with PTX's fp8 cvt, which a10 (sm_86) "
+                      "lacks (sm_89 and later have it)")
+    assert main(["plan", "--target", "hopper", "--model", "llama-3-8b", "--kv-dtype", "fp8_e4m3", "--batch", "1"]) == 0
+    assert "impl simt" not in capsys.readouterr().out
+
+
+def test_the_plan_command_takes_a_config_and_plans_each_layer_kind_of_one_rank(capsys):
+    config = pathlib.Path(__file__).parent / "hf_configs" / "gpt-oss-20b.json"
+    assert main(["plan", "--hf-config", str(config), "--tp", "2", "--batch", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "layer kinds: 12 sliding_attention (window_left 127, sinks), 12 full_attention (sinks)" in out
+    assert "layer sliding_attention: q_heads=32 kv_heads=4 head_dim=64" in out
+    assert "layer full_attention: q_heads=32 kv_heads=4 head_dim=64" in out
+
+
+def test_the_plan_command_splits_a_presets_heads_over_the_ranks(capsys):
+    assert main(["plan", "--model", "llama-3-70b", "--tp", "8", "--batch", "1"]) == 0
+    assert "model: q_heads=8 kv_heads=1 head_dim=128" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "llama-3-8b", "--q-heads", "8"], "--model gives the shape; drop --q-heads"),
+    (["--model", "llama-3-8b", "--hf-config", "config.json"], "--model and --hf-config both describe the model"),
+    (["--q-heads", "8", "--kv-heads", "8", "--head-dim", "128", "--tp", "2"],
+     "--tensor-parallel-size splits the heads of --model or --hf-config"),
+])
+def test_the_plan_command_refuses_flags_that_do_not_describe_one_model_naming_them(capsys, argv, message):
+    assert main(["plan", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "llama-3-8b,llama-3-70b"], "--model: the demo runs one model, got 2 (llama-3-8b, llama-3-70b)"),
+    (["--tp", "2"], "--tensor-parallel-size splits the heads of --model; give --model too"),
+    (["--model", "llama-3-9b"], "--model takes llama-3-70b, llama-3-8b, qwen3.8-27b or Q/KV/HEAD_DIM"),
+])
+def test_the_demo_refuses_a_model_it_cannot_run_naming_the_flag_before_running(capsys, argv, message):
+    assert main(["demo", "--backend", "cpu", *argv]) == 2
+    captured = capsys.readouterr()
+    assert message in captured.err and not captured.out
+
+
+def test_the_demo_takes_no_config_file_only_a_preset_or_a_shape():
+    with pytest.raises(SystemExit):
+        main(["demo", "--hf-config", "config.json"])
 
 
 def test_the_demo_refuses_a_negative_seed_naming_the_flag(capsys):

@@ -250,7 +250,13 @@ SMALL = ("--q-heads", "4", "--kv-heads", "4", "--head-dim", "64")
                                                           "--q-heads"),
     (("--target", "hopper", *HF_LLAMA, "--sinks"), "drop --sinks"),
     (("--target", "hopper", "--q-heads", "4"), "missing --kv-heads, --head-dim"),
-    (("--target", "hopper", *SMALL, "--tensor-parallel-size", "2"), "--tensor-parallel-size splits --hf-config"),
+    (("--target", "hopper", *SMALL, "--tensor-parallel-size", "2"), "--tensor-parallel-size splits the heads of "
+                                                                     "--model or --hf-config"),
+    (("--target", "hopper", *HF_LLAMA, "--model", "llama-3-8b"), "--model and --hf-config both describe the model: "
+                                                                 "give one of the two"),
+    (("--target", "hopper", "--model", "llama-3-8b", "--head-dim", "64"), "--model gives the shape; drop --head-dim"),
+    (("--target", "hopper", "--model", "llama-3-9b"), "--model takes llama-3-70b, llama-3-8b, qwen3.8-27b or "
+                                                      "Q/KV/HEAD_DIM (32/8/128); got 'llama-3-9b'"),
     (("--target", "hopper", *HF_LLAMA, "--tensor-parallel-size", "3"), "--tensor-parallel-size 3 must divide"),
     (("--target", "hopper", "--hf-config", "/nonexistent/config.json"), "--hf-config /nonexistent/config.json: "
                                                                         "cannot read it"),
@@ -280,6 +286,33 @@ def test_a_malformed_number_is_refused_by_the_parser_naming_the_flag(capsys, fla
     with pytest.raises(SystemExit) as exit_:
         main(["precompile", "--target", "hopper", *SMALL, flag, value])
     assert exit_.value.code == 2 and f"argument {flag}" in capsys.readouterr().err
+
+
+GPT_OSS_FP8 = ("--hf-config", str(CONFIGS / "gpt-oss-20b.json"), "--tp", "2", "--kv-dtype", "fp8_e4m3")
+
+
+def test_a_target_that_refuses_a_layer_kind_is_skipped_naming_each_refusal_and_the_others_are_planned(capsys):
+    code, out, err = precompile_cli(capsys, "--target", "hopper,a100,b200", *GPT_OSS_FP8, "--dry-run")
+    assert code == 3 and not err
+    lines = out.splitlines()
+    refused = [line for line in lines if line.startswith("sm_80: skipped: ")]
+    assert [line.split(": ")[2].split(" (")[0] for line in refused] == ["sliding_attention", "full_attention"]
+    assert ("sm_80: skipped: full_attention (32 q heads, 4 KV heads, head_dim 64) on a100: the mma kernels read fp8 "
+            "caches with PTX's fp8 cvt, which a100 (sm_80) lacks") in out
+    assert all(line.endswith(f"(layer kinds from --hf-config {CONFIGS / 'gpt-oss-20b.json'})") for line in refused)
+    assert lines[-2].startswith("would compile ") and lines[-2].endswith(" for sm_90, sm_100 (dry run: nothing "
+                                                                         "compiled)")
+    assert lines[-1] == ("skipped a100 (sm_80): a layer kind of the model is refused there (above); exit 3 "
+                         "(--skip-unsupported to exit 0)")
+    code, out, _ = precompile_cli(capsys, "--target", "hopper,a100,b200", *GPT_OSS_FP8, "--dry-run",
+                                  "--skip-unsupported")
+    assert code == 0 and out.splitlines()[-1].endswith("exit 0 (--skip-unsupported)")
+
+
+def test_a_model_no_target_takes_is_an_error_naming_every_refusal(capsys):
+    code, out, err = precompile_cli(capsys, "--target", "a100,a10", *GPT_OSS_FP8, "--dry-run", "--skip-unsupported")
+    assert code == 2 and not out
+    assert err.count("lacks (sm_89 and later have it)") == 4 and "on a100: " in err and "on a10: " in err
 
 
 def test_without_cupys_nvrtc_the_command_names_the_install_line(capsys, monkeypatch):
@@ -355,6 +388,25 @@ def test_a_precompiled_cache_is_all_hits_the_second_time_and_a_gpu_construction_
     backend.load_many(n.spec for n in needed)
     assert sorted(loaded) == sorted(b.path for b in again)
     assert not list(tmp_path.glob("cubin/*.lock"))  # a hit takes no lock: a read-only cache serves as it is
+
+
+def test_kernels_compile_in_parallel_processes_for_the_targets_that_take_the_model_and_a_refusal_exits_3(
+        tmp_path, capsys):
+    pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="NVRTC (cupy) is not installed")
+    argv = ("--target", "a10,hopper", *SMALL, "--kv-dtype", "fp8_e4m3", "--sinks", "-j", "2", "--cache-dir",
+            str(tmp_path))
+    code, out, _ = precompile_cli(capsys, *argv)
+    assert code == 3
+    lines = out.splitlines()
+    assert lines[2].startswith("sm_86: skipped: layer (4 q heads, 4 KV heads, head_dim 64) on a10: ")
+    assert lines[3].startswith("sm_90: target defaults (hopper")
+    assert lines[4] == "compiling 2 kernel(s), 2 at a time, each said as it is done:"
+    assert sorted(line.split()[4] for line in lines[5:7]) == ["decode_splitk_qbf16_kvfp8_hd64_r8_sinks", "pd_selftest"]
+    assert {line.split()[0] for line in lines[5:7]} == {"miss"}
+    assert lines[7].endswith(": 2 compiled, 0 already cached, " + lines[7].split(", ")[-1])
+    assert lines[7].endswith("(2 processes)") and lines[8].startswith("skipped a10 (sm_86): ")
+    code, out, _ = precompile_cli(capsys, *argv, "--skip-unsupported")
+    assert code == 0 and ": 0 compiled, 2 already cached, " in out
 
 
 def test_a_cache_directory_that_cannot_take_a_missing_kernel_is_an_error_not_a_silent_temporary_one(

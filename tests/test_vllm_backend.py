@@ -143,17 +143,21 @@ def test_vllms_cuda_selector_accepts_what_we_serve(changes):
 
 
 @pytest.mark.parametrize("changes, reason", [
-    (dict(head_size=72), "head_size not supported"),
-    (dict(head_size=512), "head_size not supported"),
-    (dict(dtype=torch.float32), "dtype not supported"),
+    (dict(head_size=72), "head_size 72 not supported (metrale-attn: 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, "
+                         "224, 240, 256)"),
+    (dict(head_size=512), "head_size 512 not supported (metrale-attn: 64, 80,"),
+    (dict(head_size=32), "head_size 32 not supported (metrale-attn: 64, 80,"),
+    (dict(dtype=torch.float32), "dtype torch.float32 not supported (metrale-attn: torch.bfloat16, torch.float16)"),
     (dict(kv_cache_dtype="fp8_e5m2"), "fp8_e5m2 has no prefill backend"),
-    (dict(kv_cache_dtype="int8_per_token_head"), "kv_cache_dtype not supported"),
-    (dict(block_size=8), "block_size not supported"),
+    (dict(kv_cache_dtype="int8_per_token_head"), "kv_cache_dtype int8_per_token_head not supported (metrale-attn: "
+                                                 "auto, bfloat16, float16, fp8, fp8_e4m3)"),
+    (dict(block_size=8), "block_size 8 not supported (metrale-attn: a multiple of 16, which vLLM splits into kernel "
+                         "blocks of 16, 32, 64, 128, 256 tokens)"),
     (dict(use_mla=True), "MLA not supported"),
     (dict(use_sparse=True), "sparse not supported"),
     (dict(use_mm_prefix=True), "partial multimodal token full attention not supported"),
     (dict(use_per_head_quant_scales=True), "per-head quant scales not supported"),
-    (dict(attn_type=AttentionType.ENCODER), "attention type"),
+    (dict(attn_type=AttentionType.ENCODER), "not supported (metrale-attn: decoder self-attention only)"),
     (dict(attn_type=AttentionType.ENCODER_ONLY), "attention type"),
     (dict(attn_type=AttentionType.ENCODER_DECODER), "attention type"),
     (dict(use_non_causal=True), "non-causal attention not supported"),
@@ -166,9 +170,18 @@ def test_vllms_cuda_selector_refuses_what_we_do_not_serve_with_our_reason(change
     assert any(reason in found for found in _reasons(**changes)), _reasons(**changes)
 
 
+@pytest.mark.parametrize("changes", [dict(block_size=8), dict(block_size=24), dict(head_size=512), dict(head_size=32)],
+                         ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+def test_a_refusal_of_ours_is_said_once_without_the_prefill_routes_consequence_of_it(changes):
+    found = _reasons(**changes)
+    assert len(found) == 1 and "no prefill backend" not in found[0], found
+
+
 @pytest.mark.parametrize("capability", [DeviceCapability(7, 5), DeviceCapability(11, 0)])
 def test_devices_our_kernels_do_not_launch_on_are_refused_at_selection(capability):
-    assert "compute capability not supported" in _reasons(capability)
+    found = _reasons(capability)
+    assert any(f"compute capability {capability.major}.{capability.minor} not supported (metrale-attn launches on "
+               "8.0 (sm_80, a100), " in r and "9.0 (sm_90, hopper)" in r for r in found), found
 
 
 @pytest.mark.parametrize("capability", [DeviceCapability(8, 0), DeviceCapability(8, 6), DeviceCapability(8, 9),

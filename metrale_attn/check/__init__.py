@@ -23,42 +23,16 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from .. import hf_config
-from ..config import ModelShape
-from ..models import MODELS
-from ..precompile import Layer, layers_of
-from ..hf_config import shard_heads
+from ..precompile import Layer, describe_model
 from .run import CheckOptions, compile_kernels, run_check
 
 __all__ = ["CheckOptions", "run_check", "model_layers", "compile_kernels"]
 
 
-def _spelled_shape(name: str) -> ModelShape:
-    """``32/8/128`` (q heads / KV heads / head dim) as a shape; a ValueError names ``--model``."""
-    try:
-        q, kv, d = (int(x) for x in name.split("/"))
-    except ValueError:
-        raise ValueError(f"--model takes {', '.join(sorted(MODELS))} or Q/KV/HEAD_DIM (32/8/128); got {name!r}") \
-            from None
-    if min(q, kv, d) < 1:
-        raise ValueError(f"--model {name}: heads and head dim must be >= 1")
-    return ModelShape(q, kv, d)
-
-
 def model_layers(models: Sequence[str] = (), hf_config_path: Optional[str] = None,
-                 tensor_parallel: int = 1) -> tuple[str, list[Layer]]:
-    """(label, one rank's layer kinds) of ``--model NAME[,NAME...]`` or ``--hf-config FILE`` (one of
-    the two), at ``tensor_parallel`` ranks. A ValueError names the flag."""
-    if bool(models) == (hf_config_path is not None):
-        raise ValueError("give the model with --model (" + ", ".join(sorted(MODELS)) + ") or --hf-config "
-                         "config.json, one of the two")
-    if hf_config_path is not None:
-        model = hf_config.load(hf_config_path)
-        return f"{model.source} ({model.model_type or 'no model_type'}, TP {tensor_parallel})", \
-            layers_of(model, tensor_parallel)
-    layers = []
-    for name in models:
-        shape = MODELS.get(name) or _spelled_shape(name)
-        q, kv = shard_heads(shape.num_q_heads, shape.num_kv_heads, tensor_parallel)
-        layers.append(Layer(name, q, kv, shape.head_dim))
-    return ", ".join(models) + (f" (TP {tensor_parallel})" if tensor_parallel != 1 else ""), layers
+                 tensor_parallel: int = 1, **flags) -> tuple[str, list[Layer]]:
+    """(label, one rank's layer kinds) of the model the command line describes
+    (``precompile.describe_model``: ``--model NAME[,NAME...]``, ``--hf-config FILE`` or one rank's
+    shape in ``flags``), at ``tensor_parallel`` ranks. A ValueError names the flags."""
+    model = describe_model(models, hf_config_path, tensor_parallel, **flags)
+    return model.label, list(model.layers)

@@ -26,12 +26,11 @@ import os
 import subprocess
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from ..precompile import Layer, Options, TargetPlan, build, needed_specs, target_for_arch
+from ..precompile import Layer, Options, TargetPlan, build_all, needed_specs, target_for_arch
 from . import report as reporting
 from .cells import ARM_OPTIONS, IMPLS, KV_DTYPES, OURS, POINTS, Cell, plan_cells
 
@@ -161,34 +160,20 @@ def kernel_plans(options: CheckOptions, arch: str, sm_count: int) -> list[Target
     return list(found.values())
 
 
-def _build_one(plan: TargetPlan) -> tuple[str, Optional[bool], str]:
-    """(kernel, whether it was cached, or None with the error): one compile, in a pool's process."""
-    try:
-        built = build(plan)[0]
-    except Exception as err:  # noqa: BLE001 - said, and met again by the worker that needs it
-        return plan.needed[0].name, None, f"{type(err).__name__}: {str(err)[:300]}"
-    return built.name, built.hit, ""
-
-
 def compile_kernels(options: CheckOptions, say: Callable[[str], None]) -> None:
-    """Every kernel the cells need, ``options.jobs`` NVRTC compiles at a time, into the cache the
-    workers read. A failure here is only said: the worker that needs the kernel meets it again
-    and reports it as its cell's result."""
+    """Every kernel the cells need, ``options.jobs`` NVRTC compiles at a time
+    (``precompile.build_all``), into the cache the workers read. A failure here is only said:
+    the worker that needs the kernel meets it again and reports it as its cell's result."""
     arch, sm_count = _device_arch()
     plans = kernel_plans(options, arch, sm_count)
     t0 = time.monotonic()
     say(f"compiling {len(plans)} kernels for {arch} ({min(options.jobs, len(plans)) or 1} processes; cached ones are "
         "hits)")
-    misses = failed = 0
-    import multiprocessing
-
-    with ProcessPoolExecutor(max_workers=max(1, min(options.jobs, len(plans))),
-                             mp_context=multiprocessing.get_context("spawn")) as pool:
-        for name, hit, error in pool.map(_build_one, plans):
-            if hit is None:
-                failed += 1
-                say(f"{name}: {error} (the cell that needs it will say so)")
-            misses += hit is False
+    built = build_all(plans, jobs=options.jobs, keep_going=True)
+    for failed in (b for b in built if b.error):
+        say(f"{failed.name}: {failed.error[:300]} (the cell that needs it will say so)")
+    misses = sum(not b.hit and not b.error for b in built)
+    failed = sum(bool(b.error) for b in built)
     say(f"compiled {misses} kernels ({len(plans) - misses - failed} were cached, {failed} failed) in "
         f"{time.monotonic() - t0:.1f} s")
 

@@ -5,8 +5,9 @@ The pieces, in the order vLLM meets them:
 
 * ``MetraleAttentionBackend``: what vLLM asks before it selects a backend. Every
   refusal is made here (``supports_*``, ``supports_combination``), so vLLM falls back or
-  stops with our reason, never at a forward; the impl refuses what the selector cannot
-  see (ALiBi, a logits soft-cap below 0).
+  stops with our reason, never at a forward, naming the value and what works
+  (``validate_configuration``, ``options.selection_refusals``); the impl refuses what the
+  selector cannot see (ALiBi, a logits soft-cap below 0).
 * ``MetraleAttentionImpl``: one per attention layer. At model construction it maps the
   layer's arguments onto ``DecodeAttention`` options (``options``), builds vLLM's own
   prefill impl for the same layer, and reserves the layer's shape in the model's
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import inspect
 import weakref
 from typing import ClassVar, Optional
 
@@ -63,9 +65,7 @@ from . import BACKEND_NAME, options
 logger = init_logger(__name__)
 follow_vllm()  # vLLM configures only its own logger tree: without this our records never reach its log
 
-KERNEL_BLOCK_SIZES = (256, 128, 64, 32, 16)
-"""The page sizes we offer vLLM for a kernel block, largest first: ours are 1..256 tokens
-and both prefill backends take multiples of 16; vLLM splits a larger manager block."""
+KERNEL_BLOCK_SIZES = options.KERNEL_BLOCK_SIZES  # what we offer vLLM for a kernel block: see there
 
 LAYOUTS = (KVCacheLayout.LBNHC, KVCacheLayout.LBHNC, KVCacheLayout.BLNHC, KVCacheLayout.BLHNC,
            KVCacheLayout.BHLNC, KVCacheLayout.LHBNC)
@@ -90,6 +90,18 @@ def prefill_backend(*, head_size: int, dtype: torch.dtype, kv_cache_dtype: Optio
     also takes an fp8 cache with a bf16/fp16 query, as our decode does (FlashAttention 3
     wants the query quantized to fp8 too, which would move that choice into the layer).
     A ValueError with every candidate's reasons when neither takes it."""
+    backend, refused = _prefill_candidates(head_size=head_size, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
+                                           block_size=block_size, has_sink=has_sink, capability=capability)
+    if backend is None:
+        raise ValueError(options.prefill_refusal(refused, {}))
+    return backend
+
+
+def _prefill_candidates(*, head_size: int, dtype: torch.dtype, kv_cache_dtype: Optional[str],
+                        block_size: Optional[int], has_sink: bool, capability: Optional[DeviceCapability]
+                        ) -> tuple[Optional[type[AttentionBackend]], list[tuple[str, list[str]]]]:
+    """(the first candidate that takes the configuration, or None; the name and vLLM's reasons
+    of each candidate before it that refused), the candidates in ``prefill_backend``'s order."""
     from vllm.v1.attention.backends.fa_utils import is_flash_attn_varlen_func_available
     from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend
 
@@ -107,17 +119,16 @@ def prefill_backend(*, head_size: int, dtype: torch.dtype, kv_cache_dtype: Optio
             has_sink=has_sink, use_sparse=False, use_mm_prefix=False, use_per_head_quant_scales=False,
             device_capability=capability, attn_type=AttentionType.DECODER)
         if not reasons:
-            return backend
-        refused.append(f"{backend.get_name()}: {', '.join(reasons)}")
-    raise ValueError(f"no prefill backend for the prefill tokens ({'; '.join(refused)})")
+            return backend, refused
+        refused.append((backend.get_name(), list(reasons)))
+    return None, refused
 
 
-def _prefill_reason(**config) -> Optional[str]:
-    try:
-        prefill_backend(**config)
-    except ValueError as err:
-        return str(err)
-    return None
+def _own_refusals(head_size, dtype, kv_cache_dtype, block_size, device_capability, attn_type=None) -> dict[str, str]:
+    """``options.selection_refusals`` of vLLM's arguments (a torch dtype, a ``DeviceCapability``)."""
+    capability = None if device_capability is None else (device_capability.major, device_capability.minor)
+    return options.selection_refusals(head_size=head_size, dtype=str(dtype), kv_cache_dtype=kv_cache_dtype,
+                                      block_size=block_size, capability=capability, attn_type=attn_type)
 
 
 # -- the backend ---------------------------------------------------------------------------
@@ -207,8 +218,23 @@ class MetraleAttentionBackend(AttentionBackend):
             return fp8
         if use_mla or use_sparse or use_mm_prefix:
             return None  # validate_configuration reports each with its own reason
-        return _prefill_reason(head_size=head_size, dtype=dtype, kv_cache_dtype=kv_cache_dtype, block_size=block_size,
-                               has_sink=has_sink, capability=device_capability)
+        partner, refused = _prefill_candidates(head_size=head_size, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
+                                               block_size=block_size, has_sink=has_sink, capability=device_capability)
+        if partner is not None:
+            return None
+        # A prefill refusal that only repeats one of ours (block_size 8: Triton's too) is not said twice.
+        return options.prefill_refusal(refused, _own_refusals(head_size, dtype, kv_cache_dtype, block_size,
+                                                              device_capability))
+
+    @classmethod
+    def validate_configuration(cls, *args, **kwargs) -> list[str]:
+        """vLLM's checks, each of its bare refusals ("head_size not supported") replaced by ours,
+        which names the value and what works (``options.selection_refusals``)."""
+        reasons = super().validate_configuration(*args, **kwargs)
+        given = inspect.signature(super().validate_configuration).bind(*args, **kwargs).arguments
+        ours = _own_refusals(given.get("head_size"), given.get("dtype"), given.get("kv_cache_dtype"),
+                             given.get("block_size"), given.get("device_capability"), given.get("attn_type"))
+        return options.with_what_works(reasons, ours)
 
     @classmethod
     def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:

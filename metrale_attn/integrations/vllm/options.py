@@ -1,5 +1,6 @@
 """What a vLLM attention layer asks for, mapped exactly onto ``DecodeAttention``'s options,
-or refused with the reason vLLM prints. Pure functions over plain values: no vLLM import.
+or refused with the reason vLLM prints, naming the value and what works. Pure functions over
+plain values: no vLLM import.
 
 The conventions that differ between the two, pinned by tests:
 
@@ -14,9 +15,9 @@ The conventions that differ between the two, pinned by tests:
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
-from ...config import HEAD_DIMS, MAX_PAGE_SIZE, MAX_Q_LEN
+from ...config import HEAD_DIMS, MAX_Q_LEN
 from ...config import soft_cap as config_soft_cap
 from ...targets import FP8_CVT_CAPABILITY, TARGETS
 
@@ -82,31 +83,63 @@ def decode_q_len(num_speculative_tokens: Optional[int], *, batch_invariant: bool
     return q_len
 
 
-def refusals(*, head_size: int, dtype: str, kv_cache_dtype: Optional[str], block_size: Optional[int]) -> list[str]:
-    """Why this layer's configuration is not ours (empty: it is). ``dtype``:
-    ``str(torch dtype)`` of the model."""
-    reasons = []
+KERNEL_BLOCK_SIZES = (256, 128, 64, 32, 16)
+"""The page sizes we offer vLLM for a kernel block, largest first: ours are 1..256 tokens
+and both prefill backends take multiples of 16; vLLM splits a larger manager block. A
+manager block is ours where one of them divides it: a multiple of 16."""
+
+
+def selection_refusals(*, head_size: int, dtype: str, kv_cache_dtype: Optional[str], block_size: Optional[int],
+                       capability: Optional[tuple[int, int]], attn_type=None) -> dict[str, str]:
+    """Why this configuration is not ours, at selection (empty: it is), each reason naming the
+    value and what works, keyed by the bare reason vLLM's ``validate_configuration`` gives for
+    the same check ("head_size not supported"), which ``with_what_works`` replaces by it.
+    ``dtype``: ``str(torch dtype)`` of the model; ``capability``: (major, minor) or None."""
+    reasons = {}
     if head_size not in HEAD_DIMS:
-        reasons.append(f"head_size {head_size} not supported (metrale-attn: {', '.join(map(str, HEAD_DIMS))})")
+        reasons["head_size not supported"] = (f"head_size {head_size} not supported (metrale-attn: "
+                                              f"{', '.join(map(str, HEAD_DIMS))})")
     if dtype not in MODEL_DTYPES:
-        reasons.append(f"dtype {dtype} not supported (metrale-attn: torch.bfloat16, torch.float16)")
-    if kv_cache_dtype is not None:
-        if kv_cache_dtype in REFUSED_KV_CACHE_DTYPES:
-            reasons.append(REFUSED_KV_CACHE_DTYPES[kv_cache_dtype])
-        elif kv_cache_dtype not in KV_CACHE_DTYPES:
-            reasons.append(f"kv_cache_dtype {kv_cache_dtype} not supported (metrale-attn: "
-                           f"{', '.join(KV_CACHE_DTYPES)})")
-    if block_size is not None and not 1 <= block_size <= MAX_PAGE_SIZE:
-        reasons.append(f"block_size {block_size} not supported (metrale-attn: pages of 1..{MAX_PAGE_SIZE} tokens)")
+        reasons["dtype not supported"] = f"dtype {dtype} not supported (metrale-attn: {', '.join(MODEL_DTYPES)})"
+    if kv_cache_dtype is not None and kv_cache_dtype not in (*KV_CACHE_DTYPES, *REFUSED_KV_CACHE_DTYPES):
+        # fp8_e5m2 is read by our kernels: ``supports_combination`` refuses it with its own reason
+        reasons["kv_cache_dtype not supported"] = (f"kv_cache_dtype {kv_cache_dtype} not supported (metrale-attn: "
+                                                   f"{', '.join(KV_CACHE_DTYPES)})")
+    if block_size is not None and block_size % min(KERNEL_BLOCK_SIZES):
+        reasons["block_size not supported"] = (
+            f"block_size {block_size} not supported (metrale-attn: a multiple of {min(KERNEL_BLOCK_SIZES)}, which "
+            f"vLLM splits into kernel blocks of {', '.join(map(str, sorted(KERNEL_BLOCK_SIZES)))} tokens)")
+    if capability is not None and capability_refusal(capability):
+        reasons["compute capability not supported"] = capability_refusal(capability)
+    if attn_type is not None and attn_type != "decoder":
+        reasons[f"attention type {attn_type} not supported"] = (f"attention type {attn_type} not supported "
+                                                                "(metrale-attn: decoder self-attention only)")
     return reasons
 
 
+def with_what_works(reasons: Sequence[str], ours: dict[str, str]) -> list[str]:
+    """vLLM's ``reasons``, each bare one that ``ours`` (``selection_refusals``) answers replaced by
+    our reason, which names the value and what works."""
+    return [ours.get(reason, reason) for reason in reasons]
+
+
+def prefill_refusal(refused: Sequence[tuple[str, Sequence[str]]], ours: dict[str, str]) -> Optional[str]:
+    """Why no prefill backend takes this configuration's prefill tokens, from each candidate's
+    (name, vLLM's reasons), or None where there is none to say: no candidate refused, or one
+    refused only for reasons ``ours`` (``selection_refusals``) already gives, a consequence of
+    ours (meet them and it takes the tokens)."""
+    if not refused or any(all(reason in ours for reason in reasons) for _, reasons in refused):
+        return None
+    each = "; ".join(f"{name}: {', '.join(reasons)}" for name, reasons in refused)
+    return f"no prefill backend for the prefill tokens ({each})"
+
+
 def capability_refusal(capability: tuple[int, int]) -> Optional[str]:
-    """Why a device of this compute capability is not ours, or None."""
+    """Why a device of this compute capability is not ours, naming the ones that are, or None."""
     if tuple(capability) in SUPPORTED_CAPABILITIES:
         return None
     major, minor = capability
-    known = ", ".join(f"sm_{a}{b}" for a, b in sorted(SUPPORTED_CAPABILITIES))
+    known = ", ".join(f"{a}.{b} (sm_{a}{b}, {SUPPORTED_CAPABILITIES[a, b]})" for a, b in sorted(SUPPORTED_CAPABILITIES))
     return f"compute capability {major}.{minor} not supported (metrale-attn launches on {known})"
 
 
