@@ -1,4 +1,4 @@
-"""The optional dependencies of some tests, torch and vLLM: imported, or the test skipped where
+"""The optional dependencies of some tests, torch, vLLM and SGLang: imported, or the test skipped where
 they are absent; in CI (``.ci/run`` sets the variables) a missing one is a failure instead."""
 
 from __future__ import annotations
@@ -33,3 +33,17 @@ def import_vllm():
 
         return vllm
     return pytest.importorskip("vllm")
+
+
+REQUIRE_SGLANG = "METRALE_ATTN_REQUIRE_SGLANG"
+"""Set (to 1) where SGLang is meant to be installed (its own venv): a missing SGLang fails the tests."""
+
+
+def import_sglang():
+    """``sglang``, or a skip where it is not installed (the main venv); where
+    ``METRALE_ATTN_REQUIRE_SGLANG`` is set, a missing SGLang is an error."""
+    if os.environ.get(REQUIRE_SGLANG, "").strip() not in ("", "0"):
+        import sglang
+
+        return sglang
+    return pytest.importorskip("sglang")

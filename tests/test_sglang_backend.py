@@ -1,0 +1,330 @@
+"""metrale-attn as an SGLang attention backend: the pure parts (refusals, the req_to_token ->
+CSR arithmetic) in any venv with torch; the backend itself through SGLang's own classes
+(its token pools, ``ForwardBatch``, ``RadixAttention``, its registry and torch-native
+prefill backend) on the CPU backend, where SGLang is installed (skipped elsewhere, an
+error under ``METRALE_ATTN_REQUIRE_SGLANG=1``)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from support.optional import import_sglang, import_torch
+
+torch = import_torch()
+
+from metrale_attn import reference, tolerance  # noqa: E402
+from metrale_attn.config import HEAD_DIMS  # noqa: E402
+from metrale_attn.integrations.sglang import csr, options  # noqa: E402
+from metrale_attn.torch_op import to_numpy  # noqa: E402
+
+
+# -- without SGLang -----------------------------------------------------------------------------
+
+
+def test_importing_the_sglang_integration_imports_no_sglang():
+    code = ("import sys, metrale_attn.integrations.sglang, metrale_attn.integrations.sglang.options, "
+            "metrale_attn.integrations.sglang.csr; print(any(m.split('.')[0] == 'sglang' for m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "False"
+
+
+def _table(rows=6, cols=12):
+    return torch.arange(rows * cols, dtype=torch.int32).view(rows, cols) + 100
+
+
+def test_req_to_token_rows_become_the_csr_table_of_their_first_seq_len_slots():
+    r2t = _table()
+    buffers = csr.allocate_csr(4, 40, "cpu")
+    seq_lens = torch.tensor([3, 0, 12, 1])
+    indptr, indices, last = csr.fill_csr(r2t, torch.tensor([5, 1, 2, 0]), seq_lens, 16, *buffers)
+    assert indptr.tolist() == [0, 3, 3, 15, 16]
+    assert indices[:16].tolist() == r2t[5, :3].tolist() + r2t[2].tolist() + r2t[0, :1].tolist()
+    assert last.tolist() == [1, 0, 1, 1]  # pages of one token; an empty sequence reads as length 0
+    # the views are the buffers themselves: a captured graph reads what the next fill writes
+    assert indptr.data_ptr() == buffers[0].data_ptr() and indices.data_ptr() == buffers[1].data_ptr()
+
+
+def test_a_smaller_batch_refills_the_same_buffers_and_leaves_the_rest_unread():
+    r2t, buffers = _table(), csr.allocate_csr(4, 48, "cpu")
+    csr.fill_csr(r2t, torch.tensor([1, 2, 3, 4]), torch.tensor([12, 12, 12, 12]), 48, *buffers)
+    indptr, indices, last = csr.fill_csr(r2t, torch.tensor([3]), torch.tensor([2]), 2, *buffers)
+    assert indptr.tolist() == [0, 2] and indices[:2].tolist() == r2t[3, :2].tolist() and last.tolist() == [1]
+    assert indices.shape == (48,)
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(num_tokens=5), "num_tokens 5 is not the sum of seq_lens, 4"),
+    (dict(num_tokens=100), "num_tokens 100 does not fit kv_indices"),
+    (dict(seq_lens=torch.tensor([13, 1])), "seq_lens must be within 0..12"),
+    (dict(req_pool_indices=torch.tensor([6, 0])), "req_pool_indices must be within 0..5"),
+    (dict(req_pool_indices=torch.tensor([1])), r"req_pool_indices must be \[2\]"),
+    (dict(kv_indptr=torch.zeros(2, dtype=torch.int32)), "hold fewer than 2 requests"),
+    (dict(kv_indices=torch.zeros(40, dtype=torch.int64)), "kv_indices must be contiguous int32"),
+    (dict(req_to_token=_table().long()), "req_to_token must be contiguous int32"),
+])
+def test_a_batch_that_does_not_fit_is_refused_naming_the_argument_before_anything_is_written(change, match):
+    args = dict(req_to_token=_table(), req_pool_indices=torch.tensor([1, 2]), seq_lens=torch.tensor([3, 1]),
+                num_tokens=4, kv_indptr=torch.full((3,), -7, dtype=torch.int32),
+                kv_indices=torch.full((40,), -7, dtype=torch.int32),
+                kv_last_page_len=torch.full((2,), -7, dtype=torch.int32))
+    args.update(change)
+    if "seq_lens" in change:
+        args["num_tokens"] = int(change["seq_lens"].sum())
+    with pytest.raises(ValueError, match=match):
+        csr.fill_csr(**args)
+    assert all((args[name] == -7).all() for name in ("kv_indptr", "kv_indices", "kv_last_page_len") if name not in change)
+
+
+def test_model_refusals_name_each_reason_and_the_supported_values():
+    reasons = options.model_refusals(dtype="torch.float32", kv_cache_dtype="torch.float32", page_size=16,
+                                     use_mla=True, swa_pool=True, capability=(7, 5))
+    text = "; ".join(reasons)
+    assert len(reasons) == 5
+    for part in ("dtype torch.float32 not supported (metrale-attn: torch.bfloat16, torch.float16)",
+                 "page_size 16 not supported", "--page-size 1", "MLA", "--disable-hybrid-swa-memory",
+                 "compute capability 7.5 not supported (metrale-attn launches on sm_80"):
+        assert part in text
+    fp8 = options.model_refusals(dtype="torch.bfloat16", kv_cache_dtype="torch.float8_e4m3fn", page_size=1,
+                                 use_mla=False, swa_pool=False, capability=(9, 0))
+    assert fp8 == ["kv_cache_dtype torch.float8_e4m3fn not supported: the SGLang backend reads a KV pool of the "
+                   "model dtype (torch.bfloat16; --kv-cache-dtype auto), not yet fp8"]
+    assert options.model_refusals(dtype="torch.float16", kv_cache_dtype="torch.float16", page_size=1, use_mla=False,
+                                  swa_pool=False, capability=None) == []
+
+
+def test_layer_refusals_name_the_head_dims_and_attention_kinds_we_serve():
+    reasons = options.layer_refusals(head_dim=80 + 1, v_head_dim=64, is_cross_attention=True,
+                                     attn_type="encoder_only", logit_capping_method="xai", logit_cap=30.0)
+    assert len(reasons) == 5
+    assert reasons[0] == f"head_dim 81 not supported (metrale-attn: {', '.join(map(str, HEAD_DIMS))})"
+    for head_dim in HEAD_DIMS:
+        assert options.layer_refusals(head_dim=head_dim, v_head_dim=head_dim, is_cross_attention=False,
+                                      attn_type="decoder", logit_capping_method="tanh", logit_cap=0.0) == []
+
+
+def test_sglang_window_and_soft_cap_conventions_are_ours():
+    assert options.window_left(-1) == -1 and options.window_left(None) == -1 and options.window_left(511) == 511
+    assert options.soft_cap(0.0) is None and options.soft_cap(30.0) == 30.0
+    with pytest.raises(ValueError, match="sliding_window_size must be an int"):
+        options.window_left(3.5)
+
+
+# -- through SGLang's own classes ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def sg():
+    """SGLang's classes, with our plugin registered and prefill on its torch-native backend."""
+    import_sglang()
+    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+    from sglang.srt.layers.radix_attention import RadixAttention
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
+    import metrale_attn.integrations.sglang as plugin
+
+    plugin.register()
+    plugin.register()  # idempotent
+    return dict(ATTENTION_BACKENDS=ATTENTION_BACKENDS, RadixAttention=RadixAttention, KVPool=MHATokenToKVPool,
+                ReqToTokenPool=ReqToTokenPool, ForwardBatch=ForwardBatch, ForwardMode=ForwardMode)
+
+
+class Engine:
+    """A model runner's worth of SGLang state on the CPU: its pools, one layer, our backend."""
+
+    def __init__(self, sg, *, q_heads=8, kv_heads=2, head_dim=64, dtype=torch.bfloat16, window=-1, cap=0.0,
+                 rows=8, context=96, slots=400, **runner):
+        from types import SimpleNamespace
+
+        self.sg, self.dtype = sg, dtype
+        self.r2t = sg["ReqToTokenPool"](size=rows, max_context_len=context, device="cpu", enable_memory_saver=False)
+        self.kv = sg["KVPool"](size=slots, page_size=1, dtype=dtype, head_num=kv_heads, head_dim=head_dim,
+                               layer_num=1, device="cpu", enable_memory_saver=False)
+        fields = dict(device="cpu", req_to_token_pool=self.r2t, token_to_kv_pool=self.kv, dtype=dtype,
+                      kv_cache_dtype=dtype, page_size=1, use_mla_backend=False, server_args=None, model_config=None)
+        fields.update(runner)
+        self.runner = SimpleNamespace(**fields)
+        self.layer = sg["RadixAttention"](q_heads, head_dim, head_dim ** -0.5, kv_heads, 0, logit_cap=cap,
+                                          sliding_window_size=window)
+        self.gen = torch.Generator().manual_seed(7)
+        self.free = (torch.randperm(slots - 1, generator=self.gen) + 1).tolist()  # slot 0: SGLang's padding slot
+
+    def backend(self):
+        return self.sg["ATTENTION_BACKENDS"]["metrale"](self.runner)
+
+    def randn(self, *shape):
+        return torch.randn(*shape, generator=self.gen).to(self.dtype)
+
+    def batch(self, mode, rows, seq_lens, new_tokens):
+        """A ForwardBatch whose requests own pool ``rows``, ``seq_lens`` tokens each (the last
+        ``new_tokens`` of each new this step: their slots are this step's out_cache_loc)."""
+        locs = []
+        for row, n in zip(rows, seq_lens):
+            have = int((self.r2t.req_to_token[row] != 0).sum())
+            for col in range(have, n):
+                self.r2t.req_to_token[row, col] = self.free.pop()
+            locs.append(self.r2t.req_to_token[row, n - new_tokens:n].long())
+        lens = torch.tensor(seq_lens)
+        fields = dict(forward_mode=mode, batch_size=len(rows), input_ids=torch.zeros(sum(map(len, locs)), dtype=torch.long),
+                      req_pool_indices=torch.tensor(rows), seq_lens=lens, out_cache_loc=torch.cat(locs),
+                      seq_lens_sum=sum(seq_lens), seq_lens_cpu=lens.clone())
+        if not mode.is_decode():
+            fields.update(extend_seq_lens=torch.full((len(rows),), new_tokens), extend_prefix_lens=lens - new_tokens,
+                          extend_seq_lens_cpu=[new_tokens] * len(rows),
+                          extend_prefix_lens_cpu=[n - new_tokens for n in seq_lens], extend_num_tokens=new_tokens * len(rows))
+        return self.sg["ForwardBatch"](**fields)
+
+    def reference(self, q, fb, request, q_len=1):
+        """float64 ``[q_len, heads, D]``: request ``request``'s tokens over the pool as it is now."""
+        layer, D = self.layer, self.layer.qk_head_dim
+        n = int(fb.seq_lens[request])
+        table = self.r2t.req_to_token[fb.req_pool_indices[request], :n].numpy()[None]
+        k = to_numpy(self.kv.k_buffer[0]).reshape(-1, 1, layer.tp_k_head_num, D)
+        v = to_numpy(self.kv.v_buffer[0]).reshape(-1, 1, layer.tp_k_head_num, D)
+        rows = to_numpy(q.view(-1, layer.tp_q_head_num, D)[request * q_len:(request + 1) * q_len])
+        ref = reference.paged_decode(rows[None], k, v, table, np.array([n], np.int32), sm_scale=layer.scaling,
+                                     window_left=options.window_left(layer.sliding_window_size),
+                                     logits_soft_cap=options.soft_cap(layer.logit_cap))[0]
+        v_absmax = reference.max_abs_v_read(v, table, np.array([n], np.int32))
+        return ref, v_absmax
+
+
+@pytest.fixture(autouse=True)
+def _prefill_on_torch_native(monkeypatch):
+    monkeypatch.setenv(options.PREFILL_ENV, "torch_native")  # SGLang's Triton backend needs a GPU
+
+
+def _decode_step(engine, be, rows, seq_lens, check=True):
+    fb = engine.batch(engine.sg["ForwardMode"].DECODE, rows, seq_lens, 1)
+    be.init_forward_metadata(fb)
+    L = engine.layer
+    q, k, v = (engine.randn(len(rows), L.tp_q_head_num * L.qk_head_dim), engine.randn(len(rows), L.tp_k_head_num,
+               L.qk_head_dim), engine.randn(len(rows), L.tp_k_head_num, L.qk_head_dim))
+    out = be.forward(q, k, v, L, fb)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    if check:
+        for r in range(len(rows)):
+            ref, v_absmax = engine.reference(q, fb, r)
+            tolerance.assert_close_to_reference(to_numpy(out.view(len(rows), -1, L.qk_head_dim)[r:r + 1]), ref,
+                                                v_absmax=v_absmax, what=f"request {r}")
+    return fb, q, out
+
+
+@pytest.mark.parametrize("features", [dict(), dict(window=5), dict(cap=30.0), dict(q_heads=4, kv_heads=4, head_dim=128,
+                                                                                      dtype=torch.float16)])
+def test_a_prefill_then_decode_steps_run_through_sglangs_classes_within_one_ulp_of_float64(sg, features):
+    engine = Engine(sg, **features)
+    be = engine.backend()
+    L = engine.layer
+    # the prompt: an EXTEND batch, routed to SGLang's torch-native backend, which writes the pool
+    rows, prompt = [1, 4, 2], [6, 17, 1]
+    for row, n in zip(rows, prompt):
+        fb = engine.batch(sg["ForwardMode"].EXTEND, [row], [n], n)
+        be.init_forward_metadata(fb)
+        q = engine.randn(n, L.tp_q_head_num * L.qk_head_dim)
+        out = be.forward(q, engine.randn(n, L.tp_k_head_num, L.qk_head_dim),
+                         engine.randn(n, L.tp_k_head_num, L.qk_head_dim), L, fb)
+        assert out.shape == (n, L.tp_q_head_num * L.qk_head_dim) and torch.isfinite(out.float()).all()
+    assert be._prefill is not None and type(be._prefill).__name__ == "TorchNativeAttnBackend"
+    for step in range(3):
+        _decode_step(engine, be, rows, [n + 1 + step for n in prompt])
+
+
+def test_the_prefill_backend_is_built_only_when_a_batch_needs_it(sg):
+    engine = Engine(sg)
+    be = engine.backend()
+    engine.batch(sg["ForwardMode"].EXTEND, [1], [4], 4)
+    _decode_step(engine, be, [1], [5])
+    assert be._prefill is None
+
+
+def test_cuda_graph_metadata_fills_fixed_buffers_at_capture_and_replay(sg):
+    engine = Engine(sg)
+    be = engine.backend()
+    assert be.get_cuda_graph_seq_len_fill_value() == 1
+    be.init_cuda_graph_state(max_bs=4, max_num_tokens=4)
+    for row, n in zip([1, 2, 3], [5, 9, 2]):
+        engine.batch(sg["ForwardMode"].EXTEND, [row], [n - 1], n - 1)
+        engine.kv.k_buffer[0][engine.r2t.req_to_token[row, :n - 1].long()] = engine.randn(n - 1, 2, 64)
+        engine.kv.v_buffer[0][engine.r2t.req_to_token[row, :n - 1].long()] = engine.randn(n - 1, 2, 64)
+    # capture: a padded batch of 4 (padding request: pool row 0, one token)
+    fb = engine.batch(sg["ForwardMode"].DECODE, [1, 2, 3], [5, 9, 2], 1)
+    padded = sg["ForwardBatch"](forward_mode=fb.forward_mode, batch_size=4, input_ids=torch.zeros(4, dtype=torch.long),
+                                req_pool_indices=torch.tensor([1, 2, 3, 0]), seq_lens=torch.tensor([5, 9, 2, 1]),
+                                out_cache_loc=torch.cat([fb.out_cache_loc, torch.zeros(1, dtype=torch.long)]),
+                                seq_lens_sum=17, seq_lens_cpu=torch.tensor([5, 9, 2, 1]))
+    be.init_forward_metadata_out_graph(padded, in_capture=True)
+    captured = be.forward_metadata
+    pointers = [t.data_ptr() for t in (captured.kv_indptr, captured.kv_indices, captured.kv_last_page_len)]
+    assert captured.kv_indptr.tolist() == [0, 5, 14, 16, 17] and captured.kv_indices.shape == (4 * 96,)
+    L = engine.layer
+    q = engine.randn(4, L.tp_q_head_num * 64)
+    out = be.forward(q, engine.randn(4, 2, 64), engine.randn(4, 2, 64), L, padded)
+    for r in range(3):
+        ref, v_absmax = engine.reference(q, padded, r)
+        tolerance.assert_close_to_reference(to_numpy(out.view(4, -1, 64)[r:r + 1]), ref, v_absmax=v_absmax,
+                                            what=f"request {r}")
+    # replay: other requests and lengths, the same addresses
+    padded.seq_lens.copy_(torch.tensor([6, 10, 3, 1]))
+    padded.seq_lens_cpu = padded.seq_lens.clone()
+    padded.seq_lens_sum = 20
+    be.init_forward_metadata_out_graph(padded)
+    replayed = be.forward_metadata
+    assert [t.data_ptr() for t in (replayed.kv_indptr, replayed.kv_indices, replayed.kv_last_page_len)] == pointers
+    assert replayed.kv_indptr.tolist() == [0, 6, 16, 19, 20]
+    with pytest.raises(ValueError, match="CUDA-graph batch size 99 exceeds the 8 requests"):
+        be.init_cuda_graph_state(max_bs=99, max_num_tokens=99)
+
+
+def test_the_backend_is_registered_and_refuses_what_is_not_ours_at_selection(sg):
+    from sglang.srt.arg_groups.choices import ATTENTION_BACKEND_CHOICES
+
+    assert "metrale" in ATTENTION_BACKEND_CHOICES and "metrale" in sg["ATTENTION_BACKENDS"]
+    with pytest.raises(ValueError, match="refuses this model: page_size 16 not supported"):
+        Engine(sg, page_size=16).backend()
+    with pytest.raises(ValueError, match="refuses this model: dtype torch.float32 not supported"):
+        Engine(sg, dtype=torch.float32).backend()
+    with pytest.raises(ValueError, match="kv_cache_dtype torch.float8_e4m3fn not supported"):
+        Engine(sg, kv_cache_dtype=torch.float8_e4m3fn).backend()
+    engine = Engine(sg, head_dim=72)
+    with pytest.raises(ValueError, match="refuses layer 0: head_dim 72 not supported"):
+        _decode_step(engine, engine.backend(), [1], [3], check=False)
+
+
+def test_a_prefill_backend_that_is_not_registered_is_refused_by_name(sg, monkeypatch):
+    monkeypatch.setenv(options.PREFILL_ENV, "nonesuch")
+    with pytest.raises(ValueError, match="METRALE_ATTN_SGLANG_PREFILL must name another registered SGLang attention "
+                                         "backend, got 'nonesuch'"):
+        Engine(sg).backend()
+
+
+def test_a_layer_that_comes_back_different_is_refused_not_run_on_its_old_kernels(sg):
+    engine = Engine(sg)
+    be = engine.backend()
+    _decode_step(engine, be, [1], [3])
+    engine.layer.scaling = 0.5
+    with pytest.raises(ValueError, match="layer 0 was built as"):
+        _decode_step(engine, be, [1], [4], check=False)
+
+
+def test_the_sglang_plugin_is_declared_and_names_a_function_that_exists():
+    import importlib
+    from pathlib import Path
+
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+
+    with open(Path(__file__).resolve().parents[1] / "pyproject.toml", "rb") as f:
+        project = tomllib.load(f)["project"]
+    plugins = project["entry-points"]["sglang.srt.plugins"]
+    assert plugins == {"metrale_attn": "metrale_attn.integrations.sglang:register"}
+    module, function = plugins["metrale_attn"].split(":")
+    assert callable(getattr(importlib.import_module(module), function))
+    assert "sglang==0.5.23" in project["optional-dependencies"]["sglang"]
