@@ -18,7 +18,7 @@ import time
 import numpy as np
 
 from cuda_on_cpu import compile_module
-from metrale_attn.kernels import inline
+from metrale_attn.sources import inline
 
 SOURCE = r'''
 #include "pd_ptx.cuh"

@@ -7,14 +7,11 @@ import pytest
 from support.builds import ARCHES, arch_matrix, needs_nvrtc, nvrtc_build, nvrtc_ptx, spec_matrix, spill_frames
 
 from metrale_attn import policy
-from metrale_attn.kernels import (
-    FEATURES,
+from metrale_attn.kernels import FEATURES, KernelSpec, all_specs, kernel_params
+from metrale_attn.sources import (
     SOURCE_FILES,
     KernelSourceError,
-    KernelSpec,
-    all_specs,
     inline,
-    kernel_params,
     parse_kernel_params,
     read_define,
     read_source,

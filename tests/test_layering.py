@@ -15,6 +15,7 @@ LAYERS = [
     {"tiling"},
     {"config"},
     {"plan", "problems", "models"},
+    {"sources"},
     {"kernels"},
     {"backends"},
     {"validation"},
