@@ -16,6 +16,7 @@ from metrale_attn.sources import (
     read_define,
     read_source,
     source_constants,
+    source_names,
 )
 from metrale_attn.config import IMPLS
 from metrale_attn.plan import ARMS, KERNELS
@@ -29,7 +30,8 @@ def test_headers_are_inlined_with_line_directives_naming_the_real_files():
     text = KernelSpec("splitk", 128, "bf16", "fp8").source()
     assert '#include "' not in text
     assert text.startswith('#line 1 "kernels_cu/decode_splitk.cu"')
-    for header in ("decode_core.cuh", "pd_common.cuh", "pd_ptx.cuh", "pd_splitk.cuh"):
+    for header in ("decode_core.cuh", "mma_layout.cuh", "mma_features.cuh", "mma_stream.cuh", "mma_attend.cuh",
+                   "mma_combine.cuh", "mma_kernel.cuh", "pd_common.cuh", "pd_ptx.cuh", "pd_splitk.cuh"):
         assert text.count(f'#line 1 "kernels_cu/{header}"') == 1, header
 
 
@@ -111,7 +113,7 @@ def test_the_dispatch_passes_every_parameter_every_kernel_declares():
                 assert p.is_pointer == (p.name in POINTER_ARGUMENTS), (kernel, p)
 
 
-@pytest.mark.parametrize("impl, core", [("mma", "decode_core.cuh"), ("simt", "simt/simt_core.cuh")])
+@pytest.mark.parametrize("impl, core", [("mma", "mma_kernel.cuh"), ("simt", "simt/simt_core.cuh")])
 def test_the_three_attention_kernels_of_an_implementation_take_the_one_parameter_list_of_its_core(impl, core):
     """The core spells the list once; each arm's .cu only names its kernel (PD_ENTRY) and
     its arm, and the ABI of every arm is read from that one description."""
@@ -134,8 +136,7 @@ def test_a_parameter_of_an_unknown_type_is_refused_when_the_abi_is_read():
 
 
 def test_sources_follow_the_shared_dialect():
-    for path in ("pd_common.cuh", "decode_core.cuh", "pd_splitk.cuh", "simt/simt_core.cuh",
-                 *SOURCE_FILES.values()):
+    for path in source_names():
         text = read_source(path)
         includes = re.findall(r'#\s*include\s*[<"]([^>"]+)', text)
         assert all(name.endswith(".cuh") for name in includes), (path, includes)
@@ -148,7 +149,7 @@ def test_ci_compiles_every_targets_architecture():
 
 
 def test_the_host_sizes_the_shared_memory_exactly_as_the_core_carves_it():
-    """decode_core.cuh static_asserts SMEM_BYTES == PD_SMEM_BYTES; a compile of a spec
+    """mma_layout.cuh static_asserts SMEM_BYTES == PD_SMEM_BYTES; a compile of a spec
     with a wrong PD_SMEM_BYTES must fail there."""
     from metrale_attn.backends.cupy_backend import nvrtc_compile
 
