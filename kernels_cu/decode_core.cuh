@@ -93,7 +93,7 @@
 //                             what a row's bytes depend on (tiling.warps_for fixes it per
 //                             head dim, cache dtype and target)
 //   PD_PREFETCH    0 .. S - 1 the stages of the next item each warp fills before the current
-//                             item's epilogue (tiling.prefetch_stages; "lever 5" below)
+//                             item's epilogue (tiling.prefetch_stages; issue_ahead)
 //   PD_SMEM_BYTES             the dynamic shared memory the launch gives; must equal
 //                             pd_mma::SMEM_BYTES (checked at compile time), so the host's
 //                             sizing and this carve cannot drift apart.
@@ -103,8 +103,8 @@
 // PD_ARM (PD_ARM_UNPACKED | PD_ARM_SPLITK | PD_ARM_GQA_PACKED; pd_common.cuh), and on the
 // packed arm PD_GQA and PD_HDIM.
 //
-// Performance notes: see benchmarks/NOTES.md ("kernel v2", and the static SASS report of
-// `python -m benchmarks.sass_model`).
+// Performance notes: benchmarks/NOTES.md, and the static SASS report of
+// `python -m benchmarks.sass_model`.
 //
 // Numerics: fp32 denormals must be preserved (never -ftz=true / --use_fast_math), as for
 // pd_common.cuh. bf16 V with |v| < 2^-100 can give products that are fp32 denormals; the

@@ -11,7 +11,7 @@
 namespace pd_mma {
 
 // Where warp w's state lies after publish, for cta_combine: m and l of row r, o of row r
-// dim d. PREFETCH > 0 (lever 5): in its own ring past the stages issue_ahead fills.
+// dim d. PREFETCH > 0: in its own ring past the stages issue_ahead fills.
 __device__ __forceinline__ int state_m(int r, int w) {
   return PREFETCH > 0 ? RING_OFF + w * RING_BYTES + OWN_STATE_OFF + r * 4 : EPI_M_OFF + (r * W + w) * 4;
 }
@@ -25,7 +25,7 @@ __device__ __forceinline__ int state_o(int r, int w, int d) {
 // Publish every warp's state to shared memory for cta_combine, call ahead(), and end with
 // __syncthreads(); every thread of the CTA calls it. PREFETCH == 0: into the rings of every
 // warp (free once every warp has left `attend`: the first __syncthreads here ensures it).
-// PREFETCH > 0 (lever 5): into the warp's own ring, past stages 0 .. PREFETCH - 1, so no
+// PREFETCH > 0: into the warp's own ring, past stages 0 .. PREFETCH - 1, so no
 // barrier first (a fast warp publishes while others still stream), and ahead() then issues
 // the next item's first tiles into those stages, in flight across the barrier and the
 // combine.
@@ -108,8 +108,8 @@ __device__ __forceinline__ void cta_combine(const unsigned char* smem, int r, in
   O = o * o_unscale();  // exact
 }
 
-// The whole CTA: stage q (q_row(r) = row r's D elements), call between(), attend (carry: lever
-// 5's tiles in flight), publish (calling ahead(): lever 5's issue_ahead). Afterwards
+// The whole CTA: stage q (q_row(r) = row r's D elements), call between(), attend (carry: the
+// tiles in flight already), publish (calling ahead(): issue_ahead). Afterwards
 // cta_combine(r, d) gives row r's state; the caller writes the outputs of rows < rows.
 template <class QRow, class Between, class Ahead>
 __device__ __forceinline__ void run_cta(unsigned char* smem, const Rows& rw, const Features& f, const QRow& q_row,
@@ -135,7 +135,7 @@ __device__ __forceinline__ void store_rows(unsigned char* smem, const Rows& rw, 
     const int r = idx / D, d = idx - r * D;
     float M, L, O;
     cta_combine(smem, r, d, M, L, O);
-    const bool alone = Sinks::on ? f.sinks.fold(r % rw.heads, M, L, O) : false;  // the sink alone is the state
+    const bool alone = Sinks::on ? f.sinks.fold(rw.head0 + r % rw.heads, M, L, O) : false;  // the sink alone is the state
     const float value = pd_normalize(O, L, v_scale);  // zeros for an empty state
     const long long at = (long long)(r / rw.heads) * num_q_heads + r % rw.heads;
     if (OutF32::on)
@@ -143,7 +143,7 @@ __device__ __forceinline__ void store_rows(unsigned char* smem, const Rows& rw, 
     else
       s_out[idx] = (unsigned short)pd_float_to_q(value);
     if (d == 0 && lse_row0 != nullptr)
-      lse_row0[at] = alone ? pd_sink_lse(f.sinks.logit[r % rw.heads], lse_scale) : pd_lse(M, L, lse_scale);
+      lse_row0[at] = alone ? pd_sink_lse(f.sinks.logit[rw.head0 + r % rw.heads], lse_scale) : pd_lse(M, L, lse_scale);
   }
   if (!OutF32::on) {
     __syncthreads();

@@ -25,8 +25,7 @@ namespace pd_mma {
 // feature enters it reads `Feature::on ? hook : plain`, a constant the front end folds
 // before anything is emitted, so a spec without the feature compiles none of its code
 // and its SASS is the plain core's, instruction for instruction (a hook called
-// unconditionally, even one returning the plain value, moved the plain specs' SASS:
-// benchmarks/NOTES.md, "feature hooks"):
+// unconditionally, even one returning the plain value, moves the plain specs' SASS):
 //
 //   feature      hook (FlashInfer's variant)         called in             plain path
 //   window       Window::first_key                   row_range             keys from 0
@@ -86,7 +85,7 @@ struct SoftCap {
 // pd_splitk.cuh; the split states never see it).
 struct Sinks {
   enum { on = PD_SINKS };
-  const float* logit;  // the CTA's heads' sinks (sinks + head0)
+  const float* logit;  // every query head's sink: the kernel parameter sinks
 
   // Fold head h's sink into its state (M, L, O) (pd_add_sink). True when the sink alone
   // is the state: its lse is then the sink itself, logit[h].

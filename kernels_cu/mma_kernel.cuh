@@ -138,6 +138,16 @@ __device__ __forceinline__ pd_mma::Item pd_item(int bx, int by, int bz, int gx, 
   return it;
 }
 
+// Item `at` of the plan's gx x gy x gz grid of items, x fastest (THE SCHEDULE's order).
+__device__ __forceinline__ pd_mma::Item pd_item_at(int at, int gx, int gy, int num_kv_heads, int heads_per_cta) {
+  return pd_item(at % gx, (at / gx) % gy, at / (gx * gy), gx, gy, num_kv_heads, heads_per_cta);
+}
+
+// The query rows of item `it`, whose sequence holds seq_len keys (a negative length: none).
+__device__ __forceinline__ pd_mma::Rows pd_item_rows(const pd_mma::Item& it, int q_len, int seq_len) {
+  return pd_mma::Rows{it.head0, it.heads, q_len, it.heads * q_len, seq_len > 0 ? seq_len : 0, it.split, it.num_splits};
+}
+
 typedef pd_mma::OutF32::out_t pd_out_t;  // out's element: q's dtype, or fp32 (out_f32)
 
 extern "C" __global__ void PD_LAUNCH_BOUNDS(PD_MMA_THREADS, 1) PD_ENTRY(
@@ -176,33 +186,30 @@ extern "C" __global__ void PD_LAUNCH_BOUNDS(PD_MMA_THREADS, 1) PD_ENTRY(
   // the schedule changes only which CTA computes an item and when. While an item streams its keys, its CTA brings the next item's q rows and
   // the block-table entries of its first tiles into L2 (warm_item), so that item's prologue
   // waits on L2, not DRAM, for both; and each warp, done with its last tile of an item and
-  // its state published, issues its first tiles of the next (lever 5: issue_ahead), which
+  // its state published, issues its first tiles of the next (issue_ahead), which
   // land while the CTA combines, stores and stages the next q.
   const int items = items_x * items_y * items_z;
-  pd_mma::Carry carry{};  // lever 5: what issue_ahead leaves the item's prologue
-  // Lever 5: item `at`'s first PREFETCH tiles, this warp's share, its keys [lo, hi) (issue_ahead).
+  // The features' values, as their hooks take them (sinks: no offset from a null pointer without the feature)
+  const pd_mma::Features f{{window_left}, {cap_log2}, {pd_mma::Sinks::on ? sinks : nullptr},
+                           {k_scales, k_scales_stride, v_scales, v_scales_stride, sm_scale, soft_cap}};
+  pd_mma::Carry carry{};  // what issue_ahead leaves the item's prologue
+  // Item `at`'s first PREFETCH tiles, this warp's share, its keys [lo, hi) (issue_ahead).
   const auto issue_item = [&](int at, int lo, int hi) {
-    const pd_mma::Item it = pd_item(at % items_x, (at / items_x) % items_y, at / (items_x * items_y), items_x,
-                                    items_y, num_kv_heads, heads_per_cta);
+    const pd_mma::Item it = pd_item_at(at, items_x, items_y, num_kv_heads, heads_per_cta);
     pd_mma::issue_ahead(smem, lo, hi, reinterpret_cast<const unsigned char*>(k_cache + it.kv_head * k_stride_head),
                         k_stride_page, k_stride_token,
                         reinterpret_cast<const unsigned char*>(v_cache + it.kv_head * v_stride_head), v_stride_page,
                         v_stride_token, tables.row(it.seq), page_size, carry);
   };
   if (pd_mma::PREFETCH > 0 && (int)blockIdx.x < items) {  // the first item's, before anything else
-    const pd_mma::Item it = pd_item(blockIdx.x % items_x, (blockIdx.x / items_x) % items_y,
-                                    blockIdx.x / (items_x * items_y), items_x, items_y, num_kv_heads, heads_per_cta);
-    const int len = tables.seq_len(it.seq);
-    const pd_mma::Rows it_rw{it.heads, q_len, it.heads * q_len, len > 0 ? len : 0, it.split, it.num_splits};
-    const pd_mma::Features keys{{window_left}, {cap_log2}, {nullptr}, {}};  // cta_range reads the window only
+    const pd_mma::Item it = pd_item_at(blockIdx.x, items_x, items_y, num_kv_heads, heads_per_cta);
     int lo, hi;
-    pd_mma::cta_range(it_rw, keys, lo, hi);
+    pd_mma::cta_range(pd_item_rows(it, q_len, tables.seq_len(it.seq)), f, lo, hi);
     issue_item(blockIdx.x, lo, hi);
   }
   for (int at = blockIdx.x; at < items; at += gridDim.x) {
     if (at != (int)blockIdx.x) __syncthreads();  // the previous item's epilogue is done with shared memory
-    const pd_mma::Item item = pd_item(at % items_x, (at / items_x) % items_y, at / (items_x * items_y), items_x,
-                                      items_y, num_kv_heads, heads_per_cta);
+    const pd_mma::Item item = pd_item_at(at, items_x, items_y, num_kv_heads, heads_per_cta);
     const int next = at + gridDim.x;
     const bool last_item = next >= items;
     // The next item's length, loaded now so that it lands while this item stages q.
@@ -213,29 +220,23 @@ extern "C" __global__ void PD_LAUNCH_BOUNDS(PD_MMA_THREADS, 1) PD_ENTRY(
     // called moves only when the merge starts, never what it reads.
     if (PD_ARM == PD_ARM_SPLITK && last_item) pd_release_dependents();
     const int seq = item.seq, head0 = item.head0, heads = item.heads, num_q_heads = item.num_q_heads;
-    const int seq_len = tables.seq_len(seq);
-    const pd_mma::Rows rw{heads, q_len, heads * q_len, seq_len > 0 ? seq_len : 0, item.split, item.num_splits};
-    // The features' values, as their hooks take them (sinks: no offset from a null pointer without the feature)
-    const pd_mma::Features f{{window_left}, {cap_log2}, {pd_mma::Sinks::on ? sinks + head0 : nullptr},
-                             {k_scales, k_scales_stride, v_scales, v_scales_stride, sm_scale, soft_cap}};
+    const pd_mma::Rows rw = pd_item_rows(item, q_len, tables.seq_len(seq));
     float item_qk_scale = qk_scale, item_v_scale = v_scale;  // this item's KV head's (device_scales)
     if (pd_mma::DeviceScales::on) f.device_scales.fold(item.kv_head, item_qk_scale, item_v_scale);
 
     const pd_mma::QRows q_rows{q + seq * q_stride_seq + head0 * q_stride_head, q_stride_token, q_stride_head, heads};
-    int next_lo = 0, next_hi = 0;  // the next item's keys, from warm_item (kept: recomputed cost the loop 16 instructions)
+    int next_lo = 0, next_hi = 0;  // the next item's keys, from warm_item (kept: a shorter loop than recomputed)
     const auto between = [&]() {
       if (next >= items) return;
       // recomputed here, not kept from the loop's top: fewer registers live across stage_q
-      const pd_mma::Item upcoming = pd_item(next % items_x, (next / items_x) % items_y, next / (items_x * items_y),
-                                            items_x, items_y, num_kv_heads, heads_per_cta);
-      const pd_mma::Rows next_rw{upcoming.heads, q_len, upcoming.heads * q_len, upcoming_len > 0 ? upcoming_len : 0,
-                                 upcoming.split, upcoming.num_splits};
+      const pd_mma::Item upcoming = pd_item_at(next, items_x, items_y, num_kv_heads, heads_per_cta);
       const pd_mma::QRows next_q{q + upcoming.seq * q_stride_seq + upcoming.head0 * q_stride_head, q_stride_token,
                                  q_stride_head, upcoming.heads};
-      pd_mma::warm_item(next_rw, f, next_q, tables.row(upcoming.seq), page_size, next_lo, next_hi);
+      pd_mma::warm_item(pd_item_rows(upcoming, q_len, upcoming_len), f, next_q, tables.row(upcoming.seq), page_size,
+                        next_lo, next_hi);
     };
-    // Lever 5: once a warp has published this item's state, the next item's first tiles. The
-    // last item of a CTA issues none: no copy may be outstanding into shared memory at exit.
+    // Once a warp has published this item's state, the next item's first tiles. The last
+    // item of a CTA issues none: no copy may be outstanding into shared memory at exit.
     const auto ahead = [&]() {
       if (pd_mma::PREFETCH > 0 && next < items) issue_item(next, next_lo, next_hi);
     };

@@ -14,7 +14,7 @@ namespace pd_mma {
 
 // The block-table entries through shared memory. Loaded one tile ahead, an entry would
 // arrive ~450 cycles before its use: less than a DRAM miss, so a tile whose entry misses
-// would wait (benchmarks/NOTES.md, kernel v2.1). Staged, lane i < TT copies the entry of
+// would wait. Staged, lane i < TT copies the entry of
 // its token of the warp's tile j + S - 1 with the K/V copies of tile j, in the same commit
 // group (a 4-byte cp.async), into the 16-byte pad of K row i of the stage that tile will
 // use (entry_at): no K/V copy and no ldmatrix touches a pad, so the entry waits there
@@ -25,8 +25,7 @@ namespace pd_mma {
 // (start_entries).
 
 // PD_LANE_OFFSETS (derived here, not given: the 8-warp tilings of 16-bit caches,
-// where the SM's shared memory paced a tile; benchmarks/NOTES.md, "The row-offset table,
-// replaced"): each copying lane computes its own RPL rows' K and V addresses. Row r's
+// where the SM's shared memory paces a tile): each copying lane computes its own RPL rows' K and V addresses. Row r's
 // block-table entry is the one lane r staged in the pad of K row r (entry_at: one LDS.32 a
 // row, one wavefront, read after the wait_group and the __syncwarp that make every lane's
 // landed copies visible to the warp); its offset in its page is
@@ -39,8 +38,8 @@ namespace pd_mma {
 // whose chains bind) lane r < TT computes its token's 64-bit offsets once and
 // the copying lanes read them from the warp's offsets table: one STS.128 and RPL LDS.128 a
 // tile, each LDS.128 four quarter-warp wavefronts. The same bytes land either way. The
-// preprocessor, not a constexpr branch, picks the path, so the table path's source (and
-// SASS) is the one it was.
+// preprocessor, not a constexpr branch, picks the path, so neither path's source (or SASS)
+// carries the other's.
 #if (PD_KV_DTYPE == PD_DTYPE_BF16 || PD_KV_DTYPE == PD_DTYPE_FP16) && PD_MMA_WARPS == 8
 #define PD_LANE_OFFSETS 1
 static_assert(ES == 2 && TT <= 32, "2-byte elements; the in-page offsets stay below 2^22 (page_magic)");
@@ -240,13 +239,13 @@ __device__ __forceinline__ void issue_tile(Stream& st, const long long (&strides
   advance(st, st.etok, st.epage, st.ein_page);
 }
 
-// lever 5 (PREFETCH > 0, persistent CTAs): every item's first PREFETCH tiles are in flight
+// PREFETCH > 0 (persistent CTAs): every item's first PREFETCH tiles are in flight
 // when its prologue starts (issue_ahead: the CTA's first item's at the kernel's start, a later
 // one's before the previous item's epilogue; their copies and commit groups issued, the
 // entries of tiles S .. S + PREFETCH - 2 copied with them); entry[j], j in PREFETCH .. S - 1:
 // this lane's entry of tile j (0 outside the range), held in registers because stage j kept
-// the warp's state until the combine. One path for every item: a first item started cold
-// and a later one carried made the loop ~9 instructions a tile longer (ptxas).
+// the warp's state until the combine. One path for every item: a cold first item beside
+// carried later ones would lengthen the loop.
 struct Carry {
   int entry[S];
 };
@@ -321,7 +320,7 @@ __device__ __forceinline__ void open_stream(Stream& s, const unsigned char* k_he
 #endif
 }
 
-// Lever 5 (PREFETCH > 0, persistent CTAs): issue this warp's first PREFETCH tiles of the
+// PREFETCH > 0 (persistent CTAs): issue this warp's first PREFETCH tiles of the
 // CTA's next item (its keys [lo, hi): cta_range, its KV head's k_head / v_head, its page ids
 // bt_row) into stages 0 .. PREFETCH - 1 of its ring, once it has published the current item's
 // state past them (the CTA's first item: at the kernel's start): the copies, the entries S - 1 tiles on and the commit groups attend's prologue would

@@ -195,7 +195,7 @@ def parse_kernel_params(text: str) -> dict[str, tuple[Param, ...]]:
     """``extern "C" __global__`` kernel name -> its parameters, from source text
     (comments ignored). A kernel whose name is a macro takes the identifier that
     macro is ``#define``d as in the same text: the arms' one kernel of
-    ``decode_core.cuh`` (and of ``simt/simt_core.cuh``) is ``PD_ENTRY``, which each
+    ``mma_kernel.cuh`` (and of ``simt/simt_core.cuh``) is ``PD_ENTRY``, which each
     arm's ``.cu`` defines before including it, so the inlined source of an arm reads as
     that arm's kernel."""
     text = _COMMENT.sub(lambda m: m.group(1) or " ", text)
