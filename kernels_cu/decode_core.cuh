@@ -66,15 +66,14 @@
 //     of their bytes as b16 pairs; the byte order that gives is absorbed by permuting q's
 //     dims (K) and the output dims (V), never by moving data.
 //
-// The features (config.FEATURES: multi_token, window, soft_cap, sinks, out_f32) live in
-// one section below, each a struct named after it with the hooks the core calls
-// (FlashInfer's attention/variants.cuh: the keys a row sees, LogitsMask, LogitsTransform,
-// OutputTransform); the section's opening comment lists them. A feature's define is
-// PD_<NAME> (0 or 1, from Python), and the core calls its hooks only where it is 1
-// (`Feature::on ? hook : plain`, folded at compile time), so the plain spec compiles none
-// of the feature. A feature's runtime value is a parameter of the kernel (the last
-// section), carried to its hook in `Features`. docs/adding-a-kernel-feature.md walks
-// through adding one.
+// The features (config.FEATURES) live in mma_features.cuh, each a struct named after it
+// with hooks of one vocabulary the core calls (after FlashInfer's attention/variants.cuh:
+// first_key, logits_mask, logits_transform, output_transform, ...); that section's opening
+// comment lists the features and the hooks. A feature's define is PD_<NAME> (0 or 1, from
+// Python), and the core calls its hooks only where it is 1 (`Feature::on ? hook : plain`,
+// folded at compile time), so the plain spec compiles none of the feature. A feature's
+// runtime value is a parameter of the kernel (mma_kernel.cuh), carried to its hook in
+// `Features`. docs/adding-a-kernel-feature.md walks through adding one.
 //
 // Bytes do not depend on which heads share the CTA: a row's column of every MMA is
 // computed from that column alone; the token -> tile -> warp order, the online softmax,

@@ -237,7 +237,7 @@ __device__ __forceinline__ void scores(const unsigned char* kt, int kv_lane, con
 
 // The logits of one tile (its first key at absolute position base): keys a row does not
 // see masked (-inf), the others transformed (soft_cap). A column sees the CTA's keys
-// [lo, hi), or with multi_token its own row's [col_lo, col_hi) (MultiToken::columns).
+// [lo, hi), or with multi_token its own row's [col_lo, col_hi) (MultiToken::logits_mask).
 __device__ __forceinline__ void logits(float (&sc)[MT][NT][4], const Features& f, const float (&scale)[NT][2],
                                        int base, int lo, int hi, const int (&col_lo)[NT][2],
                                        const int (&col_hi)[NT][2]) {
@@ -252,7 +252,7 @@ __device__ __forceinline__ void logits(float (&sc)[MT][NT][4], const Features& f
       for (int nt = 0; nt < NT; ++nt) {
         const bool sees = MultiToken::on ? pos >= col_lo[nt][e & 1] && pos < col_hi[nt][e & 1]  // its row's
                                          : pos >= lo && pos < hi;                               // the CTA's
-        sc[mt][nt][e] = sees ? (SoftCap::on ? f.soft_cap.logits(sc[mt][nt][e], scale[nt][e & 1]) : sc[mt][nt][e])
+        sc[mt][nt][e] = sees ? (SoftCap::on ? f.soft_cap.logits_transform(sc[mt][nt][e], scale[nt][e & 1]) : sc[mt][nt][e])
                              : neg_inf;
       }
     }
@@ -369,7 +369,7 @@ __device__ __forceinline__ void attend(unsigned char* smem, const Rows& rw, cons
   int lo, hi;  // the CTA's keys
   cta_range(rw, f, lo, hi);
   int col_lo[NT][2], col_hi[NT][2];  // multi_token: the keys each of this lane's columns sees
-  if (MultiToken::on) MultiToken::columns(rw, f, t, col_lo, col_hi);
+  if (MultiToken::on) MultiToken::logits_mask(rw, f, t, col_lo, col_hi);
   int first_tile, my_tiles;
   warp_tiles(lo, hi, first_tile, my_tiles);
 

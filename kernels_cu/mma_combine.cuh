@@ -135,11 +135,11 @@ __device__ __forceinline__ void store_rows(unsigned char* smem, const Rows& rw, 
     const int r = idx / D, d = idx - r * D;
     float M, L, O;
     cta_combine(smem, r, d, M, L, O);
-    const bool alone = Sinks::on ? f.sinks.fold(rw.head0 + r % rw.heads, M, L, O) : false;  // the sink alone is the state
+    const bool alone = Sinks::on ? f.sinks.output_transform(rw.head0 + r % rw.heads, M, L, O) : false;  // the sink alone is the state
     const float value = pd_normalize(O, L, v_scale);  // zeros for an empty state
     const long long at = (long long)(r / rw.heads) * num_q_heads + r % rw.heads;
     if (OutF32::on)
-      OutF32::put(out_row0, at, d, value);
+      OutF32::output_store(out_row0, at, d, value);
     else
       s_out[idx] = (unsigned short)pd_float_to_q(value);
     if (d == 0 && lse_row0 != nullptr)

@@ -27,19 +27,31 @@ namespace pd_mma {
 // and its SASS is the plain core's, instruction for instruction (a hook called
 // unconditionally, even one returning the plain value, moves the plain specs' SASS):
 //
-//   feature      hook (FlashInfer's variant)         called in             plain path
-//   window       Window::first_key                   row_range             keys from 0
-//                  (the keys a row sees)
-//   multi_token  MultiToken::columns                 attend: the mask      every column sees
-//                  (LogitsMask: each column's keys)                        the CTA's keys
-//   soft_cap     SoftCap::logits                     attend: the logits    the raw score, its
-//                  (LogitsTransform; the tile then                         scale entering in
-//                  holds x: the max and the                                the max and in
-//                  weights take no scale)                                  exp2's fmaf
-//   sinks        Sinks::fold, Sinks::merged          store_rows; the       no sink
-//                  (OutputTransform)                   split-K merge
-//   out_f32      OutF32::out_t, OutF32::put          store_rows; the       q's dtype, staged
-//                                                      kernel, the merge   in shared memory
+// The hooks, one vocabulary for every feature (after FlashInfer's attention/variants.cuh);
+// a feature defines only those it uses:
+//   first_key         the keys a row sees: where they start
+//   logits_mask       the keys each column of a score tile sees (FlashInfer's LogitsMask)
+//   logits_transform  a logit from a raw score (LogitsTransform)
+//   output_transform  a row's state before its output is written (OutputTransform), and
+//   merge_transform     what the split-K merge folds after the splits
+//   out_t, output_store  out's element, and how one value is written
+//   kv_scales         a KV head's score and value scales
+//   kv_pages, kv_len  a sequence's page ids and its length
+//
+// The features (tests/test_kernel_sources.py checks this list against config.FEATURES):
+//   feature        struct        hooks                            called in       plain path
+//   multi_token    MultiToken    logits_mask                      attend: logits  every column sees
+//                                                                                 the CTA's keys
+//   window         Window        first_key                        row_range       keys from 0
+//   soft_cap       SoftCap       logits_transform (the tile then  attend: logits  the raw score, its
+//                                holds x: the max and the                         scale entering in
+//                                weights take no scale)                           the max and exp2's fmaf
+//   sinks          Sinks         output_transform,                store_rows;     no sink
+//                                merge_transform                  the merge
+//   out_f32        OutF32        out_t, output_store              store_rows;     q's dtype, staged
+//                                                                 the kernels     in shared memory
+//   device_scales  DeviceScales  kv_scales                        the kernel      the host's scales
+//   csr            Csr           kv_pages, kv_len                 the kernel      block_tables, seq_lens
 //
 // A feature's runtime value (window_left, cap_log2, sinks) is a parameter of the kernel
 // (mma_kernel.cuh), which fills `Features` from its parameters; the core
@@ -75,7 +87,7 @@ struct SoftCap {
   float cap_log2;  // the kernel parameter
 
   // x of a raw score s of a row whose score scale is `scale`.
-  __device__ __forceinline__ float logits(float s, float scale) const { return cap_log2 * tanhf(s * scale); }
+  __device__ __forceinline__ float logits_transform(float s, float scale) const { return cap_log2 * tanhf(s * scale); }
 };
 
 // sinks (PD_SINKS): a learned sink logit per head (natural-log units of the scaled scores)
@@ -89,11 +101,11 @@ struct Sinks {
 
   // Fold head h's sink into its state (M, L, O) (pd_add_sink). True when the sink alone
   // is the state: its lse is then the sink itself, logit[h].
-  __device__ __forceinline__ bool fold(int h, float& M, float& L, float& O) const {
+  __device__ __forceinline__ bool output_transform(int h, float& M, float& L, float& O) const {
     return pd_add_sink(logit[h], M, L, O);
   }
   // What the split-K merge folds after the splits: every head's sink, or none.
-  __device__ __forceinline__ static const float* merged(const float* sinks) { return on ? sinks : nullptr; }
+  __device__ __forceinline__ static const float* merge_transform(const float* sinks) { return on ? sinks : nullptr; }
 };
 
 // out_f32 (PD_OUT_F32): out (and the split-K merge's out) in fp32 instead of q's dtype:
@@ -108,7 +120,7 @@ struct OutF32 {
 #endif
 
   // Element d of the row at out_row0[at * D].
-  __device__ __forceinline__ static void put(out_t* out_row0, long long at, int d, float value) {
+  __device__ __forceinline__ static void output_store(out_t* out_row0, long long at, int d, float value) {
     reinterpret_cast<float*>(out_row0)[at * D + d] = value;
   }
 };
@@ -128,7 +140,7 @@ struct DeviceScales {
   double sm_scale, soft_cap;
 
   // The score scale and the value scale of KV head `kv_head`.
-  __device__ __forceinline__ void fold(int kv_head, float& qk_scale, float& v_scale) const {
+  __device__ __forceinline__ void kv_scales(int kv_head, float& qk_scale, float& v_scale) const {
     const double folded = sm_scale * (double)k[kv_head * k_stride];
     qk_scale = (float)(SoftCap::on ? folded / soft_cap : folded * 1.4426950408889634);  // log2 e, as the host's
     v_scale = v[kv_head * v_stride];
@@ -147,9 +159,9 @@ struct Csr {
   const int* last_page_len;
 
   // Sequence seq's page ids, in order.
-  __device__ __forceinline__ const int* row(int seq) const { return indices + indptr[seq]; }
+  __device__ __forceinline__ const int* kv_pages(int seq) const { return indices + indptr[seq]; }
   // Its length in tokens: (pages - 1) * page_size + the last page's count, or 0 with no page.
-  __device__ __forceinline__ int seq_len(int seq, int page_size) const {
+  __device__ __forceinline__ int kv_len(int seq, int page_size) const {
     const int pages = indptr[seq + 1] - indptr[seq];
     int last = last_page_len[seq];
     last = last < 0 ? 0 : (last > page_size ? page_size : last);
@@ -177,7 +189,7 @@ struct MultiToken {
   enum { on = PD_MULTI_TOKEN };
 
   // The keys [lo, hi) of each of this lane's columns (t = lane % 4).
-  __device__ __forceinline__ static void columns(const Rows& rw, const Features& f, int t, int (&lo)[NT][2],
+  __device__ __forceinline__ static void logits_mask(const Rows& rw, const Features& f, int t, int (&lo)[NT][2],
                                                  int (&hi)[NT][2]) {
     PD_UNROLL
     for (int nt = 0; nt < NT; ++nt)

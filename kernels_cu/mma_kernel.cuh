@@ -97,10 +97,10 @@ struct Tables {
   Csr csr;
   int page_size;
   __device__ __forceinline__ int seq_len(int seq) const {
-    return Csr::on ? csr.seq_len(seq, page_size) : seq_lens[seq];
+    return Csr::on ? csr.kv_len(seq, page_size) : seq_lens[seq];
   }
   __device__ __forceinline__ const int* row(int seq) const {
-    return Csr::on ? csr.row(seq) : block_tables + seq * block_tables_stride;
+    return Csr::on ? csr.kv_pages(seq) : block_tables + seq * block_tables_stride;
   }
 };
 }  // namespace pd_mma
@@ -222,7 +222,7 @@ extern "C" __global__ void PD_LAUNCH_BOUNDS(PD_MMA_THREADS, 1) PD_ENTRY(
     const int seq = item.seq, head0 = item.head0, heads = item.heads, num_q_heads = item.num_q_heads;
     const pd_mma::Rows rw = pd_item_rows(item, q_len, tables.seq_len(seq));
     float item_qk_scale = qk_scale, item_v_scale = v_scale;  // this item's KV head's (device_scales)
-    if (pd_mma::DeviceScales::on) f.device_scales.fold(item.kv_head, item_qk_scale, item_v_scale);
+    if (pd_mma::DeviceScales::on) f.device_scales.kv_scales(item.kv_head, item_qk_scale, item_v_scale);
 
     const pd_mma::QRows q_rows{q + seq * q_stride_seq + head0 * q_stride_head, q_stride_token, q_stride_head, heads};
     int next_lo = 0, next_hi = 0;  // the next item's keys, from warm_item (kept: a shorter loop than recomputed)
@@ -267,13 +267,13 @@ extern "C" __global__ void PD_LAUNCH_BOUNDS(PD_MMA_THREADS, 1) PD_ENTRY(
 #if PD_ARM == PD_ARM_SPLITK
 // The split-K merge: grid (num_q_heads, num_seqs * q_len), a thread per output dim (at most
 // PD_MERGE_THREADS; kernels.merge_threads); the merge of pd_splitk.cuh, splits 0..n-1 in
-// order, then the sink (Sinks::merged).
+// order, then the sink (Sinks::merge_transform).
 extern "C" __global__ void PD_LAUNCH_BOUNDS(PD_MERGE_THREADS, 4) decode_splitk_merge(
     const float* __restrict__ workspace, int num_splits, const float* __restrict__ sinks,
     pd_out_t* __restrict__ out, float* __restrict__ lse, float lse_scale) {
   __shared__ unsigned short s_out[PD_HEAD_DIM];
   pd_wait_prior_grids();  // launched as the attention grid's dependent: its states are complete only now
-  pd_merge_splits(workspace, num_splits, pd_mma::Sinks::merged(sinks), out, lse, lse_scale, s_out);
+  pd_merge_splits(workspace, num_splits, pd_mma::Sinks::merge_transform(sinks), out, lse, lse_scale, s_out);
 }
 #endif
 

@@ -135,6 +135,19 @@ def test_a_parameter_of_an_unknown_type_is_refused_when_the_abi_is_read():
         parse_kernel_params(text)
 
 
+def test_the_features_section_lists_and_defines_one_struct_per_feature_of_the_config():
+    """mma_features.cuh's opening table names every feature of config.FEATURES with its struct,
+    and the section defines that struct with `on` the feature's define, and no other."""
+    from metrale_attn import config
+
+    text = read_source("mma_features.cuh")
+    table = text[text.index("//   feature        struct"):].split("\n//\n")[0].splitlines()[1:]
+    rows = [m.groups() for line in table if (m := re.match(r"//   ([a-z_0-9]+)\s+([A-Z]\w*)\s", line))]
+    assert [feature for feature, _ in rows] == list(config.FEATURES)
+    structs = re.findall(r"^struct (\w+) \{\n  enum \{ on = (PD_\w+) \};", text, re.MULTILINE)
+    assert sorted(structs) == sorted((struct, config.feature_define(feature)) for feature, struct in rows)
+
+
 def test_sources_follow_the_shared_dialect():
     for path in source_names():
         text = read_source(path)
