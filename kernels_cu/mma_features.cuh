@@ -142,7 +142,7 @@ struct DeviceScales {
   // The score scale and the value scale of KV head `kv_head`.
   __device__ __forceinline__ void kv_scales(int kv_head, float& qk_scale, float& v_scale) const {
     const double folded = sm_scale * (double)k[kv_head * k_stride];
-    qk_scale = (float)(SoftCap::on ? folded / soft_cap : folded * 1.4426950408889634);  // log2 e, as the host's
+    qk_scale = (float)(SoftCap::on ? folded / soft_cap : folded * PD_LOG2E);  // as the host folds it
     v_scale = v[kv_head * v_stride];
   }
 };

@@ -32,6 +32,9 @@
 
 // The attention kernel's block (a define, not a constexpr: __launch_bounds__ takes it).
 #define PD_MMA_THREADS (PD_MMA_WARPS * 32)
+// Query rows of one row tile: the MMA's N (config.ROW_TILE, read back and checked by
+// sources.source_constants).
+#define PD_ROW_TILE 8
 #if !defined(PD_ENTRY) || !defined(PD_ARM)
 #error "define PD_ENTRY (the kernel's name) and PD_ARM (PD_ARM_UNPACKED | _SPLITK | _GQA_PACKED) first"
 #endif
@@ -49,7 +52,7 @@ constexpr int DP = (D + 31) / 32 * 32;
 constexpr int W = PD_MMA_WARPS;
 constexpr int THREADS = PD_MMA_THREADS;
 constexpr int NT = PD_ROW_TILES;  // query-row tiles of 8 (the MMA's N)
-constexpr int ROWS = 8 * NT;
+constexpr int ROWS = PD_ROW_TILE * NT;
 constexpr int TT = PD_TILE_TOKENS;  // tokens of one warp's stage
 constexpr int MT = TT / 16;         // 16-token MMA tiles (the MMA's M) per stage
 constexpr int S = PD_STAGES;

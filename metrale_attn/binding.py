@@ -23,7 +23,7 @@ import itertools
 from typing import Any, Callable, NamedTuple, Optional
 
 from .backends import ArrayInfo, Launch
-from .config import LayerConfig
+from .config import LN2, LayerConfig
 from .kernels import kernel_params
 from .plan import KernelGrid
 from .tiling import resident_ctas
@@ -34,7 +34,6 @@ from .workspace import where
 _CONFIG_FIELDS = frozenset(f.name for f in dataclasses.fields(LayerConfig))
 
 _AT = {name: i for i, name in enumerate(ARRAY_ARGUMENTS)}
-LN2 = 0.6931471805599453
 
 ARGUMENTS: dict[str, Callable[["_Values"], object]] = {
     # the arrays' pointers (a hole filled per call; null for an absent optional one) and the workspace

@@ -113,7 +113,7 @@ class KernelSpec:
                    else HEAD_DIMS if self.impl == "mma" else SIMT_HEAD_DIMS)
         if self.head_dim not in allowed:
             raise ValueError(f"the {self.arm} kernel supports head_dim {allowed}, got {self.head_dim}")
-        if self.row_tiles not in (tuple(range(1, max_rows_per_cta(self.head_dim) // 8 + 1)) if self.impl == "mma"
+        if self.row_tiles not in (tuple(range(1, max_rows_per_cta(self.head_dim) // ROW_TILE + 1)) if self.impl == "mma"
                                   else (1,)):
             raise ValueError(f"row_tiles must be 1 or 2 (mma; 1 from head dim {ONE_ROW_TILE_HEAD_DIM} on) "
                              f"or 1 (simt), got {self.row_tiles!r}")
@@ -263,7 +263,7 @@ def all_specs() -> list[KernelSpec]:
         for arm in ARMS
         for head_dim in ((policy.DECODE_GQA_PACK_HEAD_DIM,) if arm == "gqa_packed"
                          else HEAD_DIMS if impl == "mma" else SIMT_HEAD_DIMS)
-        for row_tiles in (range(1, max_rows_per_cta(head_dim) // 8 + 1) if impl == "mma" and arm != "gqa_packed"
+        for row_tiles in (range(1, max_rows_per_cta(head_dim) // ROW_TILE + 1) if impl == "mma" and arm != "gqa_packed"
                           else (1,))
         for q in dtypes.Q_DTYPES
         for kv in dtypes.KV_DTYPES

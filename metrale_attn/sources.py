@@ -25,12 +25,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import dtypes, policy
+from . import config, dtypes, policy
 
 SOURCE_PACKAGE = "metrale_attn.kernels_cu"
 COMMON_HEADER = "pd_common.cuh"
 CONVERT_HEADER = "pd_convert.cuh"
 CORE_HEADER = "decode_core.cuh"
+LAYOUT_HEADER = "mma_layout.cuh"
 SOURCE_FILES = {
     ("mma", "unpacked"): "decode_unpacked.cu",
     ("mma", "splitk"): "decode_splitk.cu",
@@ -121,6 +122,15 @@ def read_define(text: str, name: str) -> int:
     return int(found[0])
 
 
+def read_float_define(text: str, name: str) -> float:
+    """The value of ``#define <name> <decimal>`` in ``text`` (exactly one such line)."""
+    found = re.findall(rf"^[ \t]*#[ \t]*define[ \t]+{name}[ \t]+([0-9]+\.[0-9]+(?:[eE][-+]?[0-9]+)?)[ \t]*(?://.*)?$",
+                       text, re.MULTILINE)
+    if len(found) != 1:
+        raise KernelSourceError(f"expected exactly one '#define {name} <decimal>' in the kernel source, found {len(found)}")
+    return float(found[0])
+
+
 @dataclass(frozen=True)
 class SourceConstants:
     """Constants defined in the sources that the launcher relies on."""
@@ -128,17 +138,31 @@ class SourceConstants:
     threads: int
     merge_threads: int
     dtype_codes: dict
+    log2e: float
+    ln2: float
+    row_tile: int
 
 
 @functools.cache
 def source_constants() -> SourceConstants:
-    header = read_source(COMMON_HEADER)
-    return SourceConstants(
+    """The constants, read from the sources; those the host holds too (``config.LOG2E``,
+    ``config.LN2``, ``config.ROW_TILE``) must agree with it."""
+    header, convert = read_source(COMMON_HEADER), read_source(CONVERT_HEADER)
+    constants = SourceConstants(
         threads=read_define(header, "PD_THREADS"),
         merge_threads=read_define(header, "PD_MERGE_THREADS"),
-        dtype_codes={name: read_define(read_source(CONVERT_HEADER), define)
-                     for name, define in dtypes.CODE_DEFINES.items()},
+        dtype_codes={name: read_define(convert, define) for name, define in dtypes.CODE_DEFINES.items()},
+        log2e=read_float_define(convert, "PD_LOG2E"),
+        ln2=read_float_define(convert, "PD_LN2"),
+        row_tile=read_define(read_source(LAYOUT_HEADER), "PD_ROW_TILE"),
     )
+    for define, found, host, name in (("PD_LOG2E", constants.log2e, config.LOG2E, "LOG2E"),
+                                      ("PD_LN2", constants.ln2, config.LN2, "LN2"),
+                                      ("PD_ROW_TILE", constants.row_tile, config.ROW_TILE, "ROW_TILE")):
+        if found != host:
+            raise KernelSourceError(f"the kernels define {define} {found!r}, but the host uses {host!r} "
+                                    f"(config.{name})")
+    return constants
 
 
 def merge_threads(head_dim: int) -> int:

@@ -40,10 +40,11 @@ from dataclasses import dataclass
 from typing import Optional
 
 from . import dtypes
+from .targets import DEFAULT_TARGET, TARGETS
 
-SMEM_LIMIT_BYTES = 227 * 1024
-"""Dynamic shared memory one block may use on sm_90 and sm_100 (opt-in maximum): the default
-of a spec built without a target."""
+SMEM_LIMIT_BYTES = TARGETS[DEFAULT_TARGET].smem_per_block
+"""Dynamic shared memory one block may use on the default target (sm_90's opt-in maximum,
+227 KiB; sm_100's too): the default of a spec built without a target."""
 
 STAGE_TARGET_BYTES = 8192
 """K+V bytes one warp's stage aims at: 32-token stages where 32 rows of K and V fit, else 16

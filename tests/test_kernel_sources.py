@@ -148,6 +148,38 @@ def test_the_features_section_lists_and_defines_one_struct_per_feature_of_the_co
     assert sorted(structs) == sorted((struct, config.feature_define(feature)) for feature, struct in rows)
 
 
+def test_the_constants_the_host_and_the_kernels_both_hold_agree():
+    """log2(e), ln 2 and the row tile have one home on each side (config; pd_convert.cuh and
+    mma_layout.cuh), tied by the read-back; the float64 oracle keeps its own copies, equal too."""
+    from metrale_attn import config, reference
+
+    c = source_constants()
+    assert (c.log2e, c.ln2, c.row_tile) == (config.LOG2E, config.LN2, config.ROW_TILE)
+    assert (reference.LOG2E, reference.LN2) == (config.LOG2E, config.LN2)
+
+
+def test_a_kernel_constant_that_disagrees_with_the_host_is_refused(monkeypatch):
+    from metrale_attn import sources
+
+    real = sources.read_source
+    monkeypatch.setattr(sources, "read_source", lambda name: real(name).replace(
+        "#define PD_LOG2E 1.4426950408889634", "#define PD_LOG2E 1.4426950408889633"))
+    with pytest.raises(KernelSourceError, match="PD_LOG2E .*config.LOG2E"):
+        source_constants.__wrapped__()
+
+
+def test_the_cpu_shim_emulates_the_shared_memory_of_every_target():
+    """The shim's limit (module.py, and runtime/internal.h's kMaxShared, one value) holds the
+    largest target's shared memory per block, the default of a spec built without a target."""
+    import cuda_on_cpu.module
+    from metrale_attn.tiling import SMEM_LIMIT_BYTES
+
+    header = (pathlib.Path(cuda_on_cpu.module.__file__).parent / "runtime" / "internal.h").read_text()
+    (k_max_shared,) = re.findall(r"constexpr size_t kMaxShared = (\d+) \* 1024;", header)
+    assert int(k_max_shared) * 1024 == cuda_on_cpu.module.MAX_SHARED_BYTES
+    assert SMEM_LIMIT_BYTES == max(t.smem_per_block for t in TARGETS.values()) <= cuda_on_cpu.module.MAX_SHARED_BYTES
+
+
 def test_sources_follow_the_shared_dialect():
     for path in source_names():
         text = read_source(path)

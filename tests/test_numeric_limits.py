@@ -172,7 +172,7 @@ extern "C" __global__ void add_sink(const float* sink, const float* state, float
 extern "C" __global__ void unguarded(const float* sink, const float* state, float* out, int n) {
   for (int i = threadIdx.x; i < n; i += blockDim.x) {
     float M = state[3 * i], L = state[3 * i + 1], O = state[3 * i + 2];
-    const float s = sink[i] * PD_LOG2E;
+    const float s = sink[i] * (float)PD_LOG2E;
     const float mx = fmaxf(M, s);
     const float ms = mx == pd_neg_inf() ? 0.f : mx;
     const float a = exp2f(M - ms);
