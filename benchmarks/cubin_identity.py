@@ -29,24 +29,23 @@ OTHER_ARCHS = (("sm_80", 163 * 1024), ("sm_100", 227 * 1024), ("sm_120", 99 * 10
 
 def _pin_sources():
     """Read kernels_cu/ of the checkout metrale_attn was imported from: an editable install
-    maps the package ``metrale_attn.kernels_cu`` to its own checkout's folder, whatever
-    PYTHONPATH says."""
-    import importlib
+    maps ``metrale_attn.kernels_cu`` (and any module the checkout lacks) to its own checkout,
+    whatever PYTHONPATH says. Patches the module whose ``read_source`` the specs use."""
     import pathlib
+    import sys
 
-    import metrale_attn
+    from metrale_attn import kernels
 
-    folder = pathlib.Path(metrale_attn.__file__).resolve().parent.parent / "kernels_cu"
-    for name in ("metrale_attn.sources", "metrale_attn.kernels"):
-        try:
-            module = importlib.import_module(name)
-        except ImportError:
-            continue
-        if hasattr(module, "_source_dir"):
-            module._source_dir = lambda: folder
-            module.read_source.cache_clear()
-            return folder
-    raise RuntimeError("no _source_dir to pin")
+    root = pathlib.Path(kernels.__file__).resolve().parent.parent
+    module = sys.modules[kernels.read_source.__module__] if hasattr(kernels, "read_source") else None
+    if module is None:  # kernels imports inline only: the module that defines it
+        module = sys.modules[kernels.inline.__module__]
+    if pathlib.Path(module.__file__).resolve().parent.parent != root:
+        raise RuntimeError(f"{module.__name__} comes from {module.__file__}, not from {root}")
+    folder = root / "kernels_cu"
+    module._source_dir = lambda: folder
+    module.read_source.cache_clear()
+    return folder
 
 
 def sample(every: int):
