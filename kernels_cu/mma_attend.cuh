@@ -235,13 +235,12 @@ __device__ __forceinline__ void scores(const unsigned char* kt, int kv_lane, con
   }
 }
 
-// The logits of one tile (its first key at absolute position base): keys a row does not
-// see masked (-inf), the others transformed (soft_cap). A column sees the CTA's keys
+// The logits of one tile (its first key at absolute position base; g = lane / 4): keys a row
+// does not see masked (-inf), the others transformed (soft_cap). A column sees the CTA's keys
 // [lo, hi), or with multi_token its own row's [col_lo, col_hi) (MultiToken::logits_mask).
 __device__ __forceinline__ void logits(float (&sc)[MT][NT][4], const Features& f, const float (&scale)[NT][2],
-                                       int base, int lo, int hi, const int (&col_lo)[NT][2],
+                                       int base, int g, int lo, int hi, const int (&col_lo)[NT][2],
                                        const int (&col_hi)[NT][2]) {
-  const int g = (threadIdx.x & 31) >> 2;
   const float neg_inf = pd_neg_inf();
   PD_UNROLL
   for (int mt = 0; mt < MT; ++mt)
@@ -356,7 +355,7 @@ __device__ __forceinline__ void attend(unsigned char* smem, const Rows& rw, cons
                                        long long v_stride_token, const int* __restrict__ bt_row, int page_size,
                                        const Carry& carry, State& st) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int t = lane & 3;
+  const int g = lane >> 2, t = lane & 3;
 
   clear_state(st);
 
@@ -367,7 +366,7 @@ __device__ __forceinline__ void attend(unsigned char* smem, const Rows& rw, cons
     for (int j = 0; j < 2; ++j) scale[nt][j] = reinterpret_cast<const float*>(smem + SCALE_OFF)[nt * 8 + 2 * t + j];
 
   int lo, hi;  // the CTA's keys
-  cta_range(rw, f, lo, hi);
+  cta_range(rw, f.window, lo, hi);
   int col_lo[NT][2], col_hi[NT][2];  // multi_token: the keys each of this lane's columns sees
   if (MultiToken::on) MultiToken::logits_mask(rw, f, t, col_lo, col_hi);
   int first_tile, my_tiles;
@@ -412,7 +411,7 @@ __device__ __forceinline__ void attend(unsigned char* smem, const Rows& rw, cons
 
     float sc[MT][NT][4];
     scores(kt, kv_lane, q_lane, q_frag, sc);
-    logits(sc, f, scale, base, lo, hi, col_lo, col_hi);
+    logits(sc, f, scale, base, g, lo, hi, col_lo, col_hi);
     online_softmax(sc, scale, st);
     accumulate(vt, kv_lane, sc, st);
   }

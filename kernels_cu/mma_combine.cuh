@@ -135,7 +135,7 @@ __device__ __forceinline__ void store_rows(unsigned char* smem, const Rows& rw, 
     const int r = idx / D, d = idx - r * D;
     float M, L, O;
     cta_combine(smem, r, d, M, L, O);
-    const bool alone = Sinks::on ? f.sinks.output_transform(rw.head0 + r % rw.heads, M, L, O) : false;  // the sink alone is the state
+    const bool alone = Sinks::on ? f.sinks.output_transform(r % rw.heads, M, L, O) : false;  // the sink alone is the state
     const float value = pd_normalize(O, L, v_scale);  // zeros for an empty state
     const long long at = (long long)(r / rw.heads) * num_q_heads + r % rw.heads;
     if (OutF32::on)
@@ -143,7 +143,7 @@ __device__ __forceinline__ void store_rows(unsigned char* smem, const Rows& rw, 
     else
       s_out[idx] = (unsigned short)pd_float_to_q(value);
     if (d == 0 && lse_row0 != nullptr)
-      lse_row0[at] = alone ? pd_sink_lse(f.sinks.logit[rw.head0 + r % rw.heads], lse_scale) : pd_lse(M, L, lse_scale);
+      lse_row0[at] = alone ? pd_sink_lse(f.sinks.logit[r % rw.heads], lse_scale) : pd_lse(M, L, lse_scale);
   }
   if (!OutF32::on) {
     __syncthreads();

@@ -97,7 +97,7 @@ struct SoftCap {
 // pd_splitk.cuh; the split states never see it).
 struct Sinks {
   enum { on = PD_SINKS };
-  const float* logit;  // every query head's sink: the kernel parameter sinks
+  const float* logit;  // the CTA's heads' sinks (sinks + head0)
 
   // Fold head h's sink into its state (M, L, O) (pd_add_sink). True when the sink alone
   // is the state: its lse is then the sink itself, logit[h].
@@ -178,7 +178,7 @@ struct Features {
 };
 
 // The keys of query token t (row_range, after this section); multi_token masks with them.
-__device__ __forceinline__ void row_range(const Rows& rw, const Features& f, int t, int& lo, int& hi);
+__device__ __forceinline__ void row_range(const Rows& rw, const Window& window, int t, int& lo, int& hi);
 
 // multi_token (PD_MULTI_TOKEN): q_len > 1 query tokens per sequence (speculative
 // verification, MTP); token t sees L - q_len + 1 + t keys (row_range), so the rows of a
@@ -198,7 +198,7 @@ struct MultiToken {
         const int r = nt * 8 + 2 * t + j;
         lo[nt][j] = 0;
         hi[nt][j] = 0;
-        if (r < rw.rows) row_range(rw, f, r / rw.heads, lo[nt][j], hi[nt][j]);
+        if (r < rw.rows) row_range(rw, f.window, r / rw.heads, lo[nt][j], hi[nt][j]);
       }
   }
 };
@@ -211,10 +211,10 @@ struct MultiToken {
 // window's first key (the window feature), cut to split `split` of `num_splits` by the
 // split rule of pd_splitk.cuh applied to that range alone (so the split covers the
 // window only and depends on the row's own keys, never on the batch or on the other rows).
-__device__ __forceinline__ void row_range(const Rows& rw, const Features& f, int t, int& lo, int& hi) {
+__device__ __forceinline__ void row_range(const Rows& rw, const Window& window, int t, int& lo, int& hi) {
   int seen = rw.seq_len - rw.q_len + 1 + t;  // causal: positions < seen
   seen = seen > 0 ? seen : 0;
-  const int first = Window::on ? f.window.first_key(seen) : 0;
+  const int first = Window::on ? window.first_key(seen) : 0;
   int a, b;
   pd_split_range(seen - first, rw.split, rw.num_splits, a, b);
   lo = first + a;
@@ -222,12 +222,12 @@ __device__ __forceinline__ void row_range(const Rows& rw, const Features& f, int
 }
 
 // The CTA's key range: the union of its rows' ranges (empty when every row's is).
-__device__ __forceinline__ void cta_range(const Rows& rw, const Features& f, int& lo, int& hi) {
+__device__ __forceinline__ void cta_range(const Rows& rw, const Window& window, int& lo, int& hi) {
   lo = 0;
   hi = 0;
   for (int t = 0; t < rw.q_len; ++t) {
     int a, b;
-    row_range(rw, f, t, a, b);
+    row_range(rw, window, t, a, b);
     if (a >= b) continue;
     if (hi == 0 || a < lo) lo = a;
     if (b > hi) hi = b;

@@ -24,7 +24,7 @@ __device__ __forceinline__ void warm_item(const Rows& rw, const Features& f, con
     const int byte = k * LINE < D * 2 ? k * LINE : D * 2 - 1;
     pd_prefetch_l2(reinterpret_cast<const unsigned char*>(q_row(r)) + byte);
   }
-  cta_range(rw, f, lo, hi);
+  cta_range(rw, f.window, lo, hi);
   if (lo >= hi) return;
   const int first = lo / TT * TT, end = first + S * W * TT < hi ? first + S * W * TT : hi;
   const int pages = (end - 1) / page_size - lo / page_size + 1;
@@ -138,14 +138,16 @@ __device__ __forceinline__ pd_mma::Item pd_item(int bx, int by, int bz, int gx, 
   return it;
 }
 
-// Item `at` of the plan's gx x gy x gz grid of items, x fastest (THE SCHEDULE's order).
-__device__ __forceinline__ pd_mma::Item pd_item_at(int at, int gx, int gy, int num_kv_heads, int heads_per_cta) {
+// Item `at` of the plan's gx x gy x gz grid of items, x fastest (THE SCHEDULE's order). `at`
+// is blockIdx.x (unsigned: the first item's, unsigned divisions) or an int.
+template <class Index>
+__device__ __forceinline__ pd_mma::Item pd_item_at(Index at, int gx, int gy, int num_kv_heads, int heads_per_cta) {
   return pd_item(at % gx, (at / gx) % gy, at / (gx * gy), gx, gy, num_kv_heads, heads_per_cta);
 }
 
 // The query rows of item `it`, whose sequence holds seq_len keys (a negative length: none).
 __device__ __forceinline__ pd_mma::Rows pd_item_rows(const pd_mma::Item& it, int q_len, int seq_len) {
-  return pd_mma::Rows{it.head0, it.heads, q_len, it.heads * q_len, seq_len > 0 ? seq_len : 0, it.split, it.num_splits};
+  return pd_mma::Rows{it.heads, q_len, it.heads * q_len, seq_len > 0 ? seq_len : 0, it.split, it.num_splits};
 }
 
 typedef pd_mma::OutF32::out_t pd_out_t;  // out's element: q's dtype, or fp32 (out_f32)
@@ -189,9 +191,6 @@ extern "C" __global__ void PD_LAUNCH_BOUNDS(PD_MMA_THREADS, 1) PD_ENTRY(
   // its state published, issues its first tiles of the next (issue_ahead), which
   // land while the CTA combines, stores and stages the next q.
   const int items = items_x * items_y * items_z;
-  // The features' values, as their hooks take them (sinks: no offset from a null pointer without the feature)
-  const pd_mma::Features f{{window_left}, {cap_log2}, {pd_mma::Sinks::on ? sinks : nullptr},
-                           {k_scales, k_scales_stride, v_scales, v_scales_stride, sm_scale, soft_cap}};
   pd_mma::Carry carry{};  // what issue_ahead leaves the item's prologue
   // Item `at`'s first PREFETCH tiles, this warp's share, its keys [lo, hi) (issue_ahead).
   const auto issue_item = [&](int at, int lo, int hi) {
@@ -204,7 +203,7 @@ extern "C" __global__ void PD_LAUNCH_BOUNDS(PD_MMA_THREADS, 1) PD_ENTRY(
   if (pd_mma::PREFETCH > 0 && (int)blockIdx.x < items) {  // the first item's, before anything else
     const pd_mma::Item it = pd_item_at(blockIdx.x, items_x, items_y, num_kv_heads, heads_per_cta);
     int lo, hi;
-    pd_mma::cta_range(pd_item_rows(it, q_len, tables.seq_len(it.seq)), f, lo, hi);
+    pd_mma::cta_range(pd_item_rows(it, q_len, tables.seq_len(it.seq)), pd_mma::Window{window_left}, lo, hi);
     issue_item(blockIdx.x, lo, hi);
   }
   for (int at = blockIdx.x; at < items; at += gridDim.x) {
@@ -221,6 +220,9 @@ extern "C" __global__ void PD_LAUNCH_BOUNDS(PD_MMA_THREADS, 1) PD_ENTRY(
     if (PD_ARM == PD_ARM_SPLITK && last_item) pd_release_dependents();
     const int seq = item.seq, head0 = item.head0, heads = item.heads, num_q_heads = item.num_q_heads;
     const pd_mma::Rows rw = pd_item_rows(item, q_len, tables.seq_len(seq));
+    // The features' values, as their hooks take them (sinks: no offset from a null pointer without the feature)
+    const pd_mma::Features f{{window_left}, {cap_log2}, {pd_mma::Sinks::on ? sinks + head0 : nullptr},
+                             {k_scales, k_scales_stride, v_scales, v_scales_stride, sm_scale, soft_cap}};
     float item_qk_scale = qk_scale, item_v_scale = v_scale;  // this item's KV head's (device_scales)
     if (pd_mma::DeviceScales::on) f.device_scales.kv_scales(item.kv_head, item_qk_scale, item_v_scale);
 

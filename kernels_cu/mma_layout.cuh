@@ -138,9 +138,8 @@ __device__ __forceinline__ int q_position(int d) {
 
 // -- what a CTA serves -----------------------------------------------------------------
 
-// The query rows of one CTA. Rows r = t * heads + h, t < q_len: query token t of head head0 + h.
+// The query rows of one CTA. Rows r = t * heads + h, t < q_len.
 struct Rows {
-  int head0;    // the first query head
   int heads;    // heads_per_cta
   int q_len;    // query tokens per sequence (1 but with multi_token)
   int rows;     // heads * q_len
