@@ -152,9 +152,19 @@ __device__ __forceinline__ int out_dim(int dt, int g, int e) {
 }
 
 
-// The empty state: m = -inf, l = 0, O = 0.
-__device__ __forceinline__ void clear_state(State& st) {
+// Attend every row's keys and leave the warp state in `st`: the plain algorithm, the
+// features entering through their hooks (f, MultiToken). `smem` is the launch's dynamic
+// shared memory, Q staged (stage_q). PREFETCH > 0: the first PREFETCH of this warp's tiles
+// are in flight already (issue_ahead), the prologue issues the rest.
+__device__ __forceinline__ void attend(unsigned char* smem, const Rows& rw, const Features& f,
+                                       const unsigned char* k_head, long long k_stride_page, long long k_stride_token,
+                                       const unsigned char* v_head, long long v_stride_page,
+                                       long long v_stride_token, const int* __restrict__ bt_row, int page_size,
+                                       const Carry& carry, State& st) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
   const float neg_inf = pd_neg_inf();
+
   PD_UNROLL
   for (int nt = 0; nt < NT; ++nt)
     PD_UNROLL
@@ -168,198 +178,8 @@ __device__ __forceinline__ void clear_state(State& st) {
     for (int nt = 0; nt < NT; ++nt)
       PD_UNROLL
       for (int e = 0; e < 4; ++e) st.o[dt][nt][e] = 0.f;
-}
 
-// q's B operands, held in registers for the whole loop (Q_IN_REGS), else a placeholder.
-typedef unsigned QFrags[Q_IN_REGS ? KS / 2 : 1][QP][NT][4];
-
-// One tile's scores S^T[token][row] = K Q^T (kt: the stage's K tile), two 16-dim steps per
-// ldmatrix.x4. kv_lane, q_lane: this lane's ldmatrix row addresses (attend).
-__device__ __forceinline__ void scores(const unsigned char* kt, int kv_lane, const unsigned char* q_lane,
-                                       const QFrags& q_frag, float (&sc)[MT][NT][4]) {
-  PD_UNROLL
-  for (int mt = 0; mt < MT; ++mt)
-    PD_UNROLL
-    for (int nt = 0; nt < NT; ++nt)
-      PD_UNROLL
-      for (int e = 0; e < 4; ++e) sc[mt][nt][e] = 0.f;
-  PD_UNROLL
-  for (int kk = 0; kk < KS / 2; ++kk) {
-    PD_UNROLL
-    for (int mt = 0; mt < MT; ++mt) {
-      unsigned a[2][4];
-      if (FP8) {  // chunks 2kk, 2kk + 1 of 16 dims each: one step per chunk
-        unsigned r[4];
-        pd_ldmatrix_x4(r, kt + mt * 16 * RS + kk * 32 + kv_lane);
-        PD_UNROLL
-        for (int h = 0; h < 2; ++h) {
-          if (2 * kk + h >= KD) continue;  // a padding step (compile time)
-          a[h][0] = fp8_lo(r[2 * h]);
-          a[h][1] = fp8_lo(r[2 * h + 1]);
-          a[h][2] = fp8_hi(r[2 * h]);
-          a[h][3] = fp8_hi(r[2 * h + 1]);
-        }
-      } else {  // chunks of 8 dims: two per step
-        PD_UNROLL
-        for (int h = 0; h < 2; ++h) {
-          if (2 * kk + h >= KD) continue;
-          unsigned r[4];
-          pd_ldmatrix_x4(r, kt + mt * 16 * RS + (2 * kk + h) * 32 + kv_lane);
-          a[h][0] = r[0];
-          a[h][1] = r[1];
-          a[h][2] = r[2];
-          a[h][3] = r[3];
-        }
-      }
-      // q's B operands of steps 2kk, 2kk + 1, one row tile and part at a time: from
-      // q_frag (Q_IN_REGS), else re-read from shared memory every tile (few registers live)
-      PD_UNROLL
-      for (int part = 0; part < QP; ++part)
-        PD_UNROLL
-        for (int nt = 0; nt < NT; ++nt) {
-          unsigned qb[4];  // [step 2kk: b0b1, b2b3, step 2kk + 1: b0b1, b2b3]
-          if (Q_IN_REGS) {
-            PD_UNROLL
-            for (int e = 0; e < 4; ++e) qb[e] = q_frag[Q_IN_REGS ? kk : 0][part][nt][e];
-          } else {
-            pd_ldmatrix_x4(qb, q_lane + (part * ROWS + nt * 8) * QS + kk * 64);
-          }
-          PD_UNROLL
-          for (int h = 0; h < 2; ++h) {
-            if (2 * kk + h >= KD) continue;
-            const unsigned b[2] = {qb[2 * h], qb[2 * h + 1]};
-            mma(sc[mt][nt], a[h], b);
-          }
-        }
-    }
-  }
-}
-
-// The logits of one tile (its first key at absolute position base; g = lane / 4): keys a row
-// does not see masked (-inf), the others transformed (soft_cap). A column sees the CTA's keys
-// [lo, hi), or with multi_token its own row's [col_lo, col_hi) (MultiToken::logits_mask).
-__device__ __forceinline__ void logits(float (&sc)[MT][NT][4], const Features& f, const float (&scale)[NT][2],
-                                       int base, int g, int lo, int hi, const int (&col_lo)[NT][2],
-                                       const int (&col_hi)[NT][2]) {
-  const float neg_inf = pd_neg_inf();
-  PD_UNROLL
-  for (int mt = 0; mt < MT; ++mt)
-    PD_UNROLL
-    for (int e = 0; e < 4; ++e) {
-      const int pos = base + mt * 16 + g + 8 * (e >> 1);
-      PD_UNROLL
-      for (int nt = 0; nt < NT; ++nt) {
-        const bool sees = MultiToken::on ? pos >= col_lo[nt][e & 1] && pos < col_hi[nt][e & 1]  // its row's
-                                         : pos >= lo && pos < hi;                               // the CTA's
-        sc[mt][nt][e] = sees ? (SoftCap::on ? f.soft_cap.logits_transform(sc[mt][nt][e], scale[nt][e & 1]) : sc[mt][nt][e])
-                             : neg_inf;
-      }
-    }
-}
-
-// The online softmax over one tile's logits: update m and l, rescale O by alpha =
-// 2^(m_old - m_new), and leave each weight p = 2^(x - m) (times p_scale) in sc.
-__device__ __forceinline__ void online_softmax(float (&sc)[MT][NT][4], const float (&scale)[NT][2], State& st) {
-  const float neg_inf = pd_neg_inf();
-  float alpha[NT][2];
-  PD_UNROLL
-  for (int nt = 0; nt < NT; ++nt)
-    PD_UNROLL
-    for (int j = 0; j < 2; ++j) {
-      float mx = neg_inf;  // plain: of the raw scores (scale > 0 keeps their order); soft_cap: of x
-      PD_UNROLL
-      for (int mt = 0; mt < MT; ++mt) mx = fmaxf(mx, fmaxf(sc[mt][nt][j], sc[mt][nt][j + 2]));
-      PD_UNROLL
-      for (int off = 4; off <= 16; off <<= 1) mx = fmaxf(mx, __shfl_xor_sync(PD_FULL_MASK, mx, off));
-      const float m_new = fmaxf(st.m[nt][j], SoftCap::on ? mx : mx * scale[nt][j]);  // log2 units
-      // Nothing valid seen yet (m_new = -inf): subtract 0, so -inf - -inf = NaN never
-      // happens; alpha and every p are then exp2f(-inf) = 0.
-      const float ms = m_new == neg_inf ? 0.f : m_new;
-      alpha[nt][j] = exp2f(st.m[nt][j] - ms);
-      st.m[nt][j] = m_new;
-      float lsum = 0.f;
-      PD_UNROLL
-      for (int mt = 0; mt < MT; ++mt)
-        PD_UNROLL
-        for (int e = j; e < 4; e += 2) {
-          // p = 2^(x - ms); plain: x = scale * the raw score, folded into one fmaf
-          const float p = SoftCap::on ? exp2f(sc[mt][nt][e] - ms) : exp2f(fmaf(sc[mt][nt][e], scale[nt][j], -ms));
-          lsum += p;
-          sc[mt][nt][e] = p * p_scale();  // exact (a power of two)
-        }
-      st.l[nt][j] = fmaf(st.l[nt][j], alpha[nt][j], lsum);
-    }
-  PD_UNROLL
-  for (int dt = 0; dt < KD; ++dt)
-    PD_UNROLL
-    for (int nt = 0; nt < NT; ++nt)
-      PD_UNROLL
-      for (int e = 0; e < 4; ++e) st.o[dt][nt][e] *= alpha[nt][e & 1];
-}
-
-// O^T[dim][row] += V^T P^T over one tile (vt: the stage's V tile; p: the weights
-// online_softmax left), one MMA per part of p.
-__device__ __forceinline__ void accumulate(const unsigned char* vt, int kv_lane, const float (&p)[MT][NT][4],
-                                           State& st) {
-  PD_UNROLL
-  for (int mt = 0; mt < MT; ++mt) {
-    unsigned pb[NT][PP][2];
-    PD_UNROLL
-    for (int nt = 0; nt < NT; ++nt) p_operands(p[mt][nt], pb[nt]);
-    PD_UNROLL
-    for (int dp = 0; dp < KS / 2; ++dp) {  // two 16-dim blocks per ldmatrix.x4.trans
-      unsigned a[2][4];
-      if (FP8) {  // one chunk per block; bytes (token 2t, 2t+1) x (dim 2g, 2g+1) per register
-        unsigned r[4];
-        pd_ldmatrix_x4_trans(r, vt + mt * 16 * RS + dp * 32 + kv_lane);
-        PD_UNROLL
-        for (int h = 0; h < 2; ++h) {
-          if (2 * dp + h >= KD) continue;
-          const unsigned lo8 = pd_prmt(r[2 * h], 0u, 0x3120u);      // tokens 0..7: (dim 2g | dim 2g + 1) pairs
-          const unsigned hi8 = pd_prmt(r[2 * h + 1], 0u, 0x3120u);  // tokens 8..15
-          a[h][0] = fp8_lo(lo8);
-          a[h][1] = fp8_hi(lo8);
-          a[h][2] = fp8_lo(hi8);
-          a[h][3] = fp8_hi(hi8);
-        }
-      } else {  // two chunks of 8 dims per block
-        PD_UNROLL
-        for (int h = 0; h < 2; ++h) {
-          if (2 * dp + h >= KD) continue;
-          unsigned r[4];
-          pd_ldmatrix_x4_trans(r, vt + mt * 16 * RS + (2 * (2 * dp + h)) * 16 + kv_lane);
-          a[h][0] = r[0];
-          a[h][1] = r[2];
-          a[h][2] = r[1];
-          a[h][3] = r[3];
-        }
-      }
-      PD_UNROLL
-      for (int h = 0; h < 2; ++h)
-        PD_UNROLL
-        for (int nt = 0; nt < NT; ++nt)
-          PD_UNROLL
-          for (int part = 0; part < PP; ++part)
-            if (2 * dp + h < KD) mma(st.o[2 * dp + h][nt], a[h], pb[nt][part]);
-    }
-  }
-}
-
-// Attend every row's keys and leave the warp state in `st`: the plain algorithm, the
-// features entering through their hooks (f, MultiToken). `smem` is the launch's dynamic
-// shared memory, Q staged (stage_q). PREFETCH > 0: the first PREFETCH of this warp's tiles
-// are in flight already (issue_ahead), the prologue issues the rest.
-__device__ __forceinline__ void attend(unsigned char* smem, const Rows& rw, const Features& f,
-                                       const unsigned char* k_head, long long k_stride_page, long long k_stride_token,
-                                       const unsigned char* v_head, long long v_stride_page,
-                                       long long v_stride_token, const int* __restrict__ bt_row, int page_size,
-                                       const Carry& carry, State& st) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int g = lane >> 2, t = lane & 3;
-
-  clear_state(st);
-
-  float scale[NT][2];  // each of this lane's columns' score scale (stage_q)
+  float scale[NT][2];
   PD_UNROLL
   for (int nt = 0; nt < NT; ++nt)
     PD_UNROLL
@@ -390,7 +210,7 @@ __device__ __forceinline__ void attend(unsigned char* smem, const Rows& rw, cons
   const int kv_lane = ((((lane >> 3) & 1) * 8) + (lane & 7)) * RS + (lane >> 4) * 16;
   const unsigned char* q_lane = smem + Q_OFF + (lane & 7) * QS + (lane >> 3) * 16;
   // Q_IN_REGS: q's B operands read once here, not once per 16 keys (each reading shared memory)
-  QFrags q_frag;
+  unsigned q_frag[Q_IN_REGS ? KS / 2 : 1][QP][NT][4];
   PD_UNROLL
   for (int kk = 0; kk < (Q_IN_REGS ? KS / 2 : 0); ++kk)
     PD_UNROLL
@@ -409,11 +229,159 @@ __device__ __forceinline__ void attend(unsigned char* smem, const Rows& rw, cons
     const unsigned char* vt = kt + TILE_BYTES;
     const int base = (first_tile + k * W) * TT;  // absolute position of the tile's first key
 
+    // -- scores S^T[token][row] = K Q^T, two 16-dim steps per ldmatrix.x4
     float sc[MT][NT][4];
-    scores(kt, kv_lane, q_lane, q_frag, sc);
-    logits(sc, f, scale, base, g, lo, hi, col_lo, col_hi);
-    online_softmax(sc, scale, st);
-    accumulate(vt, kv_lane, sc, st);
+    PD_UNROLL
+    for (int mt = 0; mt < MT; ++mt)
+      PD_UNROLL
+      for (int nt = 0; nt < NT; ++nt)
+        PD_UNROLL
+        for (int e = 0; e < 4; ++e) sc[mt][nt][e] = 0.f;
+    PD_UNROLL
+    for (int kk = 0; kk < KS / 2; ++kk) {
+      PD_UNROLL
+      for (int mt = 0; mt < MT; ++mt) {
+        unsigned a[2][4];
+        if (FP8) {  // chunks 2kk, 2kk + 1 of 16 dims each: one step per chunk
+          unsigned r[4];
+          pd_ldmatrix_x4(r, kt + mt * 16 * RS + kk * 32 + kv_lane);
+          PD_UNROLL
+          for (int h = 0; h < 2; ++h) {
+            if (2 * kk + h >= KD) continue;  // a padding step (compile time)
+            a[h][0] = fp8_lo(r[2 * h]);
+            a[h][1] = fp8_lo(r[2 * h + 1]);
+            a[h][2] = fp8_hi(r[2 * h]);
+            a[h][3] = fp8_hi(r[2 * h + 1]);
+          }
+        } else {  // chunks of 8 dims: two per step
+          PD_UNROLL
+          for (int h = 0; h < 2; ++h) {
+            if (2 * kk + h >= KD) continue;
+            unsigned r[4];
+            pd_ldmatrix_x4(r, kt + mt * 16 * RS + (2 * kk + h) * 32 + kv_lane);
+            a[h][0] = r[0];
+            a[h][1] = r[1];
+            a[h][2] = r[2];
+            a[h][3] = r[3];
+          }
+        }
+        // q's B operands of steps 2kk, 2kk + 1, one row tile and part at a time: from
+        // q_frag (Q_IN_REGS), else re-read from shared memory every tile (few registers live)
+        PD_UNROLL
+        for (int part = 0; part < QP; ++part)
+          PD_UNROLL
+          for (int nt = 0; nt < NT; ++nt) {
+            unsigned qb[4];  // [step 2kk: b0b1, b2b3, step 2kk + 1: b0b1, b2b3]
+            if (Q_IN_REGS) {
+              PD_UNROLL
+              for (int e = 0; e < 4; ++e) qb[e] = q_frag[Q_IN_REGS ? kk : 0][part][nt][e];
+            } else {
+              pd_ldmatrix_x4(qb, q_lane + (part * ROWS + nt * 8) * QS + kk * 64);
+            }
+            PD_UNROLL
+            for (int h = 0; h < 2; ++h) {
+              if (2 * kk + h >= KD) continue;
+              const unsigned b[2] = {qb[2 * h], qb[2 * h + 1]};
+              mma(sc[mt][nt], a[h], b);
+            }
+          }
+      }
+    }
+
+    // -- logits: keys a row does not see masked (-inf), the others transformed (soft_cap)
+    PD_UNROLL
+    for (int mt = 0; mt < MT; ++mt)
+      PD_UNROLL
+      for (int e = 0; e < 4; ++e) {
+        const int pos = base + mt * 16 + g + 8 * (e >> 1);
+        PD_UNROLL
+        for (int nt = 0; nt < NT; ++nt) {
+          const bool sees = MultiToken::on ? pos >= col_lo[nt][e & 1] && pos < col_hi[nt][e & 1]  // its row's
+                                           : pos >= lo && pos < hi;                               // the CTA's
+          sc[mt][nt][e] = sees ? (SoftCap::on ? f.soft_cap.logits_transform(sc[mt][nt][e], scale[nt][e & 1]) : sc[mt][nt][e])
+                               : neg_inf;
+        }
+      }
+
+    // -- update m and l, rescale O by alpha = 2^(m_old - m_new)
+    float alpha[NT][2];
+    PD_UNROLL
+    for (int nt = 0; nt < NT; ++nt)
+      PD_UNROLL
+      for (int j = 0; j < 2; ++j) {
+        float mx = neg_inf;  // plain: of the raw scores (scale > 0 keeps their order); soft_cap: of x
+        PD_UNROLL
+        for (int mt = 0; mt < MT; ++mt) mx = fmaxf(mx, fmaxf(sc[mt][nt][j], sc[mt][nt][j + 2]));
+        PD_UNROLL
+        for (int off = 4; off <= 16; off <<= 1) mx = fmaxf(mx, __shfl_xor_sync(PD_FULL_MASK, mx, off));
+        const float m_new = fmaxf(st.m[nt][j], SoftCap::on ? mx : mx * scale[nt][j]);  // log2 units
+        // Nothing valid seen yet (m_new = -inf): subtract 0, so -inf - -inf = NaN never
+        // happens; alpha and every p are then exp2f(-inf) = 0.
+        const float ms = m_new == neg_inf ? 0.f : m_new;
+        alpha[nt][j] = exp2f(st.m[nt][j] - ms);
+        st.m[nt][j] = m_new;
+        float lsum = 0.f;
+        PD_UNROLL
+        for (int mt = 0; mt < MT; ++mt)
+          PD_UNROLL
+          for (int e = j; e < 4; e += 2) {
+            // p = 2^(x - ms); plain: x = scale * the raw score, folded into one fmaf
+            const float p = SoftCap::on ? exp2f(sc[mt][nt][e] - ms) : exp2f(fmaf(sc[mt][nt][e], scale[nt][j], -ms));
+            lsum += p;
+            sc[mt][nt][e] = p * p_scale();  // exact (a power of two)
+          }
+        st.l[nt][j] = fmaf(st.l[nt][j], alpha[nt][j], lsum);
+      }
+    PD_UNROLL
+    for (int dt = 0; dt < KD; ++dt)
+      PD_UNROLL
+      for (int nt = 0; nt < NT; ++nt)
+        PD_UNROLL
+        for (int e = 0; e < 4; ++e) st.o[dt][nt][e] *= alpha[nt][e & 1];
+
+    // -- O^T[dim][row] += V^T P^T, one MMA per part of p
+    PD_UNROLL
+    for (int mt = 0; mt < MT; ++mt) {
+      unsigned pb[NT][PP][2];
+      PD_UNROLL
+      for (int nt = 0; nt < NT; ++nt) p_operands(sc[mt][nt], pb[nt]);
+      PD_UNROLL
+      for (int dp = 0; dp < KS / 2; ++dp) {  // two 16-dim blocks per ldmatrix.x4.trans
+        unsigned a[2][4];
+        if (FP8) {  // one chunk per block; bytes (token 2t, 2t+1) x (dim 2g, 2g+1) per register
+          unsigned r[4];
+          pd_ldmatrix_x4_trans(r, vt + mt * 16 * RS + dp * 32 + kv_lane);
+          PD_UNROLL
+          for (int h = 0; h < 2; ++h) {
+            if (2 * dp + h >= KD) continue;
+            const unsigned lo8 = pd_prmt(r[2 * h], 0u, 0x3120u);      // tokens 0..7: (dim 2g | dim 2g + 1) pairs
+            const unsigned hi8 = pd_prmt(r[2 * h + 1], 0u, 0x3120u);  // tokens 8..15
+            a[h][0] = fp8_lo(lo8);
+            a[h][1] = fp8_hi(lo8);
+            a[h][2] = fp8_lo(hi8);
+            a[h][3] = fp8_hi(hi8);
+          }
+        } else {  // two chunks of 8 dims per block
+          PD_UNROLL
+          for (int h = 0; h < 2; ++h) {
+            if (2 * dp + h >= KD) continue;
+            unsigned r[4];
+            pd_ldmatrix_x4_trans(r, vt + mt * 16 * RS + (2 * (2 * dp + h)) * 16 + kv_lane);
+            a[h][0] = r[0];
+            a[h][1] = r[2];
+            a[h][2] = r[1];
+            a[h][3] = r[3];
+          }
+        }
+        PD_UNROLL
+        for (int h = 0; h < 2; ++h)
+          PD_UNROLL
+          for (int nt = 0; nt < NT; ++nt)
+            PD_UNROLL
+            for (int part = 0; part < PP; ++part)
+              if (2 * dp + h < KD) mma(st.o[2 * dp + h][nt], a[h], pb[nt][part]);
+      }
+    }
   }
   pd_cp_async_wait_all();  // only empty groups can be left; the rings are reused next
 
