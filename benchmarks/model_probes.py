@@ -36,7 +36,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from metrale_attn import DecodeAttention, kernels
+from metrale_attn import DecodeAttention, kernels, sources
 
 from .model.model_assumptions import a
 
@@ -157,7 +157,7 @@ def _gpu(contexts) -> dict:
         chain.append(dict(kv=kv, group=group, head_dim=head_dim,
                           **chain_probe(kv, group, head_dim, contexts, time_call,
                                         lambda t, pool=pool, group=group: pool.case(1, t, group))))
-    module = cupy.RawModule(code=kernels.inline("probe.cu", CVT_SOURCE), options=("--std=c++17",))
+    module = cupy.RawModule(code=sources.inline("probe.cu", CVT_SOURCE), options=("--std=c++17",))
     kernel = module.get_function("cvt_throughput")
     out = cupy.empty(sm_count * 8 * 256, dtype=cupy.uint32)
 
@@ -187,7 +187,7 @@ def _cpu(contexts) -> dict:
                           **chain_probe(kv, group, head_dim, contexts, time_call, make_case, backend="cpu")))
     from cuda_on_cpu import compile_module
 
-    module = compile_module(kernels.inline("probe.cu", CVT_SOURCE), name="cvt_throughput")
+    module = compile_module(sources.inline("probe.cu", CVT_SOURCE), name="cvt_throughput")
     out = np.zeros(2 * 32, dtype=np.uint32)
 
     def run(blocks: int, iters: int) -> float:

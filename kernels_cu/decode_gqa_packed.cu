@@ -14,7 +14,7 @@
 // DECODE_GQA_PACK_HEAD_DIM. Other defines as decode_core.cuh (PD_ROW_TILES must hold
 // PD_GQA rows).
 //
-// Performance notes: see benchmarks/NOTES.md ("kernel v2").
+// Performance notes: benchmarks/NOTES.md.
 
 #define PD_GQA 6
 #define PD_HDIM 256

@@ -22,7 +22,7 @@
 // Layout: as decode_core.cuh; workspace [num_seqs * q_len, num_q_heads, num_splits, D + 2]
 // fp32. Defines: as decode_core.cuh, PD_MIN_KV_PER_SPLIT among them (pd_splitk.cuh).
 //
-// Performance notes: see benchmarks/NOTES.md ("kernel v2").
+// Performance notes: benchmarks/NOTES.md.
 
 #define PD_ENTRY decode_splitk
 #define PD_ARM PD_ARM_SPLITK

@@ -9,7 +9,7 @@
 //
 // Defines: as decode_core.cuh.
 //
-// Performance notes: see benchmarks/NOTES.md ("kernel v2"); the budgets are held by
+// Performance notes: benchmarks/NOTES.md; the budgets are held by
 // the static SASS report (python -m benchmarks.sass_model).
 
 #define PD_ENTRY decode_unpacked

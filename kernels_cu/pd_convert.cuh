@@ -32,8 +32,11 @@
 #endif
 
 #define PD_FULL_MASK 0xffffffffu
-#define PD_LN2 0.693147180559945309f
-#define PD_LOG2E 1.44269504088896341f
+// ln 2 and log2(e) in double: the host's values (config.LN2, config.LOG2E), read back and
+// checked by sources.source_constants. fp32 code takes (float)PD_LOG2E, the float the host's
+// value rounds to.
+#define PD_LN2 0.6931471805599453
+#define PD_LOG2E 1.4426950408889634
 
 __device__ __forceinline__ float pd_neg_inf() { return __int_as_float(0xff800000); }
 

@@ -71,7 +71,7 @@ __device__ __forceinline__ void pd_store_split(float* slot, int d, float M, floa
 // itself as the lse.
 __device__ __forceinline__ bool pd_add_sink(float sink_ln, float& M, float& L, float& O) {
   const float neg_inf = pd_neg_inf();
-  const float s = sink_ln * PD_LOG2E;
+  const float s = sink_ln * (float)PD_LOG2E;
   if (sink_ln != s && fabsf(s) == -neg_inf && (s > 0.f || M == neg_inf)) {  // finite sink_ln, s = +-inf
     L = fmaf(L, 0.f, 1.f);  // 1, or NaN
     O *= 0.f;
@@ -91,7 +91,7 @@ __device__ __forceinline__ bool pd_add_sink(float sink_ln, float& M, float& L, f
 // in natural log, or in base 2 (lse_scale 1, see pd_lse) the sink in log2 units as the
 // kernels hold it.
 __device__ __forceinline__ float pd_sink_lse(float sink_ln, float lse_scale) {
-  return lse_scale == 1.f ? sink_ln * PD_LOG2E : sink_ln;
+  return lse_scale == 1.f ? sink_ln * (float)PD_LOG2E : sink_ln;
 }
 
 // The merge of (row = blockIdx.y, head = blockIdx.x) over grid (num_q_heads, rows): a row

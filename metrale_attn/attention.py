@@ -31,7 +31,8 @@ from .binding import CallBinder, kernel_abi
 from .cache import cache_root
 from .config import ENV_IMPL, LayerConfig, configure, impl_chosen
 from .features import FEATURE_ARRAYS
-from .kernels import launchable_config, merge_threads, source_constants, specs_for
+from .kernels import launchable_config, specs_for
+from .sources import merge_threads, source_constants
 from .plan import LEGACY_MAX_DECODE_SEQS, DecodePlan, make_plan
 from .policy import as_int
 from .targets import resolve_target_policy, target_for

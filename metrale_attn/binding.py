@@ -25,7 +25,7 @@ import itertools
 from typing import Any, Callable, NamedTuple, Optional
 
 from .backends import ArrayInfo, Launch
-from .config import LayerConfig
+from .config import LN2, LayerConfig
 from .kernels import kernel_params
 from .features import FEATURE_ARRAYS, FEATURE_RECORDS
 from .validation import ARRAY_ARGUMENTS, CHECKERS, INPUTS, VECTOR_BYTES, check_together, logit_scales, scales
@@ -35,7 +35,6 @@ _CONFIG_FIELDS = frozenset(f.name for f in dataclasses.fields(LayerConfig))
 
 _AT = {name: i for i, name in enumerate(ARRAY_ARGUMENTS)}
 _ARRAY_FEATURES = tuple(f for f in FEATURE_RECORDS if f.arrays or f.replaces)
-LN2 = 0.6931471805599453
 
 ARGUMENTS: dict[str, Callable[["_Values"], object]] = {
     # the arrays' pointers (a hole filled per call; null for an absent optional one) and the workspace

@@ -62,7 +62,11 @@ PAGE_TABLES = ("dense", "csr")
 FP32_MAX = 3.4028234663852886e38
 FP32_MIN_NORMAL = 1.1754943508222875e-38
 LOG2E = 1.4426950408889634
-"""log2(e): the kernels hold logits in base 2, so the host folds this into their scales."""
+"""log2(e): the kernels hold logits in base 2, so the host folds this into their scales (the
+kernels' own copy, ``PD_LOG2E``, is read back and checked: ``sources.source_constants``)."""
+LN2 = 0.6931471805599453
+"""ln 2: the kernels' lse is in base 2; the host passes this as ``lse_scale`` for a natural-log lse
+(``PD_LN2`` in the kernels, checked the same way)."""
 
 
 @dataclass(frozen=True)

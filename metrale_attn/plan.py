@@ -39,7 +39,7 @@ KERNELS = {
     ("simt", "gqa_packed"): ("simt_decode_gqa_packed",),
 }
 """(impl, arm) -> the ``extern "C"`` kernels a plan launches, in order (their sources:
-``kernels.SOURCE_FILES``; tests check that each source defines them)."""
+``sources.SOURCE_FILES``; tests check that each source defines them)."""
 
 MIN_ITEMS_PER_SM = 0.5
 """``heads_per_cta_for`` keeps at least this many attention work items per SM. One CTA

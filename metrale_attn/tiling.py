@@ -1,7 +1,7 @@
 """The ``mma`` core's tiling: how a CTA streams K and V, sized from the target's shared memory.
 
 Pure arithmetic, no kernel source: ``kernels.py`` carries a spec's ``Tiling`` into its
-defines, and ``decode_core.cuh`` checks the carve at compile time (``PD_SMEM_BYTES`` must
+defines, and ``mma_layout.cuh`` checks the carve at compile time (``PD_SMEM_BYTES`` must
 equal its own sum), so the host's sizing and the kernel's carve cannot drift apart.
 
 A tiling is W warps per CTA, each owning a ring of S shared-memory stages of TT tokens of K
@@ -10,8 +10,8 @@ front of q rows, score scales and the offsets table. W is the first of 8, 6, 4, 
 (``WARP_CANDIDATES``) whose CTA of the most row tiles fits the target with rings of 2 stages
 (6 only from head dim 144 on: ``SIX_WARPS_MIN_HEAD_DIM``), then S the deepest ring that fits.
 The CTAs are persistent: ``resident_ctas`` x SMs of them walk the plan's work items
-(``decode_core.cuh``, "THE SCHEDULE"), each warp issuing its first tiles of the next item
-before the current item's epilogue (``prefetch_stages``, "lever 5").
+(``mma_kernel.cuh``, "THE SCHEDULE"), each warp issuing its first tiles of the next item
+before the current item's epilogue (``prefetch_stages``, ``issue_ahead``).
 
 Which specs get 8 warps: hd 64..192 bf16/fp16 and every hd fp8 on 227 KiB targets (sm_90,
 sm_100, sm_103; at 144..192 bf16 with 2 stages); bf16/fp16 hd >= 208 take 6 there (8 warps'
@@ -40,10 +40,11 @@ from dataclasses import dataclass
 from typing import Optional
 
 from . import dtypes
+from .targets import DEFAULT_TARGET, TARGETS
 
-SMEM_LIMIT_BYTES = 227 * 1024
-"""Dynamic shared memory one block may use on sm_90 and sm_100 (opt-in maximum): the default
-of a spec built without a target."""
+SMEM_LIMIT_BYTES = TARGETS[DEFAULT_TARGET].smem_per_block
+"""Dynamic shared memory one block may use on the default target (sm_90's opt-in maximum,
+227 KiB; sm_100's too): the default of a spec built without a target."""
 
 STAGE_TARGET_BYTES = 8192
 """K+V bytes one warp's stage aims at: 32-token stages where 32 rows of K and V fit, else 16
@@ -52,7 +53,7 @@ twice what Little's law asks of one SM at 4.3 TB/s and 800 ns."""
 ROW_PAD = 16
 """Bytes of padding per K/V row in shared memory (conflict-free ldmatrix)."""
 MMA_DIM_STEP = 32
-"""The ``mma`` core computes at the head dim rounded up to this (``decode_core.cuh``'s ``DP``:
+"""The ``mma`` core computes at the head dim rounded up to this (``mma_layout.cuh``'s ``DP``:
 one ``ldmatrix.x4`` takes two 16-dim steps); the core's carve, which the host's
 ``PD_SMEM_BYTES`` must equal at compile time, checks that both sides round alike."""
 ONE_ROW_TILE_HEAD_DIM = 208
@@ -79,7 +80,7 @@ function of the head dim alone, so W stays one of (head dim, cache dtype, limit)
 class Tiling:
     """How an ``mma`` spec streams K and V: ``warps`` warps, each with a ring of ``stages``
     stages of ``tile_tokens`` tokens, ``smem_bytes`` of dynamic shared memory (the carve of
-    ``decode_core.cuh``)."""
+    ``mma_layout.cuh``)."""
 
     warps: int
     tile_tokens: int
@@ -150,7 +151,7 @@ def max_stages(head_dim: int, kv_dtype: str) -> int:
 
 
 def carve(head_dim: int, parts: int, kv_dtype: str, row_tiles: int, warps: int, stages: int) -> int:
-    """Bytes of ``decode_core.cuh``'s carve: q (parts x rows x (2 DP + 16), DP the padded
+    """Bytes of ``mma_layout.cuh``'s carve: q (parts x rows x (2 DP + 16), DP the padded
     dim), the rows' score scales (4 B each), the offsets table (W x TT x 16; unused by
     the 8-warp 16-bit tilings, whose lanes compute their own offsets), 128-byte
     aligned, then W rings of S stages of K and V (the staged block-table entries live in the
@@ -164,7 +165,7 @@ def carve(head_dim: int, parts: int, kv_dtype: str, row_tiles: int, warps: int, 
 
 def prefetch_stages(head_dim: int, kv_dtype: str, row_tiles: int, stages: int) -> int:
     """The stages of its ring each warp fills with the next
-    item's first tiles before the current item's epilogue (``decode_core.cuh``, "lever 5"), the most (<= S - 1)
+    item's first tiles before the current item's epilogue (``mma_stream.cuh``, ``issue_ahead``), the most (<= S - 1)
     that leave the rest of the ring room for the warp's state (m, l and o of every row, fp32:
     rows x (D + 2) x 4 bytes), which the epilogue publishes there; 0 when one stage short of
     the ring does not hold it."""

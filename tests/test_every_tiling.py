@@ -125,7 +125,7 @@ CSR_CASES = {"8 warps fp8 hd128": (128, "hopper", 8), "6 warps fp8 hd192 on 99 K
 def test_every_tiling_reads_a_csr_page_table_and_device_scales_within_one_ulp(arm, case, backend, monkeypatch):
     """Per-KV-head device scales on an fp8 cache, each item folding its own (two KV heads walked
     by 2 CTAs); the next item's length and page row from the CSR table, the sequences long
-    enough that lever 5's carried entries are read."""
+    enough that the carried entries (Carry) are read."""
     head_dim, target, warps = CSR_CASES[case]
     p = problem(seed=84, page_size=16, seq_lens=(530, 0, 45, 333), kv_dtype="fp8", num_q_heads=4, num_kv_heads=2,
                 head_dim=head_dim, per_head_scales=True)

@@ -1,5 +1,5 @@
 """Head dims: the mma core serves every multiple of 16 from 64 to 256 (models use 64, 80, 96,
-112, 128, 160, 192, 256), computing at the dim rounded up to 32 (decode_core.cuh's DP) and
+112, 128, 160, 192, 256), computing at the dim rounded up to 32 (mma_layout.cuh's DP) and
 reading and writing only the real ones, so each meets the same 1-ulp bar as 64, 128 and 256;
 the simt kernels keep 64, 128 and 256, and anything else is refused naming head_dim."""
 

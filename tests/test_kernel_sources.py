@@ -7,18 +7,16 @@ import pytest
 from support.builds import ARCHES, arch_matrix, needs_nvrtc, nvrtc_build, nvrtc_ptx, spec_matrix, spill_frames
 
 from metrale_attn import policy
-from metrale_attn.kernels import (
-    FEATURES,
+from metrale_attn.kernels import FEATURES, KernelSpec, all_specs, kernel_params
+from metrale_attn.sources import (
     SOURCE_FILES,
     KernelSourceError,
-    KernelSpec,
-    all_specs,
     inline,
-    kernel_params,
     parse_kernel_params,
     read_define,
     read_source,
     source_constants,
+    source_names,
 )
 from metrale_attn.config import IMPLS
 from metrale_attn.plan import ARMS, KERNELS
@@ -32,7 +30,8 @@ def test_headers_are_inlined_with_line_directives_naming_the_real_files():
     text = KernelSpec("splitk", 128, "bf16", "fp8").source()
     assert '#include "' not in text
     assert text.startswith('#line 1 "kernels_cu/decode_splitk.cu"')
-    for header in ("decode_core.cuh", "pd_common.cuh", "pd_ptx.cuh", "pd_splitk.cuh"):
+    for header in ("decode_core.cuh", "mma_layout.cuh", "mma_features.cuh", "mma_stream.cuh", "mma_attend.cuh",
+                   "mma_combine.cuh", "mma_kernel.cuh", "pd_common.cuh", "pd_ptx.cuh", "pd_splitk.cuh"):
         assert text.count(f'#line 1 "kernels_cu/{header}"') == 1, header
 
 
@@ -114,7 +113,7 @@ def test_the_dispatch_passes_every_parameter_every_kernel_declares():
                 assert p.is_pointer == (p.name in POINTER_ARGUMENTS), (kernel, p)
 
 
-@pytest.mark.parametrize("impl, core", [("mma", "decode_core.cuh"), ("simt", "simt/simt_core.cuh")])
+@pytest.mark.parametrize("impl, core", [("mma", "mma_kernel.cuh"), ("simt", "simt/simt_core.cuh")])
 def test_the_three_attention_kernels_of_an_implementation_take_the_one_parameter_list_of_its_core(impl, core):
     """The core spells the list once; each arm's .cu only names its kernel (PD_ENTRY) and
     its arm, and the ABI of every arm is read from that one description."""
@@ -136,9 +135,53 @@ def test_a_parameter_of_an_unknown_type_is_refused_when_the_abi_is_read():
         parse_kernel_params(text)
 
 
+def test_the_features_section_lists_and_defines_one_struct_per_feature_of_the_config():
+    """mma_features.cuh's opening table names every feature of config.FEATURES with its struct,
+    and the section defines that struct with `on` the feature's define, and no other."""
+    from metrale_attn import config
+
+    text = read_source("mma_features.cuh")
+    table = text[text.index("//   feature        struct"):].split("\n//\n")[0].splitlines()[1:]
+    rows = [m.groups() for line in table if (m := re.match(r"//   ([a-z_0-9]+)\s+([A-Z]\w*)\s", line))]
+    assert [feature for feature, _ in rows] == list(config.FEATURES)
+    structs = re.findall(r"^struct (\w+) \{\n  enum \{ on = (PD_\w+) \};", text, re.MULTILINE)
+    assert sorted(structs) == sorted((struct, config.feature_define(feature)) for feature, struct in rows)
+
+
+def test_the_constants_the_host_and_the_kernels_both_hold_agree():
+    """log2(e), ln 2 and the row tile have one home on each side (config; pd_convert.cuh and
+    mma_layout.cuh), tied by the read-back; the float64 oracle keeps its own copies, equal too."""
+    from metrale_attn import config, reference
+
+    c = source_constants()
+    assert (c.log2e, c.ln2, c.row_tile) == (config.LOG2E, config.LN2, config.ROW_TILE)
+    assert (reference.LOG2E, reference.LN2) == (config.LOG2E, config.LN2)
+
+
+def test_a_kernel_constant_that_disagrees_with_the_host_is_refused(monkeypatch):
+    from metrale_attn import sources
+
+    real = sources.read_source
+    monkeypatch.setattr(sources, "read_source", lambda name: real(name).replace(
+        "#define PD_LOG2E 1.4426950408889634", "#define PD_LOG2E 1.44269504"))
+    with pytest.raises(KernelSourceError, match="PD_LOG2E .*config.LOG2E"):
+        source_constants.__wrapped__()
+
+
+def test_the_cpu_shim_emulates_the_shared_memory_of_every_target():
+    """The shim's limit (module.py, and runtime/internal.h's kMaxShared, one value) holds the
+    largest target's shared memory per block, the default of a spec built without a target."""
+    import cuda_on_cpu.module
+    from metrale_attn.tiling import SMEM_LIMIT_BYTES
+
+    header = (pathlib.Path(cuda_on_cpu.module.__file__).parent / "runtime" / "internal.h").read_text()
+    (k_max_shared,) = re.findall(r"constexpr size_t kMaxShared = (\d+) \* 1024;", header)
+    assert int(k_max_shared) * 1024 == cuda_on_cpu.module.MAX_SHARED_BYTES
+    assert SMEM_LIMIT_BYTES == max(t.smem_per_block for t in TARGETS.values()) <= cuda_on_cpu.module.MAX_SHARED_BYTES
+
+
 def test_sources_follow_the_shared_dialect():
-    for path in ("pd_common.cuh", "decode_core.cuh", "pd_splitk.cuh", "simt/simt_core.cuh",
-                 *SOURCE_FILES.values()):
+    for path in source_names():
         text = read_source(path)
         includes = re.findall(r'#\s*include\s*[<"]([^>"]+)', text)
         assert all(name.endswith(".cuh") for name in includes), (path, includes)
@@ -151,7 +194,7 @@ def test_ci_compiles_every_targets_architecture():
 
 
 def test_the_host_sizes_the_shared_memory_exactly_as_the_core_carves_it():
-    """decode_core.cuh static_asserts SMEM_BYTES == PD_SMEM_BYTES; a compile of a spec
+    """mma_layout.cuh static_asserts SMEM_BYTES == PD_SMEM_BYTES; a compile of a spec
     with a wrong PD_SMEM_BYTES must fail there."""
     from metrale_attn.backends.cupy_backend import nvrtc_compile
 

@@ -15,6 +15,7 @@ LAYERS = [
     {"tiling", "features"},
     {"config"},
     {"plan", "problems", "models"},
+    {"sources"},
     {"kernels"},
     {"backends"},
     {"validation"},

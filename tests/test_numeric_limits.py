@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from cuda_on_cpu import compile_module
-from metrale_attn import kernels, reference, tolerance
+from metrale_attn import reference, sources, tolerance
 from metrale_attn.backends.cpu_backend import CpuBackend
 from metrale_attn.problems import Problem, make_problem
 
@@ -172,7 +172,7 @@ extern "C" __global__ void add_sink(const float* sink, const float* state, float
 extern "C" __global__ void unguarded(const float* sink, const float* state, float* out, int n) {
   for (int i = threadIdx.x; i < n; i += blockDim.x) {
     float M = state[3 * i], L = state[3 * i + 1], O = state[3 * i + 2];
-    const float s = sink[i] * PD_LOG2E;
+    const float s = sink[i] * (float)PD_LOG2E;
     const float mx = fmaxf(M, s);
     const float ms = mx == pd_neg_inf() ? 0.f : mx;
     const float a = exp2f(M - ms);
@@ -186,7 +186,7 @@ extern "C" __global__ void unguarded(const float* sink, const float* state, floa
 
 
 def _sink_module():
-    source = kernels.inline("pd_splitk.cuh") + '\n#line 1 "tests/test_numeric_limits.py:SINK_TOY"\n' + SINK_TOY
+    source = sources.inline("pd_splitk.cuh") + '\n#line 1 "tests/test_numeric_limits.py:SINK_TOY"\n' + SINK_TOY
     return compile_module(source, name="numeric_limits_sink", defines=dict(
         PD_HEAD_DIM=64, PD_Q_DTYPE=0, PD_KV_DTYPE=0, PD_MIN_KV_PER_SPLIT=256))
 

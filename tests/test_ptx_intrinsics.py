@@ -15,7 +15,7 @@ import pytest
 
 from cuda_on_cpu import CudaOnCpuError
 from cuda_on_cpu.asan import libasan_path
-from metrale_attn import kernels
+from metrale_attn import sources
 
 from support.ptx_toys import (
     ALL_16_BIT,
@@ -493,13 +493,13 @@ PTX_OF = {  # each pd_* function and the instruction it must be under NVRTC
 
 
 def test_asm_appears_in_kernels_cu_only_in_the_intrinsics_header():
-    for name in kernels.source_names():  # simt/ too
-        has_asm = re.search(r"\basm\b|__asm__", kernels.read_source(name))
+    for name in sources.source_names():  # simt/ too
+        has_asm = re.search(r"\basm\b|__asm__", sources.read_source(name))
         assert bool(has_asm) == (name == "pd_ptx.cuh"), name
 
 
 def test_every_intrinsic_cites_its_ptx_isa_section_and_names_its_instruction():
-    text = kernels.read_source("pd_ptx.cuh")
+    text = sources.read_source("pd_ptx.cuh")
     assert len(re.findall(r"§9\.7\.\d+(?:\.\d+)*", text)) >= 10
     for function, instruction in PTX_OF.items():
         assert re.search(rf"\b{function}\b", text), function

@@ -1,5 +1,5 @@
 """The same keys and values paged any way give the same bytes. The 8-warp tilings of 16-bit
-caches compute each copying lane's row addresses in the lane itself (decode_core.cuh, LANE_OFFSETS): row r's block-table entry from the pad where
+caches compute each copying lane's row addresses in the lane itself (mma_stream.cuh, LANE_OFFSETS): row r's block-table entry from the pad where
 lane r staged it, its offset in its page as (in_page(token lane) + r - lane) mod page_size by
 a multiply-high. A lane that took another row's entry or offset would copy another key's bytes:
 the same logical keys and values, paged in any page size (1, 3, 16, 48: tiles inside a page,

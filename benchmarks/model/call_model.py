@@ -44,7 +44,8 @@ import numpy as np
 
 from metrale_attn import dtypes, policy
 from metrale_attn.config import LayerConfig, ModelShape
-from metrale_attn.kernels import KernelSpec, merge_threads
+from metrale_attn.kernels import KernelSpec
+from metrale_attn.sources import merge_threads
 from metrale_attn.plan import DecodePlan, make_plan
 from metrale_attn.targets import get_target, resolve_target_policy
 

@@ -17,7 +17,8 @@ import re
 from dataclasses import dataclass
 
 from metrale_attn import dtypes, policy
-from metrale_attn.kernels import KernelSourceError, KernelSpec, read_define
+from metrale_attn.kernels import KernelSpec
+from metrale_attn.sources import KernelSourceError, read_define
 
 
 @dataclass(frozen=True)

@@ -56,7 +56,8 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 
 from metrale_attn import dtypes
-from metrale_attn.kernels import KernelSourceError, KernelSpec, all_specs
+from metrale_attn.kernels import KernelSpec, all_specs
+from metrale_attn.sources import KernelSourceError
 from metrale_attn.config import max_rows_per_cta
 from metrale_attn.targets import TARGETS, get_target
 

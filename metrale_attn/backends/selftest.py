@@ -20,7 +20,8 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 
-from ..kernels import SelfTest, read_define, read_source
+from ..kernels import SelfTest
+from ..sources import read_define, read_source
 from ..targets import FP8_CVT_CAPABILITY
 from . import Launch
 

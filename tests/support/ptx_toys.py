@@ -16,7 +16,7 @@ import ml_dtypes
 import numpy as np
 
 from cuda_on_cpu import compile_module
-from metrale_attn import kernels
+from metrale_attn import sources
 
 TOYS = Path(__file__).resolve().parents[1] / "toy_kernels"
 """tests/toy_kernels/."""
@@ -24,14 +24,14 @@ TOYS = Path(__file__).resolve().parents[1] / "toy_kernels"
 
 def toy_source(name: str) -> str:
     """tests/toy_kernels/<name>.cu as the dispatch code compiles a kernel: a ``#line 1`` directive in front
-    and each ``#include "x.cuh"`` of kernels_cu/ inlined with ``#line`` directives (metrale_attn.kernels.inline),
+    and each ``#include "x.cuh"`` of kernels_cu/ inlined with ``#line`` directives (metrale_attn.sources.inline),
     so errors name the real file and line on both backends."""
     path = f"tests/toy_kernels/{name}.cu"
     lines = (TOYS / f"{name}.cu").read_text().split("\n")
     out = [f'#line 1 "{path}"']
     for number, line in enumerate(lines, 1):
         include = re.fullmatch(r'\s*#\s*include\s*"([^"]+\.cuh)"\s*', line)
-        out += [kernels.inline(include.group(1)), f'#line {number + 1} "{path}"'] if include else [line]
+        out += [sources.inline(include.group(1)), f'#line {number + 1} "{path}"'] if include else [line]
     return "\n".join(out)
 
 

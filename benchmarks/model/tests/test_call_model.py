@@ -215,7 +215,7 @@ def test_a_later_item_with_its_first_stages_in_flight_waits_only_what_the_round_
 
 
 def test_the_merge_has_a_thread_per_output_dim_so_head_dim_256_waits_for_the_workspace_once_not_twice():
-    from metrale_attn.kernels import merge_threads, source_constants
+    from metrale_attn.sources import merge_threads, source_constants
 
     assert source_constants().merge_threads == 256  # PD_MERGE_THREADS, the launch bounds
     assert [merge_threads(d) for d in (64, 80, 128, 144, 256)] == [64, 96, 128, 160, 256]

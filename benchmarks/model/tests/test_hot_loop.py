@@ -4,7 +4,8 @@ the sources' own constants."""
 import pytest
 
 from benchmarks.model.hot_loop import hot_loop, read_constexpr
-from metrale_attn.kernels import KernelSourceError, KernelSpec
+from metrale_attn.kernels import KernelSpec
+from metrale_attn.sources import KernelSourceError
 
 
 @pytest.mark.parametrize("spec, vec, tokens, kv_bytes, heads", [
