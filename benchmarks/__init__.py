@@ -20,6 +20,8 @@ lowest first; a module imports only modules of lower rows
 - ``model_probes``: one CTA's tile and fixed cost, and the fp8 conversion's rate, measured (what the models disagree on)
 - ``pdl_check``: the split-K merge launched as a programmatic dependent and plainly, side by side
 - ``host_overhead``: microseconds of Python per ``DecodeAttention.run``, kernels stubbed
+- ``cubin_identity``: a fixed sample of specs' cubins and their hashes, to show that a source edit
+  moved no instruction (no GPU needed)
 - ``baselines``: PyTorch SDPA, FlexAttention and FlashInfer on the same data; FlashInfer's JIT prewarm
 - ``sweep_plan``: what the sweep runs and in which order (tiers, profiles, slots)
 - ``l2_probe``: ncu's L2 and DRAM counters on one small configuration per arm and implementation

@@ -136,7 +136,7 @@ fi
 
 # -- 1. the package must import with its kernel sources ---------------------------------------
 t=$(date +%s)
-if timeout "$CAP_IMPORT" "$PY" -c "import metrale_attn.kernels as k; k.read_source(k.COMMON_HEADER)" >"$WORK/install.log" 2>&1; then
+if timeout "$CAP_IMPORT" "$PY" -c "import metrale_attn.sources as s; s.read_source(s.COMMON_HEADER)" >"$WORK/install.log" 2>&1; then
   step import ok "$(since "$t")" "metrale_attn imports from the checkout"
 else
   step import FAIL "$(since "$t")" "metrale_attn does not import: $(tail -n 1 "$WORK/install.log")"

@@ -85,8 +85,8 @@ def chain_probe(kv: str, group: int, head_dim: int, contexts, time_call: Callabl
                            gqa_pack=False, heads_per_cta=group, backend=backend)
     plan = attn.plan(1)
     (spec,) = [s for s in kernels.specs_for(attn.config).values() if s.tiling is not None][:1] or [None]
-    if plan.ctas != 1 or spec is None:
-        return dict(status="skipped", detail=f"the plan is not one mma CTA ({plan.ctas} items, impl {plan.impl})")
+    if plan.items != 1 or spec is None:
+        return dict(status="skipped", detail=f"the plan is not one mma CTA ({plan.items} items, impl {plan.impl})")
     times = [time_call(attn, make_case(t)) for t in contexts]
     intercept_us, slope_us = fit_line(contexts, times)
     tile = spec.tiling.warps * spec.tiling.tile_tokens  # tokens a round of warp tiles covers

@@ -119,7 +119,7 @@ def make_row(config: Config, impl: str, *, timing: Optional[Timing], copy_tb_per
         row.update(arm_label=slot.label, kernel_impl=slot.impl, impl_asked=slot.impl,
                    hpc_forced=slot.heads_per_cta is not None)
     if plan is not None:
-        row.update(plan_arm=plan.arm, num_splits=plan.num_splits, ctas=plan.ctas,
+        row.update(plan_arm=plan.arm, num_splits=plan.num_splits, items=plan.items, ctas=plan.ctas,
                    grids=[list(g.grid) for g in plan.launches], plan_reason=plan.reason,
                    kernels=[g.kernel for g in plan.launches], plan_heads_per_cta=plan.heads_per_cta,
                    kernel_impl=plan.impl, heads_per_cta=plan.heads_per_cta)

@@ -87,7 +87,7 @@ def test_model_refusals_name_each_reason_and_the_supported_values():
     assert len(reasons) == 5
     for part in ("dtype torch.float32 not supported (metrale-attn: torch.bfloat16, torch.float16)",
                  "page_size 16 not supported", "--page-size 1", "MLA", "--disable-hybrid-swa-memory",
-                 "compute capability 7.5 not supported (metrale-attn launches on sm_80"):
+                 "compute capability 7.5 not supported (metrale-attn launches on 8.0 (sm_80"):
         assert part in text
     fp8 = options.model_refusals(dtype="torch.bfloat16", kv_cache_dtype="torch.float8_e4m3fn", page_size=1,
                                  use_mla=False, swa_pool=False, capability=(9, 0))

@@ -339,7 +339,7 @@ def merge_cycles(call: Call, plan: DecodePlan, utilisation_dram: float, launch: 
     bytes at L2 bandwidth and the output at HBM bandwidth, whichever is longer."""
     if plan.arm != "splitk":
         return 0.0
-    ctas = plan.launches[1].ctas
+    ctas = plan.launches[1].items  # the merge: one CTA an item
     threads = merge_threads(call.head_dim)  # the binding's block: a thread per output dim
     per_sm = min(int(a("max_threads_per_sm")) // threads, int(a("max_ctas_per_sm")))  # ~40 registers, no shared
     waves = math.ceil(ctas / (a("sm_count") * per_sm))
@@ -418,7 +418,7 @@ def _ctas(call: Call, plan: DecodePlan, k: KernelTiming) -> tuple[np.ndarray, np
         ranges = [split_range(call.context, s, splits) for s in range(splits)]
         order = np.tile(np.repeat(np.arange(splits), x), seqs)
     else:
-        ranges, order = [(0, call.context)], np.zeros(plan.ctas, int)
+        ranges, order = [(0, call.context)], np.zeros(plan.items, int)
     tiles = np.array([max(warp_tiles(lo, hi, k.tile_tokens, k.warps_per_cta)) for lo, hi in ranges], float)
     tokens = np.array([max(hi - lo, 0) for lo, hi in ranges], float)
     return tiles[order], tokens[order] * row_bytes, tokens[order]

@@ -12,7 +12,7 @@ MODEL = PACKAGE / "model"
 # Lower layers first; a module may import only modules of lower layers of its own side (and metrale_attn);
 # a harness module may import any module of the model, a model module none of the harness.
 LAYERS = [
-    {"__init__", "schedule", "steps", "environment", "impls", "decode_loop_check", "host_overhead"},
+    {"__init__", "schedule", "steps", "environment", "impls", "decode_loop_check", "host_overhead", "cubin_identity"},
     {"baselines", "sweep_plan", "pdl_check", "model_probes"},
     {"l2_probe", "sanitize_cases"},
     {"report"},

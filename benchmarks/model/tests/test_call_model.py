@@ -34,9 +34,9 @@ def test_llama3_8b_at_batch_1_x_32k_is_72_ctas_of_3641_tokens_and_at_batch_64_x_
     assert cm.warp_tiles(5, 5, 16, 4) == [0, 0, 0, 0]
     batch = cm.Call(32, 8, 128, "bf16", 64, 4096)
     plan = cm.plan_for(batch)
-    assert plan.launches[0].ctas == 8 * 9 * 64 == 4608 and plan.launches[1].ctas == 32 * 64
+    assert plan.launches[0].items == 8 * 9 * 64 == 4608 and plan.launches[1].items == 32 * 64
     assert cm.split_range(4096, 0, 9) == (0, 456)  # ceil(4096 / 9) = 456 >= 256
-    assert plan.launches[0].ctas / (132 * 2) == pytest.approx(17.45, abs=0.01)  # waves at 2 CTAs per SM
+    assert plan.launches[0].items / (132 * 2) == pytest.approx(17.45, abs=0.01)  # waves at 2 CTAs per SM
     # 64/8/128 at batch 1: 5 splits; h = 8 gives 40 CTAs, so h = 4 (80): each row read by 2 CTAs
     assert cm.plan_for(cm.Call(64, 8, 128, "bf16", 1, 32768)).heads_per_cta == 4
 
