@@ -202,10 +202,20 @@ TIGHTEST_6 = [  # every feature, 6 warps each
 TIGHTEST_2 = [(256, "fp16", "bf16", 1, 99 * 1024)]  # a 99 KiB target's 2-warp tiling
 
 
+def _tightest_params() -> list:
+    """Every list's specs on every architecture; the default run builds the 8-warp list for
+    sm_90 (and its first for sm_120 too) and the first 6-warp and 2-warp specs for sm_90; the
+    rest are ``slow`` (CI's slow step)."""
+    def first_only(params):  # the first row's two arms on sm_90
+        first = [p for p in params if p.values[1] == "sm_90"][:2]
+        return [p if p in first else pytest.param(*p.values, id=p.id, marks=[pytest.mark.slow]) for p in params]
+    return (tightest_spill_params(TIGHTEST_8, first=("unpacked", 192, "bf16"))
+            + first_only(tightest_spill_params(TIGHTEST_6, first=("unpacked", 256, "bf16")))
+            + first_only(tightest_spill_params(TIGHTEST_2, first=None)))
+
+
 @needs_nvrtc
-@pytest.mark.parametrize("spec, arch", tightest_spill_params(TIGHTEST_8, first=("unpacked", 192, "bf16"))
-                         + tightest_spill_params(TIGHTEST_6, first=("unpacked", 256, "bf16"))
-                         + tightest_spill_params(TIGHTEST_2, first=None))
+@pytest.mark.parametrize("spec, arch", _tightest_params())
 def test_the_tightest_specs_of_every_warp_count_compile_with_no_stack_frame_and_no_spills(spec, arch):
     """Every feature at once with fp16 q (two q parts on a bf16 cache): launch bounds (32 W, 1)
     leave ptxas 255 registers a thread."""
