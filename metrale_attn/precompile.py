@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -331,43 +332,62 @@ def check_nvrtc(arches: Iterable[str]) -> str:
 def build_all(plans: Sequence[TargetPlan], cache_dir: Optional[Path] = None, *, jobs: int = 1,
               on_built: Optional[Callable[[Built], None]] = None, keep_going: bool = False) -> list[Built]:
     """Compile (or find) every kernel of ``plans`` into ``cache_dir`` (the directory
-    ``METRALE_ATTN_CACHE_DIR`` names; default the package's cache), ``jobs`` at a time in
-    processes of their own (spawned: NVRTC and CuPy start fresh in each; ``jobs`` 1: one after
-    another in this process), calling ``on_built`` with each as it is done (in the order they
-    finish). Returns them in the plans' order. A kernel that cannot be built is a ``Built``
-    whose ``error`` says why; unless ``keep_going``, none is started after it. A directory
-    that holds every kernel may be read-only."""
+    ``METRALE_ATTN_CACHE_DIR`` names; default the package's cache), ``jobs`` at a time: one in
+    this process and ``jobs - 1`` in processes of their own (spawned: NVRTC and CuPy start fresh
+    in each), all taking the next kernel as they finish one, so this process compiles while the
+    others start (a spawned process spends about a second importing before its first kernel).
+    Processes, not threads: NVRTC serializes compiles across the threads of one process. Calls
+    ``on_built`` with each as it is done (in the order they finish, one call at a time).
+    Returns them in the plans' order. A kernel that cannot be built is a ``Built`` whose
+    ``error`` says why; unless ``keep_going``, none is started after it. A directory that holds
+    every kernel may be read-only."""
     root = Path(cache_dir) if cache_dir is not None else cache_root()
     todo = [(plan.target.arch, needed, root) for plan in plans for needed in plan.needed]
-    jobs = int_in("jobs", jobs, 1)
+    jobs = min(int_in("jobs", jobs, 1), max(len(todo), 1))
     done: dict[int, Built] = {}
+    lock = threading.Lock()
+    queue = iter(enumerate(todo))
+    stopped = False
 
-    def finished(index: int, built: Built) -> bool:
-        done[index] = built
-        if on_built is not None:
-            on_built(built)
-        return keep_going or not built.error
+    def take() -> Optional[tuple[int, tuple[str, Needed, Path]]]:
+        with lock:
+            return None if stopped else next(queue, None)
 
-    if jobs == 1 or len(todo) <= 1:
-        for index, job in enumerate(todo):
-            if not finished(index, _build_one(job)):
-                break
+    def finish(index: int, built: Built) -> None:
+        nonlocal stopped
+        with lock:
+            done[index] = built
+            if on_built is not None:
+                on_built(built)
+            stopped = stopped or (bool(built.error) and not keep_going)
+
+    def here() -> None:
+        while (item := take()) is not None:
+            finish(item[0], _build_one(item[1]))
+
+    if jobs == 1:
+        here()
         return [done[i] for i in sorted(done)]
     import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor, as_completed
+    from concurrent.futures import ProcessPoolExecutor
 
-    with ProcessPoolExecutor(max_workers=min(jobs, len(todo)), mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = {pool.submit(_build_one, job): index for index, job in enumerate(todo)}
-        for future in as_completed(futures):
-            index = futures[future]
+    def there(pool: ProcessPoolExecutor) -> None:
+        while (item := take()) is not None:
+            index, job = item
             try:
-                built = future.result()
+                built = pool.submit(_build_one, job).result()
             except Exception as err:  # noqa: BLE001 - the process died (a crash in NVRTC): said as its kernel's error
-                arch, needed, _ = todo[index]
-                built = Built(arch, needed.name, needed.why, False, 0.0, None, f"{type(err).__name__}: {err}")
-            if not finished(index, built):
-                for other in futures:
-                    other.cancel()
+                finish(index, Built(job[0], job[1].name, job[1].why, False, 0.0, None, f"{type(err).__name__}: {err}"))
+                return  # the pool is broken: this process compiles the rest
+            finish(index, built)
+
+    with ProcessPoolExecutor(max_workers=jobs - 1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        feeders = [threading.Thread(target=there, args=(pool,), daemon=True) for _ in range(jobs - 1)]
+        for feeder in feeders:
+            feeder.start()
+        here()
+        for feeder in feeders:
+            feeder.join()
     return [done[i] for i in sorted(done)]
 
 

@@ -460,3 +460,62 @@ def test_a_cache_that_cannot_take_a_kernel_says_what_is_actually_in_the_way(tmp_
         assert str(refused.value).startswith(f"cannot write the kernel into the cache: {blocker} is a directory where "
                                              "the cache keeps a file; remove it (the kernel went to ")
         assert "writable --cache-dir" not in str(refused.value)
+
+
+def _fake_plans(names):
+    from metrale_attn.precompile import Needed, TargetPlan
+    from types import SimpleNamespace
+
+    needed = tuple(Needed(SimpleNamespace(name=name), "test") for name in names)
+    return [TargetPlan(TARGETS["hopper"], "defaults", needed, ())]
+
+
+def test_parallel_builds_run_in_this_process_and_in_the_pool_and_come_back_in_the_plans_order(
+        tmp_path, monkeypatch):
+    import os
+
+    from metrale_attn import precompile as pc
+    from support import precompile_doubles
+
+    monkeypatch.setenv("PRECOMPILE_DOUBLES_PARENT", str(os.getpid()))
+    monkeypatch.setattr(pc, "_build_one", precompile_doubles.build_saying_the_process)
+    names = [f"k{i}" for i in range(12)]
+    seen = []
+    built = pc.build_all(_fake_plans(names), tmp_path, jobs=3, on_built=seen.append)
+    assert [b.name for b in built] == names and sorted(b.name for b in seen) == sorted(names)
+    builders = {b.why for b in built}
+    assert f"pid {os.getpid()}" in builders  # this process compiles while the pool's processes start
+    assert len(builders) >= 2  # and a pool process compiled some
+
+
+def test_a_pool_process_that_dies_fails_its_own_kernel_and_this_process_builds_the_rest(tmp_path, monkeypatch):
+    import os
+
+    from metrale_attn import precompile as pc
+    from support import precompile_doubles
+
+    monkeypatch.setenv("PRECOMPILE_DOUBLES_PARENT", str(os.getpid()))
+    monkeypatch.setattr(pc, "_build_one", precompile_doubles.build_saying_the_process)
+    names = ["crash", *(f"k{i}" for i in range(8))]
+    built = pc.build_all(_fake_plans(names), tmp_path, jobs=2, keep_going=True)
+    assert [b.name for b in built] == names
+    failed = [b for b in built if b.error]
+    assert [b.name for b in failed] == ["crash"]  # its own error only, wherever it was built
+    if "BrokenProcessPool" in failed[0].error:  # the pool took it and died: this process built every other one
+        assert {b.why for b in built[1:]} == {f"pid {os.getpid()}"}
+    else:  # this process took it first (the double fails it here): the pool lived on
+        assert failed[0].why == "here"
+
+
+def test_without_keep_going_no_kernel_starts_after_one_fails(tmp_path, monkeypatch):
+    from metrale_attn import precompile as pc
+
+    started = []
+
+    def build(job):
+        started.append(job[1].name)
+        return pc.Built(job[0], job[1].name, "test", False, 0.0, None, "broken" if job[1].name == "k1" else "")
+
+    monkeypatch.setattr(pc, "_build_one", build)
+    built = pc.build_all(_fake_plans([f"k{i}" for i in range(6)]), tmp_path, jobs=1)
+    assert started == ["k0", "k1"] and [b.error for b in built] == ["", "broken"]
