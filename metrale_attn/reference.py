@@ -12,6 +12,10 @@ Layout summary (the same as ``DecodeAttention``'s):
 * ``q``: ``[num_seqs, num_q_heads, head_dim]``.
 * ``k_cache`` / ``v_cache``: ``"NHD"`` = ``[num_pages, page_size, num_kv_heads, head_dim]``
   (vLLM) or ``"HND"`` = ``[num_pages, num_kv_heads, page_size, head_dim]`` (FlashInfer).
+  Values may be narrower than keys: ``v_cache``'s last dim is ``v_head_dim <= head_dim``
+  (default ``head_dim``), and outputs are ``v_head_dim`` wide. ``v_cache`` may be the same
+  array as ``k_cache`` (K = V) or a view of its first ``v_head_dim`` dims (MLA's absorbed
+  decode: the 512 latent dims of each 576-wide row); the reference only reads.
   The dequantized value is ``stored * scale`` (``k_scale`` / ``v_scale``, per tensor,
   applied to every dtype).
 * ``block_tables``: int32 ``[num_seqs, max_pages_per_seq]``; ``seq_lens``: int32
@@ -178,14 +182,15 @@ def attention(q_seq, k, v, sm_scale: float, *, logits_soft_cap: float | None = N
 
     Args:
         q_seq: ``[num_q_heads, head_dim]``.
-        k, v: ``[T, num_kv_heads, head_dim]``, already dequantized (scales applied).
+        k: ``[T, num_kv_heads, head_dim]``; v: ``[T, num_kv_heads, v_head_dim]`` (``v_head_dim``
+            may be narrower than ``head_dim``); both already dequantized (scales applied).
         sm_scale: multiplies ``q . k``.
         logits_soft_cap: ``s = cap * tanh(s / cap)`` on each scaled score, if given.
         sinks: ``[num_q_heads]`` sink logits (natural-log units of the scores, -inf for
             none) that join each head's softmax denominator with no value.
 
     Returns:
-        ``(out, lse)``: float64 ``[num_q_heads, head_dim]`` and float64
+        ``(out, lse)``: float64 ``[num_q_heads, v_head_dim]`` and float64
         ``[num_q_heads]``, where ``lse = ln(e^sink + sum_t exp(s_t))`` (natural log,
         the sink term only with ``sinks``). For ``T == 0``: ``out`` is zeros and
         ``lse`` is ``-inf`` (the sink, with one).
@@ -197,13 +202,14 @@ def attention(q_seq, k, v, sm_scale: float, *, logits_soft_cap: float | None = N
     v = to_float64(v)
     num_q_heads, head_dim = q_seq.shape
     num_tokens, num_kv_heads, _ = k.shape
+    v_head_dim = v.shape[-1]
     if num_q_heads % num_kv_heads:
         raise ValueError(f"num_q_heads={num_q_heads} is not a multiple of num_kv_heads={num_kv_heads}")
     group = num_q_heads // num_kv_heads
     sink = None if sinks is None else np.asarray(sinks, np.float64).reshape(num_kv_heads, group)
     if num_tokens == 0:
         lse = np.full(num_q_heads, -np.inf) if sink is None else sink.reshape(num_q_heads).copy()
-        return np.zeros((num_q_heads, head_dim)), lse
+        return np.zeros((num_q_heads, v_head_dim)), lse
     q_grouped = q_seq.reshape(num_kv_heads, group, head_dim)  # [Hkv, G, D]
     logits = sm_scale * np.einsum("kgd,tkd->kgt", q_grouped, k)  # [Hkv, G, T]
     if logits_soft_cap is not None:
@@ -217,11 +223,13 @@ def attention(q_seq, k, v, sm_scale: float, *, logits_soft_cap: float | None = N
         denom = denom + np.exp(sink - m)
     out = np.einsum("kgt,tkd->kgd", p, v) / denom[..., None]
     lse = m + np.log(denom)
-    return out.reshape(num_q_heads, head_dim), lse.reshape(num_q_heads)
+    return out.reshape(num_q_heads, v_head_dim), lse.reshape(num_q_heads)
 
 
-def _check_decode_args(q, k_cache, v_cache, block_tables, seq_lens, kv_layout):
-    """Validate shapes shared by :func:`paged_decode` and :func:`splitk_partials`."""
+def _check_decode_args(q, k_cache, v_cache, block_tables, seq_lens, kv_layout, v_head_dim=None):
+    """Validate shapes shared by :func:`paged_decode` and :func:`splitk_partials`; returns the
+    checked arrays and ``v_head_dim`` (None: ``head_dim``; else an int in ``1..head_dim`` that
+    ``v_cache``'s last dim must equal)."""
     layout = check_layout(kv_layout, "kv_layout")
     q = np.asarray(q)
     k_cache = np.asarray(k_cache)
@@ -230,9 +238,15 @@ def _check_decode_args(q, k_cache, v_cache, block_tables, seq_lens, kv_layout):
     seq_lens = np.asarray(seq_lens)
     if q.ndim not in (3, 4):
         raise ValueError(f"q must be [num_seqs, (q_len,) num_q_heads, head_dim], got shape {q.shape}")
-    if k_cache.shape != v_cache.shape:
-        raise ValueError(f"k_cache shape {k_cache.shape} != v_cache shape {v_cache.shape}")
     _, _, num_kv_heads, head_dim = _cache_geometry(k_cache, layout, "k_cache")
+    if v_head_dim is None:
+        v_head_dim = head_dim
+    if isinstance(v_head_dim, bool) or not isinstance(v_head_dim, (int, np.integer)) or not 1 <= v_head_dim <= head_dim:
+        raise ValueError(f"v_head_dim must be an int in 1..head_dim ({head_dim}), got {v_head_dim!r}")
+    v_head_dim = int(v_head_dim)
+    if k_cache.shape[:-1] != v_cache.shape[:-1] or v_cache.shape[-1] != v_head_dim:
+        raise ValueError(f"v_cache shape {v_cache.shape} must be k_cache's {k_cache.shape} with v_head_dim "
+                         f"{v_head_dim} as its last dim")
     num_seqs, num_q_heads, q_head_dim = q.shape[0], q.shape[-2], q.shape[-1]
     if q_head_dim != head_dim:
         raise ValueError(f"q head_dim {q_head_dim} != cache head_dim {head_dim}")
@@ -242,7 +256,7 @@ def _check_decode_args(q, k_cache, v_cache, block_tables, seq_lens, kv_layout):
         raise ValueError(f"block_tables must be [num_seqs={num_seqs}, max_pages], got {block_tables.shape}")
     if seq_lens.shape != (num_seqs,):
         raise ValueError(f"seq_lens must be [num_seqs={num_seqs}], got {seq_lens.shape}")
-    return layout, q, k_cache, v_cache, block_tables, seq_lens
+    return layout, q, k_cache, v_cache, block_tables, seq_lens, v_head_dim
 
 
 def per_head(scale) -> float | np.ndarray:
@@ -268,6 +282,7 @@ def paged_decode(
     window_left: int = -1,
     logits_soft_cap: float | None = None,
     sinks=None,
+    v_head_dim: int | None = None,
 ):
     """Reference paged decode: each sequence's query tokens over its paged KV cache.
 
@@ -276,33 +291,36 @@ def paged_decode(
             num_q_heads, head_dim]`` for multi-token decode (bf16, fp16, fp32, fp64).
             Query token ``i`` of a sequence of length ``L`` (its keys, the q tokens'
             included) attends causally to positions ``< L - q_len + 1 + i``.
-        k_cache, v_cache: 4-D caches in ``kv_layout`` (see module docstring).
+        k_cache, v_cache: 4-D caches in ``kv_layout`` (see module docstring); ``v_cache``'s
+            last dim is ``v_head_dim``, its others are ``k_cache``'s.
         block_tables: int ``[num_seqs, max_pages_per_seq]``.
         seq_lens: int ``[num_seqs]``.
         kv_layout: ``"NHD"`` or ``"HND"`` (case-insensitive).
-        sm_scale: logit scale; default ``1 / sqrt(head_dim)``.
+        sm_scale: logit scale; default ``1 / sqrt(head_dim)`` (the keys' head dim, whatever
+            ``v_head_dim`` is).
         k_scale, v_scale: dequantization scales (dequantized = stored * scale): per tensor
             (a float), or per KV head (an array ``[num_kv_heads]``).
         return_lse: also return the log-sum-exp.
         window_left: a token at position ``p`` attends to ``[p - window_left, p]``
             (-1: no window); pages before every window are never looked at.
         logits_soft_cap, sinks: as :func:`attention` (sinks ``[num_q_heads]``).
+        v_head_dim: the values' width, ``1..head_dim``; default ``head_dim``.
 
     Returns:
-        ``out`` float64 with q's shape, and if ``return_lse`` also ``lse`` float64
+        ``out`` float64 with q's shape but ``v_head_dim`` as its last dim, and if ``return_lse`` also ``lse`` float64
         ``[num_seqs, (q_len,) num_q_heads]`` = ``ln(e^sink + sum_t exp(s_t))`` with
         ``s_t = sm_scale * k_scale * q . k_t_stored`` (soft-capped when asked;
         NATURAL log). A query token that sees no key gives zeros and ``lse = -inf``
         (the sink, with one).
     """
-    layout, q, k_cache, v_cache, block_tables, seq_lens = _check_decode_args(
-        q, k_cache, v_cache, block_tables, seq_lens, kv_layout
+    layout, q, k_cache, v_cache, block_tables, seq_lens, v_head_dim = _check_decode_args(
+        q, k_cache, v_cache, block_tables, seq_lens, kv_layout, v_head_dim
     )
     tokens = q if q.ndim == 4 else q[:, None]
     num_seqs, q_len, num_q_heads, head_dim = tokens.shape
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(head_dim)
-    out = np.zeros((num_seqs, q_len, num_q_heads, head_dim))
+    out = np.zeros((num_seqs, q_len, num_q_heads, v_head_dim))
     lse = np.full((num_seqs, q_len, num_q_heads), -np.inf)
     for s in range(num_seqs):
         length = int(seq_lens[s])
@@ -356,14 +374,16 @@ def splitk_partials(
     sm_scale: float | None = None,
     k_scale=1.0,
     v_scale=1.0,
+    v_head_dim: int | None = None,
 ) -> np.ndarray:
     """What the split-K kernel writes to its workspace, in float64 (``k_scale``, ``v_scale``
     per tensor or per KV head, as :func:`paged_decode` takes them).
 
-    Returns float64 ``[num_seqs, num_q_heads, num_splits, head_dim + 2]``; the last
-    axis is ``(o[0], ..., o[head_dim - 1], m, l)``. This is the kernel's slot order
-    (slot ``(seq * num_q_heads + head) * num_splits + split``, ``head_dim + 2`` values
-    each), so ``workspace.reshape(result.shape)`` compares directly.
+    Returns float64 ``[num_seqs, num_q_heads, num_splits, v_head_dim + 2]`` (``v_head_dim``
+    default ``head_dim``: the values' width); the last axis is ``(o[0], ..., o[v_head_dim -
+    1], m, l)``. This is the kernel's slot order (slot ``(seq * num_q_heads + head) *
+    num_splits + split``, ``v_head_dim + 2`` values each), so ``workspace.reshape(result.shape)``
+    compares directly.
 
     Per (seq, head, split) over the split's tokens ``t`` (:func:`split_bounds`):
 
@@ -374,8 +394,8 @@ def splitk_partials(
 
     An empty split has ``o = 0``, ``m = -inf``, ``l = 0``.
     """
-    layout, q, k_cache, v_cache, block_tables, seq_lens = _check_decode_args(
-        q, k_cache, v_cache, block_tables, seq_lens, kv_layout
+    layout, q, k_cache, v_cache, block_tables, seq_lens, v_head_dim = _check_decode_args(
+        q, k_cache, v_cache, block_tables, seq_lens, kv_layout, v_head_dim
     )
     if q.ndim != 3:
         raise ValueError(f"splitk_partials takes one query token per sequence, got q of shape {q.shape}")
@@ -389,8 +409,8 @@ def splitk_partials(
                         for x in (k_scale, v_scale))
     log2_scale = sm_scale * k_heads * LOG2E
 
-    partials = np.zeros((num_seqs, num_q_heads, num_splits, head_dim + 2))
-    partials[..., head_dim] = -np.inf  # m of an empty split; o and l stay 0
+    partials = np.zeros((num_seqs, num_q_heads, num_splits, v_head_dim + 2))
+    partials[..., v_head_dim] = -np.inf  # m of an empty split; o and l stay 0
     for s in range(num_seqs):
         q_grouped = to_float64(q[s]).reshape(num_kv_heads, group, head_dim)
         k = gather_kv(k_cache, block_tables, seq_lens, s, layout)  # stored values
@@ -403,9 +423,9 @@ def splitk_partials(
             p = np.exp2(x - m[..., None])
             l = p.sum(axis=-1)
             o = v_heads * np.einsum("kgt,tkd->kgd", p, v[begin:end]) / l[..., None]
-            partials[s, :, i, :head_dim] = o.reshape(num_q_heads, head_dim)
-            partials[s, :, i, head_dim] = m.reshape(num_q_heads)
-            partials[s, :, i, head_dim + 1] = l.reshape(num_q_heads)
+            partials[s, :, i, :v_head_dim] = o.reshape(num_q_heads, v_head_dim)
+            partials[s, :, i, v_head_dim] = m.reshape(num_q_heads)
+            partials[s, :, i, v_head_dim + 1] = l.reshape(num_q_heads)
     return partials
 
 
@@ -414,6 +434,7 @@ def merge_partials(partials) -> tuple[np.ndarray, np.ndarray]:
 
     Args:
         partials: ``[..., num_splits, head_dim + 2]`` as from :func:`splitk_partials`
+            (``head_dim`` here is the values' width, ``v_head_dim`` there)
             (``o``, then ``m`` in log2 units, then ``l``); any leading shape.
 
     Returns:
@@ -488,8 +509,8 @@ def max_abs_logit(q, k_cache, block_tables, seq_lens, *, kv_layout: str = "NHD",
     logit magnitude the bar's near-zero allowance grows with (``logit_absmax`` of
     :func:`metrale_attn.tolerance.assert_close_to_reference`). Causality inside the range is
     ignored: an upper bound. 0.0 if nothing is seen."""
-    layout, q, k_cache, _, block_tables, seq_lens = _check_decode_args(q, k_cache, k_cache, block_tables, seq_lens,
-                                                                       kv_layout)
+    layout, q, k_cache, _, block_tables, seq_lens, _ = _check_decode_args(q, k_cache, k_cache, block_tables,
+                                                                          seq_lens, kv_layout)
     tokens = q if q.ndim == 4 else q[:, None]
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(tokens.shape[-1])

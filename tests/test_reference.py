@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -482,3 +483,150 @@ def test_max_abs_v_read_only_counts_tokens_that_are_attended_to():
     assert got == want
     v_cache[last_page, 0, 0, 0] = 100.0  # token 4 of sequence 0 is read
     assert R.max_abs_v_read(v_cache, p.block_tables, p.seq_lens, kv_layout="NHD", v_scale=0.5) == 50.0
+
+
+# --------------------------------------------------------------------------------------
+# Values narrower than keys (v_head_dim): Gemma 4's K = V, MLA's absorbed decode
+# --------------------------------------------------------------------------------------
+
+
+def direct_wide_decode(q, k_cache, v_cache, block_tables, seq_lens, sm_scale, k_scale, v_scale, window_left=-1,
+                       cap=None, sinks=None):
+    """An independent NumPy computation over NHD caches: each query token's keys gathered one
+    token at a time, the softmax written out (soft-cap, window, sinks), values of their own width."""
+    tokens = q if q.ndim == 4 else q[:, None]
+    num_seqs, q_len, num_q_heads, _ = tokens.shape
+    page_size, num_kv_heads, v_head_dim = v_cache.shape[1], v_cache.shape[2], v_cache.shape[3]
+    group = num_q_heads // num_kv_heads
+    out = np.zeros((num_seqs, q_len, num_q_heads, v_head_dim))
+    lse = np.full((num_seqs, q_len, num_q_heads), -np.inf)
+    for s in range(num_seqs):
+        length = int(seq_lens[s])
+        for i in range(q_len):
+            end = length - q_len + 1 + i  # causal: this token sees positions < end
+            begin = max(end - 1 - window_left, 0) if window_left >= 0 else 0
+            rows = [(int(block_tables[s, t // page_size]), t % page_size) for t in range(begin, max(end, begin))]
+            for h in range(num_q_heads):
+                kvh = h // group
+                qv = tokens[s, i, h].astype(np.float64)
+                logits = np.array([sm_scale * k_scale * float(k_cache[pg, off, kvh].astype(np.float64) @ qv)
+                                   for pg, off in rows])
+                if cap is not None:
+                    logits = cap * np.tanh(logits / cap)
+                extra = [] if sinks is None else [float(sinks[h])]
+                if not len(logits) and not extra:
+                    continue
+                m = max([*logits, *extra])
+                weights = np.exp(logits - m)
+                denom = weights.sum() + sum(math.exp(x - m) for x in extra)
+                values = np.array([v_scale * v_cache[pg, off, kvh].astype(np.float64) for pg, off in rows])
+                if len(rows):
+                    out[s, i, h] = weights @ values / denom
+                lse[s, i, h] = m + math.log(denom)
+    if q.ndim == 3:
+        out, lse = out[:, 0], lse[:, 0]
+    return out, lse
+
+
+def wide_problem(seed, *, num_q_heads=8, num_kv_heads=2, head_dim=48, v_head_dim=32, q_len=None, kv_dtype="bf16",
+                 seq_lens=(0, 1, 19, 40), page_size=8):
+    """A paged problem whose V cache is the first ``v_head_dim`` dims of an independent cache
+    (``make_problem`` builds the keys; a second problem's keys are the values)."""
+    rng = np.random.default_rng(seed)
+    p = make_problem(rng, num_seqs=len(seq_lens), num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+                     head_dim=head_dim, page_size=page_size, seq_lens=list(seq_lens), kv_dtype=kv_dtype,
+                     layout="NHD")
+    values = np.ascontiguousarray(make_problem(rng, num_seqs=len(seq_lens), num_q_heads=num_q_heads,
+                                               num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size,
+                                               seq_lens=list(seq_lens), kv_dtype=kv_dtype, layout="NHD",
+                                               num_pages=p.k_cache.shape[0]).k_cache[..., :v_head_dim])
+    q = p.q
+    if q_len is not None:
+        q = rng.standard_normal((q.shape[0], q_len, *q.shape[1:])).astype(p.q.dtype)
+    return p, q, values
+
+
+@pytest.mark.parametrize("q_len", [None, 3])
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
+def test_values_narrower_than_keys_match_a_direct_numpy_computation(q_len, kv_dtype):
+    p, q, v_cache = wide_problem(21, q_len=q_len, kv_dtype=kv_dtype)
+    scales = dict(k_scale=0.5, v_scale=1.25)
+    out, lse = R.paged_decode(q, p.k_cache, v_cache, p.block_tables, p.seq_lens, sm_scale=0.3, v_head_dim=32,
+                              return_lse=True, **scales)
+    want_out, want_lse = direct_wide_decode(q, R.to_float64(p.k_cache), R.to_float64(v_cache), p.block_tables,
+                                            p.seq_lens, 0.3, **scales)
+    assert out.shape == (*q.shape[:-1], 32) and lse.shape == q.shape[:-1]
+    np.testing.assert_allclose(out, want_out, rtol=1e-12, atol=1e-13)
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(want_lse))
+    np.testing.assert_allclose(lse[np.isfinite(lse)], want_lse[np.isfinite(want_lse)], rtol=1e-12)
+
+
+def test_narrow_values_keep_the_window_soft_cap_and_sinks():
+    p, q, v_cache = wide_problem(22, q_len=2)
+    sinks = np.linspace(-1.0, 2.0, 8)
+    features = dict(window_left=5, logits_soft_cap=4.0, sinks=sinks)
+    out, lse = R.paged_decode(q, p.k_cache, v_cache, p.block_tables, p.seq_lens, sm_scale=0.7, v_head_dim=32,
+                              return_lse=True, **features)
+    want_out, want_lse = direct_wide_decode(q, R.to_float64(p.k_cache), R.to_float64(v_cache), p.block_tables,
+                                            p.seq_lens, 0.7, 1.0, 1.0, window_left=5, cap=4.0, sinks=sinks)
+    np.testing.assert_allclose(out, want_out, rtol=1e-12, atol=1e-13)
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-12)
+
+
+def test_the_default_sm_scale_of_narrow_values_is_the_keys_head_dim():
+    p, q, v_cache = wide_problem(23)
+    default = R.paged_decode(q, p.k_cache, v_cache, p.block_tables, p.seq_lens, v_head_dim=32)
+    explicit = R.paged_decode(q, p.k_cache, v_cache, p.block_tables, p.seq_lens, v_head_dim=32,
+                              sm_scale=1 / math.sqrt(48))
+    np.testing.assert_array_equal(default, explicit)
+
+
+def test_k_equal_v_as_one_array_gives_the_same_as_a_separate_copy():
+    p = make_problem(np.random.default_rng(24), num_seqs=3, num_q_heads=8, num_kv_heads=4, head_dim=64, page_size=16,
+                     seq_lens=[1, 33, 70], kv_dtype="bf16", layout="NHD")
+    shared = R.paged_decode(p.q, p.k_cache, p.k_cache, p.block_tables, p.seq_lens, return_lse=True)
+    copied = R.paged_decode(p.q, p.k_cache, p.k_cache.copy(), p.block_tables, p.seq_lens, return_lse=True)
+    np.testing.assert_array_equal(shared[0], copied[0])
+    np.testing.assert_array_equal(shared[1], copied[1])
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_mla_values_as_the_first_dims_of_the_latent_row_give_the_same_as_a_separate_copy(layout):
+    # MLA's absorbed decode, scaled down: one latent head of 72 dims (64 latent + 8 rope), the
+    # values its first 64 (at full size: 576 and 512).
+    p = make_problem(np.random.default_rng(25), num_seqs=3, num_q_heads=16, num_kv_heads=1, head_dim=72,
+                     page_size=16, seq_lens=[0, 9, 50], kv_dtype="bf16", layout=layout)
+    view = p.k_cache[..., :64]
+    assert np.shares_memory(view, p.k_cache)
+    for fn in (lambda v: R.paged_decode(p.q, p.k_cache, v, p.block_tables, p.seq_lens, kv_layout=layout,
+                                        v_head_dim=64, return_lse=True),
+               lambda v: (R.splitk_partials(p.q, p.k_cache, v, p.block_tables, p.seq_lens, 3, kv_layout=layout,
+                                            v_head_dim=64),)):
+        aliased, copied = fn(view), fn(np.ascontiguousarray(view))
+        for a, b in zip(aliased, copied):
+            np.testing.assert_array_equal(a, b)
+    out = R.paged_decode(p.q, p.k_cache, view, p.block_tables, p.seq_lens, kv_layout=layout, v_head_dim=64)
+    assert out.shape == (3, 16, 64)
+
+
+def test_split_k_partials_of_narrow_values_are_v_head_dim_plus_two_wide_and_merge_to_the_unsplit_result():
+    p, q, v_cache = wide_problem(26, seq_lens=(5, 300, 700))
+    partials = R.splitk_partials(q, p.k_cache, v_cache, p.block_tables, p.seq_lens, 4, v_head_dim=32)
+    assert partials.shape == (3, 8, 4, 34)
+    merged, merged_lse = R.merge_partials(partials)
+    out, lse = R.paged_decode(q, p.k_cache, v_cache, p.block_tables, p.seq_lens, v_head_dim=32, return_lse=True)
+    np.testing.assert_allclose(merged, out, rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(merged_lse, lse, rtol=1e-12)
+
+
+@pytest.mark.parametrize("v_head_dim, message", [
+    (None, "v_cache shape (6, 8, 2, 32) must be k_cache's (6, 8, 2, 48) with v_head_dim 48 as its last dim"),
+    (40, "with v_head_dim 40 as its last dim"),
+    (64, "v_head_dim must be an int in 1..head_dim (48), got 64"),
+    (0, "v_head_dim must be an int in 1..head_dim (48), got 0"),
+    (32.0, "v_head_dim must be an int in 1..head_dim (48), got 32.0"),
+])
+def test_a_v_cache_or_v_head_dim_that_disagree_are_refused_naming_v_head_dim(v_head_dim, message):
+    p, q, v_cache = wide_problem(27, seq_lens=(3, 20))
+    with pytest.raises(ValueError, match=re.escape(message)):
+        R.paged_decode(q, p.k_cache, v_cache, p.block_tables, p.seq_lens, v_head_dim=v_head_dim)
