@@ -19,12 +19,13 @@ from .models import MODELS
 from .plan import LEGACY_MAX_DECODE_SEQS, make_plan, workspace_for
 from .policy import parse_gqa_pack
 from .precompile import (FEATURE_FLAGS, SHAPE_FLAGS, Layer, Model, Options, PrecompileError, build_all, check_nvrtc,
-                         describe_model, plan_targets, target_for_arch)
+                         describe_model, not_served, plan_targets, target_for_arch)
 from .targets import TARGETS, get_target, resolve_target_policy
 
 SKIPPED_EXIT = 3
 """``metrale-attn precompile``'s exit code when it compiled for some targets and skipped others
-that refuse a layer kind of the model (``--skip-unsupported``: 0)."""
+that refuse a layer kind of the model, or compiled the model's other layer kinds beside one this
+version serves nowhere yet (``--skip-unsupported``: 0)."""
 
 
 
@@ -73,7 +74,11 @@ def render_plan_table(args: argparse.Namespace) -> str:
 
 
 def _plan_rows(args: argparse.Namespace, target_policy, layer: Layer, title: str) -> list[str]:
-    """One layer kind's part of ``plan``: its line, why it falls back to simt, its table."""
+    """One layer kind's part of ``plan``: its line, why it falls back to simt, its table; or,
+    for a shape no target serves yet (``precompile.not_served``), its line and why."""
+    unserved = not_served(layer)
+    if unserved is not None:
+        return [f"{title}: {layer.shape()}: {unserved}"]
     shape = ModelShape(layer.num_q_heads, layer.num_kv_heads, layer.head_dim)
     max_batch = max(max(args.batch), 1) if args.max_batch is None else args.max_batch
     workspace = workspace_for(target_policy, shape, max_batch=max_batch, max_decode_seqs=args.max_decode_seqs)
@@ -81,7 +86,8 @@ def _plan_rows(args: argparse.Namespace, target_policy, layer: Layer, title: str
     config = configure(shape.num_q_heads, shape.num_kv_heads, shape.head_dim, 16, q_dtype=args.q_dtype,
                        kv_dtype=args.kv_dtype, max_batch=max_batch, target_policy=target_policy,
                        max_decode_seqs=args.max_decode_seqs, impl=args.impl, heads_per_cta=args.heads_per_cta,
-                       window_left=layer.window_left, logits_soft_cap=layer.logits_soft_cap, sinks=layer.sinks)
+                       window_left=layer.window_left, logits_soft_cap=layer.logits_soft_cap, sinks=layer.sinks,
+                       sm_scale=layer.sm_scale)
     # As DecodeAttention falls back where the target cannot run the mma kernels (no self-test here).
     config, why = launchable_config(config, [], impl_chosen(args.impl, os.environ.get(ENV_IMPL)))
     lines = [
@@ -185,8 +191,12 @@ def run_precompile(args: argparse.Namespace, out=print) -> int:
                       out_dtype=args.out_dtype, page_size=args.page_size, splitk=args.splitk, gqa_pack=args.gqa_pack,
                       impl=args.impl, heads_per_cta=args.heads_per_cta, max_decode_seqs=args.max_decode_seqs)
     plans, refusals = plan_targets(model.layers, targets, options, sm_count=args.sm_count)
+    unserved = [r for r in refusals if r.everywhere]
+    refusals = [r for r in refusals if not r.everywhere]
     # The layer kinds came from the file: say which, as hf_config's own refusals do.
     from_file = f" (layer kinds from --hf-config {model.config})" if model.config else ""
+    if not plans and unserved:
+        raise unserved[0].error_type("; ".join(r.line() + from_file for r in unserved + refusals))
     if not plans:
         raise refusals[0].error_type("; ".join(r.line() + from_file for r in refusals))
     where = "--q-dtype" if args.q_dtype else ("the config's dtype" if model.dtype else "the default")
@@ -197,6 +207,8 @@ def run_precompile(args: argparse.Namespace, out=print) -> int:
     version = None if args.dry_run else check_nvrtc(p.target.arch for p in plans)
     for line in lines:
         out(line)
+    for refusal in unserved:
+        out(f"not served: {refusal.line()}{from_file}; the model's other layer kinds are planned below")
     for target in targets:
         for plan in (p for p in plans if p.target.name == target.name):
             out(f"{plan.target.arch}: {plan.defaults_line}")
@@ -223,6 +235,10 @@ def run_precompile(args: argparse.Namespace, out=print) -> int:
             f"compiled, {len(built) - misses} already cached, {time.perf_counter() - start:.1f} s ({jobs} "
             f"process{'es' if jobs > 1 else ''})")
     code = 0
+    if unserved:
+        code = 0 if args.skip_unsupported else SKIPPED_EXIT
+        out(f"{len(unserved)} layer kind(s) of the model not served (above): its other kinds are ready; exit {code}"
+            + (" (--skip-unsupported)" if args.skip_unsupported else " (--skip-unsupported to exit 0)"))
     if refusals:
         skipped = list(dict.fromkeys(f"{r.target.name} ({r.target.arch})" for r in refusals))
         code = 0 if args.skip_unsupported else SKIPPED_EXIT

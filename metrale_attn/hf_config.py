@@ -1,10 +1,11 @@
 """What a Hugging Face ``config.json`` says about a model's attention layers (for ``precompile``).
 
 Pure: a parsed ``config.json`` in, an ``HFModel`` out (the whole model's heads, head dim,
-model dtype, and the kinds of attention layer it has, each with its count and features).
-Only keys whose meaning the real configs of Llama 3, Qwen 2/3, Mistral, Gemma 2/3, gpt-oss,
-Falcon, ChatGLM, GPT-BigCode (StarCoder) and DBRX pin down are read, with transformers'
-semantics; a key that changes attention in a way not mapped here is refused with its name,
+model dtype, and the kinds of attention layer it has, each with its count, features and, where
+it differs from the model's, its own shape and softmax scale).
+Only keys whose meaning the real configs of Llama 3, Qwen 2/3, Mistral, Gemma 2/3/4, gpt-oss,
+Falcon, ChatGLM, GPT-BigCode (StarCoder), DBRX, DeepSeek-V2/V3 and Kimi-K2 pin down are read,
+with transformers' (and, for the MLA softmax scale, vLLM's) semantics; a key that changes attention in a way not mapped here is refused with its name,
 never ignored. A ``config.json`` is hostile input: ``load`` reads at most
 ``MAX_CONFIG_BYTES`` of UTF-8 nested at most ``MAX_DEPTH`` deep, layer kinds are counted
 (never one entry per layer), and every refusal is an ``HFConfigError`` naming the file and
@@ -38,16 +39,39 @@ key                            what it sets
 ``max_window_layers``          layers ``i >= max_window_layers`` slide (Qwen 2/3)
 ``attn_logit_softcapping``     ``logits_soft_cap`` on every layer (Gemma 2); null or 0: none
 ``model_type == "gpt_oss"``    ``sinks=True`` on every layer (learned per-head sinks)
+``global_head_dim``            Gemma 4 (``gemma4``, ``gemma4_text``): the head dim of its
+                               ``full_attention`` layers (default 512); null or 0: ``head_dim``.
+                               Gemma 4's logits are unscaled on every layer (``sm_scale`` 1)
+``attention_k_eq_v``           Gemma 4: its full layers compute V with K's projection (``k_eq_v``;
+                               the cached K and V still differ: K is normed with a weight and
+                               rotated, V normed without one) and take
+                               ``num_global_key_value_heads`` KV heads (null: ``num_key_value_heads``)
+``use_bidirectional_attention``  Gemma 4's ``"vision"``: an image's tokens see each other at
+                               prefill; decode stays causal (any other true value is refused)
+``num_kv_shared_layers``       Gemma 4: the last layers read earlier layers' caches (same kernels)
+``per_layer_config``           Gemma 4 (transformers' saved overrides): must agree with the above
+``kv_lora_rank``               multi-head latent attention (DeepSeek-V2/V3, Kimi-K2: model types
+                               ``MLA_MODEL_TYPES``), decoded in the absorbed form: one latent KV
+                               head of ``head_dim = kv_lora_rank + qk_rope_head_dim`` (576) whose
+                               values are its first ``kv_lora_rank`` dims (``v_head_dim`` 512,
+                               ``v_in_k``), ``num_attention_heads`` q heads; ``num_key_value_heads``
+                               and the model's ``v_head_dim`` (128) do not enter it
+``qk_nope_head_dim``,          MLA: the softmax scale ``1 / sqrt(qk_nope_head_dim +
+``qk_rope_head_dim``           qk_rope_head_dim)``
+``rope_scaling`` /             MLA: with type ``yarn``, the scale times ``mscale ** 2``, ``mscale =
+``rope_parameters``            0.1 mscale_all_dim ln(factor) + 1`` (1 where ``factor <= 1``), as
+                               vLLM's ``deepseek_v2.py``; another type is refused
 =============================  ==============================================================
 
 Where no ``layer_types`` is given, the layer kinds follow transformers' defaults in this
 order: ``sliding_window_pattern``, the model type's alternation (``ALTERNATING``: Gemma 2
 and gpt-oss slide on even layers), ``max_window_layers``, else every layer slides
-(Mistral 7B v0.1). A key a config omits takes its model type's transformers default where
+(Mistral 7B v0.1); Gemma 4's last layer is a full one whatever they say (transformers
+forces it). A key a config omits takes its model type's transformers default where
 ``MODEL_TYPE_DEFAULTS`` has one (Gemma 3's ``text_config`` omits ``head_dim`` 256, which is
 not ``hidden_size / num_attention_heads``). Refused: bidirectional attention, chunked local
-attention (``attention_chunk_size``, Llama 4), multi-head latent attention (``kv_lora_rank``,
-DeepSeek), ALiBi (Falcon's ``alibi``; BLOOM, Jais, MPT, Baichuan: ``REFUSED_MODEL_TYPES``),
+attention (``attention_chunk_size``, Llama 4), multi-head latent attention of other model
+types, DeepSeek's sparse attention (``index_topk``), ALiBi (Falcon's ``alibi``; BLOOM, Jais, MPT, Baichuan: ``REFUSED_MODEL_TYPES``),
 unscaled logits (``scale_attn_weights`` false), and layer kinds other than the two above.
 """
 
@@ -58,7 +82,7 @@ import math
 import numbers
 import re
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import accumulate
 from pathlib import Path
 from typing import Optional
@@ -82,6 +106,21 @@ MODEL_TYPE_DEFAULTS: dict[str, dict] = {
 """A model type's defaults for the keys its ``config.json`` may omit (a saved config
 leaves out values equal to its class's defaults)."""
 MODEL_TYPE_DEFAULTS["gemma3"] = MODEL_TYPE_DEFAULTS["gemma3_text"]  # a text_config without its model_type
+# transformers' Gemma4TextConfig class defaults (configuration_gemma4.py: global_head_dim is
+# popped with default 512; layer_types default to 5 sliding : 1 full).
+MODEL_TYPE_DEFAULTS["gemma4_text"] = {"num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+                                      "sliding_window": 512, "sliding_window_pattern": 6, "global_head_dim": 512}
+MODEL_TYPE_DEFAULTS["gemma4"] = MODEL_TYPE_DEFAULTS["gemma4_text"]
+
+GEMMA4_MODEL_TYPES = ("gemma4", "gemma4_text")
+"""Gemma 4: full layers of their own head dim (``global_head_dim``) and KV heads, V from K's
+projection under ``attention_k_eq_v``, logits unscaled (``scaling = 1.0``: q and k are
+RMS-normed), the last layer full."""
+
+MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "kimi_k2")
+"""Model types whose ``kv_lora_rank`` is DeepSeek's multi-head latent attention as transformers'
+DeepseekV2/V3 and vLLM's ``deepseek_v2.py`` compute it (Kimi-K2's ``kimi_k2`` is DeepseekV3's
+architecture under its own name)."""
 
 ALTERNATING = {"gemma2": 2, "gpt_oss": 2}
 """Model types whose layers alternate sliding and full attention when ``layer_types`` is
@@ -93,7 +132,7 @@ SINK_MODEL_TYPES = ("gpt_oss",)
 REFUSED_KEYS = {
     "use_bidirectional_attention": "bidirectional attention (an encoder) is not causal decode",
     "attention_chunk_size": "chunked local attention (Llama 4) is not a sliding window; these kernels have none",
-    "kv_lora_rank": "multi-head latent attention (DeepSeek) is not served by these kernels",
+    "index_topk": "DeepSeek's sparse attention (a top-k token indexer, DeepSeek-V3.2) is not mapped",
     "alibi": "ALiBi position biases (Falcon's alibi) are not added by these kernels",
     "scale_attn_by_inverse_layer_idx": "a logits scale that changes with the layer (GPT-2) is not mapped",
     "num_key_value_heads_per_layer": "KV heads that differ from layer to layer (DeciLM) are not mapped",
@@ -146,17 +185,35 @@ class HFConfigError(ValueError):
 @dataclass(frozen=True)
 class LayerKind:
     """One kind of attention layer: its name (``layer_types``' spelling), how many layers
-    of the model have it, and its features (``DecodeAttention``'s keyword arguments)."""
+    of the model have it, and its features (``DecodeAttention``'s keyword arguments); then
+    where it differs from the model's: its KV heads and head dim (None: the model's), its
+    values' width (``v_head_dim``, None: its head dim), its softmax scale (``sm_scale``, None:
+    ``1 / sqrt(head_dim)``), and how its values relate to its keys: ``k_eq_v``, V computed
+    with K's projection (Gemma 4; two caches all the same), ``v_in_k``, V is the first
+    ``v_head_dim`` dims of each cached K row (MLA: one cache)."""
 
     name: str
     count: int
     window_left: int = -1
     logits_soft_cap: Optional[float] = None
     sinks: bool = False
+    num_kv_heads: Optional[int] = None
+    head_dim: Optional[int] = None
+    v_head_dim: Optional[int] = None
+    sm_scale: Optional[float] = None
+    k_eq_v: bool = False
+    v_in_k: bool = False
 
     def describe(self) -> str:
-        """``21 sliding_attention (window_left 4095, logits_soft_cap 50)``."""
-        features = [f"window_left {self.window_left}"] if self.window_left >= 0 else []
+        """``21 sliding_attention (window_left 4095, logits_soft_cap 50)``; a shape of its own
+        first (``5 full_attention (head_dim 512, 2 KV heads, ...)``)."""
+        features = [f"head_dim {self.head_dim}"] if self.head_dim is not None else []
+        features += [f"v_head_dim {self.v_head_dim}"] if self.v_head_dim is not None else []
+        features += [f"{self.num_kv_heads} KV heads"] if self.num_kv_heads is not None else []
+        features += ["V the first v_head_dim dims of each K row"] if self.v_in_k else []
+        features += ["V from K's projection"] if self.k_eq_v else []
+        features += [f"sm_scale {self.sm_scale:.6g}"] if self.sm_scale is not None else []
+        features += [f"window_left {self.window_left}"] if self.window_left >= 0 else []
         features += [f"logits_soft_cap {self.logits_soft_cap:g}"] if self.logits_soft_cap is not None else []
         features += ["sinks"] if self.sinks else []
         return f"{self.count} {self.name}" + (f" ({', '.join(features)})" if features else "")
@@ -176,6 +233,13 @@ class HFModel:
     dtype: Optional[str]
     kinds: tuple[LayerKind, ...]
     notes: tuple[str, ...] = ()
+
+    def shape_of(self, kind: LayerKind) -> tuple[int, int, int]:
+        """``(num_kv_heads, head_dim, v_head_dim)`` of one of its layer kinds (the whole model's
+        KV heads), each the kind's own where it has one, else the model's."""
+        head_dim = kind.head_dim if kind.head_dim is not None else self.head_dim
+        kv_heads = kind.num_kv_heads if kind.num_kv_heads is not None else self.num_kv_heads
+        return kv_heads, head_dim, kind.v_head_dim if kind.v_head_dim is not None else head_dim
 
 
 MAX_CONFIG_BYTES = 8 << 20
@@ -259,25 +323,38 @@ def from_dict(config, source: str = "config.json") -> HFModel:
         return None
 
     for key, why in REFUSED_KEYS.items():
+        if key == "use_bidirectional_attention" and model_type in GEMMA4_MODEL_TYPES and section.get(key) == "vision":
+            notes.append("use_bidirectional_attention vision: an image's tokens see each other at prefill; decode "
+                         "is causal")
+            continue
         if section.get(key):
             raise HFConfigError(f"{where}: {key} = {section[key]!r}: {why}")
     if section.get(UNSCALED_KEY) is False:
         raise HFConfigError(f"{where}: {UNSCALED_KEY} = False: logits without the 1/sqrt(head_dim) scale are not "
                             "mapped")
+    if section.get("kv_lora_rank") not in (None, False, 0):
+        if model_type not in MLA_MODEL_TYPES:
+            raise HFConfigError(f"{where}: kv_lora_rank = {section['kv_lora_rank']!r}: multi-head latent attention of "
+                                f"model_type {model_type or '(none)'} is not mapped (only {', '.join(MLA_MODEL_TYPES)})")
+        return _mla(where, source, section, config, model_type, value, notes)
     heads = _positive_int(where, "num_attention_heads", value("num_attention_heads"))
     kv_heads = _kv_heads(where, section, model_type, heads, value, notes)
     head_dim = _head_dim(where, value("head_dim"), section.get("hidden_size"), heads, notes)
     dtype = _dtype(section, config, notes)
     kinds = _kinds(where, section, model_type, value, notes)
+    if model_type in GEMMA4_MODEL_TYPES:
+        kinds = _gemma4_kinds(where, section, value, head_dim, kv_heads, kinds, notes)
     return HFModel(source, model_type, heads, kv_heads, head_dim, dtype, kinds, tuple(notes))
 
 
-def shard_heads(num_q_heads: int, num_kv_heads: int, tensor_parallel: int) -> tuple[int, int]:
+def shard_heads(num_q_heads: int, num_kv_heads: int, tensor_parallel: int,
+                kv_key: str = "num_key_value_heads") -> tuple[int, int]:
     """One rank's ``(q heads, KV heads)`` under tensor parallelism, as vLLM splits them: q
     heads divide evenly; KV heads divide evenly when there are at least as many as ranks,
-    else each is replicated over ``tensor_parallel / num_kv_heads`` ranks (one per rank).
-    Each count is an int >= 1 (any ``numbers.Integral``, never a bool), else a ValueError
-    naming it, as ``DecodeAttention`` checks its counts."""
+    else each is replicated over ``tensor_parallel / num_kv_heads`` ranks (one per rank: MLA's
+    one latent head is on every rank). Each count is an int >= 1 (any ``numbers.Integral``,
+    never a bool), else a ValueError naming it, as ``DecodeAttention`` checks its counts;
+    ``kv_key`` is the config key the KV heads came from, which a refusal names."""
     num_q_heads = count_argument("num_q_heads", num_q_heads)
     num_kv_heads = count_argument("num_kv_heads", num_kv_heads)
     tensor_parallel = count_argument("tensor_parallel", tensor_parallel)
@@ -286,11 +363,11 @@ def shard_heads(num_q_heads: int, num_kv_heads: int, tensor_parallel: int) -> tu
                             f"{num_q_heads}")
     if num_kv_heads >= tensor_parallel:
         if num_kv_heads % tensor_parallel:
-            raise HFConfigError(f"--tensor-parallel-size {tensor_parallel} must divide num_key_value_heads "
+            raise HFConfigError(f"--tensor-parallel-size {tensor_parallel} must divide {kv_key} "
                                 f"{num_kv_heads} (or be a multiple of it)")
         return num_q_heads // tensor_parallel, num_kv_heads // tensor_parallel
     if tensor_parallel % num_kv_heads:
-        raise HFConfigError(f"--tensor-parallel-size {tensor_parallel} must be a multiple of num_key_value_heads "
+        raise HFConfigError(f"--tensor-parallel-size {tensor_parallel} must be a multiple of {kv_key} "
                             f"{num_kv_heads} (or divide it)")
     return num_q_heads // tensor_parallel, 1
 
@@ -479,12 +556,24 @@ def _kinds(where: str, section: dict, model_type: str, value, notes: list) -> tu
         counts = {FULL: _shown_layer_count(where, layers)}
     else:
         counts = _sliding_pattern(where, section, model_type, value, layers, notes)
+    if model_type in GEMMA4_MODEL_TYPES and counts.get(SLIDING) and _last_slides(types, section, value):
+        counts = {SLIDING: counts[SLIDING] - 1, FULL: counts.get(FULL, 0) + 1}
+        notes.append("the last layer is full_attention (gemma4: transformers forces it)")
     cap = _soft_cap(where, value("attn_logit_softcapping"))
     sinks = model_type in SINK_MODEL_TYPES
     if sinks:
         notes.append(f"sinks on every layer (model_type {model_type}: learned per-head sinks)")
     return tuple(LayerKind(name, counts[name], window - 1 if name == SLIDING else -1, cap, sinks)
                  for name in (SLIDING, FULL) if counts.get(name))
+
+
+def _last_slides(types, section: dict, value) -> bool:
+    """Whether the last layer slides by ``layer_types``, else by ``sliding_window_pattern`` (both
+    checked by ``_kinds`` already): the layer Gemma 4's config turns into a full one."""
+    if types is not None:
+        return types[-1] == SLIDING
+    pattern = value("sliding_window_pattern")
+    return pattern is not None and section.get("num_hidden_layers") % pattern != 0
 
 
 def _window(where: str, section: dict, value, notes: list) -> Optional[int]:
@@ -561,3 +650,116 @@ def _as_float(raw) -> Optional[float]:
         return float(raw)
     except OverflowError:  # float(10**400)
         return math.inf
+
+
+# -- Gemma 4: full layers of their own shape ------------------------------------------------
+
+
+def _gemma4_kinds(where: str, section: dict, value, head_dim: int, kv_heads: int, kinds: tuple, notes: list) -> tuple:
+    """Gemma 4's layer kinds as transformers' Gemma4TextAttention builds them: every layer's logits
+    unscaled (``scaling = 1.0``); full layers at ``global_head_dim`` (null or 0: ``head_dim``),
+    with ``num_global_key_value_heads`` KV heads and V from K's projection where
+    ``attention_k_eq_v`` (the override is gated on it, as transformers and vLLM gate it)."""
+    raw_global = value("global_head_dim")
+    global_dim = head_dim if raw_global in (None, 0) else _positive_int(where, "global_head_dim", raw_global)
+    k_eq_v = _flag(where, section, "attention_k_eq_v", False)
+    raw_global_kv = section.get("num_global_key_value_heads")
+    global_kv = kv_heads
+    if raw_global_kv is not None:
+        if k_eq_v:
+            global_kv = _positive_int(where, "num_global_key_value_heads", raw_global_kv)
+        else:
+            notes.append(f"num_global_key_value_heads {raw_global_kv!r} unused (attention_k_eq_v false)")
+    shared = section.get("num_kv_shared_layers")
+    if shared is not None:
+        if isinstance(shared, bool) or not isinstance(shared, int) or shared < 0:
+            raise HFConfigError(f"{where}: num_kv_shared_layers must be a non-negative integer, got {shared!r}")
+        if shared:
+            notes.append(f"num_kv_shared_layers {shared}: the last {shared} layers read earlier layers' caches "
+                         "(the same kernels; counted with their kinds)")
+    _check_per_layer_config(where, section, global_dim, global_kv, k_eq_v)
+    notes.append("sm_scale 1 on every layer (gemma4: q and k are RMS-normed, transformers' scaling = 1.0)")
+    full = dict(head_dim=global_dim if global_dim != head_dim else None,
+                num_kv_heads=global_kv if global_kv != kv_heads else None, k_eq_v=k_eq_v)
+    return tuple(replace(kind, sm_scale=1.0, **(full if kind.name == FULL else {})) for kind in kinds)
+
+
+def _check_per_layer_config(where: str, section: dict, global_dim: int, global_kv: int, k_eq_v: bool) -> None:
+    """transformers' saved ``per_layer_config`` (``{layer: {"head_dim": .., "num_key_value_heads":
+    ..}}``, the full layers' overrides it derives from the keys above): each entry must be a full
+    layer's and say what those keys say, else refused (never a second source of truth)."""
+    overrides = section.get("per_layer_config")
+    if overrides is None:
+        return
+    types = section.get("layer_types")
+    if not isinstance(overrides, dict) or not isinstance(types, list):
+        raise HFConfigError(f"{where}: per_layer_config is mapped only as a JSON object beside layer_types, got "
+                            f"{type(overrides).__name__}")
+    expected = {"head_dim": global_dim, **({"num_key_value_heads": global_kv} if k_eq_v else {})}
+    for layer, entry in overrides.items():
+        index = int(layer) if isinstance(layer, str) and layer.isdigit() and len(layer) < 8 else -1
+        if not 0 <= index < len(types) or types[index] != FULL or not isinstance(entry, dict) or any(
+                entry.get(key, want) != want for key, want in expected.items()) or set(entry) - set(expected):
+            raise HFConfigError(f"{where}: per_layer_config[{layer!r}] = {entry!r} is not what global_head_dim, "
+                                "num_global_key_value_heads and attention_k_eq_v give that layer: refused, not "
+                                "guessed")
+
+
+# -- MLA: DeepSeek-V2/V3 and Kimi-K2, decoded in the absorbed form ----------------------------
+
+
+def _mla(where: str, source: str, section: dict, config: dict, model_type: str, value, notes: list) -> HFModel:
+    """Multi-head latent attention in the absorbed decode form (vLLM's MLA backends, FlashMLA):
+    every layer is multi-query attention of ``num_attention_heads`` q heads over one latent KV
+    head of ``kv_lora_rank + qk_rope_head_dim`` dims, its values the first ``kv_lora_rank`` of
+    them, at the model's softmax scale (``_mla_sm_scale``)."""
+    heads = _positive_int(where, "num_attention_heads", value("num_attention_heads"))
+    rank = _positive_int(where, "kv_lora_rank", section.get("kv_lora_rank"))
+    rope = _positive_int(where, "qk_rope_head_dim", section.get("qk_rope_head_dim"))
+    nope = _positive_int(where, "qk_nope_head_dim", section.get("qk_nope_head_dim"))
+    if section.get("v_head_dim") is not None:
+        model_v = _positive_int(where, "v_head_dim", section.get("v_head_dim"))
+        notes.append(f"v_head_dim {model_v} is each head's value width before the output projection; the absorbed "
+                     f"decode reads the {rank}-dim latent values (v_head_dim {rank})")
+    if section.get("num_key_value_heads") is not None:
+        notes.append(f"num_key_value_heads {section['num_key_value_heads']!r} unused: MLA caches one latent head")
+    predict = section.get("num_nextn_predict_layers")
+    if isinstance(predict, int) and not isinstance(predict, bool) and predict > 0:
+        notes.append(f"num_nextn_predict_layers {predict}: the MTP module's attention is this kind too (not counted)")
+    sm_scale = _mla_sm_scale(where, section, nope + rope, notes)
+    kinds = tuple(replace(kind, v_head_dim=rank, sm_scale=sm_scale, v_in_k=True)
+                  for kind in _kinds(where, section, model_type, value, notes))
+    notes.append(f"absorbed MLA: 1 latent KV head, head_dim {rank + rope} (kv_lora_rank {rank} + qk_rope_head_dim "
+                 f"{rope}), values its first {rank} dims")
+    return HFModel(source, model_type, heads, 1, rank + rope, _dtype(section, config, notes), kinds, tuple(notes))
+
+
+def _mla_sm_scale(where: str, section: dict, qk_head_dim: int, notes: list) -> float:
+    """``1 / sqrt(qk_nope_head_dim + qk_rope_head_dim)``, times ``mscale ** 2`` under YaRN rope
+    scaling (``yarn_get_mscale(factor, mscale_all_dim) = 0.1 mscale_all_dim ln(factor) + 1``, 1
+    where ``factor <= 1``): DeepSeek's modelling and vLLM's ``deepseek_v2.py``. Rope scaling of
+    another type is refused (vLLM turns any into its DeepSeek YaRN; not guessed here)."""
+    scale = qk_head_dim ** -0.5
+    key = "rope_scaling" if section.get("rope_scaling") is not None else "rope_parameters"
+    rope = section.get(key)
+    if rope is None:
+        return scale
+    if not isinstance(rope, dict):
+        raise HFConfigError(f"{where}: {key} must be a JSON object, got {type(rope).__name__}")
+    kind = rope.get("rope_type", rope.get("type"))
+    if kind in (None, "default"):
+        return scale
+    if kind not in ("yarn", "deepseek_yarn"):
+        raise HFConfigError(f"{where}: {key} type {kind!r} on multi-head latent attention: only yarn's softmax "
+                            "scale is mapped")
+    factor = _as_float(rope.get("factor"))
+    if factor is None or not (factor > 0 and math.isfinite(factor)):
+        raise HFConfigError(f"{where}: {key}.factor must be a positive number, got {rope.get('factor')!r}")
+    raw_all = rope.get("mscale_all_dim")
+    all_dim = 0.0 if raw_all in (None, False) else _as_float(raw_all)
+    if all_dim is None or not (all_dim >= 0 and math.isfinite(all_dim)):
+        raise HFConfigError(f"{where}: {key}.mscale_all_dim must be a non-negative number, got {raw_all!r}")
+    mscale = 1.0 if factor <= 1 else 0.1 * all_dim * math.log(factor) + 1.0
+    notes.append(f"sm_scale {scale * mscale * mscale:.6g} = 1/sqrt({qk_head_dim}) x mscale^2 (yarn factor {factor:g}, "
+                 f"mscale_all_dim {all_dim:g}: mscale {mscale:.6g})")
+    return scale * mscale * mscale

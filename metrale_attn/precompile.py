@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Optional, Sequence
 
 from .cache import cache_root
-from .config import ENV_IMPL, configure, impl_chosen, int_in
+from .config import ENV_IMPL, HEAD_DIMS, configure, impl_chosen, int_in
 from . import hf_config
 from .hf_config import HFModel, shard_heads
 from .kernels import SelfTest, launchable_config, specs_for
@@ -51,7 +51,10 @@ class PrecompileError(RuntimeError):
 @dataclass(frozen=True)
 class Layer:
     """One kind of attention layer as one ``DecodeAttention`` sees it: one rank's heads, and
-    its features (``DecodeAttention``'s keyword arguments). ``name`` labels it in the output."""
+    its features (``DecodeAttention``'s keyword arguments). ``name`` labels it in the output.
+    ``v_head_dim`` (None: ``head_dim``), ``sm_scale`` (None: ``1 / sqrt(head_dim)``), ``k_eq_v``
+    and ``v_in_k`` are ``hf_config.LayerKind``'s: what the layer is, whether or not this version
+    serves it (``not_served`` says)."""
 
     name: str
     num_q_heads: int
@@ -60,6 +63,32 @@ class Layer:
     window_left: int = -1
     logits_soft_cap: Optional[float] = None
     sinks: bool = False
+    v_head_dim: Optional[int] = None
+    sm_scale: Optional[float] = None
+    k_eq_v: bool = False
+    v_in_k: bool = False
+
+    def shape(self) -> str:
+        """``32 q heads, 8 KV heads, head_dim 128`` (and ``v_head_dim V`` where values are narrower)."""
+        narrow = f", v_head_dim {self.v_head_dim}" if self.v_head_dim not in (None, self.head_dim) else ""
+        return f"{self.num_q_heads} q heads, {self.num_kv_heads} KV heads, head_dim {self.head_dim}{narrow}"
+
+
+def not_served(layer: Layer) -> Optional[str]:
+    """Why no target of this version serves ``layer``'s shape, whatever the options (None: a
+    target may): values narrower than keys (``DecodeAttention`` has no ``v_head_dim`` yet), or
+    a head dim past the kernels' widest, 256. Said with what the layer is (MLA's absorbed
+    latent head, Gemma 4's V from K's projection), so a reader knows which model part waits."""
+    v_head_dim = layer.head_dim if layer.v_head_dim is None else layer.v_head_dim
+    if v_head_dim == layer.head_dim and layer.head_dim <= max(HEAD_DIMS):
+        return None
+    what = f"head_dim {layer.head_dim}" + (f" with v_head_dim {v_head_dim}" if v_head_dim != layer.head_dim else "")
+    if layer.v_in_k:
+        what += f" (multi-head latent attention, absorbed: V is the first {v_head_dim} dims of each K row)"
+    elif layer.k_eq_v:
+        what += " (V from K's projection)"
+    return (f"{what}: not served yet; this version serves head dims {min(HEAD_DIMS)} to {max(HEAD_DIMS)} with "
+            "values as wide as the keys")
 
 
 @dataclass(frozen=True)
@@ -126,9 +155,14 @@ def layers_of(model: HFModel, tensor_parallel: int = 1) -> list[Layer]:
     """One ``Layer`` per layer kind of a Hugging Face model (``hf_config.load``), with one
     rank's heads at ``tensor_parallel`` ranks (``hf_config.shard_heads``: an int >= 1, else a
     ValueError naming it)."""
-    q_heads, kv_heads = shard_heads(model.num_q_heads, model.num_kv_heads, tensor_parallel)
-    return [Layer(kind.name, q_heads, kv_heads, model.head_dim, kind.window_left, kind.logits_soft_cap, kind.sinks)
-            for kind in model.kinds]
+    layers = []
+    for kind in model.kinds:
+        kv_heads, head_dim, v_head_dim = model.shape_of(kind)
+        kv_key = "num_key_value_heads" if kind.num_kv_heads is None else "num_global_key_value_heads"
+        q, kv = shard_heads(model.num_q_heads, kv_heads, tensor_parallel, kv_key)
+        layers.append(Layer(kind.name, q, kv, head_dim, kind.window_left, kind.logits_soft_cap, kind.sinks,
+                            v_head_dim if v_head_dim != head_dim else None, kind.sm_scale, kind.k_eq_v, kind.v_in_k))
+    return layers
 
 
 @dataclass(frozen=True)
@@ -173,6 +207,8 @@ def describe_model(models: Sequence[str] = (), hf_config_path: Optional[str] = N
                  f"{model.num_kv_heads} KV heads, head_dim {model.head_dim}; one rank of {tensor_parallel}: "
                  f"{layers[0].num_q_heads} q heads, {layers[0].num_kv_heads} KV heads",
                  "layer kinds: " + ", ".join(kind.describe() for kind in model.kinds)]
+        if len({layer.shape() for layer in layers}) > 1:  # kinds of their own shape: each rank's said
+            lines += [f"  {layer.name}, one rank: {layer.shape()}" for layer in layers]
         lines += [f"  from the config: {note}" for note in model.notes]
         return Model(f"{model.source} ({model.model_type or 'no model_type'}, TP {tensor_parallel})", tuple(layers),
                      tuple(lines), model.dtype, hf_config_path)
@@ -235,25 +271,31 @@ def needed_specs(layers: Sequence[Layer], target: Target, options: Options = Opt
 class Refusal:
     """A layer kind a target cannot take, and why (the kernels' own refusal, naming the argument)."""
 
-    target: Target
+    target: Optional[Target]  # None: ``everywhere``
     layer: Layer
     why: str
     error_type: type = ValueError
+    everywhere: bool = False  # no target of this version serves the layer (``not_served``)
 
     def line(self) -> str:
-        """``full (32 q heads, 4 KV heads, head_dim 64) on a100: ...``: the error ``needed_specs`` raises."""
-        layer = self.layer
-        return (f"{layer.name} ({layer.num_q_heads} q heads, {layer.num_kv_heads} KV heads, head_dim "
-                f"{layer.head_dim}) on {self.target.name}: {self.why}")
+        """``full (32 q heads, 4 KV heads, head_dim 64) on a100: ...``: the error ``needed_specs``
+        raises (no target named where none serves it)."""
+        where = "" if self.everywhere else f" on {self.target.name}"
+        return f"{self.layer.name} ({self.layer.shape()}){where}: {self.why}"
 
 
 def plan_targets(layers: Sequence[Layer], targets: Sequence[Target], options: Options = Options(), *,
                  sm_count: Optional[int] = None, environ=None) -> tuple[list[TargetPlan], list[Refusal]]:
     """``needed_specs`` of every target that takes every one of ``layers``, and every refusal of
     the others (each target, each layer kind it refuses, why): a target that refuses a layer
-    kind cannot serve the model, so nothing is compiled for it."""
-    plans, refusals = [], []
-    for target in targets:
+    kind cannot serve the model, so nothing is compiled for it. A layer kind no target serves
+    (``not_served``: a shape this version has no kernel for) is refused once, ``everywhere``,
+    and the targets are planned for the model's other kinds, so they are ready beside it."""
+    unserved = [layer for layer in layers if not_served(layer) is not None]
+    refusals = [Refusal(None, layer, not_served(layer), everywhere=True) for layer in unserved]
+    layers = [layer for layer in layers if layer not in unserved]
+    plans = []
+    for target in targets if layers else ():
         plan, refused = _plan_target(layers, target, options, sm_count, environ)
         if refused:
             refusals += refused
@@ -281,6 +323,9 @@ def _plan_target(layers: Sequence[Layer], target: Target, options: Options, sm_c
             whys.append(why)
 
     for layer in layers:
+        if not_served(layer) is not None:
+            refused.append(Refusal(None, layer, not_served(layer), everywhere=True))
+            continue
         try:
             config = configure(layer.num_q_heads, layer.num_kv_heads, layer.head_dim, options.page_size,
                                q_dtype=options.q_dtype, kv_dtype=options.kv_dtype or options.q_dtype,
@@ -288,7 +333,7 @@ def _plan_target(layers: Sequence[Layer], target: Target, options: Options, sm_c
                                max_decode_seqs=options.max_decode_seqs, impl=options.impl,
                                heads_per_cta=options.heads_per_cta, max_q_len=options.max_q_len,
                                window_left=layer.window_left, logits_soft_cap=layer.logits_soft_cap,
-                               sinks=layer.sinks, environ=env)
+                               sinks=layer.sinks, sm_scale=layer.sm_scale, environ=env)
             launchable, why = launchable_config(config, [], chosen)  # the self-test agrees
             specs = [(spec, layer.name) for spec in specs_for(launchable).values()]
             if launchable.impl == "mma" and not launchable.mma_only:  # it would fall back, not refuse

@@ -335,17 +335,23 @@ READ_KEYS = ["num_attention_heads", "num_key_value_heads", "head_dim", "hidden_s
              "attn_config", "n_head", "n_layer", "n_embd", "n_heads", "n_layers", "d_model", "num_layers",
              "kv_channels", "alibi", "scale_attn_weights", "scale_attn_by_inverse_layer_idx", "attention_chunk_size",
              "kv_lora_rank", "use_bidirectional_attention", "n_kv_heads", "num_key_value_heads_per_layer",
-             "block_configs"]
+             "block_configs", "global_head_dim", "num_global_key_value_heads", "attention_k_eq_v",
+             "num_kv_shared_layers", "per_layer_config", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
+             "rope_scaling", "rope_parameters", "index_topk", "num_nextn_predict_layers"]
 MODEL_TYPES = ["llama", "gemma2", "gemma3", "gemma3_text", "gpt_oss", "falcon", "chatglm", "gpt_bigcode", "dbrx",
-               "mpt", "bloom", "qwen2", "", "RefinedWeb"]
+               "mpt", "bloom", "qwen2", "", "RefinedWeb", "gemma4", "gemma4_text", "deepseek_v2", "deepseek_v3",
+               "kimi_k2"]
 FIXTURES = sorted(path.name for path in CONFIGS.glob("*.json"))
 
 scalars = (st.none() | st.booleans() | st.integers(-3, 300) | st.integers(-2**70, 2**70) | st.just(10**400)
            | st.floats(allow_nan=True, allow_infinity=True) | st.sampled_from(MODEL_TYPES + ["full_attention",
-                                                                                              "sliding_attention"])
+                                                                                              "sliding_attention",
+                                                                                              "yarn", "vision"])
            | st.text(max_size=4))
 json_values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4)
-                           | st.dictionaries(st.sampled_from(READ_KEYS + ["kv_n_heads", "x"]), inner, max_size=4),
+                           | st.dictionaries(st.sampled_from(READ_KEYS + ["kv_n_heads", "x", "type", "rope_type",
+                                                                      "factor", "mscale_all_dim", "5", "head_dim"]),
+                                             inner, max_size=4),
                            max_leaves=8)
 
 

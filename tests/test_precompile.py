@@ -10,6 +10,7 @@ Only two tests compile with NVRTC (three small kernels, then one), so the defaul
 from __future__ import annotations
 
 import json
+import math
 import pathlib
 import re
 import shlex
@@ -519,3 +520,180 @@ def test_without_keep_going_no_kernel_starts_after_one_fails(tmp_path, monkeypat
     monkeypatch.setattr(pc, "_build_one", build)
     built = pc.build_all(_fake_plans([f"k{i}" for i in range(6)]), tmp_path, jobs=1)
     assert started == ["k0", "k1"] and [b.error for b in built] == ["", "broken"]
+
+
+# -- 512-wide values: Gemma 4's full layers and MLA, mapped and shown, not served yet ------------
+
+
+def test_gemma_4_26b_maps_25_sliding_layers_at_256_and_5_full_ones_at_512_with_two_kv_heads_and_v_from_k():
+    model = hf_config.load(CONFIGS / "gemma-4-26b-a4b-it.json")
+    assert (model.model_type, model.num_q_heads, model.num_kv_heads, model.head_dim, model.dtype) == (
+        "gemma4_text", 16, 8, 256, "bfloat16")
+    sliding, full = model.kinds
+    assert (sliding.name, sliding.count, sliding.window_left, sliding.sm_scale, model.shape_of(sliding)) == (
+        "sliding_attention", 25, 1023, 1.0, (8, 256, 256))
+    assert (full.name, full.count, full.window_left, full.sm_scale, model.shape_of(full)) == (
+        "full_attention", 5, -1, 1.0, (2, 512, 512))
+    assert full.k_eq_v and not full.v_in_k and not sliding.k_eq_v
+
+
+def test_gemma_4_reads_num_global_key_value_heads_only_under_attention_k_eq_v_as_transformers_does():
+    config = json.loads((CONFIGS / "gemma-4-26b-a4b-it.json").read_text())
+    config["text_config"]["attention_k_eq_v"] = False
+    model = hf_config.from_dict(config)
+    assert model.shape_of(model.kinds[1]) == (8, 512, 512) and not model.kinds[1].k_eq_v
+    assert "num_global_key_value_heads 2 unused (attention_k_eq_v false)" in model.notes
+
+
+def test_gemma_4_forces_its_last_layer_to_full_attention_as_transformers_does():
+    config = json.loads((CONFIGS / "gemma-4-26b-a4b-it.json").read_text())
+    text = config["text_config"]
+    text["layer_types"] = text["layer_types"][:-1] + ["sliding_attention"]
+    assert [(k.name, k.count) for k in hf_config.from_dict(config).kinds] == [("sliding_attention", 25),
+                                                                            ("full_attention", 5)]
+    del text["layer_types"]
+    text["num_hidden_layers"] = 8  # pattern 6: layer 5 full, layer 7 forced full
+    assert [(k.name, k.count) for k in hf_config.from_dict(config).kinds] == [("sliding_attention", 6),
+                                                                            ("full_attention", 2)]
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"use_bidirectional_attention": "all"}, "use_bidirectional_attention = 'all': bidirectional attention"),
+    ({"per_layer_config": {"5": {"head_dim": 256}}}, "per_layer_config['5'] = {'head_dim': 256} is not what"),
+    ({"per_layer_config": {"0": {"head_dim": 512}}}, "per_layer_config['0'] = {'head_dim': 512} is not what"),
+    ({"num_kv_shared_layers": -1}, "num_kv_shared_layers must be a non-negative integer, got -1"),
+    ({"num_global_key_value_heads": 0}, "num_global_key_value_heads must be a positive integer, got 0"),
+])
+def test_a_gemma_4_key_that_cannot_be_mapped_is_refused_naming_it(change, message):
+    config = json.loads((CONFIGS / "gemma-4-26b-a4b-it.json").read_text())
+    config["text_config"].update(change)
+    with pytest.raises(hf_config.HFConfigError, match=re.escape(message)):
+        hf_config.from_dict(config)
+
+
+def test_gemma_4s_saved_per_layer_config_that_agrees_is_accepted():
+    config = json.loads((CONFIGS / "gemma-4-26b-a4b-it.json").read_text())
+    config["text_config"]["per_layer_config"] = {str(i): {"head_dim": 512, "num_key_value_heads": 2}
+                                                 for i in (5, 11, 17, 23, 29)}
+    model = hf_config.from_dict(config)
+    assert model.shape_of(model.kinds[1]) == (2, 512, 512)
+
+
+def yarn_scale(qk: int, factor: float, all_dim: float) -> float:
+    """DeepSeek's softmax scale, written out again: 1/sqrt(qk) x (0.1 all_dim ln(factor) + 1)^2."""
+    mscale = 0.1 * all_dim * math.log(factor) + 1.0 if factor > 1 else 1.0
+    return mscale * mscale / math.sqrt(qk)
+
+
+@pytest.mark.parametrize("name, model_type, heads, layers, factor, all_dim", [
+    ("deepseek-v3.json", "deepseek_v3", 128, 61, 40, 1.0),
+    ("kimi-k2-instruct.json", "kimi_k2", 64, 61, 32, 1.0),
+    ("deepseek-v2-lite.json", "deepseek_v2", 16, 27, 40, 0.707),
+])
+def test_mla_models_are_one_latent_kv_head_of_576_dims_whose_values_are_its_first_512(name, model_type, heads, layers,
+                                                                                         factor, all_dim):
+    model = hf_config.load(CONFIGS / name)
+    assert (model.model_type, model.num_q_heads, model.num_kv_heads, model.head_dim, model.dtype) == (
+        model_type, heads, 1, 576, "bfloat16")
+    (kind,) = model.kinds
+    assert (kind.name, kind.count, model.shape_of(kind), kind.v_in_k, kind.k_eq_v) == (
+        "full_attention", layers, (1, 576, 512), True, False)
+    assert kind.sm_scale == pytest.approx(yarn_scale(192, factor, all_dim), rel=1e-15)
+
+
+def test_deepseek_v3s_softmax_scale_is_the_yarn_mscale_squared_over_sqrt_192():
+    assert hf_config.load(CONFIGS / "deepseek-v3.json").kinds[0].sm_scale == pytest.approx(
+        (0.1 * math.log(40) + 1) ** 2 / math.sqrt(192), rel=1e-15)  # 0.13523...
+
+
+@pytest.mark.parametrize("rope, scale", [
+    (None, 192 ** -0.5),
+    ({"rope_type": "default", "rope_theta": 10000}, 192 ** -0.5),
+    ({"type": "yarn", "factor": 40}, 192 ** -0.5),  # no mscale_all_dim: mscale 1
+    ({"type": "yarn", "factor": 1.0, "mscale_all_dim": 1.0}, 192 ** -0.5),  # factor <= 1: mscale 1
+    ({"rope_type": "yarn", "factor": 4, "mscale_all_dim": 2.0}, (0.2 * math.log(4) + 1) ** 2 * 192 ** -0.5),
+])
+def test_the_mla_scale_takes_the_yarn_mscale_only_where_rope_scaling_asks_for_it(rope, scale):
+    config = json.loads((CONFIGS / "deepseek-v2-lite.json").read_text())
+    config["rope_scaling"] = rope
+    assert hf_config.from_dict(config).kinds[0].sm_scale == pytest.approx(scale, rel=1e-15)
+
+
+@pytest.mark.parametrize("name, change, message", [
+    ("deepseek-v3.json", {"rope_scaling": {"type": "linear", "factor": 4}}, "rope_scaling type 'linear' on multi-head"),
+    ("deepseek-v3.json", {"rope_scaling": {"type": "yarn", "factor": 10**400}}, "rope_scaling.factor must be a positive"),
+    ("deepseek-v3.json", {"rope_scaling": {"type": "yarn", "factor": 40, "mscale_all_dim": -1}},
+     "rope_scaling.mscale_all_dim must be a non-negative number, got -1"),
+    ("deepseek-v3.json", {"qk_rope_head_dim": None}, "qk_rope_head_dim is missing"),
+    ("deepseek-v3.json", {"index_topk": 2048}, "index_topk = 2048: DeepSeek's sparse attention"),
+    ("llama-3-8b.json", {"kv_lora_rank": 512}, "multi-head latent attention of model_type llama is not mapped"),
+])
+def test_an_mla_config_that_cannot_be_mapped_is_refused_naming_the_key(name, change, message):
+    config = dict(json.loads((CONFIGS / name).read_text()), **change)
+    with pytest.raises(hf_config.HFConfigError, match=re.escape(message)):
+        hf_config.from_dict(config)
+
+
+def test_at_tensor_parallelism_mla_splits_the_q_heads_and_puts_the_latent_head_on_every_rank():
+    from metrale_attn.precompile import layers_of
+
+    (layer,) = layers_of(hf_config.load(CONFIGS / "deepseek-v3.json"), 8)
+    assert (layer.num_q_heads, layer.num_kv_heads, layer.head_dim, layer.v_head_dim, layer.v_in_k) == (
+        16, 1, 576, 512, True)
+    assert layer.sm_scale == hf_config.load(CONFIGS / "deepseek-v3.json").kinds[0].sm_scale
+    gemma = layers_of(hf_config.load(CONFIGS / "gemma-4-26b-a4b-it.json"), 4)
+    assert [(x.name, x.num_q_heads, x.num_kv_heads, x.head_dim) for x in gemma] == [
+        ("sliding_attention", 4, 2, 256), ("full_attention", 4, 1, 512)]
+    config = json.loads((CONFIGS / "gemma-4-26b-a4b-it.json").read_text())
+    config["text_config"]["num_global_key_value_heads"] = 3
+    with pytest.raises(hf_config.HFConfigError, match="--tensor-parallel-size 2 must divide "
+                                                      "num_global_key_value_heads 3"):
+        layers_of(hf_config.from_dict(config), 2)
+
+
+GEMMA4 = ("--hf-config", str(CONFIGS / "gemma-4-26b-a4b-it.json"))
+
+
+def test_precompile_plans_gemma_4s_sliding_layers_and_says_its_512_wide_full_layers_are_not_served_yet(capsys):
+    code, out, err = precompile_cli(capsys, "--target", "hopper", *GEMMA4, "--tp", "2", "--dry-run")
+    assert code == 3 and not err
+    assert ("not served: full_attention (8 q heads, 1 KV heads, head_dim 512): head_dim 512 (V from K's projection): "
+            "not served yet; this version serves head dims 64 to 256 with values as wide as the keys") in out
+    assert "  decode_splitk_qbf16_kvbf16_hd256_r8_window  [sliding_attention]" in out
+    assert "hd512" not in out and "sm_90: skipped" not in out
+    assert out.splitlines()[-1] == ("1 layer kind(s) of the model not served (above): its other kinds are ready; "
+                                    "exit 3 (--skip-unsupported to exit 0)")
+    code, out, _ = precompile_cli(capsys, "--target", "hopper", *GEMMA4, "--dry-run", "--skip-unsupported")
+    assert code == 0 and out.splitlines()[-1].endswith("exit 0 (--skip-unsupported)")
+
+
+def test_an_mla_model_whose_only_layer_kind_is_not_served_is_an_error_naming_its_shape(capsys):
+    code, out, err = precompile_cli(capsys, "--target", "hopper", "--hf-config", str(CONFIGS / "deepseek-v3.json"),
+                                    "--tp", "8", "--dry-run")
+    assert code == 2 and not out
+    assert ("error: full_attention (16 q heads, 1 KV heads, head_dim 576, v_head_dim 512): head_dim 576 with "
+            "v_head_dim 512 (multi-head latent attention, absorbed: V is the first 512 dims of each K row): not "
+            "served yet") in err
+
+
+def test_the_library_refuses_a_wide_layer_by_its_shape_on_every_target_before_configuring_it():
+    from metrale_attn.precompile import not_served, plan_targets
+
+    wide = Layer("full_attention", 16, 1, 576, v_head_dim=512, v_in_k=True)
+    assert not_served(Layer("layer", 8, 1, 256)) is None
+    assert "head_dim 576 with v_head_dim 512" in not_served(wide)
+    with pytest.raises(ValueError, match=re.escape("full_attention (16 q heads, 1 KV heads, head_dim 576, v_head_dim "
+                                                   "512): head_dim 576 with v_head_dim 512")):
+        needed_specs([wide], TARGETS["hopper"], environ={})
+    plans, refusals = plan_targets([Layer("layer", 8, 1, 256), wide], [TARGETS["hopper"], TARGETS["b200"]],
+                                   environ={})
+    assert [p.target.name for p in plans] == ["hopper", "b200"] and all(p.needed for p in plans)
+    assert [(r.layer.name, r.everywhere, r.target) for r in refusals] == [("full_attention", True, None)]
+
+
+def test_the_plan_command_shows_each_gemma_4_layer_kind_and_why_the_wide_one_has_no_table(capsys):
+    assert main(["plan", *GEMMA4, "--tp", "2", "--batch", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "layer sliding_attention: q_heads=8 kv_heads=4 head_dim=256 " in out
+    assert ("layer full_attention: 8 q heads, 1 KV heads, head_dim 512: head_dim 512 (V from K's projection): not "
+            "served yet") in out
