@@ -16,6 +16,16 @@ child forked without exec still holding the file) builds without the lock, which
 a duplicate build and never a wrong one. Lock files are empty and stay in place (deleting
 one while a process waits on it would let a third process lock a new file and build
 beside the holder); removing them while nothing builds is harmless.
+
+Why ours and not ``filelock`` (issue 33 weighed it; it is installed beside torch): this is one
+``flock`` loop, and ``filelock.FileLock`` would not make it shorter or the same. What we log
+while waiting (DEBUG at the first miss, INFO past ``LOCK_WAIT_INFO_S`` naming the kernel, the
+WARNING when we give up) would take three ``acquire`` calls with shrinking timeouts around it.
+Where ``flock`` is missing (some network file systems), filelock 4 falls back by default to
+a marker file recording its holder, broken only once that holder is seen dead (on the same
+host), a second protocol with states of its own, where we build without a lock; turning that
+off (``fallback_to_soft=False``) needs filelock 4, whose behaviour differs from the 3.x a
+serving environment may pin (torch requires filelock with no version).
 """
 
 from __future__ import annotations

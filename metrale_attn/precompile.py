@@ -21,7 +21,6 @@ no ``mma`` spec fits (gb10) falls back the way a construction does, deterministi
 
 from __future__ import annotations
 
-import importlib
 import os
 import threading
 import time
@@ -38,8 +37,8 @@ from .models import model_shape
 from .plan import LEGACY_MAX_DECODE_SEQS
 from .targets import TARGETS, Target, resolve_target_policy
 
-INSTALL = ("pip install 'metrale-attn[cuda12]' (or [cuda13]): the CuPy and NVRTC the serving machine uses, since "
-           "the cache key includes the NVRTC version")
+INSTALL = ("pip install 'metrale-attn[cuda12]' (or [cuda13]): the cuda-bindings, NVRTC and CuPy the serving machine "
+           "uses, since the cache key includes the NVRTC version")
 SELF_TEST = "the mma self-test (runs before the first mma layer)"
 
 
@@ -356,15 +355,15 @@ def _plan_target(layers: Sequence[Layer], target: Target, options: Options, sm_c
 def check_nvrtc(arches: Iterable[str]) -> str:
     """NVRTC's version, where it is installed and compiles for every one of ``arches``; else a
     ``PrecompileError`` naming what to install."""
+    from .backends import nvrtc
+
     try:
-        nvrtc = importlib.import_module("cupy_backends.cuda.libs.nvrtc")
+        version = nvrtc.version()
+        supported = set(nvrtc.supported_archs())
     except ImportError as err:
-        raise PrecompileError(f"precompile compiles with NVRTC through CuPy, which is not installed ({err}): "
-                              f"{INSTALL}") from None
-    try:
-        version = nvrtc.getVersion()
-        supported = set(nvrtc.getSupportedArchs())
-    except Exception as err:  # CuPy present, its NVRTC library not loadable
+        raise PrecompileError(f"precompile compiles with NVRTC through cuda-bindings, which is not installed "
+                              f"({err.__cause__ or err}): {INSTALL}") from None
+    except Exception as err:  # the binding present, its NVRTC library not loadable
         raise PrecompileError(f"NVRTC cannot be loaded ({type(err).__name__}: {err}): {INSTALL}") from None
     missing = [arch for arch in arches if int(arch[3:]) not in supported]
     if missing:
@@ -439,7 +438,7 @@ def build_all(plans: Sequence[TargetPlan], cache_dir: Optional[Path] = None, *, 
 def _build_one(job: tuple[str, Needed, Path]) -> Built:
     """One kernel into the cache (``build_all``'s unit of work, in this process or a pool's):
     an error is returned in the ``Built``, as a pool's process must return it."""
-    from .backends.cupy_backend import cubin_lookup  # needs CuPy: check_nvrtc first
+    from .backends.cupy_backend import cubin_lookup  # needs cuda-bindings and NVRTC: check_nvrtc first
 
     arch, needed, root = job
     start = time.perf_counter()

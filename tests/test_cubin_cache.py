@@ -1,7 +1,7 @@
 """Cubins are whole ELF files, and the on-disk cache never loads a damaged one.
 
-CuPy's ``nvrtc.getCUBIN`` returns NVRTC's buffer minus its last byte; the backend asks
-NVRTC for the full size instead (``backends.cubin.nvrtc_cubin``). These tests parse
+CuPy's ``nvrtc.getCUBIN`` returns NVRTC's buffer minus its last byte; the backend calls
+NVRTC through cuda-bindings instead (``backends.nvrtc``), which reads it whole. These tests parse
 every compiled cubin's ELF header, run ``nvdisasm`` on the cached files as written
 (no patching), and damage cache entries to see them rebuilt.
 """
@@ -9,6 +9,7 @@ every compiled cubin's ELF header, run ``nvdisasm`` on the cached files as writt
 import json
 import pathlib
 import subprocess
+import sys
 
 import pytest
 from support.builds import ARCHES, SPOT_SPECS, nvrtc_build
@@ -19,8 +20,9 @@ from metrale_attn.kernels import KernelSpec, all_specs
 from metrale_attn.plan import ARMS
 
 pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="NVRTC (cupy) is not installed")
+pytest.importorskip("cuda.bindings.nvrtc", reason="cuda-bindings is not installed")
 
-from metrale_attn.backends import cupy_backend  # noqa: E402  (needs cupy)
+from metrale_attn.backends import cupy_backend, nvrtc  # noqa: E402  (needs cupy)
 
 
 def _elf_sample() -> list:
@@ -34,7 +36,7 @@ def _elf_sample() -> list:
 
 
 @pytest.mark.parametrize("spec, arch", _elf_sample())
-def test_every_compiled_cubin_is_a_complete_elf_file(spec, arch, monkeypatch):
+def test_every_compiled_cubin_is_a_complete_elf_file(spec, arch):
     data, _ = nvrtc_build(spec, arch)
     assert data[:4] == cubin.ELF_MAGIC
     # Section and program header tables, sections and segments all end inside the file,
@@ -43,33 +45,62 @@ def test_every_compiled_cubin_is_a_complete_elf_file(spec, arch, monkeypatch):
     cubin.check_cubin(data)
     with pytest.raises(cubin.CubinError, match="headers describe"):
         cubin.check_cubin(data[:-1])  # what CuPy's getCUBIN alone returns
-    # The fallback (NVRTC's size unreadable) restores exactly the byte CuPy strips.
-    monkeypatch.setattr(cubin, "_warned_restore", False)
-    with pytest.warns(RuntimeWarning, match="restored"):
-        assert cubin._restore_stripped_tail(data[:-1], reason="test") == data
 
 
-def test_the_cubin_is_read_from_the_nvrtc_library_cupy_loaded():
-    from cupy_backends.cuda.libs import nvrtc
+def _cupy_compile(source: str, options: tuple[str, ...]):
+    """CuPy's NVRTC on the same program: ``(getCUBIN, getPTX)`` (no cubin for a ``compute_XY``
+    target), the bytes the backend took before it called NVRTC through cuda-bindings."""
+    from cupy_backends.cuda.libs import nvrtc as cupy_nvrtc
 
-    lib = cubin._cupy_nvrtc_library(nvrtc.getVersion())
-    major, minor = cubin.ctypes.c_int(), cubin.ctypes.c_int()
-    assert lib.nvrtcVersion(cubin.ctypes.byref(major), cubin.ctypes.byref(minor)) == 0
-    assert (major.value, minor.value) == tuple(nvrtc.getVersion())
-
-
-def test_without_cupys_nvrtc_library_the_header_restores_the_stripped_byte(monkeypatch):
-    """The fallback: where the library cannot be found, the ELF header gives the size."""
-    spec = KernelSpec("gqa_packed", 256, "fp16", "fp8")
-    monkeypatch.setattr(cubin, "_loaded_nvrtc_paths", lambda: [])
-    monkeypatch.setattr(cubin, "_warned_restore", False)
-    cubin._cupy_nvrtc_library.cache_clear()
+    program = cupy_nvrtc.createProgram(source, "toy.cu", [], [])
     try:
-        with pytest.warns(RuntimeWarning, match="expected one loaded NVRTC"):
-            data, _ = cupy_backend.nvrtc_compile(spec, "sm_90")
+        cupy_nvrtc.compileProgram(program, list(options))
+        real = "=compute_" not in options[-1]  # the architecture, last
+        return cupy_nvrtc.getCUBIN(program) if real else None, cupy_nvrtc.getPTX(program)
     finally:
-        cubin._cupy_nvrtc_library.cache_clear()
-    assert data == nvrtc_build(spec, "sm_90")[0]
+        cupy_nvrtc.destroyProgram(program)
+
+
+def _nvrtc_libraries() -> set[str]:
+    """The ``libnvrtc`` files mapped into this process (Linux's /proc/self/maps)."""
+    with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
+        paths = {line.split(None, 5)[5].strip() for line in maps if len(line.split(None, 5)) == 6}
+    return {p for p in paths if pathlib.Path(p).name.startswith("libnvrtc.so")}
+
+
+def test_the_cubin_is_cupys_getcubin_and_the_one_byte_cupy_drops_and_the_ptx_is_cupys():
+    spec = KernelSpec("splitk", 64, "bf16", "bf16", "simt")
+    source, options = cupy_backend.nvrtc_program(spec)
+    cupy_cubin, cupy_ptx = _cupy_compile(source, (*options, "--gpu-architecture=sm_90"))
+    ours = cupy_backend.compile_cubin(spec, "sm_90")
+    assert len(ours) == len(cupy_cubin) + 1 and ours.startswith(cupy_cubin)
+    assert cubin.elf_extent(ours) == len(ours)
+    assert cupy_backend.nvrtc_compile(spec, "sm_90", with_ptx=True)[2] == cupy_ptx
+    assert cupy_backend.nvrtc_compile(spec, "compute_90")[0] == _cupy_compile(
+        source, (*options, "--gpu-architecture=compute_90"))[1]
+
+
+@pytest.mark.skipif(not pathlib.Path("/proc/self/maps").exists(), reason="reads Linux's /proc/self/maps")
+def test_cuda_bindings_and_cupy_call_one_nvrtc_library_of_one_version():
+    """The cache key holds the binding's NVRTC version: the NVRTC CuPy would have compiled with."""
+    from cupy_backends.cuda.libs import nvrtc as cupy_nvrtc
+
+    cupy_backend.compile_cubin(KernelSpec("splitk", 64, "bf16", "bf16", "simt"), "sm_90")
+    _cupy_compile('extern "C" __global__ void toy() {}', ("--gpu-architecture=sm_90",))
+    assert len(_nvrtc_libraries()) == 1, _nvrtc_libraries()
+    assert nvrtc.version() == tuple(cupy_nvrtc.getVersion())
+    assert set(nvrtc.supported_archs()) == set(cupy_nvrtc.getSupportedArchs())
+
+
+def test_a_source_nvrtc_refuses_is_an_error_with_the_kernel_the_architecture_and_the_log():
+    with pytest.raises(RuntimeError, match=r"NVRTC failed on toy for sm_90:\n.*identifier \"undeclared\""):
+        cupy_backend.nvrtc_compile_source('extern "C" __global__ void toy() { undeclared = 1; }', "toy", "sm_90")
+
+
+def test_without_cuda_bindings_nvrtc_is_an_import_error_naming_the_install_line(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cuda.bindings.nvrtc", None)  # import fails, as without cuda-bindings
+    with pytest.raises(ImportError, match=r"cuda-bindings, which is not installed .*metrale-attn\[cuda12\]"):
+        nvrtc.version()
 
 
 def test_registers_recorded_in_the_cubin_match_ptxas():
@@ -122,9 +153,7 @@ def test_a_damaged_cache_entry_is_rebuilt_not_loaded(counted, damage):
     path = pathlib.Path(cupy_backend.cubin_path(VARIANT, "sm_90"))
     good = path.read_bytes()
     sidecar = path.with_name(path.name + ".json")
-    from cupy_backends.cuda.libs import nvrtc
-
-    assert json.loads(sidecar.read_text()) == {"arch": "sm_90", "nvrtc": cubin.nvrtc_label(nvrtc.getVersion()),
+    assert json.loads(sidecar.read_text()) == {"arch": "sm_90", "nvrtc": cubin.nvrtc_label(nvrtc.version()),
                                                "size": len(good), "sha256": cubin.hashlib.sha256(good).hexdigest()}
     if damage == "truncated":
         path.write_bytes(good[: len(good) // 2])
@@ -149,11 +178,9 @@ def test_a_cache_filled_by_another_nvrtc_is_warned_about_when_this_one_compiles_
                                                                                         monkeypatch):
     """What the server sees: the entries precompile left carry their NVRTC version, which
     ``warn_other_nvrtc`` holds against the NVRTC of the process that now misses them all."""
-    from cupy_backends.cuda.libs import nvrtc
-
     monkeypatch.setattr(cubin, "_nvrtc_checked", set())
     cupy_backend.cubin_lookup(VARIANT, "sm_90", tmp_path)
-    mine = nvrtc.getVersion()
+    mine = nvrtc.version()
     with pytest.warns(RuntimeWarning, match=f"built by NVRTC {cubin.nvrtc_label(mine)} and none by this "
                                             r"environment's NVRTC 99\.0"):
         assert cubin.warn_other_nvrtc(tmp_path / "cubin", "sm_90", (99, 0)) == {cubin.nvrtc_label(mine)}

@@ -1,13 +1,15 @@
 """Programmatic dependent launch of the split-K merge: which launches ask for it, the
-driver call that makes it (checked against a stand-in driver built from the toolkit's own
-cuda.h, since CI has no GPU), and the device instructions that make it safe."""
+driver call that makes it through cuda-bindings (checked against a stand-in libcuda.so.1 built
+from the toolkit's own cuda.h, since CI has no GPU), and the device instructions that make it safe."""
 
 from __future__ import annotations
 
-import ctypes
+import json
+import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +23,7 @@ from support.builds import nvrtc_ptx
 from support.problems import CountingBackend, check_against_reference, decoder, problem, run_poisoned
 
 P = problem(seq_lens=(5, 300, 0), head_dim=64, page_size=16)
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _cuda_include() -> Path | None:
@@ -36,7 +39,8 @@ needs_cuda_h = pytest.mark.skipif(CUDA_INCLUDE is None or shutil.which("gcc") is
                                   reason="the CUDA toolkit's cuda.h and gcc are needed to build the stand-in driver")
 
 # A stand-in for libcuda.so.1: cuLaunchKernelEx records what it was given, read through the
-# real cuda.h types, so a field out of place in the Python structures shows as a wrong value.
+# real cuda.h types, so a field cuda-bindings or we put out of place shows as a wrong value.
+# cuda-bindings finds the driver's functions through cuGetProcAddress (the rest stay NULL).
 STAND_IN = r"""
 #include <cuda.h>
 #include <stddef.h>
@@ -45,13 +49,6 @@ static unsigned long long rec[32];
 static int fail_with = 0;
 void stand_in_fail(int code) { fail_with = code; }
 const unsigned long long* stand_in_record(void) { return rec; }
-unsigned long long stand_in_layout(int i) {
-  const unsigned long long v[] = {sizeof(CUlaunchConfig), offsetof(CUlaunchConfig, hStream),
-    offsetof(CUlaunchConfig, attrs), offsetof(CUlaunchConfig, numAttrs), sizeof(CUlaunchAttribute),
-    offsetof(CUlaunchAttribute, value), sizeof(CUlaunchAttributeValue),
-    CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION};
-  return v[i];
-}
 CUresult cuLaunchKernelEx(const CUlaunchConfig* c, CUfunction f, void** params, void** extra) {
   memset(rec, 0, sizeof rec);
   rec[0] = c->gridDimX; rec[1] = c->gridDimY; rec[2] = c->gridDimZ;
@@ -70,45 +67,65 @@ CUresult cuGetErrorName(CUresult e, const char** s) {
   *s = e == CUDA_ERROR_INVALID_VALUE ? "CUDA_ERROR_INVALID_VALUE" : "CUDA_ERROR_UNKNOWN";
   return CUDA_SUCCESS;
 }
+CUresult cuGetProcAddress(const char* symbol, void** fn, int version, cuuint64_t flags,
+                          CUdriverProcAddressQueryResult* status) {
+  *fn = !strcmp(symbol, "cuLaunchKernelEx") ? (void*)cuLaunchKernelEx
+      : !strcmp(symbol, "cuGetErrorName") ? (void*)cuGetErrorName : NULL;
+  if (status) *status = *fn ? CU_GET_PROC_ADDRESS_SUCCESS : CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND;
+  return *fn ? CUDA_SUCCESS : CUDA_ERROR_NOT_FOUND;
+}
 """
 
 
 @pytest.fixture(scope="module")
 def stand_in(tmp_path_factory) -> Path:
+    """A directory holding the stand-in as ``libcuda.so.1`` (its soname too)."""
     if CUDA_INCLUDE is None or shutil.which("gcc") is None:
         pytest.skip("the CUDA toolkit's cuda.h and gcc are needed to build the stand-in driver")
+    pytest.importorskip("cuda.bindings.driver", reason="cuda-bindings is not installed")
     root = tmp_path_factory.mktemp("driver")
     (root / "driver.c").write_text(STAND_IN)
-    lib = root / "libstandin.so"
-    subprocess.run(["gcc", "-shared", "-fPIC", "-O1", f"-I{CUDA_INCLUDE}", "-o", str(lib), str(root / "driver.c")],
-                   check=True, capture_output=True)
-    return lib
+    subprocess.run(["gcc", "-shared", "-fPIC", "-O1", f"-I{CUDA_INCLUDE}", "-Wl,-soname,libcuda.so.1", "-o",
+                    str(root / "libcuda.so.1"), str(root / "driver.c")], check=True, capture_output=True)
+    return root
 
 
-def _record(lib: Path) -> list[int]:
-    handle = ctypes.CDLL(str(lib))
-    handle.stand_in_record.restype = ctypes.POINTER(ctypes.c_ulonglong)
-    return handle.stand_in_record()[:18]
+LAUNCH = """
+import ctypes, json, sys
+import numpy as np
+from metrale_attn.backends import dependent_launch
+
+function, grid, block, shared, stream, args, fail = json.loads(sys.argv[1])
+driver = ctypes.CDLL("libcuda.so.1")  # the library path finds the stand-in, as it does for cuda-bindings
+driver.stand_in_fail(fail)
+driver.stand_in_record.restype = ctypes.POINTER(ctypes.c_ulonglong)
+args = tuple(getattr(np, kind)(value) for kind, value in args)
+try:
+    dependent_launch.Driver().launch(function, grid, block, shared, stream, args, "decode_splitk_merge")
+except RuntimeError as err:
+    print(json.dumps({"error": str(err)}))
+else:
+    print(json.dumps({"record": driver.stand_in_record()[:18]}))
+"""
+
+ARGS = [("uint64", 0xDEAD_BEEF_0000_1230), ("int32", -7), ("float32", 1.5e-39), ("int64", -(2**40) - 3),
+        ("float64", -2.25)]
 
 
-@needs_cuda_h
-def test_the_launch_structures_are_laid_out_as_the_toolkits_cuda_h_lays_them_out(stand_in):
-    handle = ctypes.CDLL(str(stand_in))
-    handle.stand_in_layout.restype = ctypes.c_ulonglong
-    ours = [ctypes.sizeof(dependent_launch.LaunchConfig), dependent_launch.LaunchConfig.stream.offset,
-            dependent_launch.LaunchConfig.attrs.offset, dependent_launch.LaunchConfig.num_attrs.offset,
-            ctypes.sizeof(dependent_launch.LaunchAttribute), dependent_launch.LaunchAttribute.value.offset,
-            ctypes.sizeof(dependent_launch._AttributeValue), dependent_launch.PROGRAMMATIC_STREAM_SERIALIZATION]
-    assert ours == [handle.stand_in_layout(i) for i in range(8)]
+def _launch_on_the_stand_in(stand_in: Path, function, grid, block, shared, stream, args=ARGS, fail=0) -> dict:
+    """One dependent launch in a fresh interpreter whose library path finds the stand-in first:
+    what the driver received (``record``) or the error raised (``error``)."""
+    env = {**os.environ, "LD_LIBRARY_PATH": f"{stand_in}:{os.environ.get('LD_LIBRARY_PATH', '')}"}
+    done = subprocess.run([sys.executable, "-c", LAUNCH, json.dumps([function, grid, block, shared, stream, args,
+                                                                     fail])],
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
 
 
 @needs_cuda_h
 def test_a_dependent_launch_gives_the_driver_its_geometry_stream_attribute_and_each_argument_by_value(stand_in):
-    driver = dependent_launch.Driver(str(stand_in))
-    args = (np.uint64(0xDEAD_BEEF_0000_1230), np.int32(-7), np.float32(1.5e-39), np.int64(-(2**40) - 3),
-            np.float64(-2.25))
-    driver.launch(0x1234_5678, (132, 3, 2), (256, 1, 1), 213_248, 0xABCD_EF00, args, "decode_splitk_merge")
-    rec = _record(stand_in)
+    rec = _launch_on_the_stand_in(stand_in, 0x1234_5678, (132, 3, 2), (256, 1, 1), 213_248, 0xABCD_EF00)["record"]
     assert rec[:13] == [132, 3, 2, 256, 1, 1, 213_248, 0xABCD_EF00, 1, 6, 1, 0x1234_5678, 1]
     assert rec[13] == 0xDEAD_BEEF_0000_1230 and np.int64(np.uint64(rec[14])) == -7
     assert np.uint32(rec[15]).view(np.float32) == np.float32(1.5e-39)  # a subnormal, bit for bit
@@ -118,28 +135,19 @@ def test_a_dependent_launch_gives_the_driver_its_geometry_stream_attribute_and_e
 
 @needs_cuda_h
 def test_the_default_stream_reaches_the_driver_as_a_null_handle(stand_in):
-    dependent_launch.Driver(str(stand_in)).launch(
-        1, (1, 1, 1), (128, 1, 1), 0, 0, (np.uint64(0), np.int32(0), np.float32(0), np.int64(0), np.float64(0)))
-    assert _record(stand_in)[7] == 0
+    assert _launch_on_the_stand_in(stand_in, 1, (1, 1, 1), (128, 1, 1), 0, 0)["record"][7] == 0
 
 
 @needs_cuda_h
 def test_a_driver_error_is_raised_with_the_kernel_and_the_drivers_name_for_it(stand_in):
-    handle = ctypes.CDLL(str(stand_in))
-    handle.stand_in_fail(1)
-    try:
-        with pytest.raises(RuntimeError, match=r"decode_splitk_merge: cuLaunchKernelEx .* CUDA_ERROR_INVALID_VALUE \(1\)"):
-            dependent_launch.Driver(str(stand_in)).launch(
-                1, (1, 1, 1), (128, 1, 1), 0, 0,
-                (np.uint64(0), np.int32(0), np.float32(0), np.int64(0), np.float64(0)), "decode_splitk_merge")
-    finally:
-        handle.stand_in_fail(0)
+    error = _launch_on_the_stand_in(stand_in, 1, (1, 1, 1), (128, 1, 1), 0, 0, fail=1)["error"]
+    assert re.fullmatch(r"decode_splitk_merge: cuLaunchKernelEx .* CUDA_ERROR_INVALID_VALUE \(1\)", error)
 
 
-@needs_cuda_h
-def test_an_argument_that_is_not_a_numpy_scalar_is_refused_before_the_driver_is_called(stand_in):
+def test_an_argument_that_is_not_a_numpy_scalar_is_refused_before_the_driver_is_called():
+    pytest.importorskip("cuda.bindings.driver", reason="cuda-bindings is not installed")
     with pytest.raises(TypeError, match="NumPy scalars"):
-        dependent_launch.Driver(str(stand_in)).launch(1, (1, 1, 1), (128, 1, 1), 0, 0, (np.uint64(0), 5))
+        dependent_launch.Driver().launch(1, (1, 1, 1), (128, 1, 1), 0, 0, (np.uint64(0), 5))
 
 
 def test_only_devices_of_compute_capability_9_or_later_launch_dependents():

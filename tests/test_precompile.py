@@ -316,19 +316,21 @@ def test_a_model_no_target_takes_is_an_error_naming_every_refusal(capsys):
     assert err.count("lacks (sm_89 and later have it)") == 4 and "on a100: " in err and "on a10: " in err
 
 
-def test_without_cupys_nvrtc_the_command_names_the_install_line(capsys, monkeypatch):
-    monkeypatch.setitem(sys.modules, "cupy_backends.cuda.libs.nvrtc", None)  # import fails, as without CuPy
+def test_without_cuda_bindings_nvrtc_the_command_names_the_install_line(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "cuda.bindings.nvrtc", None)  # import fails, as without cuda-bindings
     code, out, err = precompile_cli(capsys, "--target", "hopper", *SMALL)
     assert code == 2 and not out
-    assert "precompile compiles with NVRTC through CuPy, which is not installed" in err
+    assert "precompile compiles with NVRTC through cuda-bindings, which is not installed" in err
     assert "pip install 'metrale-attn[cuda12]' (or [cuda13])" in err
     with pytest.raises(PrecompileError, match="pip install 'metrale-attn"):
         check_nvrtc(["sm_90"])
 
 
 def test_an_nvrtc_too_old_for_the_architecture_is_refused_before_compiling(capsys, monkeypatch):
-    nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
-    monkeypatch.setattr(nvrtc, "getSupportedArchs", lambda: (80, 90))
+    pytest.importorskip("cuda.bindings.nvrtc")
+    from metrale_attn.backends import nvrtc
+
+    monkeypatch.setattr(nvrtc, "supported_archs", lambda: (80, 90))
     code, _, err = precompile_cli(capsys, "--target", "hopper,b200", *SMALL)
     assert code == 2 and "cannot compile for sm_100: pip install 'nvidia-cuda-nvrtc-cu12>=12.9'" in err
 

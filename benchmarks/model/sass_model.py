@@ -651,9 +651,9 @@ def toolchain(nvdisasm: str) -> dict:
     with these only)."""
     out = {}
     try:
-        from cupy_backends.cuda.libs import nvrtc
+        from metrale_attn.backends import nvrtc
 
-        out["nvrtc"] = ".".join(map(str, nvrtc.getVersion()))
+        out["nvrtc"] = ".".join(map(str, nvrtc.version()))
     except Exception as err:  # noqa: BLE001 (a report without the version is still a report)
         out["nvrtc"] = f"unknown ({type(err).__name__})"
     try:

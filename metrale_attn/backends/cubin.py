@@ -1,12 +1,11 @@
-"""Cubins whole: taken from NVRTC at their full size, checked as ELF files, cached on disk.
+"""Cubins whole: checked as ELF files, cached on disk.
 
-Why this module exists: CuPy's ``nvrtc.getCUBIN`` hands back NVRTC's buffer minus
-its last byte (it strips a trailing NUL as it must for PTX text, but a cubin is
-binary). For every kernel here that byte is the last byte of the ELF program-header
-table, so the file is one byte short of its own header's claims and ``nvdisasm``
-refuses it ("invalid ELF file"). ``nvrtc_cubin`` asks NVRTC itself for the size
-(``nvrtcGetCUBINSize`` + ``nvrtcGetCUBIN``) through ctypes, on the very library CuPy
-loaded, so the program handle CuPy created is valid there.
+What it owns: the ELF64 checks (``check_cubin``: a cubin's tables, sections and segments all
+lie inside it) and the on-disk cache of cubins with their sidecars. Ours, since no library
+checks a cubin's ELF extent or keeps such a cache. The bytes come from NVRTC whole through
+cuda-bindings (``backends.nvrtc``); the check catches a short one, such as CuPy's
+``getCUBIN`` returns (one byte short of its own header's claims, which ``nvdisasm`` refuses:
+"invalid ELF file").
 
 A cached cubin is written with a sidecar ``<file>.json`` holding its size and
 SHA-256 (and what built it: the architecture and the NVRTC version); ``read_cached``
@@ -20,14 +19,11 @@ another NVRTC version (every entry's key includes it, so all of them miss).
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import functools
 import hashlib
 import json
 import logging
 import os
 import struct
-import sys
 import tempfile
 import warnings
 from pathlib import Path
@@ -107,95 +103,6 @@ def kernel_register_counts(data: bytes) -> dict[str, int]:
                 counts[c_string(strtab + symbols[symbol][0])] = registers
             at += 4 + size
     return counts
-
-
-# --------------------------------------------------------------------------------------
-# The whole cubin from NVRTC
-# --------------------------------------------------------------------------------------
-
-
-def _loaded_nvrtc_paths() -> list[str]:
-    """Paths of the NVRTC libraries mapped into this process (Linux's /proc/self/maps)."""
-    with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
-        fields = (line.split(None, 5) for line in maps)
-        paths = {f[5].strip() for f in fields if len(f) == 6}
-    return sorted(p for p in paths if os.path.basename(p).startswith("libnvrtc.so"))
-
-
-@functools.lru_cache(maxsize=4)
-def _cupy_nvrtc_library(expected_version: tuple[int, int]) -> ctypes.CDLL:
-    """A ctypes handle on the NVRTC library CuPy calls: the one ``libnvrtc`` mapped into
-    this process (CuPy has just compiled with it) and of CuPy's NVRTC version, opened
-    with ``RTLD_NOLOAD``, which returns the handle of that very library and never
-    loads another. Anything else (no Linux ``/proc``, no such library, two of them)
-    is a ``CubinError``: handing CuPy's program to another NVRTC would be unsafe."""
-    if not sys.platform.startswith("linux"):
-        raise CubinError(f"finding CuPy's NVRTC library is implemented for Linux only, not {sys.platform}")
-    try:
-        candidates = _loaded_nvrtc_paths()
-    except OSError as err:
-        raise CubinError(f"cannot list the loaded libraries: {err}") from None
-    matching = {}
-    for path in candidates:
-        try:
-            lib = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
-            major, minor = ctypes.c_int(), ctypes.c_int()
-            if lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)) != 0:
-                continue
-        except (OSError, AttributeError):
-            continue
-        if (major.value, minor.value) == tuple(expected_version):
-            matching[lib._handle] = lib
-    if len(matching) != 1:
-        raise CubinError(f"expected one loaded NVRTC {tuple(expected_version)} library, found {len(matching)} "
-                         f"among {candidates or 'none'}")
-    return next(iter(matching.values()))
-
-
-def nvrtc_cubin(program: int, cupy_bytes: bytes, version: tuple[int, int]) -> bytes:
-    """The complete cubin of the compiled NVRTC ``program`` (CuPy's handle).
-
-    Asks CuPy's own NVRTC library for the size and the bytes (``nvrtcGetCUBINSize``,
-    ``nvrtcGetCUBIN``); ``cupy_bytes`` (CuPy's short copy) must be a prefix of them. Where that library cannot be reached,
-    the ELF header says how long the file is: the missing tail can be restored only
-    if it is the high bytes of the last program header's ``p_align`` field (zero for
-    any alignment below 2^56), which is what CuPy's one-byte strip removes."""
-    try:
-        lib = _cupy_nvrtc_library(tuple(version))
-        size = ctypes.c_size_t()
-        if lib.nvrtcGetCUBINSize(ctypes.c_void_p(program), ctypes.byref(size)) != 0:
-            raise CubinError("nvrtcGetCUBINSize failed")
-        buffer = ctypes.create_string_buffer(size.value)
-        if lib.nvrtcGetCUBIN(ctypes.c_void_p(program), buffer) != 0:
-            raise CubinError("nvrtcGetCUBIN failed")
-        data = buffer.raw
-        if not data.startswith(cupy_bytes):
-            raise CubinError("NVRTC's cubin and CuPy's copy differ")
-    except CubinError as err:
-        data = _restore_stripped_tail(cupy_bytes, reason=str(err))
-    check_cubin(data)
-    return data
-
-
-_warned_restore = False
-
-
-def _restore_stripped_tail(data: bytes, *, reason: str) -> bytes:
-    global _warned_restore
-    end = elf_extent(data)
-    missing = end - len(data)
-    if missing <= 0:
-        return data
-    header = _ELF64_HEADER.unpack_from(data)
-    phoff, phentsize, phnum = header[5], header[9], header[10]
-    align_field = phoff + (phnum - 1) * phentsize + 48  # p_align: the last 8 bytes of the last header
-    if phnum == 0 or phentsize != _ELF64_SEGMENT.size or end != align_field + 8 or len(data) <= align_field:
-        raise CubinError(f"cubin is {missing} bytes short and cannot be completed ({reason})")
-    if not _warned_restore:
-        _warned_restore = True
-        warnings.warn(f"metrale-attn: NVRTC's cubin size could not be read ({reason}); restored the "
-                      f"{missing} zero byte(s) CuPy strips from the ELF header instead", RuntimeWarning, stacklevel=3)
-    return data + bytes(missing)
 
 
 # --------------------------------------------------------------------------------------

@@ -5,9 +5,9 @@ the single way it is compiled, for the device's exact ``sm_XY``: CI runs the sam
 function without a GPU for sm_90, sm_100 and sm_120, so the binary a GPU loads is
 one CI has compiled and inspected. (Handing the source to ``cupy.RawModule`` instead
 would let CuPy append ``-ftz=true``, which flushes the fp32 denormals the fp16/fp8
-fast path relies on: a build neither CI nor the CPU backend ever runs.) Cubins are
-taken from NVRTC whole (``cubin.nvrtc_cubin``: CuPy's ``getCUBIN`` drops the last
-byte), cached on disk by a hash of source, options, architecture and NVRTC version
+fast path relies on: a build neither CI nor the CPU backend ever runs.) NVRTC is
+called through cuda-bindings (``backends.nvrtc``: CuPy's ``getCUBIN`` drops the cubin's
+last byte), and cubins are cached on disk by a hash of source, options, architecture and NVRTC version
 with their size and SHA-256 beside them (a damaged entry is rebuilt, an unwritable
 cache directory gives way to a private temporary one, a missing one is compiled once
 under its inter-process lock however many processes miss it at once, and a cache whose
@@ -38,7 +38,7 @@ import numpy as np
 
 from ..cache import cache_root
 from ..kernels import KernelSpec
-from . import ArrayInfo, DeviceInfo, Launch, cubin, dependent_launch, refuse_unstrided
+from . import ArrayInfo, DeviceInfo, Launch, cubin, dependent_launch, nvrtc, refuse_unstrided
 
 logger = logging.getLogger(__name__)
 
@@ -69,24 +69,17 @@ def nvrtc_compile_source(source: str, name: str, arch: str, options: tuple[str, 
                          ptxas_verbose: bool = False, with_ptx: bool = False):
     """``nvrtc_compile`` for a complete source (headers inlined) that is not a spec: the toy
     kernels of the tests. ``options`` exclude ``-arch``; the dialect prelude is the caller's."""
-    from cupy_backends.cuda.libs import nvrtc
-
     options = (*options, f"--gpu-architecture={arch}") + (("--ptxas-options=-v",) if ptxas_verbose else ())
-    program = nvrtc.createProgram(source, f"{name}.cu", [], [])
     try:
-        try:
-            nvrtc.compileProgram(program, list(options))
-        except nvrtc.NVRTCError as err:
-            raise RuntimeError(f"NVRTC failed on {name} for {arch}:\n{nvrtc.getProgramLog(program)}") from err
-        if arch.startswith("compute_"):
-            binary = nvrtc.getPTX(program)  # text: CuPy rightly drops its trailing NUL
-        else:
-            binary = cubin.nvrtc_cubin(program, nvrtc.getCUBIN(program), nvrtc.getVersion())
-        if with_ptx:
-            return binary, nvrtc.getProgramLog(program), nvrtc.getPTX(program)
-        return binary, nvrtc.getProgramLog(program)
-    finally:
-        nvrtc.destroyProgram(program)
+        built = nvrtc.compile_program(source, f"{name}.cu", options, cubin=not arch.startswith("compute_"))
+    except nvrtc.NvrtcCompileError as err:
+        raise RuntimeError(f"NVRTC failed on {name} for {arch}:\n{err.log}") from err
+    if built.cubin is None:
+        binary = built.ptx
+    else:
+        binary = built.cubin
+        cubin.check_cubin(binary)  # whole: its ELF tables, sections and segments lie inside it
+    return (binary, built.log, built.ptx) if with_ptx else (binary, built.log)
 
 
 def compile_cubin(spec: KernelSpec, arch: str) -> bytes:
@@ -98,10 +91,8 @@ def cubin_entry(spec: KernelSpec, arch: str, root: Path | None = None) -> Path:
     """Where the cubin of ``spec`` for ``arch`` is cached: ``<root>/cubin/<name>_<arch>_<key>.cubin``,
     ``key`` a hash of the source, the options, the architecture and the NVRTC version (so
     another NVRTC misses); ``root`` defaults to ``cache.cache_root()``. Needs NVRTC, not a GPU."""
-    from cupy_backends.cuda.libs import nvrtc
-
     source, options = nvrtc_program(spec)
-    key = hashlib.sha256(repr((source, options, arch, nvrtc.getVersion())).encode()).hexdigest()[:20]
+    key = hashlib.sha256(repr((source, options, arch, nvrtc.version())).encode()).hexdigest()[:20]
     return (cache_root() if root is None else Path(root)) / "cubin" / f"{spec.name}_{arch}_{key}.cubin"
 
 
@@ -128,9 +119,7 @@ def cubin_lookup(spec: KernelSpec, arch: str, root: Path | None = None) -> Cubin
         built.append(time.perf_counter() - start)
         return data
 
-    from cupy_backends.cuda.libs import nvrtc
-
-    built_by = {"arch": arch, "nvrtc": cubin.nvrtc_label(nvrtc.getVersion())}
+    built_by = {"arch": arch, "nvrtc": cubin.nvrtc_label(nvrtc.version())}
     found = cubin.cached_cubin(path, build, f"{spec.name} for {arch}", built_by)
     if built:
         logger.debug("compiled %s for %s with NVRTC in %.2f s (cache miss: %s)", spec.name, arch, built[0], found)
@@ -245,10 +234,8 @@ class CupyBackend:
         key = (device.ordinal, spec.name)
         module = _MODULES.get(key)
         if module is None:
-            from cupy_backends.cuda.libs import nvrtc
-
             arch = "sm_{}{}".format(*device.compute_capability)
-            cubin.warn_other_nvrtc(cache_root() / "cubin", arch, nvrtc.getVersion())  # once per cache and arch
+            cubin.warn_other_nvrtc(cache_root() / "cubin", arch, nvrtc.version())  # once per cache and arch
             raw = self._cupy.RawModule(path=cubin_path(spec, arch))
             functions = {k: raw.get_function(k) for k in spec.kernels}
             if spec.shared_bytes:  # past 48 KiB a kernel must opt in to its dynamic shared memory

@@ -7,46 +7,24 @@ its dependents (``pd_release_dependents``) or exited, instead of after that kern
 its launch overlaps the other's tail. It must wait on the device (``pd_wait_prior_grids``)
 before it reads what the other wrote; the merge kernels do, first thing.
 
-The structures are ``cuda.h``'s, field for field (``tests/test_dependent_launch.py`` compiles
-a stand-in driver against the toolkit's ``cuda.h`` and checks what arrives). Kernel
-arguments are the binding's typed NumPy scalars, passed by address as the driver asks.
+The call goes through cuda-bindings (``cuda.bindings.driver``: ``CUlaunchConfig``,
+``CUlaunchAttribute``, ``cuLaunchKernelEx``), NVIDIA's own binding of ``cuda.h``, rather than
+ctypes copies of its structures. ``tests/test_dependent_launch.py`` runs it against a stand-in
+``libcuda.so.1`` built from the toolkit's ``cuda.h`` (found first on the library path, as
+cuda-bindings loads the driver by that name) and checks what arrives. Kernel arguments are the
+binding's typed NumPy scalars, passed by address as the driver asks. The binding is imported at
+the first dependent launch only: ``import metrale_attn`` and the CPU backend never need it.
 """
 
 from __future__ import annotations
 
-import ctypes
+import importlib
 from typing import Optional
 
 import numpy as np
 
-PROGRAMMATIC_STREAM_SERIALIZATION = 6
-"""``CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION`` (``cuda.h``'s ``CUlaunchAttributeID``)."""
 MIN_COMPUTE_CAPABILITY = (9, 0)
 """Devices that have programmatic dependent launch (``griddepcontrol`` is sm_90 PTX)."""
-DRIVER_LIBRARY = "libcuda.so.1"
-
-
-class _AttributeValue(ctypes.Union):
-    """``CUlaunchAttributeValue``: 64 bytes, 8-byte aligned (it holds pointers)."""
-
-    _fields_ = [("pad", ctypes.c_char * 64), ("allowed", ctypes.c_int), ("align", ctypes.c_uint64)]
-
-
-class LaunchAttribute(ctypes.Structure):
-    """``CUlaunchAttribute``: the id, padded to 8 bytes, then the value."""
-
-    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", _AttributeValue)]
-
-
-class LaunchConfig(ctypes.Structure):
-    """``CUlaunchConfig``."""
-
-    _fields_ = [
-        ("grid_x", ctypes.c_uint), ("grid_y", ctypes.c_uint), ("grid_z", ctypes.c_uint),
-        ("block_x", ctypes.c_uint), ("block_y", ctypes.c_uint), ("block_z", ctypes.c_uint),
-        ("shared_bytes", ctypes.c_uint), ("stream", ctypes.c_void_p),
-        ("attrs", ctypes.POINTER(LaunchAttribute)), ("num_attrs", ctypes.c_uint),
-    ]
 
 
 def supported(compute_capability: tuple[int, int]) -> bool:
@@ -55,21 +33,20 @@ def supported(compute_capability: tuple[int, int]) -> bool:
 
 
 class Driver:
-    """``cuLaunchKernelEx`` of the CUDA driver library (``path``: ``libcuda.so.1``, or a
-    stand-in's path in the tests); the CuPy backend loads it once per process."""
+    """``cuLaunchKernelEx`` of the CUDA driver, through cuda-bindings; the CuPy backend makes one
+    per process, at the first dependent launch."""
 
-    def __init__(self, path: str = DRIVER_LIBRARY):
-        lib = ctypes.CDLL(path)
-        self._launch = lib.cuLaunchKernelEx
-        self._launch.argtypes = [ctypes.POINTER(LaunchConfig), ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p),
-                                 ctypes.c_void_p]
-        self._launch.restype = ctypes.c_int
-        self._error_name = lib.cuGetErrorName
-        self._error_name.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
-        self._error_name.restype = ctypes.c_int
+    def __init__(self):
+        try:
+            self._cuda = importlib.import_module("cuda.bindings.driver")
+        except ImportError as err:
+            raise ImportError(f"programmatic dependent launch calls the CUDA driver through cuda-bindings, which "
+                              f"is not installed ({err}): pip install 'metrale-attn[cuda12]' (or [cuda13])") from err
         # the one attribute every launch passes: built once, read by the driver at each call
-        self._attribute = LaunchAttribute(id=PROGRAMMATIC_STREAM_SERIALIZATION)
-        self._attribute.value.allowed = 1
+        attribute = self._cuda.CUlaunchAttribute()
+        attribute.id = self._cuda.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        attribute.value.programmaticStreamSerializationAllowed = 1
+        self._attributes = [attribute]
 
     def launch(self, function: int, grid, block, shared_bytes: int, stream: Optional[int], args: tuple,
                kernel: str = "kernel") -> None:
@@ -81,12 +58,18 @@ class Driver:
             if not isinstance(a, np.generic):
                 raise TypeError(f"{kernel}: kernel arguments must be NumPy scalars of the parameter's type, "
                                 f"got {type(a).__name__}")
+        cuda = self._cuda
         cells = [np.array(a) for a in args]  # each parameter's bytes, kept alive until the call returns
-        params = (ctypes.c_void_p * max(len(cells), 1))(*[c.ctypes.data for c in cells])
-        config = LaunchConfig(*grid, *block, shared_bytes, stream or None, ctypes.pointer(self._attribute), 1)
-        status = self._launch(ctypes.byref(config), function, params, None)
-        if status != 0:
-            name = ctypes.c_char_p()
-            self._error_name(status, ctypes.byref(name))
+        params = np.array([c.ctypes.data for c in cells] or [0], dtype=np.uintp)  # the void*[] the driver reads
+        config = cuda.CUlaunchConfig()
+        config.gridDimX, config.gridDimY, config.gridDimZ = grid
+        config.blockDimX, config.blockDimY, config.blockDimZ = block
+        config.sharedMemBytes = shared_bytes
+        config.hStream = cuda.CUstream(stream or 0)
+        config.attrs = self._attributes
+        config.numAttrs = len(self._attributes)
+        (status,) = cuda.cuLaunchKernelEx(config, cuda.CUfunction(function), params.ctypes.data, 0)
+        if status != cuda.CUresult.CUDA_SUCCESS:
+            _, name = cuda.cuGetErrorName(status)
             raise RuntimeError(f"{kernel}: cuLaunchKernelEx (programmatic dependent launch) failed: "
-                               f"{(name.value or b'?').decode()} ({status})")
+                               f"{(name or b'?').decode()} ({int(status)})")

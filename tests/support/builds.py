@@ -161,14 +161,14 @@ def start_prebuilds(session) -> None:
 
 def _nvrtc_missing() -> bool:
     try:
-        importlib.import_module("cupy_backends.cuda.libs.nvrtc")
+        importlib.import_module("cuda.bindings.nvrtc")  # how the backend calls NVRTC
     except ImportError:
         return True
     return False
 
 
-needs_nvrtc = pytest.mark.skipif(_nvrtc_missing(), reason="NVRTC (cupy) is not installed")
-"""Only the tests that compile skip without CuPy; the pure-Python ones always run."""
+needs_nvrtc = pytest.mark.skipif(_nvrtc_missing(), reason="NVRTC (cuda-bindings) is not installed")
+"""Only the tests that compile skip without cuda-bindings; the pure-Python ones always run."""
 
 _FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 
