@@ -73,6 +73,15 @@ not ``hidden_size / num_attention_heads``). Refused: bidirectional attention, ch
 attention (``attention_chunk_size``, Llama 4), multi-head latent attention of other model
 types, DeepSeek's sparse attention (``index_topk``), ALiBi (Falcon's ``alibi``; BLOOM, Jais, MPT, Baichuan: ``REFUSED_MODEL_TYPES``),
 unscaled logits (``scale_attn_weights`` false), and layer kinds other than the two above.
+
+Why ours, not transformers' ``AutoConfig``, even where transformers is installed: this is the one
+reader (two would be two behaviours for one file). transformers is a multi-second import absent
+from the serving venvs that precompile for other machines; its config classes accept unknown
+keys silently, where a key that changes attention must be refused here; and it knows neither the
+absorbed MLA form nor the limits of hostile input above. Its defaults are what ours must agree
+with: ``tests/test_hf_config_transformers.py`` reads every fixture through both (in CI's vLLM
+venv, where vLLM brings transformers) and compares heads, KV heads, head dims, layer kinds and
+windows, per layer where transformers keeps per-layer shapes (Gemma 4).
 """
 
 from __future__ import annotations
