@@ -262,8 +262,8 @@ SMALL = ("--q-heads", "4", "--kv-heads", "4", "--head-dim", "64")
     (("--target", "hopper", "--hf-config", "/nonexistent/config.json"), "--hf-config /nonexistent/config.json: "
                                                                         "cannot read it"),
     (("--target", "hopper", "--q-heads", "4", "--kv-heads", "4", "--head-dim", "72"),
-     "head_dim must be a multiple of 16 from 64 to 256 (64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240, 256), "
-     "got 72"),
+     "head_dim must be a multiple of 16 from 64 to 256 (64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240, 256) "
+     "or 512 (the simt kernels only), got 72"),
     (("--target", "hopper", "--q-heads", "6", "--kv-heads", "4", "--head-dim", "64"),
      "num_q_heads (6) must be a multiple of num_kv_heads (4)"),
     (("--target", "hopper", *SMALL, "--kv-dtype", "int8"), "kv_dtype must be one of"),
