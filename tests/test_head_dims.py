@@ -272,6 +272,16 @@ def test_impl_mma_chosen_at_head_dim_512_is_refused_naming_head_dim_and_what_mma
     assert decoder(p).impl == "simt"
 
 
+@pytest.mark.parametrize("arm", ["unpacked", "splitk"])
+def test_at_head_dim_512_both_arms_run_clean_under_address_sanitizer(arm):
+    """The 32-byte row slices of a bf16 cache read nothing past any array (each shipped at its
+    exact size, in a child process)."""
+    p = problem(seed=9, head_dim=WIDE, page_size=7, seq_lens=(0, 1, 300), kv_dtype="bf16", layout="HND",
+                num_q_heads=2, num_kv_heads=1)
+    attn = _wide(p=p, backend=CpuBackend(asan=True), splitk="off" if arm == "unpacked" else "3")
+    check_against_reference(p, *run_poisoned(attn, p))
+
+
 class _NoSelfTest(CpuBackend):
     """A backend whose self-test must not run."""
 
