@@ -11,6 +11,9 @@
 #include "pd_ptx.cuh"
 #include "pd_splitk.cuh"
 
+#if PD_HEAD_DIM > 256
+#error "the mma core takes PD_HEAD_DIM 64..256 (a multiple of 16); 512 is the simt kernels' alone"
+#endif
 #ifndef PD_ROW_TILES
 #error "PD_ROW_TILES must be defined (-DPD_ROW_TILES=1|2)"
 #endif

@@ -18,7 +18,8 @@
 // (v_t as stored, v_scale applied at the end).
 //
 // Defines (all required, given by Python as -D):
-//   PD_HEAD_DIM  a multiple of 16 in 64 .. 256 (the mma core; the simt kernels: 64 | 128 | 256)
+//   PD_HEAD_DIM  a multiple of 16 in 64 .. 256 (the mma core, which checks it), or 512 (the simt
+//                kernels alone: 64 | 128 | 256 | 512)
 //   PD_Q_DTYPE   PD_DTYPE_BF16 (0) | PD_DTYPE_FP16 (1)            (q and out)
 //   PD_KV_DTYPE  PD_DTYPE_BF16 (0) | PD_DTYPE_FP16 (1) | PD_DTYPE_FP8_E4M3 (2) |
 //                PD_DTYPE_FP8_E5M2 (3, the tensor-core kernels only)
@@ -45,7 +46,7 @@
 
 
 #ifndef PD_HEAD_DIM
-#error "PD_HEAD_DIM must be defined (-DPD_HEAD_DIM=64..256, a multiple of 16)"
+#error "PD_HEAD_DIM must be defined (-DPD_HEAD_DIM=64..256, a multiple of 16, or 512)"
 #endif
 #ifndef PD_Q_DTYPE
 #error "PD_Q_DTYPE must be defined (-DPD_Q_DTYPE=0 bf16 | 1 fp16)"
@@ -53,8 +54,8 @@
 #ifndef PD_KV_DTYPE
 #error "PD_KV_DTYPE must be defined (-DPD_KV_DTYPE=0 bf16 | 1 fp16 | 2 fp8_e4m3)"
 #endif
-#if PD_HEAD_DIM < 64 || PD_HEAD_DIM > 256 || PD_HEAD_DIM % 16 != 0
-#error "PD_HEAD_DIM must be a multiple of 16 in 64..256"
+#if (PD_HEAD_DIM < 64 || PD_HEAD_DIM > 256 || PD_HEAD_DIM % 16 != 0) && PD_HEAD_DIM != 512
+#error "PD_HEAD_DIM must be a multiple of 16 in 64..256, or 512 (the simt kernels only)"
 #endif
 #if PD_Q_DTYPE != PD_DTYPE_BF16 && PD_Q_DTYPE != PD_DTYPE_FP16
 #error "PD_Q_DTYPE must be PD_DTYPE_BF16 (0) or PD_DTYPE_FP16 (1)"
@@ -122,6 +123,13 @@ __device__ __forceinline__ void pd_load_words(const void* p, unsigned (&w)[4]) {
 __device__ __forceinline__ void pd_load_words(const void* p, unsigned (&w)[2]) {
   const uint2 t = *reinterpret_cast<const uint2*>(p);
   w[0] = t.x; w[1] = t.y;
+}
+
+__device__ __forceinline__ void pd_load_words(const void* p, unsigned (&w)[8]) {  // two 16-byte loads
+  const uint4 a = reinterpret_cast<const uint4*>(p)[0];
+  const uint4 b = reinterpret_cast<const uint4*>(p)[1];
+  w[0] = a.x; w[1] = a.y; w[2] = a.z; w[3] = a.w;
+  w[4] = b.x; w[5] = b.y; w[6] = b.z; w[7] = b.w;
 }
 
 // ---------------------------------------------------------------------------------

@@ -31,7 +31,7 @@ from .binding import CallBinder, kernel_abi
 from .cache import cache_root
 from .config import ENV_IMPL, LayerConfig, configure, impl_chosen
 from .features import FEATURE_ARRAYS
-from .kernels import launchable_config, specs_for
+from .kernels import launchable_config, mma_shape_refusal, specs_for
 from .sources import merge_threads, source_constants
 from .plan import LEGACY_MAX_DECODE_SEQS, DecodePlan, make_plan
 from .policy import as_int
@@ -388,10 +388,12 @@ _OUT_NUMPY = {**dtypes.NUMPY_DTYPES, dtypes.FLOAT32: np.dtype(np.float32)}
 
 def _with_launchable_impl(config: LayerConfig, backend, chosen: bool) -> LayerConfig:
     """``launchable_config`` on this backend (its known-answer self-test runs here, once per
-    device), with a warning and a log line when it falls back."""
+    device, unless the mma core has no kernel of the shape), with a warning and a log line
+    when it falls back."""
     if config.impl != "mma":
         return config
-    launchable, why = launchable_config(config, backend.verify_mma(), chosen)
+    disagree = backend.verify_mma() if mma_shape_refusal(config) is None else []
+    launchable, why = launchable_config(config, disagree, chosen)
     if why:
         _fall_back(why)
     return launchable

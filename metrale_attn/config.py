@@ -32,9 +32,13 @@ from .tiling import ONE_ROW_TILE_HEAD_DIM, max_row_tiles
 HEAD_DIMS = tuple(range(64, 257, 16))
 """Head dims the ``mma`` kernels serve: every multiple of 16 from 64 to 256 (FlashAttention
 rounds head dims up to its compiled sizes the same way; the core pads to a multiple of 32)."""
-SIMT_HEAD_DIMS = (64, 128, 256)
+SIMT_HEAD_DIMS = (64, 128, 256, 512)
 """Head dims the ``simt`` reference kernels serve: a thread's slice tiles the row in a power
-of two of lanes (simt/simt_core.cuh refuses the others at compile time)."""
+of two of lanes (simt/simt_core.cuh refuses the others at compile time). 512 (Gemma 4's global
+layers) is theirs alone: with the default ``impl`` a layer there falls back to them
+(``kernels.mma_refusal``)."""
+SIMT_ONLY_HEAD_DIMS = tuple(d for d in SIMT_HEAD_DIMS if d not in HEAD_DIMS)
+"""The head dims only the ``simt`` kernels serve (512): wider than the ``mma`` core's."""
 LAYOUTS = ("NHD", "HND")
 MAX_PAGE_SIZE = 256
 MAX_Q_LEN = 8
@@ -87,8 +91,9 @@ class ModelShape:
             raise ValueError(
                 f"num_q_heads ({self.num_q_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
             )
-        if self.head_dim not in HEAD_DIMS:
-            raise ValueError(f"head_dim must be a multiple of 16 from 64 to 256 ({', '.join(map(str, HEAD_DIMS))}), "
+        if self.head_dim not in HEAD_DIMS and self.head_dim not in SIMT_ONLY_HEAD_DIMS:
+            raise ValueError(f"head_dim must be a multiple of 16 from 64 to 256 ({', '.join(map(str, HEAD_DIMS))}) "
+                             f"or {', '.join(map(str, SIMT_ONLY_HEAD_DIMS))} (the simt kernels only), "
                              f"got {self.head_dim}")
 
     @property
@@ -243,7 +248,11 @@ def configure(
                          f"FlashInfer's kv_indptr, kv_indices and kv_last_page_len), got {page_table!r}")
     out_dtype = q_dtype if out_dtype is None else dtypes.canonical(out_dtype, argument="out_dtype",
                                                                    allowed=(q_dtype, dtypes.FLOAT32))
+    chosen = impl_chosen(impl, env.get(ENV_IMPL))
     impl = resolve_impl(impl, env.get(ENV_IMPL))
+    if impl == "mma" and chosen and shape.head_dim not in HEAD_DIMS:
+        raise ValueError(f"impl='mma' has no {mma_head_dim_refusal(shape.head_dim)}: use impl='simt', or leave impl "
+                         f"and {ENV_IMPL} unset (the default takes simt there)")
     if impl == "simt" and shape.head_dim not in SIMT_HEAD_DIMS:
         raise ValueError(f"impl='simt' has no {simt_head_dim_refusal(shape.head_dim)}: use impl='mma' (impl or "
                          f"{ENV_IMPL})")
@@ -295,6 +304,12 @@ def impl_chosen(impl: Optional[str], env_raw: Optional[str]) -> bool:
     ``METRALE_ATTN_DECODE_IMPL``) rather than taking the default: a chosen ``mma`` is never
     silently replaced."""
     return impl is not None or bool(policy.normalize(env_raw or ""))
+
+
+def mma_head_dim_refusal(head_dim: int) -> str:
+    """What the ``mma`` kernels lack at ``head_dim``, as the errors name it."""
+    return (f"head_dim {head_dim} (the mma kernels take every multiple of 16 from {min(HEAD_DIMS)} to "
+            f"{max(HEAD_DIMS)})")
 
 
 def simt_head_dim_refusal(head_dim: int) -> str:

@@ -35,11 +35,25 @@ from .tiling import ONE_ROW_TILE_HEAD_DIM, SMEM_LIMIT_BYTES, Tiling, max_row_til
 # ---------------------------------------------------------------------------------------
 
 
+def mma_shape_refusal(config: LayerConfig) -> str | None:
+    """Why the ``mma`` core has no kernel of this layer's shape on any target, or None: a head
+    dim past its widest (512, which only the ``simt`` kernels serve). Asks nothing of a device,
+    so a construction does not run the ``mma`` self-test for such a layer."""
+    head_dim = config.shape.head_dim
+    if head_dim in HEAD_DIMS:
+        return None
+    return f"head_dim {head_dim} is wider than the mma core's {min(HEAD_DIMS)}..{max(HEAD_DIMS)}"
+
+
 def mma_refusal(config: LayerConfig) -> str | None:
     """Why the ``mma`` kernels of this layer cannot run on its target, or None when they can:
-    its fp8 cache needs the fp8 ``cvt`` the target lacks (sm_80, sm_86; the ``simt``
-    kernels convert in software), or no tiling fits the target's shared memory per block
-    (one fits every target today: 2 warps of 2 stages fit 99 KiB at head dim 256)."""
+    its head dim is past the core's (``mma_shape_refusal``), its fp8 cache needs the fp8
+    ``cvt`` the target lacks (sm_80, sm_86; the ``simt`` kernels convert in software), or no
+    tiling fits the target's shared memory per block (one fits every target today: 2 warps
+    of 2 stages fit 99 KiB at head dim 256)."""
+    shape_why = mma_shape_refusal(config)
+    if shape_why:
+        return shape_why
     target = config.target
     if config.kv_dtype in dtypes.FP8_KINDS and not target.converts_fp8:
         return (f"the mma kernels read fp8 caches with PTX's fp8 cvt, which {target.name} ({target.arch}) lacks "
@@ -56,13 +70,14 @@ def launchable_config(config: LayerConfig, disagree, chosen: bool) -> tuple[Laye
     """``(config, None)``, or the same with ``impl="simt"`` and why, where the ``mma`` kernels
     cannot serve it: ``disagree`` (the instructions the device's known-answer self-test found
     to differ from the emulation the kernels were verified on) is not empty, or the target
-    cannot run them (``mma_refusal``). Refused when the layer asks for something only
+    cannot run them (``mma_refusal``); a head dim only ``simt`` serves falls back for that
+    reason whatever the self-test found. Refused when the layer asks for something only
     ``mma`` serves, or (the target) when the caller chose ``mma`` (``chosen``). Pure: the
     caller runs the self-test and reports the fallback (``precompile`` asks what each outcome
     of a self-test it cannot run would compile)."""
     if config.impl != "mma":
         return config, None
-    if disagree:  # never return bytes from instructions that differ from their emulation
+    if disagree and mma_shape_refusal(config) is None:  # never return bytes from instructions that differ
         if config.mma_only:
             raise RuntimeError(f"this device's {', '.join(disagree)} disagree with the emulation the mma "
                                f"kernels were verified on, and only they serve the features asked for "

@@ -16,7 +16,9 @@ A construction on a GPU runs the ``mma`` known-answer self-test first (a kernel 
 here to run it, so both outcomes are compiled: the self-test kernel, the ``mma`` specs,
 and, where a failed self-test would make the layer fall back rather than refuse (no
 ``mma``-only feature), the ``simt`` specs of that fallback. A target whose shared memory
-no ``mma`` spec fits (gb10) falls back the way a construction does, deterministically.
+no ``mma`` spec fits, or a head dim wider than the ``mma`` core's (512: Gemma 4's global
+layers), falls back the way a construction does, deterministically (a layer of that head dim
+needs no self-test: a construction does not run it).
 """
 
 from __future__ import annotations
@@ -29,10 +31,10 @@ from pathlib import Path
 from typing import Callable, Iterable, Optional, Sequence
 
 from .cache import cache_root
-from .config import ENV_IMPL, HEAD_DIMS, configure, impl_chosen, int_in
+from .config import ENV_IMPL, HEAD_DIMS, SIMT_ONLY_HEAD_DIMS, configure, impl_chosen, int_in
 from . import hf_config
 from .hf_config import HFModel, shard_heads
-from .kernels import SelfTest, launchable_config, specs_for
+from .kernels import SelfTest, launchable_config, mma_shape_refusal, specs_for
 from .models import model_shape
 from .plan import LEGACY_MAX_DECODE_SEQS
 from .targets import TARGETS, Target, resolve_target_policy
@@ -76,18 +78,21 @@ class Layer:
 def not_served(layer: Layer) -> Optional[str]:
     """Why no target of this version serves ``layer``'s shape, whatever the options (None: a
     target may): values narrower than keys (``DecodeAttention`` has no ``v_head_dim`` yet), or
-    a head dim past the kernels' widest, 256. Said with what the layer is (MLA's absorbed
-    latent head, Gemma 4's V from K's projection), so a reader knows which model part waits."""
+    a head dim past the mma core's widest, 256, other than the simt kernels' 512 (Gemma 4's
+    global layers, whose V comes from K's projection and is cached apart, as wide as K). Said
+    with what the layer is (MLA's absorbed latent head, Gemma 4's V from K's projection), so a
+    reader knows which model part waits."""
     v_head_dim = layer.head_dim if layer.v_head_dim is None else layer.v_head_dim
-    if v_head_dim == layer.head_dim and layer.head_dim <= max(HEAD_DIMS):
+    if v_head_dim == layer.head_dim and (layer.head_dim <= max(HEAD_DIMS) or layer.head_dim in SIMT_ONLY_HEAD_DIMS):
         return None
     what = f"head_dim {layer.head_dim}" + (f" with v_head_dim {v_head_dim}" if v_head_dim != layer.head_dim else "")
     if layer.v_in_k:
         what += f" (multi-head latent attention, absorbed: V is the first {v_head_dim} dims of each K row)"
     elif layer.k_eq_v:
         what += " (V from K's projection)"
-    return (f"{what}: not served yet; this version serves head dims {min(HEAD_DIMS)} to {max(HEAD_DIMS)} with "
-            "values as wide as the keys")
+    wide = ", ".join(map(str, SIMT_ONLY_HEAD_DIMS))
+    return (f"{what}: not served yet; this version serves head dims {min(HEAD_DIMS)} to {max(HEAD_DIMS)} and {wide} "
+            "(simt) with values as wide as the keys")
 
 
 @dataclass(frozen=True)
@@ -342,7 +347,7 @@ def _plan_target(layers: Sequence[Layer], target: Target, options: Options, sm_c
         except (ValueError, TypeError) as err:
             refused.append(Refusal(target, layer, str(err), type(err)))
             continue
-        if config.impl == "mma":
+        if config.impl == "mma" and mma_shape_refusal(config) is None:  # as a construction runs it
             need(SelfTest(), SELF_TEST)
         if why:
             notes.append(f"{layer.name}: {why}; using impl='simt' instead, as a construction there does")

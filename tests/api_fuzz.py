@@ -101,7 +101,7 @@ def _pick(draw, options: dict, *, valid_share: int):
 def decode_cases(draw, profile: dict):
     heads, kv_heads = draw(st.sampled_from(profile["heads"]))
     shape = {"num_q_heads": ([heads], [3, 0, -4, 2.0, True]), "num_kv_heads": ([kv_heads], [0, 5, None]),
-             "head_dim": (profile["head_dims"], [72, 0, 512]), "q_dtype": (profile["q"], ["float32", "int8", None]),
+             "head_dim": (profile["head_dims"], [72, 0, 528]), "q_dtype": (profile["q"], ["float32", "int8", None]),
              "kv_dtype": (profile["kv"], ["float32", "int4"]), "max_q_len": (profile["q_lens"], [0, 9])}
     ctor = _pick(draw, {**shape, **CTOR_OPTIONS}, valid_share=24)
     max_batch = ctor["max_batch"] if isinstance(ctor["max_batch"], int) and ctor["max_batch"] > 0 else 1

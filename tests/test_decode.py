@@ -38,13 +38,13 @@ def _grid(impls=IMPLS):
 
 
 def _device_grid():
-    """The device's cases: every combination at every page size (the simt kernels at 16), and
-    fp8 e5m2 caches on mma."""
+    """The device's cases: every combination at every page size (the simt kernels at 16), fp8
+    e5m2 caches on mma, and head dim 512 on simt (its alone)."""
     for impl in IMPLS:
         for arm in ARM_OPTIONS:
             kvs = KV_DTYPES + (("fp8_e5m2",) if impl == "mma" else ())
-            for kv, q, d, layout in itertools.product(kvs, Q_DTYPES, (256,) if arm == "gqa_packed" else (64, 128, 256),
-                                                      LAYOUTS):
+            head_dims = (256,) if arm == "gqa_packed" else (64, 128, 256) + ((512,) if impl == "simt" else ())
+            for kv, q, d, layout in itertools.product(kvs, Q_DTYPES, head_dims, LAYOUTS):
                 for page_size in PAGE_SIZES if impl == "mma" else (16,):
                     yield pytest.param(impl, arm, kv, q, d, layout, page_size,
                                        id=f"{impl}-{arm}-kv{kv}-q{q}-hd{d}-{layout}-p{page_size}")

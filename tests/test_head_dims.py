@@ -1,7 +1,8 @@
 """Head dims: the mma core serves every multiple of 16 from 64 to 256 (models use 64, 80, 96,
 112, 128, 160, 192, 256), computing at the dim rounded up to 32 (mma_layout.cuh's DP) and
 reading and writing only the real ones, so each meets the same 1-ulp bar as 64, 128 and 256;
-the simt kernels keep 64, 128 and 256, and anything else is refused naming head_dim."""
+the simt kernels keep 64, 128 and 256 and add 512 (Gemma 4's global layers), which the default
+impl runs on them, and anything else is refused naming head_dim."""
 
 from __future__ import annotations
 
@@ -19,15 +20,15 @@ from metrale_attn.tiling import mma_padded_dim
 from metrale_attn.precompile import Layer, Options, layers_of, needed_specs
 from metrale_attn.targets import TARGETS
 
-from support.problems import check_against_reference, decoder, problem, run_poisoned
+from support.problems import check_against_reference, decoder, pick, problem, run_poisoned
 
 PADDED = tuple(d for d in HEAD_DIMS if d % 32)
 """The head dims whose rows the core pads by 16 dims: 80, 112, ..., 240."""
 
 
-def test_the_mma_head_dims_are_every_multiple_of_16_from_64_to_256_and_simt_keeps_64_128_256():
+def test_the_mma_head_dims_are_every_multiple_of_16_from_64_to_256_and_simt_keeps_64_128_256_and_adds_512():
     assert HEAD_DIMS == (64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240, 256)
-    assert SIMT_HEAD_DIMS == (64, 128, 256)
+    assert SIMT_HEAD_DIMS == (64, 128, 256, 512)
     assert [mma_padded_dim(d) for d in (64, 80, 96, 112, 128, 240, 256)] == [64, 96, 96, 128, 128, 256, 256]
 
 
@@ -97,16 +98,17 @@ def test_from_head_dim_208_a_cta_holds_one_row_tile_so_nothing_spills():
         KernelSpec("splitk", 208, "bf16", "bf16", "mma", 2)
 
 
-@pytest.mark.parametrize("head_dim", [0, 32, 40, 48, 72, 100, 264, 272, 512])
+@pytest.mark.parametrize("head_dim", [0, 32, 40, 48, 72, 100, 264, 272, 384, 528, 576, 1024])
 def test_any_other_head_dim_is_refused_naming_head_dim_and_the_supported_ones(head_dim):
-    with pytest.raises(ValueError, match=rf"head_dim must be a multiple of 16 from 64 to 256 .*got {head_dim}"
+    with pytest.raises(ValueError, match=rf"head_dim must be a multiple of 16 from 64 to 256 \(64, 80, .*, 256\) or "
+                       rf"512 \(the simt kernels only\), got {head_dim}"
                        if head_dim else "head_dim must be a positive int"):
         ModelShape(4, 2, head_dim)
 
 
 def test_simt_chosen_by_argument_or_environment_refuses_a_head_dim_it_lacks(monkeypatch):
     p = problem(seq_lens=(5,), head_dim=96)
-    message = r"impl='simt' has no head_dim 96 \(the simt kernels take head_dim 64, 128, 256\)"
+    message = r"impl='simt' has no head_dim 96 \(the simt kernels take head_dim 64, 128, 256, 512\)"
     with pytest.raises(ValueError, match=message):
         decoder(p, impl="simt")
     monkeypatch.setenv(ENV_IMPL, "simt")
@@ -126,7 +128,7 @@ class _DisagreeingDevice(CpuBackend):
 def test_a_failed_self_test_never_falls_back_to_simt_at_a_head_dim_simt_lacks():
     with pytest.raises(RuntimeError, match=r"only they serve .*head_dim 80 \(the simt kernels take"):
         decoder(problem(seq_lens=(5,), head_dim=80), backend=_DisagreeingDevice())
-    with pytest.warns(RuntimeWarning, match="using impl='simt'"):  # 64, 128, 256 still fall back
+    with pytest.warns(RuntimeWarning, match="using impl='simt'"):  # 64, 128, 256 (and 512) still fall back
         assert decoder(problem(seq_lens=(5,), head_dim=128), backend=_DisagreeingDevice()).impl == "simt"
 
 
@@ -178,3 +180,136 @@ def test_every_new_head_dim_arm_and_dtype_pair_holds_the_one_ulp_bar(backend, he
     attn = decoder(p, backend=backend, splitk="off" if arm == "unpacked" else "3")
     assert attn.plan(4).arm == arm
     check_against_reference(p, *run_poisoned(attn, p))
+
+
+# -- head dim 512: the simt kernels alone (Gemma 4's global layers) ---------------------------------
+
+WIDE = 512
+GEMMA4_GLOBAL = dict(num_q_heads=16, num_kv_heads=2)
+"""Gemma-4-26B-A4B's global layers at one rank: 16 query heads on 2 KV heads (a group of 8)."""
+
+
+def _wide(**kwargs):
+    """A decoder of a 512-wide problem with the default impl, whose fallback warning is expected."""
+    with pytest.warns(RuntimeWarning, match=r"head_dim 512 is wider than the mma core's 64\.\.256; using "
+                                            r"impl='simt' instead"):
+        return decoder(**kwargs)
+
+
+@pytest.mark.parametrize("arm, kv, q, page_size, layout, sm_scale", [
+    ("unpacked", "bf16", "bf16", 16, "NHD", 1.0),  # Gemma 4: sm_scale 1 (q and k are RMS-normed)
+    ("unpacked", "fp8", "fp16", 7, "HND", None),
+    ("splitk", "bf16", "fp16", 1, "HND", None),
+    ("splitk", "fp8", "bf16", 16, "NHD", 1.0),
+    ("splitk", "fp16", "bf16", 7, "NHD", None),
+])
+def test_at_head_dim_512_the_default_impl_runs_simt_on_every_arm_within_one_ulp_with_lse(backend, arm, kv, q,
+                                                                                       page_size, layout, sm_scale):
+    p = problem(seed=WIDE + page_size, head_dim=WIDE, page_size=page_size, seq_lens=(0, 1, 2 * page_size + 1, 300),
+                kv_dtype=kv, q_dtype=q, layout=layout, share_prefix_pages=1, **GEMMA4_GLOBAL)
+    attn = _wide(p=p, backend=backend, sm_scale=sm_scale, splitk="off" if arm == "unpacked" else "3")
+    plan = attn.plan(4)
+    assert (attn.impl, plan.arm, plan.impl, plan.heads_per_cta) == ("simt", arm, "simt", 1)
+    check_against_reference(p, *run_poisoned(attn, p), sm_scale=sm_scale)
+
+
+def test_at_head_dim_512_the_split_k_workspace_holds_the_reference_partials_in_slots_of_514_floats(backend):
+    p = problem(seed=3, head_dim=WIDE, page_size=16, seq_lens=(0, 3, 300, 700), kv_dtype="fp8", num_q_heads=2,
+                num_kv_heads=1)
+    attn = _wide(p=p, backend=backend, splitk="3")
+    plan = attn.plan(4)
+    assert plan.arm == "splitk" and plan.workspace.slot_floats == WIDE + 2
+    check_against_reference(p, *run_poisoned(attn, p))
+    if backend != "cpu":
+        return
+    n, h, d = p.q.shape
+    ws = attn.workspace[: n * h * 3 * (d + 2)].reshape(n, h, 3, d + 2).astype(np.float64)
+    ref = reference.splitk_partials(p.q, p.k_cache, p.v_cache, p.block_tables, p.seq_lens, 3, kv_layout=p.kv_layout,
+                                    k_scale=p.k_scale, v_scale=p.v_scale)
+    seen = ref[..., -1] != 0
+    np.testing.assert_allclose(ws[seen], ref[seen], rtol=1e-5, atol=1e-5)
+
+
+def test_at_head_dim_512_the_gqa_pack_does_not_apply_and_the_unpacked_arm_serves_the_group(backend):
+    """The packed arm's rule is its PD_HDIM, 256 (6 q vectors and accumulators of 16 floats a
+    thread would not fit its registers at 512): the plan says so and takes the unpacked arm."""
+    p = problem(seed=11, head_dim=WIDE, page_size=16, seq_lens=(5, 40), num_q_heads=6, num_kv_heads=1)
+    attn = _wide(p=p, backend=backend, splitk="off", gqa_pack=True)
+    assert attn.plan(2).arm == "unpacked" and "GQA pack on but the shape does not fit" in attn.plan(2).reason
+    check_against_reference(p, *run_poisoned(attn, p))
+
+
+def test_at_head_dim_512_a_sequences_bytes_do_not_depend_on_its_batch_its_position_or_the_thread_order():
+    p = problem(seed=5, head_dim=WIDE, page_size=16, seq_lens=(700, 3, 0, 300, 41), kv_dtype="bf16",
+                share_prefix_pages=1, **GEMMA4_GLOBAL)
+    for splitk in ("auto", "off"):
+        attn = _wide(p=p, max_batch=5, splitk=splitk)
+        full = run_poisoned(attn, p)
+        check_against_reference(p, *full)
+        for rows in ([3], [4, 0], [1, 3, 0], [0, 2, 4, 1, 3]):
+            out, lse = run_poisoned(attn, pick(p, rows))
+            for at, r in enumerate(rows):
+                assert out[at].tobytes() == full[0][r].tobytes() and lse[at].tobytes() == full[1][r].tobytes()
+        short = pick(p, [1, 4])  # the thread orders on a short pair (every thread still runs)
+        base = run_poisoned(attn, short)
+        for order in ("shuffle:1", "warp-ahead:7"):
+            got = run_poisoned(_wide(p=short, backend=CpuBackend(order=order), max_batch=5, splitk=splitk), short)
+            assert [a.tobytes() for a in got] == [a.tobytes() for a in base], (splitk, order)
+
+
+def test_impl_mma_chosen_at_head_dim_512_is_refused_naming_head_dim_and_what_mma_takes(monkeypatch):
+    p = problem(seq_lens=(5,), head_dim=WIDE)
+    message = (r"impl='mma' has no head_dim 512 \(the mma kernels take every multiple of 16 from 64 to 256\): use "
+               r"impl='simt', or leave impl and METRALE_ATTN_DECODE_IMPL unset")
+    with pytest.raises(ValueError, match=message):
+        decoder(p, impl="mma")
+    monkeypatch.setenv(ENV_IMPL, "mma")
+    with pytest.raises(ValueError, match=message):
+        decoder(p)
+    with pytest.raises(ValueError, match="head_dim"):
+        KernelSpec("unpacked", WIDE, "bf16", "bf16", "mma")
+    monkeypatch.setenv(ENV_IMPL, "simt")  # chosen simt: no fallback to say
+    assert decoder(p).impl == "simt"
+
+
+@pytest.mark.parametrize("arm", ["unpacked", "splitk"])
+def test_at_head_dim_512_both_arms_run_clean_under_address_sanitizer(arm):
+    """The 32-byte row slices of a bf16 cache read nothing past any array (each shipped at its
+    exact size, in a child process)."""
+    p = problem(seed=9, head_dim=WIDE, page_size=7, seq_lens=(0, 1, 300), kv_dtype="bf16", layout="HND",
+                num_q_heads=2, num_kv_heads=1)
+    attn = _wide(p=p, backend=CpuBackend(asan=True), splitk="off" if arm == "unpacked" else "3")
+    check_against_reference(p, *run_poisoned(attn, p))
+
+
+class _NoSelfTest(CpuBackend):
+    """A backend whose self-test must not run."""
+
+    def verify_mma(self):
+        raise AssertionError("the mma self-test ran for a layer the mma core has no kernel of")
+
+
+def test_at_head_dim_512_the_fallback_is_the_shapes_whatever_the_device_and_asks_no_self_test():
+    p = problem(seq_lens=(5,), head_dim=WIDE)
+    assert _wide(p=p, backend=_NoSelfTest()).impl == "simt"
+    assert _wide(p=p, backend=_DisagreeingDevice()).impl == "simt"  # the head dim's reason, not the device's
+    with pytest.raises(ValueError, match=r"head_dim 512 is wider than the mma core's 64\.\.256: they cannot launch "
+                                         r"there \(impl='simt' has no sinks, window\)"):
+        decoder(p, sinks=True, window_left=8)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arm", ["unpacked", "splitk"])
+@pytest.mark.parametrize("kv", ["bf16", "fp16", "fp8"])
+@pytest.mark.parametrize("q", ["bf16", "fp16"])
+@pytest.mark.parametrize("page_size", [1, 7, 16, 64, 256])
+@pytest.mark.parametrize("heads", [(16, 2), (8, 1), (16, 1), (4, 4)], ids=["g8", "g8-one-kv", "g16", "mha"])
+def test_at_head_dim_512_every_arm_dtype_pair_page_size_and_group_holds_the_one_ulp_bar(backend, heads, page_size, q,
+                                                                                        kv, arm):
+    """The whole grid at 512 (``slow``): Gemma 4's groups of 8 and MLA-like single-KV-head groups."""
+    p = problem(seed=page_size + len(kv + q), head_dim=WIDE, page_size=page_size,
+                seq_lens=(0, 1, page_size + 1, 300, 1100), kv_dtype=kv, q_dtype=q,
+                layout=("NHD", "HND")[len(q + kv) % 2], num_q_heads=heads[0], num_kv_heads=heads[1])
+    attn = _wide(p=p, backend=backend, sm_scale=(None, 1.0)[page_size % 2], splitk="off" if arm == "unpacked" else "auto")
+    assert attn.plan(5).arm == arm
+    check_against_reference(p, *run_poisoned(attn, p), sm_scale=(None, 1.0)[page_size % 2])

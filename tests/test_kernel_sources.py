@@ -80,7 +80,7 @@ def test_variant_names_carry_every_specialization_parameter():
     assert KernelSpec("unpacked", 64, "fp16", "fp8e5m2", features={"sinks", "multi_token"}).name == \
         "decode_unpacked_qfp16_kvfp8e5m2_hd64_r8_multi_token_sinks"
     names = [v.name for v in all_specs()]
-    simt = 3 * 2 * 3 + 3 * 2 * 3 + 1 * 2 * 3  # three KV dtypes (no e5m2)
+    simt = 4 * 2 * 3 + 4 * 2 * 3 + 1 * 2 * 3  # four head dims (the packed arm: 256), three KV dtypes (no e5m2)
     # four KV dtypes; unpacked and split-K at the 13 head dims, 1 or 2 row tiles (hd208 on: 1)
     mma = 2 * ((9 * 2 + 4) * 2 * 4) + 1 * 2 * 4
     featured = 3 * len(FEATURES) - 1 + 6  # each feature alone per arm (the packed arm has no multi-token), all 6 times

@@ -25,7 +25,7 @@ from metrale_attn.backends import DeviceInfo
 from metrale_attn.backends.cpu_backend import CpuBackend
 from metrale_attn.cli import main
 from metrale_attn.kernels import SelfTest
-from metrale_attn.precompile import Layer, Options, PrecompileError, check_nvrtc, needed_specs
+from metrale_attn.precompile import Layer, Options, PrecompileError, check_nvrtc, layers_of, needed_specs
 from metrale_attn.targets import TARGETS
 
 CONFIGS = pathlib.Path(__file__).parent / "hf_configs"
@@ -262,8 +262,8 @@ SMALL = ("--q-heads", "4", "--kv-heads", "4", "--head-dim", "64")
     (("--target", "hopper", "--hf-config", "/nonexistent/config.json"), "--hf-config /nonexistent/config.json: "
                                                                         "cannot read it"),
     (("--target", "hopper", "--q-heads", "4", "--kv-heads", "4", "--head-dim", "72"),
-     "head_dim must be a multiple of 16 from 64 to 256 (64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240, 256), "
-     "got 72"),
+     "head_dim must be a multiple of 16 from 64 to 256 (64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240, 256) "
+     "or 512 (the simt kernels only), got 72"),
     (("--target", "hopper", "--q-heads", "6", "--kv-heads", "4", "--head-dim", "64"),
      "num_q_heads (6) must be a multiple of num_kv_heads (4)"),
     (("--target", "hopper", *SMALL, "--kv-dtype", "int8"), "kv_dtype must be one of"),
@@ -524,7 +524,7 @@ def test_without_keep_going_no_kernel_starts_after_one_fails(tmp_path, monkeypat
     assert started == ["k0", "k1"] and [b.error for b in built] == ["", "broken"]
 
 
-# -- 512-wide values: Gemma 4's full layers and MLA, mapped and shown, not served yet ------------
+# -- 512-wide values: Gemma 4's full layers served by the simt kernels; MLA mapped and shown, not served yet ----
 
 
 def test_gemma_4_26b_maps_25_sliding_layers_at_256_and_5_full_ones_at_512_with_two_kv_heads_and_v_from_k():
@@ -637,8 +637,6 @@ def test_an_mla_config_that_cannot_be_mapped_is_refused_naming_the_key(name, cha
 
 
 def test_at_tensor_parallelism_mla_splits_the_q_heads_and_puts_the_latent_head_on_every_rank():
-    from metrale_attn.precompile import layers_of
-
     (layer,) = layers_of(hf_config.load(CONFIGS / "deepseek-v3.json"), 8)
     assert (layer.num_q_heads, layer.num_kv_heads, layer.head_dim, layer.v_head_dim, layer.v_in_k) == (
         16, 1, 576, 512, True)
@@ -656,17 +654,42 @@ def test_at_tensor_parallelism_mla_splits_the_q_heads_and_puts_the_latent_head_o
 GEMMA4 = ("--hf-config", str(CONFIGS / "gemma-4-26b-a4b-it.json"))
 
 
-def test_precompile_plans_gemma_4s_sliding_layers_and_says_its_512_wide_full_layers_are_not_served_yet(capsys):
+def test_precompile_plans_gemma_4s_sliding_layers_on_mma_and_its_512_wide_full_layers_on_simt_saying_why(capsys):
     code, out, err = precompile_cli(capsys, "--target", "hopper", *GEMMA4, "--tp", "2", "--dry-run")
-    assert code == 3 and not err
-    assert ("not served: full_attention (8 q heads, 1 KV heads, head_dim 512): head_dim 512 (V from K's projection): "
-            "not served yet; this version serves head dims 64 to 256 with values as wide as the keys") in out
+    assert code == 0 and not err and "not served" not in out
+    assert ("  full_attention: head_dim 512 is wider than the mma core's 64..256; using impl='simt' instead, as a "
+            "construction there does") in out
     assert "  decode_splitk_qbf16_kvbf16_hd256_r8_window  [sliding_attention]" in out
-    assert "hd512" not in out and "sm_90: skipped" not in out
-    assert out.splitlines()[-1] == ("1 layer kind(s) of the model not served (above): its other kinds are ready; "
-                                    "exit 3 (--skip-unsupported to exit 0)")
-    code, out, _ = precompile_cli(capsys, "--target", "hopper", *GEMMA4, "--dry-run", "--skip-unsupported")
-    assert code == 0 and out.splitlines()[-1].endswith("exit 0 (--skip-unsupported)")
+    assert "  simt_decode_splitk_qbf16_kvbf16_hd512  [full_attention]" in out
+    assert out.splitlines()[-1] == "would compile 3 kernel(s) for sm_90 (dry run: nothing compiled)"
+
+
+def test_gemma_4s_full_layers_plan_simt_on_every_target_and_no_self_test_for_them_alone():
+    """The fallback is the shape's, not a device's: every target, and no mma self-test where no
+    layer runs mma (a construction does not run it for a 512-wide layer either)."""
+    full = layers_of(hf_config.load(CONFIGS / "gemma-4-26b-a4b-it.json"))[1]
+    assert (full.num_q_heads, full.num_kv_heads, full.head_dim, full.sm_scale, full.k_eq_v) == (16, 2, 512, 1.0, True)
+    for target in TARGETS.values():
+        plan = needed_specs([full], target, Options(kv_dtype="fp8_e4m3"), environ={})
+        names = [n.name for n in plan.needed]  # legacy targets (gb10) reach the unpacked arm at max_batch too
+        assert "simt_decode_splitk_qbf16_kvfp8_hd512" in names, target.name
+        assert set(names) <= {"simt_decode_splitk_qbf16_kvfp8_hd512", "simt_decode_unpacked_qbf16_kvfp8_hd512"}
+        assert plan.notes == ("full_attention: head_dim 512 is wider than the mma core's 64..256; using impl='simt' "
+                              "instead, as a construction there does",)
+    off = needed_specs([full], TARGETS["hopper"], Options(splitk="off"), environ={})
+    assert [n.name for n in off.needed] == ["simt_decode_unpacked_qbf16_kvbf16_hd512"]
+
+
+def test_impl_mma_chosen_for_gemma_4_is_refused_at_its_full_layers_naming_head_dim_and_what_mma_takes(capsys):
+    message = ("full_attention (16 q heads, 2 KV heads, head_dim 512) on hopper: impl='mma' has no head_dim 512 (the "
+               "mma kernels take every multiple of 16 from 64 to 256): use impl='simt', or leave impl and "
+               "METRALE_ATTN_DECODE_IMPL unset (the default takes simt there)")
+    with pytest.raises(ValueError, match=re.escape(message)):
+        needed_specs(layers_of(hf_config.load(CONFIGS / "gemma-4-26b-a4b-it.json")), TARGETS["hopper"],
+                     Options(impl="mma"), environ={})
+    with pytest.raises(ValueError, match=re.escape(message)):
+        needed_specs(layers_of(hf_config.load(CONFIGS / "gemma-4-26b-a4b-it.json")), TARGETS["hopper"],
+                     Options(), environ={"METRALE_ATTN_DECODE_IMPL": "mma"})
 
 
 def test_an_mla_model_whose_only_layer_kind_is_not_served_is_an_error_naming_its_shape(capsys):
@@ -683,6 +706,9 @@ def test_the_library_refuses_a_wide_layer_by_its_shape_on_every_target_before_co
 
     wide = Layer("full_attention", 16, 1, 576, v_head_dim=512, v_in_k=True)
     assert not_served(Layer("layer", 8, 1, 256)) is None
+    assert not_served(Layer("full_attention", 16, 2, 512, k_eq_v=True)) is None  # Gemma 4's: the simt kernels
+    assert not_served(wide).endswith("not served yet; this version serves head dims 64 to 256 and 512 (simt) with "
+                                     "values as wide as the keys")
     assert "head_dim 576 with v_head_dim 512" in not_served(wide)
     with pytest.raises(ValueError, match=re.escape("full_attention (16 q heads, 1 KV heads, head_dim 576, v_head_dim "
                                                    "512): head_dim 576 with v_head_dim 512")):
@@ -693,9 +719,10 @@ def test_the_library_refuses_a_wide_layer_by_its_shape_on_every_target_before_co
     assert [(r.layer.name, r.everywhere, r.target) for r in refusals] == [("full_attention", True, None)]
 
 
-def test_the_plan_command_shows_each_gemma_4_layer_kind_and_why_the_wide_one_has_no_table(capsys):
+def test_the_plan_command_shows_each_gemma_4_layer_kind_and_why_the_wide_one_runs_simt(capsys):
     assert main(["plan", *GEMMA4, "--tp", "2", "--batch", "1"]) == 0
     out = capsys.readouterr().out
     assert "layer sliding_attention: q_heads=8 kv_heads=4 head_dim=256 " in out
-    assert ("layer full_attention: 8 q heads, 1 KV heads, head_dim 512: head_dim 512 (V from K's projection): not "
-            "served yet") in out
+    assert "layer full_attention: q_heads=8 kv_heads=1 head_dim=512 max_batch=1; impl simt; workspace " in out
+    assert "\nimpl simt, not mma: head_dim 512 is wider than the mma core's 64..256\n" in out
+    assert "not served" not in out

@@ -37,9 +37,10 @@
 #include "pd_common.cuh"
 #include "pd_splitk.cuh"
 
-// A thread's slice of VEC dims must tile the row in a power-of-two number of lanes.
-#if PD_HEAD_DIM != 64 && PD_HEAD_DIM != 128 && PD_HEAD_DIM != 256
-#error "the simt kernels take PD_HEAD_DIM 64, 128 or 256 (the mma core takes every multiple of 16 in 64..256)"
+// A thread's slice of VEC dims must tile the row in a power-of-two number of lanes (at
+// most a warp: at 512 a slice is 16 dims, 32 bytes of a bf16/fp16 row, see THE KERNEL).
+#if PD_HEAD_DIM != 64 && PD_HEAD_DIM != 128 && PD_HEAD_DIM != 256 && PD_HEAD_DIM != 512
+#error "the simt kernels take PD_HEAD_DIM 64, 128, 256 or 512 (the mma core takes every multiple of 16 in 64..256)"
 #endif
 
 #if PD_KV_DTYPE == PD_DTYPE_FP8_E5M2
@@ -191,7 +192,7 @@ __device__ __forceinline__ void pd_attend(
   constexpr int TILE = R * UNROLL;
   constexpr int NW = VEC * (int)sizeof(pd_kv_t) / 4;  // 32-bit words per row slice
   static_assert(TPR >= 1 && TPR <= 32 && (32 % TPR) == 0, "a row is a power-of-two part of a warp");
-  static_assert(NW == 4 || NW == 2, "row slices are 16- or 8-byte loads");
+  static_assert(NW == 8 || NW == 4 || NW == 2, "row slices are 32-, 16- or 8-byte loads");
   static_assert(TILE <= 32, "one lane resolves one token of the tile");
 
   const int lane = threadIdx.x & 31;
@@ -421,7 +422,7 @@ __device__ __forceinline__ void pd_cta_combine(const float* s_m, const float* s_
 // of one sequence (one, or on the packed arm the PD_GQA heads of one KV head, whose K and
 // V rows it then reads once for all of them). Within the CTA each thread owns VEC
 // consecutive dims of the head (its slice), PD_HEAD_DIM / VEC threads cover a token row,
-// warps interleave over tiles of 4 * (32 * VEC / D) tokens (pd_attend); the 4 warp states
+// warps interleave over tiles of UNROLL * (32 * VEC / D) tokens (pd_attend); the 4 warp states
 // are combined through static shared memory in warp order and the output rows leave as
 // 16-byte stores.
 //
@@ -454,9 +455,14 @@ extern "C" __global__ void PD_LAUNCH_BOUNDS(PD_THREADS, PD_SIMT_MIN_CTAS) PD_ENT
                               // accumulators of 8 floats stay in registers
 #else
   constexpr int NH = 1;
-  constexpr int VEC = 16 / (int)sizeof(pd_kv_t);  // 16-byte loads
+  // 16-byte loads: a slice of 16 / sizeof(kv) dims, as long as a row takes at most a warp's
+  // 32 slices; a wider row (bf16/fp16 at head dim 512: 64 slices of 8) gives each thread
+  // D / 32 dims instead (two 16-byte loads: VEC 16, 32 bytes) and 2 tokens a tile instead of
+  // 4 (UNROLL 2), so a warp keeps the same 4 KB of K/V loads in flight and a thread the same
+  // 32 K/V words in registers (84..123 registers at 512, no spills, on every target).
+  constexpr int VEC = PD_HEAD_DIM / 32 > 16 / (int)sizeof(pd_kv_t) ? PD_HEAD_DIM / 32 : 16 / (int)sizeof(pd_kv_t);
 #endif
-  constexpr int UNROLL = 4;
+  constexpr int UNROLL = VEC * (int)sizeof(pd_kv_t) > 16 ? 2 : 4;  // 32-byte slices: 2, else 4
 
   __shared__ float s_m[NH * PD_WARPS];
   __shared__ float s_l[NH * PD_WARPS];

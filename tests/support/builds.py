@@ -34,6 +34,7 @@ SPOT_SPECS = (
     kernels.KernelSpec("unpacked", 128, "bf16", "fp8", "simt"),
     kernels.KernelSpec("splitk", 256, "fp16", "fp16", "simt"),
     kernels.KernelSpec("gqa_packed", 256, "bf16", "bf16", "simt"),
+    kernels.KernelSpec("splitk", 512, "bf16", "fp8", "simt"),  # the widest simt row: 117..123 registers
 )
 """The specs the default run also compiles for every other architecture (the heaviest of
 each implementation and arm); the whole matrix is behind the ``slow`` marker."""
@@ -52,7 +53,7 @@ another's full column (sm_80, sm_100, sm_120; sm_89 keeps its own for the fp8 cv
 
 def _sm90_sample() -> set:
     """One plain spec per (impl, arm, head_dim, kv dtype, row tiles) at the simt head dims
-    (64, 128, 256), the first in ``all_specs`` order: the q dtype changes only q's conversion,
+    (64, 128, 256, 512), the first in ``all_specs`` order: the q dtype changes only q's conversion,
     which the spot specs and the slow matrix cover. The mma core's other head dims take the
     same code with padding steps skipped at compile time: one spec per (arm, kv dtype, row
     tiles), each taking the head dim compiled least so far, so every one of them compiles."""
