@@ -67,8 +67,8 @@ def hot_loop(spec: KernelSpec) -> HotLoop:
                        pipeline_stages=spec.tiling.stages, stage_bytes=warps * stage,
                        dynamic_smem_bytes=spec.shared_bytes, grouped=not packed)
     text = spec.source()
-    vec = read_constexpr(text, "VEC", kv_itemsize=itemsize)
-    unroll = read_constexpr(text, "UNROLL", kv_itemsize=itemsize)
+    vec = read_constexpr(text, "VEC", kv_itemsize=itemsize, head_dim=spec.head_dim)
+    unroll = read_constexpr(text, "UNROLL", kv_itemsize=itemsize, head_dim=spec.head_dim, known={"VEC": vec})
     tokens = 32 // (spec.head_dim // vec) * unroll
     return HotLoop(
         kernel=spec.kernels[0],
@@ -79,25 +79,41 @@ def hot_loop(spec: KernelSpec) -> HotLoop:
     )
 
 
-def read_constexpr(text: str, name: str, *, kv_itemsize: int) -> int:
+def read_constexpr(text: str, name: str, *, kv_itemsize: int, head_dim: int | None = None,
+                   known: dict[str, int] | None = None) -> int:
     """The value of the one ``constexpr int <name> = <expr>;`` in ``text`` as its arm
-    compiles it (``arm_text``), where ``<expr>`` is integer arithmetic on literals and
-    ``sizeof(pd_kv_t)`` (the KV element size, ``kv_itemsize``), e.g.
-    ``16 / (int)sizeof(pd_kv_t)``."""
+    compiles it (``arm_text``), where ``<expr>`` is integer arithmetic on literals,
+    ``sizeof(pd_kv_t)`` (the KV element size, ``kv_itemsize``) and ``PD_HEAD_DIM`` (``head_dim``),
+    the constants ``known`` gives (read before it: ``{"VEC": 8}``), with comparisons and C's
+    conditional operator, e.g. ``16 / (int)sizeof(pd_kv_t)`` or ``PD_HEAD_DIM / 32 > 8 ? PD_HEAD_DIM / 32 : 8``."""
     found = re.findall(rf"\bconstexpr[ \t]+int[ \t]+{name}[ \t]*=[ \t]*([^;]+);", arm_text(text))
     if len(found) != 1:
         raise KernelSourceError(f"expected exactly one 'constexpr int {name} = ...;' in the kernel source, "
                                 f"found {len(found)}")
     expr = re.sub(r"\(int\)\s*sizeof\(pd_kv_t\)|sizeof\(pd_kv_t\)", str(kv_itemsize), found[0])
+    for known_name, value in {**({"PD_HEAD_DIM": head_dim} if head_dim is not None else {}), **(known or {})}.items():
+        expr = re.sub(rf"\b{known_name}\b", str(value), expr)
     try:
-        return _int_arithmetic(ast.parse(expr.strip(), mode="eval").body)
+        return _int_arithmetic(ast.parse(_python_conditional(expr.strip()), mode="eval").body)
     except (SyntaxError, ValueError):
-        raise KernelSourceError(f"cannot evaluate constexpr {name} = {found[0]!r} (only integer arithmetic and "
-                                "sizeof(pd_kv_t) are understood)") from None
+        raise KernelSourceError(f"cannot evaluate constexpr {name} = {found[0]!r} (only integer arithmetic, "
+                                "comparisons, ?:, sizeof(pd_kv_t), PD_HEAD_DIM and the known constants are understood)") from None
+
+
+def _python_conditional(expr: str) -> str:
+    """C's ``a ? b : c`` (one, unparenthesised, as the sources write it) as Python's
+    ``(b) if (a) else (c)``; other text unchanged."""
+    if expr.count("?") != 1 or expr.count(":") != 1:
+        return expr
+    condition, rest = expr.split("?")
+    then, otherwise = rest.split(":")
+    return f"({then}) if ({condition}) else ({otherwise})"
 
 
 _C_INT_OPS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
               ast.Div: lambda a, b: int(a / b)}  # C's int division truncates toward zero
+_C_COMPARISONS = {ast.Gt: lambda a, b: a > b, ast.GtE: lambda a, b: a >= b, ast.Lt: lambda a, b: a < b,
+                  ast.LtE: lambda a, b: a <= b, ast.Eq: lambda a, b: a == b, ast.NotEq: lambda a, b: a != b}
 
 
 def _int_arithmetic(node: ast.AST) -> int:
@@ -107,6 +123,10 @@ def _int_arithmetic(node: ast.AST) -> int:
         return _C_INT_OPS[type(node.op)](_int_arithmetic(node.left), _int_arithmetic(node.right))
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
         return -_int_arithmetic(node.operand)
+    if isinstance(node, ast.Compare) and len(node.ops) == 1 and type(node.ops[0]) in _C_COMPARISONS:
+        return int(_C_COMPARISONS[type(node.ops[0])](_int_arithmetic(node.left), _int_arithmetic(node.comparators[0])))
+    if isinstance(node, ast.IfExp):
+        return _int_arithmetic(node.body) if _int_arithmetic(node.test) else _int_arithmetic(node.orelse)
     raise ValueError(f"not integer arithmetic: {ast.dump(node)}")
 
 

@@ -8,16 +8,18 @@ from metrale_attn.kernels import KernelSpec
 from metrale_attn.sources import KernelSourceError
 
 
-@pytest.mark.parametrize("spec, vec, tokens, kv_bytes, heads", [
-    (KernelSpec("unpacked", 128, "bf16", "bf16", "simt"), 8, 8, 4096, 1),     # 16 threads a row, 2 rows x UNROLL 4
-    (KernelSpec("splitk", 64, "fp16", "fp8", "simt"), 16, 32, 4096, 1),       # 4 threads a row, 8 rows x 4
-    (KernelSpec("unpacked", 256, "bf16", "fp16", "simt"), 8, 4, 4096, 1),     # a row per warp
-    (KernelSpec("gqa_packed", 256, "bf16", "fp8", "simt"), 8, 4, 2048, 6),    # 8-byte fp8 slices, 6 heads per CTA
+@pytest.mark.parametrize("spec, vec, unroll, tokens, kv_bytes, heads", [
+    (KernelSpec("unpacked", 128, "bf16", "bf16", "simt"), 8, 4, 8, 4096, 1),   # 16 threads a row, 2 rows x UNROLL 4
+    (KernelSpec("splitk", 64, "fp16", "fp8", "simt"), 16, 4, 32, 4096, 1),     # 4 threads a row, 8 rows x 4
+    (KernelSpec("unpacked", 256, "bf16", "fp16", "simt"), 8, 4, 4, 4096, 1),   # a row per warp
+    (KernelSpec("gqa_packed", 256, "bf16", "fp8", "simt"), 8, 4, 4, 2048, 6),  # 8-byte fp8 slices, 6 heads per CTA
+    (KernelSpec("unpacked", 512, "bf16", "bf16", "simt"), 16, 2, 2, 4096, 1),  # 32-byte slices: UNROLL 2
+    (KernelSpec("splitk", 512, "bf16", "fp8", "simt"), 16, 4, 4, 4096, 1),     # fp8 keeps its 16-byte slices
 ], ids=lambda x: x.name if isinstance(x, KernelSpec) else None)
-def test_the_hot_loop_is_described_from_the_sources_own_constants(spec, vec, tokens, kv_bytes, heads):
+def test_the_hot_loop_is_described_from_the_sources_own_constants(spec, vec, unroll, tokens, kv_bytes, heads):
     itemsize = 1 if spec.kv_dtype == "fp8" else 2
-    assert read_constexpr(spec.source(), "VEC", kv_itemsize=itemsize) == vec
-    assert read_constexpr(spec.source(), "UNROLL", kv_itemsize=itemsize) == 4
+    assert read_constexpr(spec.source(), "VEC", kv_itemsize=itemsize, head_dim=spec.head_dim) == vec
+    assert read_constexpr(spec.source(), "UNROLL", kv_itemsize=itemsize, known={"VEC": vec}) == unroll
     loop = hot_loop(spec)
     assert (loop.tokens_per_warp_iter, loop.kv_bytes_per_warp_iter, loop.heads_per_cta) == (tokens, kv_bytes, heads)
     assert loop.kernel == spec.kernels[0] and loop.warps_per_cta == spec.threads // 32
@@ -41,6 +43,10 @@ def test_the_mma_hot_loop_is_one_stage_of_each_warps_ring(spec, tokens, stages, 
 
 def test_a_constexpr_the_loader_cannot_evaluate_is_refused():
     assert read_constexpr("constexpr int VEC = 16 / (int)sizeof(pd_kv_t);", "VEC", kv_itemsize=1) == 16
+    wide = "constexpr int VEC = PD_HEAD_DIM / 32 > 8 ? PD_HEAD_DIM / 32 : 8;"
+    assert [read_constexpr(wide, "VEC", kv_itemsize=2, head_dim=d) for d in (128, 512)] == [8, 16]
+    with pytest.raises(KernelSourceError, match="cannot evaluate"):  # PD_HEAD_DIM unknown without head_dim
+        read_constexpr(wide, "VEC", kv_itemsize=2)
     with pytest.raises(KernelSourceError, match="cannot evaluate"):
         read_constexpr("constexpr int VEC = kVec<T>;", "VEC", kv_itemsize=2)
     with pytest.raises(KernelSourceError, match="exactly one"):
