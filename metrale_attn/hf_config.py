@@ -38,6 +38,7 @@ key                            what it sets
 ``sliding_window_pattern``     layer ``i`` slides unless ``(i + 1) % pattern == 0`` (Gemma 3)
 ``max_window_layers``          layers ``i >= max_window_layers`` slide (Qwen 2/3)
 ``attn_logit_softcapping``     ``logits_soft_cap`` on every layer (Gemma 2); null or 0: none
+``query_pre_attn_scalar``      Gemma 2/3: ``sm_scale = query_pre_attn_scalar ** -0.5`` (default 256)
 ``model_type == "gpt_oss"``    ``sinks=True`` on every layer (learned per-head sinks)
 ``global_head_dim``            Gemma 4 (``gemma4``, ``gemma4_text``): the head dim of its
                                ``full_attention`` layers (default 512); null or 0: ``head_dim``.
@@ -106,11 +107,11 @@ MODEL_DTYPES = {"bfloat16": "bfloat16", "float16": "float16"}
 MODEL_TYPE_DEFAULTS: dict[str, dict] = {
     # transformers' Gemma2Config class defaults (configuration_gemma2.py).
     "gemma2": {"num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "sliding_window": 4096,
-               "attn_logit_softcapping": 50.0},
+               "attn_logit_softcapping": 50.0, "query_pre_attn_scalar": 256},
     # transformers' Gemma3TextConfig class defaults (configuration_gemma3.py): Gemma 3's
     # text_config omits those equal to them (head_dim on every size; heads on the 4B).
     "gemma3_text": {"num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "sliding_window": 4096,
-                    "sliding_window_pattern": 6},
+                    "sliding_window_pattern": 6, "query_pre_attn_scalar": 256},
 }
 """A model type's defaults for the keys its ``config.json`` may omit (a saved config
 leaves out values equal to its class's defaults)."""
@@ -353,7 +354,25 @@ def from_dict(config, source: str = "config.json") -> HFModel:
     kinds = _kinds(where, section, model_type, value, notes)
     if model_type in GEMMA4_MODEL_TYPES:
         kinds = _gemma4_kinds(where, section, value, head_dim, kv_heads, kinds, notes)
+    elif model_type in QUERY_SCALAR_MODEL_TYPES:
+        kinds = _query_scalar_kinds(where, value, head_dim, kinds, notes)
     return HFModel(source, model_type, heads, kv_heads, head_dim, dtype, kinds, tuple(notes))
+
+
+QUERY_SCALAR_MODEL_TYPES = ("gemma2", "gemma3", "gemma3_text")
+"""Model types whose softmax scale is ``query_pre_attn_scalar ** -0.5`` (transformers' Gemma 2/3
+``scaling``), not ``1 / sqrt(head_dim)``: Gemma-2-27B's 144 at head_dim 128, Gemma-3-27B's 168."""
+
+
+def _query_scalar_kinds(where: str, value, head_dim: int, kinds: tuple[LayerKind, ...],
+                        notes: list) -> tuple[LayerKind, ...]:
+    """``kinds`` at the scale ``query_pre_attn_scalar`` gives, where it is not ``head_dim``."""
+    scalar = _positive_int(where, "query_pre_attn_scalar", value("query_pre_attn_scalar"))
+    if scalar == head_dim:
+        return kinds
+    notes.append(f"sm_scale {scalar ** -0.5:.6g} = 1/sqrt(query_pre_attn_scalar {scalar}), not 1/sqrt(head_dim "
+                 f"{head_dim})")
+    return tuple(replace(kind, sm_scale=scalar ** -0.5) for kind in kinds)
 
 
 def shard_heads(num_q_heads: int, num_kv_heads: int, tensor_parallel: int,

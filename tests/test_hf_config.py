@@ -466,3 +466,17 @@ def test_a_layer_the_kernels_refuse_from_a_config_names_the_file_it_came_from(tm
     assert err.startswith("metrale-attn precompile: error: full_attention (32 q heads, 8 KV heads, head_dim 72) on "
                           "hopper: head_dim must be a multiple of 16"), err
     assert err.rstrip().endswith(f"got 72 (layer kinds from --hf-config {path})"), err
+
+
+def test_gemma_2_and_3_take_their_softmax_scale_from_query_pre_attn_scalar_where_it_is_not_the_head_dim():
+    nine_b = hf_config.from_dict(fixture("gemma-2-9b.json"))  # 256 at head_dim 256: the plain scale
+    assert {kind.sm_scale for kind in nine_b.kinds} == {None}
+    twenty_seven_b = hf_config.from_dict(dict(fixture("gemma-2-9b.json"), head_dim=128, query_pre_attn_scalar=144))
+    assert {kind.sm_scale for kind in twenty_seven_b.kinds} == {144 ** -0.5}
+    assert any("query_pre_attn_scalar 144" in note for note in twenty_seven_b.notes)
+    gemma3 = fixture("gemma-3-12b-it.json")
+    text = dict(gemma3["text_config"], head_dim=128, query_pre_attn_scalar=168)  # Gemma-3-27B's pair
+    assert {kind.sm_scale for kind in hf_config.from_dict(dict(gemma3, text_config=text)).kinds} == {168 ** -0.5}
+    assert {kind.sm_scale for kind in hf_config.from_dict(gemma3).kinds} == {None}  # omitted: 256, its head dim
+    with pytest.raises(hf_config.HFConfigError, match="query_pre_attn_scalar"):
+        hf_config.from_dict(dict(fixture("gemma-2-9b.json"), query_pre_attn_scalar=-1))

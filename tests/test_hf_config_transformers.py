@@ -78,6 +78,10 @@ def test_hf_config_reads_every_fixture_transformers_knows_as_transformers_does()
             head_dim = getattr(text, "head_dim", None)
             if head_dim is not None:
                 assert ours.head_dim == head_dim, where
+        scalar = text.to_dict().get("query_pre_attn_scalar")  # Gemma 2/3: transformers' scaling
+        if scalar is not None and ours.model_type in hf_config.QUERY_SCALAR_MODEL_TYPES:
+            for kind in ours.kinds:
+                assert (kind.sm_scale or ours.head_dim ** -0.5) == pytest.approx(scalar ** -0.5), where
         layer_types = text.to_dict().get("layer_types")
         if layer_types:
             assert {k.name: k.count for k in ours.kinds} == dict(collections.Counter(layer_types)), where
