@@ -382,10 +382,11 @@ def build_all(plans: Sequence[TargetPlan], cache_dir: Optional[Path] = None, *, 
               on_built: Optional[Callable[[Built], None]] = None, keep_going: bool = False) -> list[Built]:
     """Compile (or find) every kernel of ``plans`` into ``cache_dir`` (the directory
     ``METRALE_ATTN_CACHE_DIR`` names; default the package's cache), ``jobs`` at a time: one in
-    this process and ``jobs - 1`` in processes of their own (spawned: NVRTC and CuPy start fresh
+    this process and ``jobs - 1`` in processes of their own (spawned: NVRTC starts fresh
     in each), all taking the next kernel as they finish one, so this process compiles while the
     others start (a spawned process spends about a second importing before its first kernel).
-    Processes, not threads: NVRTC serializes compiles across the threads of one process. Calls
+    Processes, not threads: NVRTC has been seen to serialize the compiles of one process's threads
+    (NVIDIA forum reports on CUDA 11.8 and 12.3), and a process of its own contains a crash. Calls
     ``on_built`` with each as it is done (in the order they finish, one call at a time).
     Returns them in the plans' order. A kernel that cannot be built is a ``Built`` whose
     ``error`` says why; unless ``keep_going``, none is started after it. A directory that holds
