@@ -171,7 +171,7 @@ class MetraleAttentionBackend(AttentionBackend):
 
     @classmethod
     def get_supported_head_sizes(cls) -> list[int]:
-        """The library's head sizes (``options.HEAD_SIZES``): 512 too, on its reference kernels."""
+        """The library's head sizes, 512 too, on its reference kernels (``options.head_sizes_line``)."""
         return list(options.HEAD_SIZES)
 
     @classmethod
