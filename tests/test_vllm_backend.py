@@ -137,6 +137,7 @@ def _reasons(capability=HOPPER, **changes) -> list[str]:
     dict(), dict(dtype=torch.float16), dict(head_size=64), dict(head_size=256), dict(head_size=80), dict(kv_cache_dtype="fp8"),
     dict(kv_cache_dtype="fp8_e4m3"), dict(kv_cache_dtype="bfloat16"), dict(has_sink=True),
     dict(has_sliding_window=True), dict(block_size=256), dict(block_size=512), dict(use_batch_invariant=True),
+    dict(head_size=512), dict(head_size=512, dtype=torch.float16),
 ], ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()) or "default")
 def test_vllms_cuda_selector_accepts_what_we_serve(changes):
     assert _reasons(**changes) == []
@@ -144,9 +145,14 @@ def test_vllms_cuda_selector_accepts_what_we_serve(changes):
 
 @pytest.mark.parametrize("changes, reason", [
     (dict(head_size=72), "head_size 72 not supported (metrale-attn: 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, "
-                         "224, 240, 256)"),
-    (dict(head_size=512), "head_size 512 not supported (metrale-attn: 64, 80,"),
+                         "224, 240, 256, 512 (512 on the reference kernels))"),
+    (dict(head_size=520), "head_size 520 not supported (metrale-attn: 64, 80,"),
     (dict(head_size=32), "head_size 32 not supported (metrale-attn: 64, 80,"),
+    (dict(head_size=512, has_sink=True), "head_size 512 with sinks not supported (metrale-attn: head_dim 512 is "
+                                         "wider than the mma core's 64..256"),
+    (dict(head_size=512, has_sliding_window=True), "(impl='simt' has no window); head sizes 64 to 256 take them, 512 "
+                                                   "only a model-dtype cache without sinks or a window)"),
+    (dict(head_size=512, kv_cache_dtype="fp8"), "head_size 512 with an fp8 cache not supported"),
     (dict(dtype=torch.float32), "dtype torch.float32 not supported (metrale-attn: torch.bfloat16, torch.float16)"),
     (dict(kv_cache_dtype="fp8_e5m2"), "fp8_e5m2 has no prefill backend"),
     (dict(kv_cache_dtype="int8_per_token_head"), "kv_cache_dtype int8_per_token_head not supported (metrale-attn: "
@@ -170,7 +176,7 @@ def test_vllms_cuda_selector_refuses_what_we_do_not_serve_with_our_reason(change
     assert any(reason in found for found in _reasons(**changes)), _reasons(**changes)
 
 
-@pytest.mark.parametrize("changes", [dict(block_size=8), dict(block_size=24), dict(head_size=512), dict(head_size=32)],
+@pytest.mark.parametrize("changes", [dict(block_size=8), dict(block_size=24), dict(head_size=520), dict(head_size=32)],
                          ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
 def test_a_refusal_of_ours_is_said_once_without_the_prefill_routes_consequence_of_it(changes):
     found = _reasons(**changes)
@@ -235,6 +241,96 @@ def test_every_field_of_vllms_common_attention_metadata_has_a_routing_rule():
     assert fields == set(ours.COMMON_METADATA_FIELDS)
 
 
+def test_the_head_sizes_vllm_may_select_us_for_are_the_librarys_own_mma_and_reference_kernel_head_dims():
+    from metrale_attn.config import HEAD_DIMS, SIMT_ONLY_HEAD_DIMS
+
+    assert ours.MetraleAttentionBackend.get_supported_head_sizes() == sorted({*HEAD_DIMS, *SIMT_ONLY_HEAD_DIMS})
+    assert 512 in ours.MetraleAttentionBackend.get_supported_head_sizes()
+    assert options.head_sizes_line().endswith("256, 512 (512 on the reference kernels)")
+
+
+GEMMA_4 = "gemma-4-26b-a4b-it.json"
+
+
+def _gemma_4(tmp_path, **model):
+    """A ``VllmConfig`` of Gemma-4-26B-A4B-it (its checkpoint's ``config.json``; vLLM reads the
+    per-layer head sizes from it) with ``--attention-backend METRALE_ATTN``; ``model``: more
+    ``ModelConfig`` fields (``language_model_only=True`` is ``--language-model-only``)."""
+    import shutil
+    from pathlib import Path
+
+    from vllm.config import AttentionConfig, DeviceConfig, ModelConfig, VllmConfig
+
+    shutil.copy(Path(__file__).parent / "hf_configs" / GEMMA_4, tmp_path / "config.json")
+    config = ModelConfig(model=str(tmp_path), skip_tokenizer_init=True, dtype="bfloat16", max_model_len=4096, **model)
+    return VllmConfig(model_config=config, device_config=DeviceConfig(device="cpu"),
+                      attention_config=AttentionConfig(backend=AttentionBackendEnum.METRALE_ATTN))
+
+
+def _layer_selections(vc) -> list[tuple[int, str, list[str]]]:
+    """Per layer of the model: (head size, layer type, our reasons), with the selector fields
+    vLLM's ``Attention`` gives ``get_attn_backend`` for it (its head size, whether it has a
+    window, the model's multimodal prefix), checked as the CUDA platform checks the backend
+    named by ``--attention-backend`` (``_reasons``)."""
+    model = vc.model_config
+    types = model.hf_text_config.layer_types
+    found = []
+    for i, kind in enumerate(types):
+        head_size = model.model_arch_config[i].head_size
+        found.append((head_size, kind, _reasons(head_size=head_size, block_size=None,
+                                                has_sliding_window=kind == "sliding_attention",
+                                                use_mm_prefix=model.is_mm_prefix_lm)))
+    return found
+
+
+def test_vllm_keeps_METRALE_ATTN_for_text_only_gemma_4_and_selects_it_for_its_sliding_256_and_global_512_layers(
+        tmp_path):
+    """vLLM selects per layer: each ``Attention`` asks ``get_attn_backend`` with its own head size,
+    and the backend ``--attention-backend`` names must accept every layer (else vLLM stops).
+    ``Gemma4Config.verify_and_update_config`` forces TRITON_ATTN only when no backend is named.
+    Text-only serving (``--language-model-only``) turns off the multimodal prefix."""
+    vc = _gemma_4(tmp_path, language_model_only=True)
+    assert not vc.model_config.is_mm_prefix_lm
+    assert vc.attention_config.backend is AttentionBackendEnum.METRALE_ATTN
+    found = _layer_selections(vc)
+    assert {(head, kind) for head, kind, _ in found} == {(256, "sliding_attention"), (512, "full_attention")}
+    assert [kind for _, kind, _ in found].count("full_attention") == 5
+    assert all(reasons == [] for _, _, reasons in found), found
+
+
+def test_gemma_4_with_multimodal_inputs_is_refused_on_every_layer_for_its_multimodal_prefix_attention(tmp_path):
+    """With images allowed, vLLM 0.33 gives Gemma 4's layers bidirectional attention over image
+    tokens (``use_mm_prefix``), which we do not serve: vLLM stops with that reason."""
+    vc = _gemma_4(tmp_path)
+    assert vc.model_config.is_mm_prefix_lm
+    assert all("partial multimodal token full attention not supported" in reasons
+               for _, _, reasons in _layer_selections(vc))
+
+
+def test_the_prefill_tokens_of_a_512_wide_layer_go_to_vllms_triton_backend_flashattention_taking_512_only_with_fa4(
+        monkeypatch):
+    from vllm.v1.attention.backends import fa_utils, flash_attn
+    from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend
+
+    assert ours.prefill_backend(head_size=512, dtype=torch.bfloat16, kv_cache_dtype="auto") is TritonAttentionBackend
+    monkeypatch.setattr(fa_utils, "is_flash_attn_varlen_func_available", lambda: True)
+    monkeypatch.setattr(flash_attn, "is_fa_version_supported", lambda version: False)
+    assert ours.prefill_backend(head_size=512, dtype=torch.bfloat16, kv_cache_dtype="auto") is TritonAttentionBackend
+    monkeypatch.setattr(flash_attn, "is_fa_version_supported", lambda version: version == 4)
+    assert ours.prefill_backend(head_size=512, dtype=torch.bfloat16,
+                                kv_cache_dtype="auto") is flash_attn.FlashAttentionBackend
+
+
+def test_a_512_wide_layer_with_speculative_decoding_is_refused_when_the_model_is_built_naming_what_lacks_it(tmp_path):
+    """The reference kernels, the only ones at 512, have no multi-token decode; the selector
+    cannot see the speculative tokens, so the layer says so when it is built, before any KV
+    cache is allocated."""
+    vc = h.config(tmp_path, num_heads=8, num_kv_heads=1, head_size=512, num_speculative_tokens=2)
+    with pytest.raises(ValueError, match=r"cannot serve this layer \(8 q / 1 KV heads, head size 512\).*has no "
+                                         r"multi_token"):
+        h.layers(vc, 1, num_heads=8, num_kv_heads=1, head_size=512, scale=1.0)
+
+
 def test_vllms_conventions_map_exactly():
     assert options.window_left(None) == -1 and options.window_left(1) == 0 and options.window_left(4096) == 4095
     assert options.soft_cap(None) is None and options.soft_cap(0) is None and options.soft_cap(0.0) is None
@@ -251,7 +347,7 @@ def test_vllms_conventions_map_exactly():
 
 
 def _model(tmp_path, rng, *, layout=KVCacheLayout.LBNHC, count=2, block_size=16, num_blocks=128, **config):
-    layer_options = {k: config.pop(k) for k in ("sliding_window", "logits_soft_cap", "sinks") if k in config}
+    layer_options = {k: config.pop(k) for k in ("sliding_window", "logits_soft_cap", "sinks", "scale") if k in config}
     shape = {k: config[k] for k in ("num_heads", "num_kv_heads", "head_size") if k in config}
     vc = h.config(tmp_path, block_size=block_size, **config)
     built = h.layers(vc, count, **shape, **layer_options)
@@ -604,3 +700,26 @@ def test_a_layers_forward_compiles_with_fullgraph(tmp_path):
         out = compiled(*b.split()).view(-1, 4, 64)
     for r in range(3):
         h.check_decode(layer, b, out, r, f"compiled request {r}")
+
+
+def test_gemma_4s_global_layer_at_head_size_512_decodes_within_the_bar_with_softmax_scale_1(tmp_path):
+    """One rank's share at TP 2 of Gemma-4-26B-A4B's global layer (8 q / 1 KV heads, head size
+    512, softmax scale 1.0: q and k are RMS-normed) through vLLM's ``Attention`` and our
+    backend: the decodes on our reference kernels within 1 ulp of float64, the prefill on
+    vLLM's Triton backend (FlashAttention takes no 512 without FA4)."""
+    from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend
+
+    rng = np.random.default_rng(13)
+    shape = dict(num_heads=8, num_kv_heads=1, head_size=512)
+    vc, built = _model(tmp_path, rng, count=2, num_blocks=32, scale=1.0, **shape)
+    assert all(layer.impl.prefill_backend is TritonAttentionBackend for layer in built)
+    requests = [(70, 1), (5, 1), (129, 1), (24, 8)]
+    b = h.batch(requests, num_blocks=32, rng=rng, **shape)
+    md = h.builder(vc, built, 16).build(0, b.cm)
+    assert md.num_decodes == 3 and all(layer.impl.decoder.config.sm_scale == 1.0 for layer in built)
+    outs = h.forward(vc, built, md, b)
+    for layer, out in zip(built, outs):
+        assert layer.impl.decoder.config.impl == "simt"
+        for r in range(3):
+            h.check_decode(layer, b, out, r, f"{layer.layer_name} head size 512 decode {r}")
+        h.check_prefill(layer, b, out, 3, f"{layer.layer_name} head size 512 prefill")

@@ -25,12 +25,24 @@ def test_what_we_serve_is_refused_for_nothing():
         assert refusals(block_size=block_size) == {}
 
 
-@pytest.mark.parametrize("head_size", [32, 72, 512])
-def test_a_head_size_we_do_not_serve_is_refused_listing_every_one_we_do(head_size):
+@pytest.mark.parametrize("head_size", [32, 72, 520])
+def test_a_head_size_we_do_not_serve_is_refused_listing_every_one_we_do_512_on_the_reference_kernels(head_size):
     listed = ", ".join(map(str, HEAD_DIMS))
     assert refusals(head_size=head_size) == {
-        "head_size not supported": f"head_size {head_size} not supported (metrale-attn: {listed})"}
+        "head_size not supported": f"head_size {head_size} not supported (metrale-attn: {listed}, 512 (512 on the "
+                                   "reference kernels))"}
     assert listed.startswith("64, 80, 96, ") and listed.endswith(", 240, 256")
+
+
+def test_head_size_512_is_served_plain_and_refused_with_what_the_reference_kernels_lack():
+    assert refusals(head_size=512) == {}
+    plain = dict(head_size=512, kv_cache_dtype="auto", has_sink=False, has_sliding_window=False, capability=(9, 0))
+    assert options.reference_kernel_refusal(**plain) is None
+    for change, lacks in ((dict(has_sink=True), "sinks"), (dict(has_sliding_window=True), "window"),
+                          (dict(kv_cache_dtype="fp8"), "device_scales")):
+        found = options.reference_kernel_refusal(**{**plain, **change})
+        assert f"(impl='simt' has no {lacks})" in found and "head sizes 64 to 256 take them" in found, found
+    assert options.reference_kernel_refusal(**{**plain, "head_size": 256, "has_sink": True}) is None
 
 
 @pytest.mark.parametrize("capability", [(7, 0), (7, 5), (11, 0)])

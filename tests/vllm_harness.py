@@ -82,12 +82,15 @@ def config(root: Path, *, num_heads: int = 4, num_kv_heads: int = 2, head_size: 
 
 def layers(vc: VllmConfig, count: int = 1, *, num_heads: int = 4, num_kv_heads: int = 2, head_size: int = 64,
            sliding_window: Optional[int] = None, logits_soft_cap: Optional[float] = None,
-           sinks: Optional[torch.Tensor] = None, prefix: str = "model.layers") -> list[Attention]:
+           sinks: Optional[torch.Tensor] = None, prefix: str = "model.layers",
+           scale: Optional[float] = None) -> list[Attention]:
     """``count`` vLLM ``Attention`` layers on our backend, built as a model builds them (under
-    the config, in the model dtype), their weights "loaded" (``process_weights_after_loading``)."""
+    the config, in the model dtype), their weights "loaded" (``process_weights_after_loading``).
+    ``scale``: the softmax scale (default ``head_size ** -0.5``; Gemma 4 passes 1.0)."""
     extra = {} if sinks is None else {"sinks": sinks}
+    scale = head_size ** -0.5 if scale is None else scale
     with set_current_vllm_config(vc), set_default_torch_dtype(vc.model_config.dtype):
-        built = [Attention(num_heads, head_size, head_size ** -0.5, num_kv_heads, cache_config=vc.cache_config,
+        built = [Attention(num_heads, head_size, scale, num_kv_heads, cache_config=vc.cache_config,
                            logits_soft_cap=logits_soft_cap, per_layer_sliding_window=sliding_window,
                            prefix=f"{prefix}.{i}.attn", attn_backend=BACKEND, **extra) for i in range(count)]
         for layer in built:

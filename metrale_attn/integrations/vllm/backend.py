@@ -171,7 +171,8 @@ class MetraleAttentionBackend(AttentionBackend):
 
     @classmethod
     def get_supported_head_sizes(cls) -> list[int]:
-        return list(options.HEAD_DIMS)
+        """The library's head sizes, 512 too, on its reference kernels (``options.head_sizes_line``)."""
+        return list(options.HEAD_SIZES)
 
     @classmethod
     def supports_sink(cls) -> bool:
@@ -234,7 +235,15 @@ class MetraleAttentionBackend(AttentionBackend):
         given = inspect.signature(super().validate_configuration).bind(*args, **kwargs).arguments
         ours = _own_refusals(given.get("head_size"), given.get("dtype"), given.get("kv_cache_dtype"),
                              given.get("block_size"), given.get("device_capability"), given.get("attn_type"))
-        return options.with_what_works(reasons, ours)
+        reasons = options.with_what_works(reasons, ours)
+        # What the reference kernels lack at 512: vLLM has no bare reason for it, and
+        # supports_combination never sees the window.
+        capability = given.get("device_capability")
+        wide = options.reference_kernel_refusal(
+            head_size=given.get("head_size"), kv_cache_dtype=given.get("kv_cache_dtype"),
+            has_sink=bool(given.get("has_sink")), has_sliding_window=bool(given.get("has_sliding_window")),
+            capability=None if capability is None else (capability.major, capability.minor))
+        return reasons + ([wide] if wide else [])
 
     @classmethod
     def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
@@ -484,12 +493,21 @@ class MetraleAttentionImpl(AttentionImpl):
         self.logits_soft_cap = options.soft_cap(logits_soft_cap)
         self.sinks = sinks
         self.fp8 = options.is_fp8(kv_cache_dtype)
+        model = model_attention(vllm_config)
+        found = _capability()
+        why = options.layer_refusal(num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,
+                                    q_dtype=self.q_dtype, kv_dtype=self.kv_dtype, max_q_len=model.max_q_len,
+                                    window_left=self.window_left, logits_soft_cap=self.logits_soft_cap,
+                                    sinks=sinks is not None, fp8=self.fp8, capability=(found.major, found.minor))
+        if why is not None:  # now, not when the KV cache exists and the builder binds the layer
+            raise ValueError(f"{BACKEND_NAME} cannot serve this layer ({num_heads} q / {num_kv_heads} KV heads, head "
+                             f"size {head_size}): {why}; select another attention backend for this model")
         self.prefill_backend = prefill_backend(head_size=head_size, dtype=model_dtype, kv_cache_dtype=kv_cache_dtype,
                                                has_sink=sinks is not None)
         self.prefill_impl = self.prefill_backend.get_impl_cls()(
             num_heads, head_size, scale, num_kv_heads, None, sliding_window, kv_cache_dtype, logits_soft_cap,
             attn_type, kv_sharing_target_layer_name, sinks=sinks)
-        self.model = model_attention(vllm_config)
+        self.model = model
         self.model.reserve(num_heads, num_kv_heads, head_size)
         self.decoder = None  # this layer's DecodeAttention, built by the metadata builder (bind)
         self._handle: Optional[int] = None  # its handle, what the op takes

@@ -15,11 +15,13 @@ The conventions that differ between the two, pinned by tests:
 
 from __future__ import annotations
 
+import os
 from typing import Optional, Sequence
 
-from ...config import HEAD_DIMS, MAX_Q_LEN
+from ...config import ENV_IMPL, HEAD_DIMS, MAX_Q_LEN, SIMT_ONLY_HEAD_DIMS, configure, impl_chosen
 from ...config import soft_cap as config_soft_cap
-from ...targets import FP8_CVT_CAPABILITY, TARGETS
+from ...kernels import launchable_config
+from ...targets import DEFAULT_TARGET, FP8_CVT_CAPABILITY, TARGETS, detect_target, get_target, resolve_target_policy
 
 MODEL_DTYPES = {"torch.bfloat16": "bfloat16", "torch.float16": "float16"}
 """vLLM's activation dtypes we take, by ``str(torch dtype)``: our q and out."""
@@ -32,6 +34,20 @@ REFUSED_KV_CACHE_DTYPES = {
     "fp8_e5m2": "kv_cache_dtype fp8_e5m2 has no prefill backend in vLLM 0.33 (FlashAttention takes no e5m2 and "
                 "Triton reads the cache as e4m3), so the prefill tokens of a batch would be wrong; use fp8 (e4m3)",
 }
+
+HEAD_SIZES = tuple(sorted({*HEAD_DIMS, *SIMT_ONLY_HEAD_DIMS}))
+"""Head sizes a layer may have: the ``mma`` kernels' (``config.HEAD_DIMS``) and those only the
+``simt`` reference kernels serve (``config.SIMT_ONLY_HEAD_DIMS``: 512, Gemma 4's global
+layers), where the library's default falls back to them. Derived, never copied: a head dim
+the library learns is one vLLM may select us for."""
+
+
+def head_sizes_line() -> str:
+    """The head sizes we serve, as refusals list them: "64, 80, ..., 256, 512 (512 on the
+    reference kernels)"."""
+    wide = ", ".join(map(str, SIMT_ONLY_HEAD_DIMS))
+    return f"{', '.join(map(str, HEAD_SIZES))}" + (f" ({wide} on the reference kernels)" if wide else "")
+
 
 SUPPORTED_CAPABILITIES = {tuple(t.compute_capability): t.name for t in TARGETS.values()}
 """Compute capabilities whose every kernel spec launches (the ``mma`` tiling is sized from each
@@ -89,6 +105,60 @@ and both prefill backends take multiples of 16; vLLM splits a larger manager blo
 manager block is ours where one of them divides it: a multiple of 16."""
 
 
+def target_policy(capability: Optional[tuple[int, int]]):
+    """The target policy a device of this capability runs (None, or not one of ours: the
+    default target's; selection refuses an unknown capability with its own reason)."""
+    try:
+        target = get_target(DEFAULT_TARGET) if capability is None else detect_target(tuple(capability), 1)
+    except ValueError:
+        target = get_target(DEFAULT_TARGET)
+    return resolve_target_policy(target)
+
+
+def layer_refusal(*, num_heads: int, num_kv_heads: int, head_size: int, q_dtype: str, kv_dtype: str,
+                  max_q_len: int = 1, window_left: int = -1, logits_soft_cap: Optional[float] = None,
+                  sinks: bool = False, fp8: bool = False, capability: Optional[tuple[int, int]] = None
+                  ) -> Optional[str]:
+    """Why the library's own rules refuse this layer on every kernel it could run, or None: the
+    rules ``DecodeAttention`` applies when the layer is built (``config.configure``, then
+    ``kernels.launchable_config``, the fallback to the ``simt`` reference kernels), asked here
+    so vLLM hears it at selection or model construction rather than once the KV cache exists.
+    Head size 512 is served by the reference kernels alone, which take none of the features
+    (a window, sinks, a soft-cap, multi-token decode, fp8 scales on the device)."""
+    try:
+        config = configure(num_heads, num_kv_heads, head_size, 16, q_dtype=q_dtype, kv_dtype=kv_dtype, max_batch=1,
+                           target_policy=target_policy(capability), kv_layout="HND", max_q_len=max_q_len,
+                           window_left=window_left, logits_soft_cap=logits_soft_cap, sinks=sinks, device_scales=fp8)
+        launchable_config(config, (), impl_chosen(None, os.environ.get(ENV_IMPL)))
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def reference_kernel_refusal(*, head_size: int, kv_cache_dtype: Optional[str], has_sink: bool,
+                             has_sliding_window: bool, capability: Optional[tuple[int, int]]) -> Optional[str]:
+    """Why a layer of this head size with what the selector sees of it (sinks, a window, an fp8
+    cache: its scales on the device) is refused by the library (``layer_refusal``), naming
+    what works; None where it is not (every ``mma`` head size, and plain layers at 512)."""
+    if head_size not in SIMT_ONLY_HEAD_DIMS:
+        return None
+    fp8 = kv_cache_dtype is not None and is_fp8(kv_cache_dtype)
+    why = layer_refusal(num_heads=1, num_kv_heads=1, head_size=head_size, q_dtype="bfloat16",
+                        kv_dtype="fp8_e4m3" if fp8 else "bfloat16", window_left=0 if has_sliding_window else -1,
+                        sinks=has_sink, fp8=fp8, capability=capability)
+    if why is None:
+        return None
+    return (f"head_size {head_size} with {what_the_layer_asks(fp8, has_sink, has_sliding_window)} not supported "
+            f"(metrale-attn: {why}; head sizes {min(HEAD_DIMS)} to {max(HEAD_DIMS)} take them, {head_size} only a "
+            "model-dtype cache without sinks or a window)")
+
+
+def what_the_layer_asks(fp8: bool, sinks: bool, window: bool) -> str:
+    """The selector-visible features of a layer, as a refusal names them."""
+    asked = [name for name, has in (("an fp8 cache", fp8), ("sinks", sinks), ("a sliding window", window)) if has]
+    return " and ".join(asked) or "nothing"
+
+
 def selection_refusals(*, head_size: int, dtype: str, kv_cache_dtype: Optional[str], block_size: Optional[int],
                        capability: Optional[tuple[int, int]], attn_type=None) -> dict[str, str]:
     """Why this configuration is not ours, at selection (empty: it is), each reason naming the
@@ -96,9 +166,8 @@ def selection_refusals(*, head_size: int, dtype: str, kv_cache_dtype: Optional[s
     the same check ("head_size not supported"), which ``with_what_works`` replaces by it.
     ``dtype``: ``str(torch dtype)`` of the model; ``capability``: (major, minor) or None."""
     reasons = {}
-    if head_size not in HEAD_DIMS:
-        reasons["head_size not supported"] = (f"head_size {head_size} not supported (metrale-attn: "
-                                              f"{', '.join(map(str, HEAD_DIMS))})")
+    if head_size not in HEAD_SIZES:
+        reasons["head_size not supported"] = f"head_size {head_size} not supported (metrale-attn: {head_sizes_line()})"
     if dtype not in MODEL_DTYPES:
         reasons["dtype not supported"] = f"dtype {dtype} not supported (metrale-attn: {', '.join(MODEL_DTYPES)})"
     if kv_cache_dtype is not None and kv_cache_dtype not in (*KV_CACHE_DTYPES, *REFUSED_KV_CACHE_DTYPES):
