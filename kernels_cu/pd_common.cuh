@@ -20,6 +20,8 @@
 // Defines (all required, given by Python as -D):
 //   PD_HEAD_DIM  a multiple of 16 in 64 .. 256 (the mma core, which checks it), or 512 (the simt
 //                kernels alone: 64 | 128 | 256 | 512)
+//   PD_V_HEAD_DIM  optional, default PD_HEAD_DIM: the value (and output) width; 512 at
+//                PD_HEAD_DIM 576 (MLA absorbed, the simt kernels only)
 //   PD_Q_DTYPE   PD_DTYPE_BF16 (0) | PD_DTYPE_FP16 (1)            (q and out)
 //   PD_KV_DTYPE  PD_DTYPE_BF16 (0) | PD_DTYPE_FP16 (1) | PD_DTYPE_FP8_E4M3 (2) |
 //                PD_DTYPE_FP8_E5M2 (3, the tensor-core kernels only)
@@ -54,8 +56,17 @@
 #ifndef PD_KV_DTYPE
 #error "PD_KV_DTYPE must be defined (-DPD_KV_DTYPE=0 bf16 | 1 fp16 | 2 fp8_e4m3)"
 #endif
-#if (PD_HEAD_DIM < 64 || PD_HEAD_DIM > 256 || PD_HEAD_DIM % 16 != 0) && PD_HEAD_DIM != 512
-#error "PD_HEAD_DIM must be a multiple of 16 in 64..256, or 512 (the simt kernels only)"
+#ifndef PD_V_HEAD_DIM
+#define PD_V_HEAD_DIM PD_HEAD_DIM  // values as wide as keys, unless MLA's (576, 512)
+#endif
+#if (PD_HEAD_DIM < 64 || PD_HEAD_DIM > 256 || PD_HEAD_DIM % 16 != 0) && PD_HEAD_DIM != 512 && PD_HEAD_DIM != 576
+#error "PD_HEAD_DIM must be a multiple of 16 in 64..256, or 512 or 576 (the simt kernels only)"
+#endif
+#if PD_V_HEAD_DIM != PD_HEAD_DIM && !(PD_HEAD_DIM == 576 && PD_V_HEAD_DIM == 512)
+#error "PD_V_HEAD_DIM must be PD_HEAD_DIM, or 512 at PD_HEAD_DIM 576 (MLA absorbed)"
+#endif
+#if PD_HEAD_DIM == 576 && PD_V_HEAD_DIM != 512
+#error "PD_HEAD_DIM 576 takes PD_V_HEAD_DIM 512 (MLA absorbed: 512 latent + 64 rope dims)"
 #endif
 #if PD_Q_DTYPE != PD_DTYPE_BF16 && PD_Q_DTYPE != PD_DTYPE_FP16
 #error "PD_Q_DTYPE must be PD_DTYPE_BF16 (0) or PD_DTYPE_FP16 (1)"

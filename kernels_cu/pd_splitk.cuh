@@ -6,7 +6,7 @@
 //   split_len = max(ceil(L / num_splits), PD_MIN_KV_PER_SPLIT),
 //   split i covers [i * split_len, min((i + 1) * split_len, L))   (possibly empty).
 // Slot ((seq * num_q_heads) + head) * num_splits + split of the workspace holds
-// PD_HEAD_DIM + 2 fp32 values: o[D] (normalized within the split, v_scale included), then
+// PD_V_HEAD_DIM + 2 fp32 values: o[D] (normalized within the split, v_scale included), then
 // m = max_t x_t (log2 units), then l = sum_t 2^(x_t - m); an empty split writes o = 0,
 // m = -inf, l = 0, so every slot is always written and the host never clears it. Slots
 // are not 16-byte aligned: scalar accesses only.
@@ -18,7 +18,7 @@
 //   alone is the state (a finite sink beyond +-FLT_MAX ln 2, see pd_add_sink).
 // M = -inf (no token at all, seq_len 0) gives out = 0 and lse = -inf (the sink's, with one).
 //
-// Defines: PD_HEAD_DIM, PD_Q_DTYPE (pd_common.cuh), PD_MIN_KV_PER_SPLIT.
+// Defines: PD_V_HEAD_DIM, PD_Q_DTYPE (pd_common.cuh), PD_MIN_KV_PER_SPLIT.
 
 #ifndef PD_SPLITK_CUH
 #define PD_SPLITK_CUH
@@ -42,15 +42,15 @@ __device__ __forceinline__ void pd_split_range(int seq_len, int split, int num_s
 
 __device__ __forceinline__ float* pd_split_slot(float* workspace, int seq, int num_q_heads, int head, int split,
                                                 int num_splits) {
-  return workspace + (((long long)seq * num_q_heads + head) * num_splits + split) * (PD_HEAD_DIM + 2);
+  return workspace + (((long long)seq * num_q_heads + head) * num_splits + split) * (PD_V_HEAD_DIM + 2);
 }
 
 // Writes dim d (and, for d == 0, m and l) of a split's state (M, L, O unnormalized).
 __device__ __forceinline__ void pd_store_split(float* slot, int d, float M, float L, float O, float v_scale) {
   slot[d] = pd_normalize(O, L, v_scale);  // empty split: M = -inf, L = 0, O = 0 -> o = 0
   if (d == 0) {
-    slot[PD_HEAD_DIM] = M;
-    slot[PD_HEAD_DIM + 1] = L;
+    slot[PD_V_HEAD_DIM] = M;
+    slot[PD_V_HEAD_DIM + 1] = L;
   }
 }
 
@@ -98,7 +98,7 @@ __device__ __forceinline__ float pd_sink_lse(float sink_ln, float lse_scale) {
 // is a sequence (a query token of one, for multi-token decode: row = seq * q_len + t).
 // `sinks` (may be null) holds each head's sink logit; it enters here, once, after the
 // splits. `Out` is the output element: unsigned short (bf16/fp16 bits of PD_Q_DTYPE,
-// staged in s_out, PD_HEAD_DIM shared elements of the caller's: a __shared__ array
+// staged in s_out, PD_V_HEAD_DIM shared elements of the caller's: a __shared__ array
 // inside an inline function is not portable to the CPU build) or float. Every thread
 // of the CTA calls it. lse (may be null) in the caller's base (lse_scale, see pd_lse).
 template <class Out>
@@ -109,20 +109,20 @@ __device__ __forceinline__ void pd_merge_splits(const float* __restrict__ worksp
   const int row = blockIdx.y;
   const int num_q_heads = gridDim.x;
   const float neg_inf = pd_neg_inf();
-  const float* slots = workspace + ((long long)row * num_q_heads + head) * num_splits * (PD_HEAD_DIM + 2);
-  Out* out_row = out + ((long long)row * num_q_heads + head) * PD_HEAD_DIM;
+  const float* slots = workspace + ((long long)row * num_q_heads + head) * num_splits * (PD_V_HEAD_DIM + 2);
+  Out* out_row = out + ((long long)row * num_q_heads + head) * PD_V_HEAD_DIM;
 
-  for (int d = threadIdx.x; d < PD_HEAD_DIM; d += blockDim.x) {
+  for (int d = threadIdx.x; d < PD_V_HEAD_DIM; d += blockDim.x) {
     float mx = neg_inf;
-    for (int i = 0; i < num_splits; ++i) mx = fmaxf(mx, slots[i * (PD_HEAD_DIM + 2) + PD_HEAD_DIM]);
+    for (int i = 0; i < num_splits; ++i) mx = fmaxf(mx, slots[i * (PD_V_HEAD_DIM + 2) + PD_V_HEAD_DIM]);
     // The -inf - -inf trap: when every split is empty, M = -inf and m_i - M would be NaN.
     // Subtract 0 instead; an empty split (m_i = -inf, l_i = 0) then gets
     // w_i = 0 * 2^-inf = 0 * 0 = 0, with M finite or not.
     const float ms = (mx == neg_inf) ? 0.f : mx;
     float L = 0.f, o = 0.f;
     for (int i = 0; i < num_splits; ++i) {
-      const float* sl = slots + i * (PD_HEAD_DIM + 2);
-      const float w = sl[PD_HEAD_DIM + 1] * exp2f(sl[PD_HEAD_DIM] - ms);
+      const float* sl = slots + i * (PD_V_HEAD_DIM + 2);
+      const float w = sl[PD_V_HEAD_DIM + 1] * exp2f(sl[PD_V_HEAD_DIM] - ms);
       L += w;
       o = fmaf(w, sl[d], o);
     }
@@ -139,7 +139,7 @@ __device__ __forceinline__ void pd_merge_splits(const float* __restrict__ worksp
   }
   if (sizeof(Out) != 4) {
     __syncthreads();
-    pd_store_span(reinterpret_cast<pd_q_t*>(out_row), s_out, PD_HEAD_DIM);
+    pd_store_span(reinterpret_cast<pd_q_t*>(out_row), s_out, PD_V_HEAD_DIM);
   }
 }
 

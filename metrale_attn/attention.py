@@ -152,6 +152,7 @@ class DecodeAttention:
         q_dtype,
         kv_dtype,
         max_batch: int,
+        v_head_dim: Optional[int] = None,
         kv_layout: str = "NHD",
         target: Optional[str] = None,
         backend=None,
@@ -167,7 +168,7 @@ class DecodeAttention:
     ) -> None:
         self.backend = get_backend(backend) if backend is None or isinstance(backend, str) else backend
         target_policy = resolve_target_policy(target_for(self.backend.device(), target), splitk=splitk, gqa_pack=gqa_pack)
-        config = configure(num_q_heads, num_kv_heads, head_dim, page_size, q_dtype=q_dtype, kv_dtype=kv_dtype,
+        config = configure(num_q_heads, num_kv_heads, head_dim, page_size, v_head_dim=v_head_dim, q_dtype=q_dtype, kv_dtype=kv_dtype,
                            max_batch=max_batch, target_policy=target_policy, kv_layout=kv_layout, sm_scale=sm_scale,
                            max_decode_seqs=max_decode_seqs, impl=impl, heads_per_cta=heads_per_cta, **features)
         self.config: LayerConfig = _with_launchable_impl(config, self.backend, impl_chosen(impl, os.environ.get(ENV_IMPL)))
@@ -195,7 +196,7 @@ class DecodeAttention:
         self._binder = CallBinder(self.config, self.backend, self._device,
                                   {key: (v, m) for (key, v), m in zip(specs.items(), modules)}, abi, self._plan,
                                   self._group, self.backend.pointer(self.workspace, info),
-                                  (constants.threads, merge_threads(self.config.shape.head_dim)))
+                                  (constants.threads, merge_threads(self.config.shape.v_head_dim)))
         with _HANDLES_LOCK:
             self._handle = next(_NEXT_HANDLE)
             _BY_HANDLE[self._handle] = self
@@ -343,7 +344,7 @@ class DecodeAttention:
         rows = self._binder.rows(q)
         be = self.backend
         if out is None:
-            out = be.empty(rows + (self.config.shape.head_dim,), _OUT_NUMPY[self.config.out_dtype], like=q)
+            out = be.empty(rows + (self.config.shape.v_head_dim,), _OUT_NUMPY[self.config.out_dtype], like=q)
         if want_lse and lse is None:
             lse = be.empty(rows, np.float32, like=q)
         return out, lse

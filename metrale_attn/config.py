@@ -39,6 +39,10 @@ layers) is theirs alone: with the default ``impl`` a layer there falls back to t
 (``kernels.mma_refusal``)."""
 SIMT_ONLY_HEAD_DIMS = tuple(d for d in SIMT_HEAD_DIMS if d not in HEAD_DIMS)
 """The head dims only the ``simt`` kernels serve (512): wider than the ``mma`` core's."""
+NARROW_V_SHAPES = ((576, 512),)
+"""``(head_dim, v_head_dim)`` pairs with values narrower than keys: MLA's absorbed decode
+(512 latent + 64 rope dims of keys, the 512 latent of values; one KV head), on the ``simt``
+unpacked and split-K kernels alone. Every other layer has ``v_head_dim == head_dim``."""
 LAYOUTS = ("NHD", "HND")
 MAX_PAGE_SIZE = 256
 MAX_Q_LEN = 8
@@ -80,9 +84,13 @@ class ModelShape:
     num_q_heads: int
     num_kv_heads: int
     head_dim: int
+    v_head_dim: Optional[int] = None
+    """The value and output width: None (``head_dim``) or a ``NARROW_V_SHAPES`` pair's."""
 
     def __post_init__(self) -> None:
-        for name in ("num_q_heads", "num_kv_heads", "head_dim"):
+        if self.v_head_dim is None:
+            object.__setattr__(self, "v_head_dim", self.head_dim)
+        for name in ("num_q_heads", "num_kv_heads", "head_dim", "v_head_dim"):
             value = policy.as_int(getattr(self, name))  # NumPy integers too, not bools
             if value is None or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")
@@ -91,6 +99,15 @@ class ModelShape:
             raise ValueError(
                 f"num_q_heads ({self.num_q_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
             )
+        if self.v_head_dim != self.head_dim:
+            pairs = ", ".join(f"({k}, {v})" for k, v in NARROW_V_SHAPES)
+            if (self.head_dim, self.v_head_dim) not in NARROW_V_SHAPES:
+                raise ValueError(f"v_head_dim must equal head_dim, or (head_dim, v_head_dim) be one of {pairs} "
+                                 f"(MLA absorbed), got head_dim {self.head_dim}, v_head_dim {self.v_head_dim}")
+            if self.num_kv_heads != 1:
+                raise ValueError(f"(head_dim, v_head_dim) ({self.head_dim}, {self.v_head_dim}) is MLA's absorbed "
+                                 f"decode over one latent KV head: num_kv_heads must be 1, got {self.num_kv_heads}")
+            return
         if self.head_dim not in HEAD_DIMS and self.head_dim not in SIMT_ONLY_HEAD_DIMS:
             raise ValueError(f"head_dim must be a multiple of 16 from 64 to 256 ({', '.join(map(str, HEAD_DIMS))}) "
                              f"or {', '.join(map(str, SIMT_ONLY_HEAD_DIMS))} (the simt kernels only), "
@@ -171,7 +188,8 @@ class LayerConfig:
         head dim outside ``SIMT_HEAD_DIMS``."""
         head_dim = self.shape.head_dim
         return (tuple(sorted(self.features)) + (("fp8 e5m2 cache",) if self.kv_dtype == dtypes.FP8_E5M2 else ())
-                + ((simt_head_dim_refusal(head_dim),) if head_dim not in SIMT_HEAD_DIMS else ()))
+                + ((simt_head_dim_refusal(head_dim),)
+                   if head_dim not in SIMT_HEAD_DIMS and self.shape.v_head_dim == head_dim else ()))
 
 
 FEATURES: dict[str, Callable[[LayerConfig], bool]] = {f.name: f.has for f in FEATURE_RECORDS}
@@ -191,6 +209,7 @@ def configure(
     head_dim: int,
     page_size: int,
     *,
+    v_head_dim: Optional[int] = None,
     q_dtype,
     kv_dtype,
     max_batch: int,
@@ -219,7 +238,7 @@ def configure(
     ``METRALE_ATTN_DECODE_PDL``, else on. ``target_policy``: the target and its resolved
     policy (``targets.resolve_target_policy``)."""
     env = os.environ if environ is None else environ
-    shape = ModelShape(num_q_heads, num_kv_heads, head_dim)
+    shape = ModelShape(num_q_heads, num_kv_heads, head_dim, v_head_dim)
     page_size = int_in("page_size", page_size, 1, MAX_PAGE_SIZE)
     max_batch = int_in("max_batch", max_batch, 1)
     max_decode_seqs = int_in("max_decode_seqs", max_decode_seqs, 0)
@@ -253,7 +272,7 @@ def configure(
     if impl == "mma" and chosen and shape.head_dim not in HEAD_DIMS:
         raise ValueError(f"impl='mma' has no {mma_head_dim_refusal(shape.head_dim)}: use impl='simt', or leave impl "
                          f"and {ENV_IMPL} unset (the default takes simt there)")
-    if impl == "simt" and shape.head_dim not in SIMT_HEAD_DIMS:
+    if impl == "simt" and shape.head_dim not in SIMT_HEAD_DIMS and shape.v_head_dim == shape.head_dim:
         raise ValueError(f"impl='simt' has no {simt_head_dim_refusal(shape.head_dim)}: use impl='mma' (impl or "
                          f"{ENV_IMPL})")
     config = LayerConfig(shape, page_size, q_dtype, kv_dtype, max_batch, target_policy, layout, out_dtype, sm_scale,

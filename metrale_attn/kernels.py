@@ -22,7 +22,7 @@ import functools
 from dataclasses import dataclass, replace
 
 from . import dtypes, policy
-from .config import (DEFAULT_IMPL, FEATURES, HEAD_DIMS, IMPLS, ROW_TILE, SIMT_HEAD_DIMS, LayerConfig,
+from .config import (DEFAULT_IMPL, FEATURES, HEAD_DIMS, IMPLS, NARROW_V_SHAPES, ROW_TILE, SIMT_HEAD_DIMS, LayerConfig,
                      feature_define, heads_per_cta_choices, max_rows_per_cta)
 from .plan import ARMS, KERNELS, make_plan
 from .sources import (SOURCE_FILES, KernelSourceError, Param, check_pack_constants, inline, parse_kernel_params,
@@ -40,6 +40,9 @@ def mma_shape_refusal(config: LayerConfig) -> str | None:
     dim past its widest (512, which only the ``simt`` kernels serve). Asks nothing of a device,
     so a construction does not run the ``mma`` self-test for such a layer."""
     head_dim = config.shape.head_dim
+    if config.shape.v_head_dim != head_dim:
+        return (f"(head_dim, v_head_dim) ({head_dim}, {config.shape.v_head_dim}) has no mma kernel (values "
+                f"narrower than keys: MLA's absorbed decode is the simt kernels')")
     if head_dim in HEAD_DIMS:
         return None
     return f"head_dim {head_dim} is wider than the mma core's {min(HEAD_DIMS)}..{max(HEAD_DIMS)}"
@@ -114,8 +117,19 @@ class KernelSpec:
     """``mma`` only: which of ``FEATURES`` this spec is compiled with (each a
     specialization: the plain path compiles none of their code)."""
     smem_limit: int = SMEM_LIMIT_BYTES
+    v_head_dim: int | None = None
+    """The values' width: None or ``head_dim`` (the same kernel), else a ``NARROW_V_SHAPES`` pair's
+    (``simt`` unpacked and split-K only; ``-DPD_V_HEAD_DIM`` and ``_v<dim>`` in the name)."""
 
     def __post_init__(self) -> None:
+        if self.v_head_dim == self.head_dim:
+            object.__setattr__(self, "v_head_dim", None)
+        if self.v_head_dim is not None:
+            if ((self.head_dim, self.v_head_dim) not in NARROW_V_SHAPES or self.impl != "simt"
+                    or self.arm == "gqa_packed"):
+                raise ValueError(f"(head_dim, v_head_dim) ({self.head_dim}, {self.v_head_dim}) has no {self.impl} "
+                                 f"{self.arm} kernel: only the simt unpacked and split-K kernels take "
+                                 f"{', '.join(map(str, NARROW_V_SHAPES))}")
         if isinstance(self.smem_limit, bool) or not isinstance(self.smem_limit, int) or self.smem_limit <= 0:
             raise ValueError(f"smem_limit must be a positive int (bytes per block), got {self.smem_limit!r}")
         if self.impl not in IMPLS:
@@ -126,7 +140,7 @@ class KernelSpec:
             raise ValueError(f"unsupported dtypes q={self.q_dtype!r} kv={self.kv_dtype!r}")
         allowed = ((policy.DECODE_GQA_PACK_HEAD_DIM,) if self.arm == "gqa_packed"
                    else HEAD_DIMS if self.impl == "mma" else SIMT_HEAD_DIMS)
-        if self.head_dim not in allowed:
+        if self.head_dim not in allowed and self.v_head_dim is None:
             raise ValueError(f"the {self.arm} kernel supports head_dim {allowed}, got {self.head_dim}")
         if self.row_tiles not in (tuple(range(1, max_rows_per_cta(self.head_dim) // ROW_TILE + 1)) if self.impl == "mma"
                                   else (1,)):
@@ -144,7 +158,7 @@ class KernelSpec:
     def name(self) -> str:
         dt = f"q{self.q_dtype}_kv{self.kv_dtype}_hd{self.head_dim}"
         if self.impl == "simt":
-            return f"simt_decode_{self.arm}_{dt}"
+            return f"simt_decode_{self.arm}_{dt}" + (f"_v{self.v_head_dim}" if self.v_head_dim else "")
         sm90 = mma_tiling(self.head_dim, self.q_dtype, self.kv_dtype, self.row_tiles)
         return (f"decode_{self.arm}_{dt}_r{ROW_TILE * self.row_tiles}" + "".join(
             f"_{f}" for f in FEATURES if f in self.features) + (f"_{self.tiling.label}" if self.tiling != sm90 else ""))
@@ -206,6 +220,8 @@ class KernelSpec:
             "PD_KV_DTYPE": codes[self.kv_dtype],
             "PD_MIN_KV_PER_SPLIT": policy.PD_MIN_KV_PER_SPLIT,
         }
+        if self.v_head_dim is not None:
+            out["PD_V_HEAD_DIM"] = self.v_head_dim
         if self.tiling:
             t = self.tiling
             out.update(PD_ROW_TILES=self.row_tiles, PD_TILE_TOKENS=t.tile_tokens, PD_STAGES=t.stages,
@@ -269,7 +285,8 @@ def kernel_params(spec: KernelSpec) -> dict[str, tuple[Param, ...]]:
 
 
 def all_specs() -> list[KernelSpec]:
-    """Every plain spec the dispatch can ask for, and the feature specs CI compiles:
+    """Every plain spec the dispatch can ask for (MLA's 576/512 on the simt unpacked and split-K
+    arms among them), and the feature specs CI compiles:
     each feature alone on every mma arm (head dim 128, fp8 KV; the packed arm at 256),
     and all of them together on the heaviest (8 rows of head dim 256, 16 of 192 and of 128)."""
     plain = [
@@ -283,6 +300,13 @@ def all_specs() -> list[KernelSpec]:
         for q in dtypes.Q_DTYPES
         for kv in dtypes.KV_DTYPES
         if impl == "mma" or kv != dtypes.FP8_E5M2
+    ] + [
+        KernelSpec(arm, head_dim, q, kv, "simt", v_head_dim=v_head_dim)  # MLA absorbed: values narrower than keys
+        for head_dim, v_head_dim in NARROW_V_SHAPES
+        for arm in ("unpacked", "splitk")
+        for q in dtypes.Q_DTYPES
+        for kv in dtypes.KV_DTYPES
+        if kv != dtypes.FP8_E5M2
     ]
     featured = [
         KernelSpec(arm, 256 if arm == "gqa_packed" else 128, dtypes.BF16, dtypes.FP8, "mma", 1, {feature})
@@ -313,5 +337,5 @@ def specs_for(config: LayerConfig) -> dict[tuple[str, int, bool], KernelSpec]:
             for row_tiles in sorted({plan.row_tiles_for(r) for r in rows}):
                 specs.setdefault((plan.arm, row_tiles, q_len > 1), KernelSpec(
                     plan.arm, config.shape.head_dim, config.q_dtype, config.kv_dtype, plan.impl, row_tiles,
-                    config.features_at(q_len), config.target.smem_per_block))
+                    config.features_at(q_len), config.target.smem_per_block, config.shape.v_head_dim))
     return specs

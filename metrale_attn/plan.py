@@ -174,8 +174,8 @@ def workspace_for(
         raise ValueError(f"max_batch={max_batch} is too large: {max_batch} seqs x {max_q_len} query token(s) x "
                          f"{shape.num_q_heads} q heads x {splits} splits = {need} split-K workspace slots, past the "
                          f"{policy.U32_MAX} (2**32 - 1) the launch policy counts "
-                         f"({Workspace(need, shape.head_dim).nbytes} bytes): lower max_batch")
-    return Workspace(slots, shape.head_dim)
+                         f"({Workspace(need, shape.v_head_dim).nbytes} bytes): lower max_batch")
+    return Workspace(slots, shape.v_head_dim)
 
 
 def persistent_ctas(tiling: Tiling, target: Target) -> int:

@@ -85,6 +85,7 @@ class Problem:
             k_scale=self.k_scale,
             v_scale=self.v_scale,
             return_lse=return_lse,
+            v_head_dim=self.v_cache.shape[-1],
             **features,
         )
 

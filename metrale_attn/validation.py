@@ -56,11 +56,16 @@ def check_q(config: LayerConfig, qi: ArrayInfo, rows=None) -> tuple[int, ...]:
 
 
 def check_cache(config: LayerConfig, info: ArrayInfo, argument: str) -> tuple[int, int, int]:
-    """``(page, token, head)`` strides in elements of a cache, after checking its shape."""
-    P_S, KV, D = config.page_size, config.shape.num_kv_heads, config.shape.head_dim
+    """``(page, token, head)`` strides in elements of a cache, after checking its shape: the last
+    dim is ``head_dim`` (k_cache) or ``v_head_dim`` (v_cache, which may be a strided view of
+    k_cache's first dims)."""
+    P_S, KV = config.page_size, config.shape.num_kv_heads
+    D = config.shape.v_head_dim if argument == "v_cache" else config.shape.head_dim
     expected = ("num_pages", P_S, KV, D) if config.kv_layout == "NHD" else ("num_pages", KV, P_S, D)
     if len(info.shape) != 4 or tuple(info.shape[1:]) != expected[1:]:
-        raise ValueError(f"{argument} must be {config.kv_layout} [{', '.join(map(str, expected))}], "
+        narrow = (f" (its last dim is v_head_dim {D})" if argument == "v_cache"
+                  and config.shape.v_head_dim != config.shape.head_dim else "")
+        raise ValueError(f"{argument} must be {config.kv_layout} [{', '.join(map(str, expected))}]{narrow}, "
                          f"got {list(info.shape)}")
     _dtype(info, argument, config.kv_dtype)
     _vector_rows(info, argument)
@@ -95,7 +100,7 @@ def check_seq_lens(config: LayerConfig, si: ArrayInfo, rows) -> None:
 
 
 def check_out(config: LayerConfig, oi: ArrayInfo, rows) -> None:
-    shape = rows + (config.shape.head_dim,)
+    shape = rows + (config.shape.v_head_dim,)
     if oi.shape != shape or (rows[0] and oi.strides != contiguous(shape)):
         raise ValueError(f"out must be a contiguous {list(shape)} array, got shape {list(oi.shape)} "
                          f"strides {list(oi.strides)}")
@@ -132,9 +137,9 @@ def check_together(k_info: ArrayInfo, v_info: ArrayInfo, outputs: tuple, inputs:
                    workspace: Optional[tuple[int, int]]) -> None:
     """The checks across arrays (each is on the layer's device already): the caches agree,
     and ``refuse_overlaps``."""
-    if k_info.shape != v_info.shape:
-        raise ValueError(f"k_cache and v_cache must have the same shape, got {list(k_info.shape)} and "
-                         f"{list(v_info.shape)}")
+    if k_info.shape[:-1] != v_info.shape[:-1]:  # the last dims: head_dim and v_head_dim, each checked
+        raise ValueError(f"k_cache and v_cache must have the same shape but the last dim (head_dim, v_head_dim), "
+                         f"got {list(k_info.shape)} and {list(v_info.shape)}")
     refuse_overlaps(outputs, inputs, workspace)
 
 

@@ -80,10 +80,11 @@ def hot_loop(spec: KernelSpec) -> HotLoop:
 
 
 def read_constexpr(text: str, name: str, *, kv_itemsize: int, head_dim: int | None = None,
-                   known: dict[str, int] | None = None) -> int:
+                   known: dict[str, int] | None = None, v_head_dim: int | None = None) -> int:
     """The value of the one ``constexpr int <name> = <expr>;`` in ``text`` as its arm
     compiles it (``arm_text``), where ``<expr>`` is integer arithmetic on literals,
-    ``sizeof(pd_kv_t)`` (the KV element size, ``kv_itemsize``) and ``PD_HEAD_DIM`` (``head_dim``),
+    ``sizeof(pd_kv_t)`` (the KV element size, ``kv_itemsize``), ``PD_HEAD_DIM`` (``head_dim``) and
+    ``PD_V_HEAD_DIM`` (``v_head_dim``, default ``head_dim``),
     the constants ``known`` gives (read before it: ``{"VEC": 8}``), with comparisons and C's
     conditional operator, e.g. ``16 / (int)sizeof(pd_kv_t)`` or ``PD_HEAD_DIM / 32 > 8 ? PD_HEAD_DIM / 32 : 8``."""
     found = re.findall(rf"\bconstexpr[ \t]+int[ \t]+{name}[ \t]*=[ \t]*([^;]+);", arm_text(text))
@@ -91,7 +92,9 @@ def read_constexpr(text: str, name: str, *, kv_itemsize: int, head_dim: int | No
         raise KernelSourceError(f"expected exactly one 'constexpr int {name} = ...;' in the kernel source, "
                                 f"found {len(found)}")
     expr = re.sub(r"\(int\)\s*sizeof\(pd_kv_t\)|sizeof\(pd_kv_t\)", str(kv_itemsize), found[0])
-    for known_name, value in {**({"PD_HEAD_DIM": head_dim} if head_dim is not None else {}), **(known or {})}.items():
+    dims = {} if head_dim is None else {"PD_HEAD_DIM": head_dim,
+                                        "PD_V_HEAD_DIM": head_dim if v_head_dim is None else v_head_dim}
+    for known_name, value in {**dims, **(known or {})}.items():
         expr = re.sub(rf"\b{known_name}\b", str(value), expr)
     try:
         return _int_arithmetic(ast.parse(_python_conditional(expr.strip()), mode="eval").body)

@@ -39,8 +39,22 @@
 
 // A thread's slice of VEC dims must tile the row in a power-of-two number of lanes (at
 // most a warp: at 512 a slice is 16 dims, 32 bytes of a bf16/fp16 row, see THE KERNEL).
-#if PD_HEAD_DIM != 64 && PD_HEAD_DIM != 128 && PD_HEAD_DIM != 256 && PD_HEAD_DIM != 512
-#error "the simt kernels take PD_HEAD_DIM 64, 128, 256 or 512 (the mma core takes every multiple of 16 in 64..256)"
+#if PD_HEAD_DIM != 64 && PD_HEAD_DIM != 128 && PD_HEAD_DIM != 256 && PD_HEAD_DIM != 512 && PD_HEAD_DIM != 576
+#error "the simt kernels take PD_HEAD_DIM 64, 128, 256, 512 or 576 (the mma core takes every multiple of 16 in 64..256)"
+#endif
+
+// MLA absorbed (PD_HEAD_DIM 576, PD_V_HEAD_DIM 512): a K row is 512 latent dims, which map to
+// the lanes exactly as a 512-wide row does (and are the V row's dims too), then 64 rope dims,
+// PD_ROPE_LANE = 2 a lane (dims 512 + 2 lane, 512 + 2 lane + 1: one 4-byte load of bf16/fp16,
+// one 2-byte load of fp8), which join the lane's partial dot before the butterfly. Elsewhere
+// PD_ROPE_LANE is 0 and none of that code exists.
+#if PD_HEAD_DIM != PD_V_HEAD_DIM
+#if PD_ARM == PD_ARM_GQA_PACKED
+#error "the simt packed arm has no PD_V_HEAD_DIM != PD_HEAD_DIM kernel"
+#endif
+#define PD_ROPE_LANE ((PD_HEAD_DIM - PD_V_HEAD_DIM) / 32)
+#else
+#define PD_ROPE_LANE 0
 #endif
 
 #if PD_KV_DTYPE == PD_DTYPE_FP8_E5M2
@@ -180,6 +194,10 @@ __device__ __forceinline__ void pd_load_q(const pd_q_t* p, float (&qf)[VEC]) {
 template <int NH, int VEC, int UNROLL>
 __device__ __forceinline__ void pd_attend(
     const float (&q)[NH][VEC],
+#if PD_ROPE_LANE
+    const float (&q_rope)[NH][2],      // q's dims PD_V_HEAD_DIM + 2 lane, + 1
+    const pd_kv_t* __restrict__ k_rope,  // k_cache + kv_head * k_stride_head + PD_V_HEAD_DIM + 2 lane
+#endif
     const pd_kv_t* __restrict__ k_lane,  // k_cache + kv_head * k_stride_head + slice * VEC
     long long k_stride_page, long long k_stride_token,
     const pd_kv_t* __restrict__ v_lane,  // v_cache + kv_head * v_stride_head + slice * VEC
@@ -187,13 +205,16 @@ __device__ __forceinline__ void pd_attend(
     const int* __restrict__ bt_row,  // this sequence's block-table row
     int page_size, int start, int end, float qk_scale,
     float (&m)[NH], float (&l)[NH], float (&acc)[NH][VEC]) {
-  constexpr int TPR = PD_HEAD_DIM / VEC;
+  constexpr int TPR = PD_V_HEAD_DIM / VEC;
   constexpr int R = 32 / TPR;
   constexpr int TILE = R * UNROLL;
   constexpr int NW = VEC * (int)sizeof(pd_kv_t) / 4;  // 32-bit words per row slice
   static_assert(TPR >= 1 && TPR <= 32 && (32 % TPR) == 0, "a row is a power-of-two part of a warp");
   static_assert(NW == 8 || NW == 4 || NW == 2, "row slices are 32-, 16- or 8-byte loads");
   static_assert(TILE <= 32, "one lane resolves one token of the tile");
+#if PD_ROPE_LANE
+  static_assert(TPR == 32 && PD_ROPE_LANE == 2, "the rope dims take 2 a lane of a whole-warp row");
+#endif
 
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
@@ -241,6 +262,9 @@ __device__ __forceinline__ void pd_attend(
 
     // Issue all K and V loads of the tile before using any of them.
     unsigned kw[UNROLL][NW], vw[UNROLL][NW];
+#if PD_ROPE_LANE
+    unsigned kr[UNROLL];  // the lane's 2 rope elements (fp8: in the low 2 bytes)
+#endif
     bool valid[UNROLL];
     PD_UNROLL
     for (int u = 0; u < UNROLL; ++u) {
@@ -251,9 +275,19 @@ __device__ __forceinline__ void pd_attend(
       if (valid[u]) {
         pd_load_words(k_lane + p * k_stride_page + o * k_stride_token, kw[u]);
         pd_load_words(v_lane + p * v_stride_page + o * v_stride_token, vw[u]);
+#if PD_ROPE_LANE
+#if PD_KV_DTYPE == PD_DTYPE_FP8_E4M3
+        kr[u] = *reinterpret_cast<const unsigned short*>(k_rope + p * k_stride_page + o * k_stride_token);
+#else
+        kr[u] = *reinterpret_cast<const unsigned*>(k_rope + p * k_stride_page + o * k_stride_token);
+#endif
+#endif
       } else {  // masked token: nothing loaded, zeros (0 bits are +0.0 in every dtype)
         PD_UNROLL
         for (int j = 0; j < NW; ++j) { kw[u][j] = 0u; vw[u][j] = 0u; }
+#if PD_ROPE_LANE
+        kr[u] = 0u;
+#endif
       }
     }
 
@@ -263,11 +297,22 @@ __device__ __forceinline__ void pd_attend(
     for (int u = 0; u < UNROLL; ++u) {
       float kf[VEC];  // k * 2^-BIAS
       pd_kv_slice(kw[u], kf);
+#if PD_ROPE_LANE
+      float kf_rope[4 / (int)sizeof(pd_kv_t)];  // fp8: 4 values, the top 2 from zero bytes (unused)
+      {
+        const unsigned krw[1] = {kr[u]};
+        pd_kv_slice(krw, kf_rope);
+      }
+#endif
       PD_UNROLL
       for (int h = 0; h < NH; ++h) {
         float d = 0.f;
         PD_UNROLL
         for (int i = 0; i < VEC; ++i) d = fmaf(q[h][i], kf[i], d);
+#if PD_ROPE_LANE
+        d = fmaf(q_rope[h][0], kf_rope[0], d);
+        d = fmaf(q_rope[h][1], kf_rope[1], d);
+#endif
         PD_UNROLL
         for (int off = TPR / 2; off >= 1; off >>= 1) d += __shfl_xor_sync(PD_FULL_MASK, d, off);
 #if PD_KV_SCALED
@@ -350,7 +395,7 @@ __device__ __forceinline__ void pd_merge_xor(float (&m)[NH], float (&l)[NH], flo
 template <int NH, int VEC>
 __device__ __forceinline__ void pd_cta_publish(float (&m)[NH], float (&l)[NH], float (&acc)[NH][VEC],
                                                float* s_m, float* s_l, float* s_acc) {
-  constexpr int TPR = PD_HEAD_DIM / VEC;
+  constexpr int TPR = PD_V_HEAD_DIM / VEC;
   PD_UNROLL
   for (int off = TPR; off < 32; off <<= 1) pd_merge_xor<NH, VEC>(m, l, acc, off);
   const int lane = threadIdx.x & 31;
@@ -363,7 +408,7 @@ __device__ __forceinline__ void pd_cta_publish(float (&m)[NH], float (&l)[NH], f
         s_l[h * PD_WARPS + warp] = l[h];
       }
       PD_UNROLL
-      for (int i = 0; i < VEC; ++i) s_acc[(h * PD_WARPS + warp) * PD_HEAD_DIM + lane * VEC + i] = acc[h][i];
+      for (int i = 0; i < VEC; ++i) s_acc[(h * PD_WARPS + warp) * PD_V_HEAD_DIM + lane * VEC + i] = acc[h][i];
     }
   }
   __syncthreads();
@@ -384,7 +429,7 @@ __device__ __forceinline__ void pd_cta_combine(const float* s_m, const float* s_
   for (int w = 0; w < PD_WARPS; ++w) {
     const float wt = exp2f(s_m[h * PD_WARPS + w] - ms);  // empty warp: 2^-inf = 0, and l_w = acc_w = 0
     lsum = fmaf(s_l[h * PD_WARPS + w], wt, lsum);
-    o = fmaf(s_acc[(h * PD_WARPS + w) * PD_HEAD_DIM + d], wt, o);
+    o = fmaf(s_acc[(h * PD_WARPS + w) * PD_V_HEAD_DIM + d], wt, o);
   }
   M = mx;
   L = lsum;
@@ -460,15 +505,17 @@ extern "C" __global__ void PD_LAUNCH_BOUNDS(PD_THREADS, PD_SIMT_MIN_CTAS) PD_ENT
   // D / 32 dims instead (two 16-byte loads: VEC 16, 32 bytes) and 2 tokens a tile instead of
   // 4 (UNROLL 2), so a warp keeps the same 4 KB of K/V loads in flight and a thread the same
   // 32 K/V words in registers (84..123 registers at 512, no spills, on every target).
-  constexpr int VEC = PD_HEAD_DIM / 32 > 16 / (int)sizeof(pd_kv_t) ? PD_HEAD_DIM / 32 : 16 / (int)sizeof(pd_kv_t);
+  // (MLA's 576-wide keys: the slice of the 512 latent dims, which are also the values', and 2 rope
+  // dims a lane besides: PD_ROPE_LANE.)
+  constexpr int VEC = PD_V_HEAD_DIM / 32 > 16 / (int)sizeof(pd_kv_t) ? PD_V_HEAD_DIM / 32 : 16 / (int)sizeof(pd_kv_t);
 #endif
   constexpr int UNROLL = VEC * (int)sizeof(pd_kv_t) > 16 ? 2 : 4;  // 32-byte slices: 2, else 4
 
   __shared__ float s_m[NH * PD_WARPS];
   __shared__ float s_l[NH * PD_WARPS];
-  __shared__ float s_acc[NH * PD_WARPS * PD_HEAD_DIM];
+  __shared__ float s_acc[NH * PD_WARPS * PD_V_HEAD_DIM];
 #if PD_ARM != PD_ARM_SPLITK
-  __shared__ unsigned short s_out[NH * PD_HEAD_DIM];
+  __shared__ unsigned short s_out[NH * PD_V_HEAD_DIM];
 #endif
 
 #if PD_ARM == PD_ARM_GQA_PACKED
@@ -489,7 +536,7 @@ extern "C" __global__ void PD_LAUNCH_BOUNDS(PD_THREADS, PD_SIMT_MIN_CTAS) PD_ENT
 #endif
   const int kv_head = head0 / (num_q_heads / num_kv_heads);
 #endif
-  const int slice = (threadIdx.x & 31) % (PD_HEAD_DIM / VEC);
+  const int slice = (threadIdx.x & 31) % (PD_V_HEAD_DIM / VEC);
   int seq_len = seq_lens[seq];
   seq_len = seq_len > 0 ? seq_len : 0;
 #if PD_ARM == PD_ARM_SPLITK
@@ -504,15 +551,30 @@ extern "C" __global__ void PD_LAUNCH_BOUNDS(PD_THREADS, PD_SIMT_MIN_CTAS) PD_ENT
   for (int j = 0; j < NH; ++j)
     pd_load_q<VEC>(q + seq * q_stride_seq + (head0 + j) * q_stride_head + slice * VEC, qf[j]);
 
+#if PD_ROPE_LANE
+  float qr[NH][2];
+  PD_UNROLL
+  for (int j = 0; j < NH; ++j) {
+    const unsigned w = *reinterpret_cast<const unsigned*>(q + seq * q_stride_seq + (head0 + j) * q_stride_head +
+                                                          PD_V_HEAD_DIM + 2 * (threadIdx.x & 31));
+    qr[j][0] = pd_q_to_float(w & 0xffffu);
+    qr[j][1] = pd_q_to_float(w >> 16);
+  }
+#endif
+
   float m[NH], l[NH], acc[NH][VEC];
-  pd_attend<NH, VEC, UNROLL>(qf, k_cache + kv_head * k_stride_head + slice * VEC, k_stride_page, k_stride_token,
+  pd_attend<NH, VEC, UNROLL>(qf,
+#if PD_ROPE_LANE
+                             qr, k_cache + kv_head * k_stride_head + PD_V_HEAD_DIM + 2 * (threadIdx.x & 31),
+#endif
+                             k_cache + kv_head * k_stride_head + slice * VEC, k_stride_page, k_stride_token,
                              v_cache + kv_head * v_stride_head + slice * VEC, v_stride_page, v_stride_token,
                              block_tables + seq * block_tables_stride, page_size, start, end, qk_scale, m, l, acc);
   pd_cta_publish<NH, VEC>(m, l, acc, s_m, s_l, s_acc);
 
 #if PD_ARM == PD_ARM_SPLITK
   float* slot = pd_split_slot(workspace, seq, num_q_heads, head0, split, num_splits);
-  for (int d = threadIdx.x; d < PD_HEAD_DIM; d += PD_THREADS) {
+  for (int d = threadIdx.x; d < PD_V_HEAD_DIM; d += PD_THREADS) {
     float M, L, O;
     pd_cta_combine(s_m, s_l, s_acc, 0, d, M, L, O);
     pd_store_split(slot, d, M, L, O, v_scale);
@@ -520,9 +582,9 @@ extern "C" __global__ void PD_LAUNCH_BOUNDS(PD_THREADS, PD_SIMT_MIN_CTAS) PD_ENT
   (void)out;
   (void)lse;
 #else
-  for (int idx = threadIdx.x; idx < NH * PD_HEAD_DIM; idx += PD_THREADS) {
-    const int j = NH == 1 ? 0 : idx / PD_HEAD_DIM;  // the CTA's head j (one head: 0, no division), dim d
-    const int d = idx - j * PD_HEAD_DIM;
+  for (int idx = threadIdx.x; idx < NH * PD_V_HEAD_DIM; idx += PD_THREADS) {
+    const int j = NH == 1 ? 0 : idx / PD_V_HEAD_DIM;  // the CTA's head j (one head: 0, no division), dim d
+    const int d = idx - j * PD_V_HEAD_DIM;
     float M, L, O;
     pd_cta_combine(s_m, s_l, s_acc, j, d, M, L, O);
     // L >= 1 whenever a token was seen (the max token contributes 2^0); L == 0: zeros.
@@ -530,7 +592,7 @@ extern "C" __global__ void PD_LAUNCH_BOUNDS(PD_THREADS, PD_SIMT_MIN_CTAS) PD_ENT
     if (d == 0 && lse != nullptr) lse[(long long)seq * num_q_heads + head0 + j] = pd_lse(M, L, lse_scale);
   }
   __syncthreads();
-  pd_store_span(out + ((long long)seq * num_q_heads + head0) * PD_HEAD_DIM, s_out, NH * PD_HEAD_DIM);
+  pd_store_span(out + ((long long)seq * num_q_heads + head0) * PD_V_HEAD_DIM, s_out, NH * PD_V_HEAD_DIM);
   (void)workspace;
 #endif
 }
@@ -542,7 +604,7 @@ extern "C" __global__ void PD_LAUNCH_BOUNDS(PD_THREADS, PD_SIMT_MIN_CTAS) PD_ENT
 extern "C" __global__ void PD_LAUNCH_BOUNDS(PD_MERGE_THREADS, 4) simt_decode_splitk_merge(
     const float* __restrict__ workspace, int num_splits, pd_q_t* __restrict__ out, float* __restrict__ lse,
     float lse_scale) {
-  __shared__ unsigned short s_out[PD_HEAD_DIM];
+  __shared__ unsigned short s_out[PD_V_HEAD_DIM];
   pd_merge_splits(workspace, num_splits, (const float*)nullptr, out, lse, lse_scale, s_out);
 }
 #endif

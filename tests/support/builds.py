@@ -61,7 +61,9 @@ def _sm90_sample() -> set:
     for v in kernels.all_specs():
         if v.features:
             continue
-        if v.head_dim in SIMT_HEAD_DIMS:
+        if v.v_head_dim:  # MLA's 576/512: one spec an arm (bf16), the rest slow
+            sample.setdefault((v.impl, v.arm, v.head_dim, v.v_head_dim), v)
+        elif v.head_dim in SIMT_HEAD_DIMS:
             sample.setdefault((v.impl, v.arm, v.head_dim, v.kv_dtype, v.row_tiles), v)
         else:
             padded.setdefault((v.arm, v.kv_dtype, v.row_tiles), []).append(v)
@@ -90,7 +92,7 @@ def arch_matrix():
                 continue
             if arch in SPOT_ONLY_ARCHES and v not in SPOT_SPECS:
                 continue
-            if arch != "sm_90" and v.head_dim not in SIMT_HEAD_DIMS and v not in SPOT_SPECS:
+            if arch != "sm_90" and v.head_dim not in SIMT_HEAD_DIMS and not v.v_head_dim and v not in SPOT_SPECS:
                 continue
             spot = v in (SPOT_SPECS if arch in FAMILY_HEADS else SPOT_SPECS[:2])
             slow = not (spot or (arch == "sm_90" and v in sample))

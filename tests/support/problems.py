@@ -45,7 +45,8 @@ def decoder(p: Problem, *, max_batch=None, backend="cpu", **options) -> DecodeAt
         p.q.shape[1], p.k_cache.shape[2] if p.kv_layout == "NHD" else p.k_cache.shape[1], p.q.shape[2],
         p.k_cache.shape[1] if p.kv_layout == "NHD" else p.k_cache.shape[2],
         q_dtype=p.q.dtype, kv_dtype=p.k_cache.dtype, kv_layout=p.kv_layout,
-        max_batch=max_batch or max(len(p.seq_lens), 1), backend=backend, **options)
+        max_batch=max_batch or max(len(p.seq_lens), 1), backend=backend,
+        **({"v_head_dim": p.v_cache.shape[-1]} if p.v_cache.shape[-1] != p.q.shape[-1] else {}), **options)
 
 
 def run_poisoned(attn: DecodeAttention, p: Problem, *, q=None, out_dtype=None, csr=False, **kwargs):
@@ -57,7 +58,7 @@ def run_poisoned(attn: DecodeAttention, p: Problem, *, q=None, out_dtype=None, c
     copies (outputs copied back)."""
     q = p.q if q is None else q
     be = attn.backend
-    out = to_backend(be, np.full(q.shape, np.nan, dtype=out_dtype or q.dtype))
+    out = to_backend(be, np.full(q.shape[:-1] + p.v_cache.shape[-1:], np.nan, dtype=out_dtype or q.dtype))
     lse = to_backend(be, np.full(q.shape[:-1], np.nan, dtype=np.float32))
     arrays = [to_backend(be, a) for a in (q, p.k_cache, p.v_cache) + (() if csr else (p.block_tables, p.seq_lens))]
     if attn.config.device_scales:  # the problem's scales as float32 arrays on the device (one, or one per KV head)
