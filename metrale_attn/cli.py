@@ -79,11 +79,12 @@ def _plan_rows(args: argparse.Namespace, target_policy, layer: Layer, title: str
     unserved = not_served(layer)
     if unserved is not None:
         return [f"{title}: {layer.shape()}: {unserved}"]
-    shape = ModelShape(layer.num_q_heads, layer.num_kv_heads, layer.head_dim)
+    shape = ModelShape(layer.num_q_heads, layer.num_kv_heads, layer.head_dim, layer.v_head_dim)
     max_batch = max(max(args.batch), 1) if args.max_batch is None else args.max_batch
     workspace = workspace_for(target_policy, shape, max_batch=max_batch, max_decode_seqs=args.max_decode_seqs)
     # What the library would run: the flags, else the same environment variables it reads.
-    config = configure(shape.num_q_heads, shape.num_kv_heads, shape.head_dim, 16, q_dtype=args.q_dtype,
+    config = configure(shape.num_q_heads, shape.num_kv_heads, shape.head_dim, 16, v_head_dim=shape.v_head_dim,
+                       q_dtype=args.q_dtype,
                        kv_dtype=args.kv_dtype, max_batch=max_batch, target_policy=target_policy,
                        max_decode_seqs=args.max_decode_seqs, impl=args.impl, heads_per_cta=args.heads_per_cta,
                        window_left=layer.window_left, logits_soft_cap=layer.logits_soft_cap, sinks=layer.sinks,
@@ -92,7 +93,7 @@ def _plan_rows(args: argparse.Namespace, target_policy, layer: Layer, title: str
     config, why = launchable_config(config, [], impl_chosen(args.impl, os.environ.get(ENV_IMPL)))
     lines = [
         f"{title}: q_heads={shape.num_q_heads} kv_heads={shape.num_kv_heads} head_dim={shape.head_dim} "
-        f"max_batch={max_batch}; impl {config.impl}; workspace {workspace.slots} slots x {workspace.slot_floats} "
+        + (f"v_head_dim={shape.v_head_dim} " if shape.v_head_dim != shape.head_dim else "") + f"max_batch={max_batch}; impl {config.impl}; workspace {workspace.slots} slots x {workspace.slot_floats} "
         f"fp32 = {workspace.nbytes} bytes",
         *([f"impl simt, not mma: {why}"] if why else []),
         "",

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Optional, Sequence
 
 from .cache import cache_root
-from .config import ENV_IMPL, HEAD_DIMS, SIMT_ONLY_HEAD_DIMS, configure, impl_chosen, int_in
+from .config import ENV_IMPL, HEAD_DIMS, NARROW_V_SHAPES, SIMT_ONLY_HEAD_DIMS, configure, impl_chosen, int_in
 from . import hf_config
 from .hf_config import HFModel, shard_heads
 from .kernels import SelfTest, launchable_config, mma_shape_refusal, specs_for
@@ -77,13 +77,16 @@ class Layer:
 
 def not_served(layer: Layer) -> Optional[str]:
     """Why no target of this version serves ``layer``'s shape, whatever the options (None: a
-    target may): values narrower than keys (``DecodeAttention`` has no ``v_head_dim`` yet), or
-    a head dim past the mma core's widest, 256, other than the simt kernels' 512 (Gemma 4's
-    global layers, whose V comes from K's projection and is cached apart, as wide as K). Said
+    target may): values narrower than keys other than MLA's absorbed (576, 512) over one latent
+    KV head (``config.NARROW_V_SHAPES``, the simt kernels'), or a head dim past the mma core's
+    widest, 256, other than the simt kernels' 512 (Gemma 4's global layers, whose V comes from
+    K's projection and is cached apart, as wide as K). Said
     with what the layer is (MLA's absorbed latent head, Gemma 4's V from K's projection), so a
     reader knows which model part waits."""
     v_head_dim = layer.head_dim if layer.v_head_dim is None else layer.v_head_dim
     if v_head_dim == layer.head_dim and (layer.head_dim <= max(HEAD_DIMS) or layer.head_dim in SIMT_ONLY_HEAD_DIMS):
+        return None
+    if (layer.head_dim, v_head_dim) in NARROW_V_SHAPES and layer.num_kv_heads == 1:
         return None
     what = f"head_dim {layer.head_dim}" + (f" with v_head_dim {v_head_dim}" if v_head_dim != layer.head_dim else "")
     if layer.v_in_k:
@@ -91,8 +94,9 @@ def not_served(layer: Layer) -> Optional[str]:
     elif layer.k_eq_v:
         what += " (V from K's projection)"
     wide = ", ".join(map(str, SIMT_ONLY_HEAD_DIMS))
+    narrow = ", ".join(f"({k}, {v})" for k, v in NARROW_V_SHAPES)
     return (f"{what}: not served yet; this version serves head dims {min(HEAD_DIMS)} to {max(HEAD_DIMS)} and {wide} "
-            "(simt) with values as wide as the keys")
+            f"(simt) with values as wide as the keys, and (head_dim, v_head_dim) {narrow} over one KV head (simt)")
 
 
 @dataclass(frozen=True)
@@ -332,7 +336,7 @@ def _plan_target(layers: Sequence[Layer], target: Target, options: Options, sm_c
             continue
         try:
             config = configure(layer.num_q_heads, layer.num_kv_heads, layer.head_dim, options.page_size,
-                               q_dtype=options.q_dtype, kv_dtype=options.kv_dtype or options.q_dtype,
+                               v_head_dim=layer.v_head_dim, q_dtype=options.q_dtype, kv_dtype=options.kv_dtype or options.q_dtype,
                                max_batch=options.max_batch, target_policy=target_policy, out_dtype=options.out_dtype,
                                max_decode_seqs=options.max_decode_seqs, impl=options.impl,
                                heads_per_cta=options.heads_per_cta, max_q_len=options.max_q_len,

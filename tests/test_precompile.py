@@ -524,7 +524,7 @@ def test_without_keep_going_no_kernel_starts_after_one_fails(tmp_path, monkeypat
     assert started == ["k0", "k1"] and [b.error for b in built] == ["", "broken"]
 
 
-# -- 512-wide values: Gemma 4's full layers served by the simt kernels; MLA mapped and shown, not served yet ----
+# -- 512-wide values: Gemma 4's full layers and MLA's 576/512 latent head served by the simt kernels ----
 
 
 def test_gemma_4_26b_maps_25_sliding_layers_at_256_and_5_full_ones_at_512_with_two_kv_heads_and_v_from_k():
@@ -692,25 +692,38 @@ def test_impl_mma_chosen_for_gemma_4_is_refused_at_its_full_layers_naming_head_d
                      Options(), environ={"METRALE_ATTN_DECODE_IMPL": "mma"})
 
 
-def test_an_mla_model_whose_only_layer_kind_is_not_served_is_an_error_naming_its_shape(capsys):
+def test_an_mla_model_plans_its_latent_layer_on_the_simt_kernels_saying_why(capsys):
     code, out, err = precompile_cli(capsys, "--target", "hopper", "--hf-config", str(CONFIGS / "deepseek-v3.json"),
                                     "--tp", "8", "--dry-run")
-    assert code == 2 and not out
-    assert ("error: full_attention (16 q heads, 1 KV heads, head_dim 576, v_head_dim 512): head_dim 576 with "
-            "v_head_dim 512 (multi-head latent attention, absorbed: V is the first 512 dims of each K row): not "
-            "served yet") in err
+    assert code == 0, err
+    assert ("  full_attention: (head_dim, v_head_dim) (576, 512) has no mma kernel (values narrower than keys: MLA's "
+            "absorbed decode is the simt kernels'); using impl='simt' instead, as a construction there does") in out
+    assert "  simt_decode_splitk_qbf16_kvbf16_hd576_v512  [full_attention]" in out
+    assert "not served" not in out + err
 
 
-def test_the_library_refuses_a_wide_layer_by_its_shape_on_every_target_before_configuring_it():
+@pytest.mark.parametrize("name", ["deepseek-v3.json", "kimi-k2-instruct.json", "deepseek-v2-lite.json"])
+def test_every_mla_model_plans_576_512_on_simt_on_every_target_with_no_self_test(name):
+    (layer,) = layers_of(hf_config.load(CONFIGS / name), 1)
+    for target in TARGETS.values():
+        plan = needed_specs([layer], target, Options(kv_dtype="fp8_e4m3"), environ={})
+        names = {n.name for n in plan.needed}
+        assert names and names <= {"simt_decode_splitk_qbf16_kvfp8_hd576_v512",  # no mma self-test either
+                                   "simt_decode_unpacked_qbf16_kvfp8_hd576_v512"}, target.name
+
+
+def test_the_library_refuses_a_narrow_layer_it_has_no_kernel_for_by_its_shape_before_configuring_it():
     from metrale_attn.precompile import not_served, plan_targets
 
-    wide = Layer("full_attention", 16, 1, 576, v_head_dim=512, v_in_k=True)
+    wide = Layer("full_attention", 16, 2, 576, v_head_dim=512, v_in_k=True)  # MLA takes one latent KV head
     assert not_served(Layer("layer", 8, 1, 256)) is None
     assert not_served(Layer("full_attention", 16, 2, 512, k_eq_v=True)) is None  # Gemma 4's: the simt kernels
+    assert not_served(Layer("full_attention", 16, 1, 576, v_head_dim=512, v_in_k=True)) is None  # MLA: simt
     assert not_served(wide).endswith("not served yet; this version serves head dims 64 to 256 and 512 (simt) with "
-                                     "values as wide as the keys")
+                                     "values as wide as the keys, and (head_dim, v_head_dim) (576, 512) over one KV "
+                                     "head (simt)")
     assert "head_dim 576 with v_head_dim 512" in not_served(wide)
-    with pytest.raises(ValueError, match=re.escape("full_attention (16 q heads, 1 KV heads, head_dim 576, v_head_dim "
+    with pytest.raises(ValueError, match=re.escape("full_attention (16 q heads, 2 KV heads, head_dim 576, v_head_dim "
                                                    "512): head_dim 576 with v_head_dim 512")):
         needed_specs([wide], TARGETS["hopper"], environ={})
     plans, refusals = plan_targets([Layer("layer", 8, 1, 256), wide], [TARGETS["hopper"], TARGETS["b200"]],
