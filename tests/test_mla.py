@@ -138,3 +138,10 @@ def test_at_576_512_every_arm_dtype_page_size_and_v_cache_holds_the_one_ulp_bar(
     p = mla_problem(seed=page_size, v=v, page_size=page_size, seq_lens=(0, 1, 2 * page_size + 3, 300), kv=kv, q=q)
     attn = decoder(p, splitk="off" if arm == "unpacked" else "auto")
     check_against_reference(p, *run_poisoned(attn, p))
+
+
+def test_multi_token_decode_at_576_512_is_refused_naming_what_simt_lacks():
+    """MTP's q_len 2 needs the multi-token specialization, which only the mma core has."""
+    with pytest.raises(ValueError, match=r"\(576, 512\) has no mma kernel.*impl='simt' has no multi_token"):
+        DecodeAttention(16, 1, 576, 64, v_head_dim=512, q_dtype="bf16", kv_dtype="bf16", max_batch=2, backend="cpu",
+                        max_q_len=2)
