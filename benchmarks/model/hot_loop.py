@@ -67,15 +67,17 @@ def hot_loop(spec: KernelSpec) -> HotLoop:
                        pipeline_stages=spec.tiling.stages, stage_bytes=warps * stage,
                        dynamic_smem_bytes=spec.shared_bytes, grouped=not packed)
     text = spec.source()
-    vec = read_constexpr(text, "VEC", kv_itemsize=itemsize, head_dim=spec.head_dim)
-    unroll = read_constexpr(text, "UNROLL", kv_itemsize=itemsize, head_dim=spec.head_dim, known={"VEC": vec})
-    tokens = 32 // (spec.head_dim // vec) * unroll
+    v_dim = spec.v_head_dim or spec.head_dim  # MLA's 576/512: the slices tile the 512 values' dims
+    vec = read_constexpr(text, "VEC", kv_itemsize=itemsize, head_dim=spec.head_dim, v_head_dim=v_dim)
+    unroll = read_constexpr(text, "UNROLL", kv_itemsize=itemsize, head_dim=spec.head_dim, v_head_dim=v_dim,
+                            known={"VEC": vec})
+    tokens = 32 // (v_dim // vec) * unroll
     return HotLoop(
         kernel=spec.kernels[0],
         heads_per_cta=read_define(text, "PD_GQA") if spec.arm == "gqa_packed" else 1,
         warps_per_cta=warps,
         tokens_per_warp_iter=tokens,
-        kv_bytes_per_warp_iter=tokens * spec.head_dim * itemsize * 2,
+        kv_bytes_per_warp_iter=tokens * (spec.head_dim + v_dim) * itemsize,
     )
 
 

@@ -15,10 +15,13 @@ from metrale_attn.sources import KernelSourceError
     (KernelSpec("gqa_packed", 256, "bf16", "fp8", "simt"), 8, 4, 4, 2048, 6),  # 8-byte fp8 slices, 6 heads per CTA
     (KernelSpec("unpacked", 512, "bf16", "bf16", "simt"), 16, 2, 2, 4096, 1),  # 32-byte slices: UNROLL 2
     (KernelSpec("splitk", 512, "bf16", "fp8", "simt"), 16, 4, 4, 4096, 1),     # fp8 keeps its 16-byte slices
+    (KernelSpec("unpacked", 576, "bf16", "bf16", "simt", v_head_dim=512), 16, 2, 2, 4352, 1),  # MLA: K 576 + V 512
+    (KernelSpec("splitk", 576, "bf16", "fp8", "simt", v_head_dim=512), 16, 4, 4, 4352, 1),
 ], ids=lambda x: x.name if isinstance(x, KernelSpec) else None)
 def test_the_hot_loop_is_described_from_the_sources_own_constants(spec, vec, unroll, tokens, kv_bytes, heads):
     itemsize = 1 if spec.kv_dtype == "fp8" else 2
-    assert read_constexpr(spec.source(), "VEC", kv_itemsize=itemsize, head_dim=spec.head_dim) == vec
+    v_dim = spec.v_head_dim or spec.head_dim
+    assert read_constexpr(spec.source(), "VEC", kv_itemsize=itemsize, head_dim=spec.head_dim, v_head_dim=v_dim) == vec
     assert read_constexpr(spec.source(), "UNROLL", kv_itemsize=itemsize, known={"VEC": vec}) == unroll
     loop = hot_loop(spec)
     assert (loop.tokens_per_warp_iter, loop.kv_bytes_per_warp_iter, loop.heads_per_cta) == (tokens, kv_bytes, heads)
