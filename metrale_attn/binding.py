@@ -26,7 +26,7 @@ from typing import Any, Callable, NamedTuple, Optional
 
 from .backends import ArrayInfo, Launch
 from .config import LN2, LayerConfig
-from .kernels import kernel_params
+from .kernels import kernel_params, v_in_k_served
 from .features import FEATURE_ARRAYS, FEATURE_RECORDS
 from .validation import ARRAY_ARGUMENTS, CHECKERS, INPUTS, VECTOR_BYTES, check_together, logit_scales, scales
 from .workspace import where
@@ -244,9 +244,20 @@ class CallBinder:
         scalars = dict(qk_scale=qk_scale, cap_log2=cap_log2, v_scale=v_scale)
         num_seqs, q_len = rows[0], (rows[1] if len(rows) == 3 else 1)
         plan = self._plan(num_seqs, q_len)
-        launches = self._launches(plan, seen, scalars) if num_seqs else ()
+        v_in_k = self._v_in_k(k, v)
+        launches = self._launches(plan, seen, scalars, v_in_k) if num_seqs else ()
         return BoundCall(prints, k_scale, v_scale, launches, k.info.shape[0], None if bt is None else bt.info.shape[1],
                          q_len, seen, self._group.span)
+
+    def _v_in_k(self, k: "_Seen", v: "_Seen") -> bool:
+        """Whether this call's ``v_cache`` is ``k_cache``'s first ``v_head_dim`` dims, so a layer
+        with values narrower than keys (MLA) reads V from K's registers (its ``v_in_k`` spec):
+        the same data pointer, dtype, device and (page, token, head) strides. Decided from the
+        arrays' descriptions only, never their data; anything else reads V on its own."""
+        if not v_in_k_served(self.config) or k.layout.strides[-1:] != v.layout.strides[-1:]:
+            return False
+        return (k.info.ptr == v.info.ptr and k.derived == v.derived and k.layout.dtype == v.layout.dtype
+                and k.layout.device == v.layout.device)
 
     def _refuse_mismatch(self, arrays: tuple, k_scale, v_scale) -> None:
         """A feature's arrays given exactly when the layer has it, and what they replace left out
@@ -302,7 +313,7 @@ class CallBinder:
             number = self._layouts[layout] = next(self._numbers)
         return number
 
-    def _launches(self, plan, seen: list, scalars: dict) -> tuple:
+    def _launches(self, plan, seen: list, scalars: dict, v_in_k: bool = False) -> tuple:
         """``plan``'s launches ``((module, Launch), ...)``, each with the parameters its
         source declares, by name.
 
@@ -314,13 +325,13 @@ class CallBinder:
         ``Layout`` (strides, dtype, device, what its checker derived; by its number, which
         names one layout for the binder's life): complete by construction, so a template is
         reused only for a call it would be built alike for."""
-        key = (id(plan), *scalars.values(), *[None if x is None else x.number for x in seen])
+        key = (id(plan), v_in_k, *scalars.values(), *[None if x is None else x.number for x in seen])
         template = self._templates.get(key)
         if template is None:
             if len(self._templates) >= _MAX_TEMPLATES:  # strides of many cache views: start over
                 self._templates.clear()
             arrays = tuple(None if x is None else x.layout for x in seen)
-            template = self._templates[key] = self._template(plan, arrays, scalars)
+            template = self._templates[key] = self._template(plan, arrays, scalars, v_in_k)
         launches = []
         for module, kernel, grid, block, shared, values, holes, dependent in template:
             values = values.copy()
@@ -329,14 +340,14 @@ class CallBinder:
             launches.append((module, Launch(kernel, grid, block, shared, tuple(values), dependent)))
         return tuple(launches)
 
-    def _template(self, plan, arrays: tuple, scalars: dict) -> tuple:
+    def _template(self, plan, arrays: tuple, scalars: dict, v_in_k: bool = False) -> tuple:
         """Per kernel of ``plan``: ``(module, kernel, grid, block, shared bytes, values,
         holes, dependent)``; ``holes`` are ``(position, argument index)`` of the array pointers;
         ``dependent``: the ``mma`` merge, whose kernel waits for the attention grid on the
         device, is its programmatic dependent unless the layer turned that off. A function
         of its arguments (the key's parts: ``arrays`` the ``Layout`` of each array) and of
         what is fixed for this binder only."""
-        spec, module = self._modules[plan.arm, plan.row_tiles, plan.q_len > 1]
+        spec, module = self._modules[(plan.arm, plan.row_tiles, plan.q_len > 1) + (("v_in_k",) if v_in_k else ())]
         values_of = _Values(self.config, plan, arrays, scalars, self._workspace, self.backend.pointer(None))
         template = []
         for i, grid in enumerate(plan.launches):

@@ -120,6 +120,9 @@ class KernelSpec:
     v_head_dim: int | None = None
     """The values' width: None or ``head_dim`` (the same kernel), else a ``NARROW_V_SHAPES`` pair's
     (``simt`` unpacked and split-K only; ``-DPD_V_HEAD_DIM`` and ``_v<dim>`` in the name)."""
+    v_in_k: bool = False
+    """With ``v_head_dim``: V read from K's registers, for calls whose ``v_cache`` is ``k_cache``'s
+    first ``v_head_dim`` dims (``-DPD_V_IN_K=1``, ``_vink`` in the name; the binder picks it)."""
 
     def __post_init__(self) -> None:
         if self.v_head_dim == self.head_dim:
@@ -130,6 +133,11 @@ class KernelSpec:
                 raise ValueError(f"(head_dim, v_head_dim) ({self.head_dim}, {self.v_head_dim}) has no {self.impl} "
                                  f"{self.arm} kernel: only the simt unpacked and split-K kernels take "
                                  f"{', '.join(map(str, NARROW_V_SHAPES))}")
+        if self.v_in_k is not False and (self.v_in_k is not True or self.v_head_dim is None
+                                         or self.kv_dtype not in V_IN_K_KV_DTYPES):
+            raise ValueError(f"v_in_k is a bool, True only with a v_head_dim narrower than head_dim and a "
+                             f"{', '.join(V_IN_K_KV_DTYPES)} cache, got {self.v_in_k!r} at v_head_dim "
+                             f"{self.v_head_dim}, {self.kv_dtype}")
         if isinstance(self.smem_limit, bool) or not isinstance(self.smem_limit, int) or self.smem_limit <= 0:
             raise ValueError(f"smem_limit must be a positive int (bytes per block), got {self.smem_limit!r}")
         if self.impl not in IMPLS:
@@ -158,7 +166,8 @@ class KernelSpec:
     def name(self) -> str:
         dt = f"q{self.q_dtype}_kv{self.kv_dtype}_hd{self.head_dim}"
         if self.impl == "simt":
-            return f"simt_decode_{self.arm}_{dt}" + (f"_v{self.v_head_dim}" if self.v_head_dim else "")
+            return (f"simt_decode_{self.arm}_{dt}" + (f"_v{self.v_head_dim}" if self.v_head_dim else "")
+                    + ("_vink" if self.v_in_k else ""))
         sm90 = mma_tiling(self.head_dim, self.q_dtype, self.kv_dtype, self.row_tiles)
         return (f"decode_{self.arm}_{dt}_r{ROW_TILE * self.row_tiles}" + "".join(
             f"_{f}" for f in FEATURES if f in self.features) + (f"_{self.tiling.label}" if self.tiling != sm90 else ""))
@@ -222,6 +231,8 @@ class KernelSpec:
         }
         if self.v_head_dim is not None:
             out["PD_V_HEAD_DIM"] = self.v_head_dim
+        if self.v_in_k:
+            out["PD_V_IN_K"] = 1
         if self.tiling:
             t = self.tiling
             out.update(PD_ROW_TILES=self.row_tiles, PD_TILE_TOKENS=t.tile_tokens, PD_STAGES=t.stages,
@@ -284,6 +295,18 @@ def kernel_params(spec: KernelSpec) -> dict[str, tuple[Param, ...]]:
     return {k: found[k] for k in spec.kernels}
 
 
+V_IN_K_KV_DTYPES = (dtypes.BF16,)
+"""The caches whose MLA kernels read V from K's registers when ``v_cache`` aliases ``k_cache``:
+bf16 only. fp16 and fp8 rows spill with it on sm_90 and later (their V slices, converted apart
+from K's, then share K's words: ptxas keeps both live at 128 registers), so they read V again."""
+
+
+def v_in_k_served(config: LayerConfig) -> bool:
+    """Whether this layer compiles the ``v_in_k`` specs beside its own (``specs_for``) for calls whose
+    ``v_cache`` is ``k_cache``'s first ``v_head_dim`` dims (``binding.CallBinder`` decides per call)."""
+    return config.shape.v_head_dim != config.shape.head_dim and config.kv_dtype in V_IN_K_KV_DTYPES
+
+
 def all_specs() -> list[KernelSpec]:
     """Every plain spec the dispatch can ask for (MLA's 576/512 on the simt unpacked and split-K
     arms among them), and the feature specs CI compiles:
@@ -301,12 +324,13 @@ def all_specs() -> list[KernelSpec]:
         for kv in dtypes.KV_DTYPES
         if impl == "mma" or kv != dtypes.FP8_E5M2
     ] + [
-        KernelSpec(arm, head_dim, q, kv, "simt", v_head_dim=v_head_dim)  # MLA absorbed: values narrower than keys
+        KernelSpec(arm, head_dim, q, kv, "simt", v_head_dim=v_head_dim, v_in_k=v_in_k)  # MLA absorbed
         for head_dim, v_head_dim in NARROW_V_SHAPES
+        for v_in_k in (False, True)
         for arm in ("unpacked", "splitk")
         for q in dtypes.Q_DTYPES
         for kv in dtypes.KV_DTYPES
-        if kv != dtypes.FP8_E5M2
+        if kv != dtypes.FP8_E5M2 and (not v_in_k or kv in V_IN_K_KV_DTYPES)
     ]
     featured = [
         KernelSpec(arm, 256 if arm == "gqa_packed" else 128, dtypes.BF16, dtypes.FP8, "mma", 1, {feature})
@@ -338,4 +362,6 @@ def specs_for(config: LayerConfig) -> dict[tuple[str, int, bool], KernelSpec]:
                 specs.setdefault((plan.arm, row_tiles, q_len > 1), KernelSpec(
                     plan.arm, config.shape.head_dim, config.q_dtype, config.kv_dtype, plan.impl, row_tiles,
                     config.features_at(q_len), config.target.smem_per_block, config.shape.v_head_dim))
+    if v_in_k_served(config):  # MLA: V from K's registers where v_cache aliases k_cache
+        specs.update({(*key, "v_in_k"): replace(spec, v_in_k=True) for key, spec in specs.items()})
     return specs

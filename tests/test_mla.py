@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from metrale_attn import DecodeAttention
+from metrale_attn.backends.cpu_backend import CpuBackend
 from metrale_attn.config import ModelShape
 from metrale_attn.kernels import KernelSpec
 
@@ -145,3 +146,68 @@ def test_multi_token_decode_at_576_512_is_refused_naming_what_simt_lacks():
     with pytest.raises(ValueError, match=r"\(576, 512\) has no mma kernel.*impl='simt' has no multi_token"):
         DecodeAttention(16, 1, 576, 64, v_head_dim=512, q_dtype="bf16", kv_dtype="bf16", max_batch=2, backend="cpu",
                         max_q_len=2)
+
+
+class _SpecRecorder(CpuBackend):
+    """A CPU backend that records the spec name of every launch."""
+
+    def __init__(self):
+        super().__init__()
+        self.specs = []
+
+    def load(self, spec):
+        module, specs = super().load(spec), self.specs
+
+        class Recording:
+            def launch(self, launch):
+                specs.append(spec.name)
+                module.launch(launch)
+
+        return Recording()
+
+
+@pytest.mark.parametrize("splitk", ["off", "3"])
+def test_v_read_from_ks_registers_exactly_where_v_cache_is_k_caches_first_512_dims_with_the_same_bytes(splitk):
+    p = mla_problem(seed=9, seq_lens=(0, 45, 7), kv="bf16")
+    be = _SpecRecorder()
+    attn = decoder(p, backend=be, splitk=splitk)
+    shifted = np.empty(p.k_cache.shape[:-1] + (576 + 512,), p.k_cache.dtype)  # V at an offset of another row
+    shifted[..., :576], shifted[..., 576:] = p.k_cache, p.v_cache
+    cases = {
+        "view": (p, True),
+        "own": (dataclasses.replace(p, v_cache=np.ascontiguousarray(p.v_cache)), False),
+        "offset": (dataclasses.replace(p, v_cache=shifted[..., 576:]), False),  # other pointer, other strides
+    }
+    got = {}
+    for name, (case, aliased) in cases.items():
+        be.specs.clear()
+        got[name] = run_poisoned(attn, case)
+        check_against_reference(case, *got[name])
+        assert all(s.endswith("_vink") == aliased for s in be.specs if "merge" not in s), (name, be.specs)
+        assert any(s.endswith("_vink") for s in be.specs) == aliased, name
+    assert len({tuple(a.tobytes() for a in g) for g in got.values()}) == 1
+
+
+def test_the_aliased_and_separate_kernels_both_compile_at_construction_and_run_never_compiles():
+    be = _SpecRecorder()
+    loaded = []
+    original = be.load
+    be.load = lambda spec: (loaded.append(spec.name), original(spec))[1]
+    p = mla_problem(seed=4, seq_lens=(3,))
+    attn = decoder(p, backend=be, splitk="off")
+    built = list(loaded)
+    assert sorted(built) == ["simt_decode_unpacked_qbf16_kvbf16_hd576_v512",
+                             "simt_decode_unpacked_qbf16_kvbf16_hd576_v512_vink"]
+    run_poisoned(attn, p)
+    run_poisoned(attn, dataclasses.replace(p, v_cache=np.ascontiguousarray(p.v_cache)))
+    assert loaded == built
+
+
+def test_fp16_and_fp8_caches_read_v_on_its_own_even_when_it_aliases_k():
+    """Their V-in-K kernels would spill on sm_90 and later: no such spec, the view reads V again."""
+    with pytest.raises(ValueError, match="v_in_k"):
+        KernelSpec("unpacked", 576, "bf16", "fp8", "simt", v_head_dim=512, v_in_k=True)
+    p = mla_problem(seed=3, seq_lens=(20,), kv="fp8")
+    be = _SpecRecorder()
+    check_against_reference(p, *run_poisoned(decoder(p, backend=be, splitk="off"), p))
+    assert be.specs == ["simt_decode_unpacked_qbf16_kvfp8_hd576_v512"]

@@ -56,6 +56,15 @@
 #else
 #define PD_ROPE_LANE 0
 #endif
+// PD_V_IN_K (0 | 1, MLA only; the plan sets it where v_cache is k_cache's first PD_V_HEAD_DIM dims:
+// the same pointer, dtype and strides): V row t is the latent part of K row t, which the lane
+// already holds, so V is not loaded again (the v_cache pointer and strides are passed and unused).
+#ifndef PD_V_IN_K
+#define PD_V_IN_K 0
+#endif
+#if PD_V_IN_K && !PD_ROPE_LANE
+#error "PD_V_IN_K is MLA's (PD_HEAD_DIM 576, PD_V_HEAD_DIM 512)"
+#endif
 
 #if PD_KV_DTYPE == PD_DTYPE_FP8_E5M2
 #error "the simt kernels do not read fp8 e5m2 caches (impl mma does)"
@@ -261,7 +270,12 @@ __device__ __forceinline__ void pd_attend(
     const int base = start + it * TILE;
 
     // Issue all K and V loads of the tile before using any of them.
+#if PD_V_IN_K
+    unsigned kw[UNROLL][NW];
+    unsigned (&vw)[UNROLL][NW] = kw;  // V = K's latent words, already loaded
+#else
     unsigned kw[UNROLL][NW], vw[UNROLL][NW];
+#endif
 #if PD_ROPE_LANE
     unsigned kr[UNROLL];  // the lane's 2 rope elements (fp8: in the low 2 bytes)
 #endif
@@ -274,7 +288,9 @@ __device__ __forceinline__ void pd_attend(
       valid[u] = base + src < end;
       if (valid[u]) {
         pd_load_words(k_lane + p * k_stride_page + o * k_stride_token, kw[u]);
+#if !PD_V_IN_K
         pd_load_words(v_lane + p * v_stride_page + o * v_stride_token, vw[u]);
+#endif
 #if PD_ROPE_LANE
 #if PD_KV_DTYPE == PD_DTYPE_FP8_E4M3
         kr[u] = *reinterpret_cast<const unsigned short*>(k_rope + p * k_stride_page + o * k_stride_token);
@@ -284,7 +300,12 @@ __device__ __forceinline__ void pd_attend(
 #endif
       } else {  // masked token: nothing loaded, zeros (0 bits are +0.0 in every dtype)
         PD_UNROLL
-        for (int j = 0; j < NW; ++j) { kw[u][j] = 0u; vw[u][j] = 0u; }
+        for (int j = 0; j < NW; ++j) {
+          kw[u][j] = 0u;
+#if !PD_V_IN_K
+          vw[u][j] = 0u;
+#endif
+        }
 #if PD_ROPE_LANE
         kr[u] = 0u;
 #endif
