@@ -58,11 +58,11 @@ class ModelAttention:
         self._workspace: Optional[torch.Tensor] = None
         self.layers: list[DecodeAttention] = []
 
-    def reserve(self, num_q_heads: int, num_kv_heads: int, head_dim: int) -> int:
-        """Make the workspace large enough for a layer of this shape; returns its bytes.
-        Refused once a layer exists and the shape needs more than was reserved (the
-        workspace may not move under built layers)."""
-        need = workspace_bytes([(num_q_heads, num_kv_heads, head_dim)], **self._sizing)
+    def reserve(self, num_q_heads: int, num_kv_heads: int, head_dim: int, v_head_dim: Optional[int] = None) -> int:
+        """Make the workspace large enough for a layer of this shape (``v_head_dim``: the values'
+        width, default ``head_dim``); returns its bytes. Refused once a layer exists and the
+        shape needs more than was reserved (the workspace may not move under built layers)."""
+        need = workspace_bytes([(num_q_heads, num_kv_heads, head_dim, v_head_dim)], **self._sizing)
         with self._lock:
             if need > self._nbytes:
                 if self.layers:
@@ -96,7 +96,7 @@ class ModelAttention:
         reserved first). ``features``: ``DecodeAttention``'s keyword arguments
         (``window_left``, ``logits_soft_cap``, ``sinks``, ``sm_scale``, ...); ``max_q_len``
         is this model's."""
-        self.reserve(num_q_heads, num_kv_heads, head_dim)
+        self.reserve(num_q_heads, num_kv_heads, head_dim, features.get("v_head_dim"))
         with self._lock:
             workspace = self._allocate_locked()
             attn = DecodeAttention(num_q_heads, num_kv_heads, head_dim, page_size, q_dtype=q_dtype, kv_dtype=kv_dtype,

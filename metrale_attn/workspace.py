@@ -126,7 +126,8 @@ def workspace_bytes(shapes, *, max_batch: int, backend=None, target: Optional[st
     """Bytes of one split-K workspace that serves every layer shape in ``shapes`` at up to
     ``max_batch`` sequences: the largest ``DecodeAttention.workspace_nbytes`` among them.
 
-    ``shapes``: ``(num_q_heads, num_kv_heads, head_dim)`` tuples (or ``ModelShape``); the
+    ``shapes``: ``(num_q_heads, num_kv_heads, head_dim)`` tuples, or ``(..., v_head_dim)`` where
+    values are narrower (MLA: ``(16, 1, 576, 512)``), or ``ModelShape``; the
     other arguments as ``DecodeAttention`` takes them (the target and split-K policy
     decide the split count, and so the size). Allocate it once (any dtype, e.g.
     ``torch.empty(n, dtype=torch.uint8, device="cuda")``) and pass it as ``workspace=``

@@ -211,3 +211,14 @@ def test_fp16_and_fp8_caches_read_v_on_its_own_even_when_it_aliases_k():
     be = _SpecRecorder()
     check_against_reference(p, *run_poisoned(decoder(p, backend=be, splitk="off"), p))
     assert be.specs == ["simt_decode_unpacked_qbf16_kvfp8_hd576_v512"]
+
+
+def test_a_shared_workspace_is_sized_by_v_head_dim():
+    from metrale_attn import workspace_bytes
+
+    mla = workspace_bytes([(16, 1, 576, 512)], max_batch=4, backend="cpu", splitk="auto")
+    wide = workspace_bytes([(16, 1, 512)], max_batch=4, backend="cpu", splitk="auto")
+    assert mla == wide  # slots of 514 floats either way: the values' width, not the keys'
+    attn = DecodeAttention(16, 1, 576, 16, v_head_dim=512, q_dtype="bf16", kv_dtype="bf16", max_batch=4,
+                           backend="cpu", splitk="auto")
+    assert attn.workspace_nbytes <= mla

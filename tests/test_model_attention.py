@@ -57,3 +57,11 @@ def test_decode_through_the_op_meets_the_bar_on_torch_tensors():
     assert ModelAttention.decode(attn.handle, *args, out) is out
     tolerance.assert_close_to_reference(to_numpy(out), p.reference(), v_absmax=p.v_absmax())
     assert not to_numpy(out)[0].astype(np.float32).any()  # seq_len 0: zeros
+
+
+@pytest.mark.filterwarnings("ignore:.*576, 512.*has no mma kernel:RuntimeWarning")
+def test_an_mla_layer_reserves_and_shares_the_workspace_by_its_v_head_dim():
+    model = ModelAttention("cpu", max_batch=4)
+    attn = model.layer(16, 1, 576, 16, q_dtype="bfloat16", kv_dtype="bfloat16", v_head_dim=512)
+    assert model.workspace_nbytes == workspace_bytes([(16, 1, 576, 512)], max_batch=4, backend="cpu")
+    assert attn.workspace is model.allocate() and attn.config.shape.v_head_dim == 512
