@@ -52,14 +52,8 @@ def test_split_k_at_padded_head_dims_holds_the_bar_and_keeps_the_workspace_layou
     plan = attn.plan(4)
     assert plan.arm == "splitk" and plan.workspace.head_dim == head_dim
     check_against_reference(p, *run_poisoned(attn, p))
-    if backend != "cpu":
-        return
-    n, h, d = p.q.shape
-    ws = attn.workspace[: n * h * 3 * (d + 2)].reshape(n, h, 3, d + 2).astype(np.float64)
-    ref = reference.splitk_partials(p.q, p.k_cache, p.v_cache, p.block_tables, p.seq_lens, 3, kv_layout=p.kv_layout,
-                                    k_scale=p.k_scale, v_scale=p.v_scale)
-    seen = ref[..., -1] != 0
-    np.testing.assert_allclose(ws[seen], ref[seen], rtol=1e-5, atol=1e-5)
+    if backend == "cpu":
+        _check_workspace_partials(attn, p, splits=3)
 
 
 def test_a_padded_head_dim_serves_multi_token_decode_with_a_window_sinks_a_soft_cap_and_fp32_out(backend):
@@ -220,14 +214,8 @@ def test_at_head_dim_512_the_split_k_workspace_holds_the_reference_partials_in_s
     plan = attn.plan(4)
     assert plan.arm == "splitk" and plan.workspace.slot_floats == WIDE + 2
     check_against_reference(p, *run_poisoned(attn, p))
-    if backend != "cpu":
-        return
-    n, h, d = p.q.shape
-    ws = attn.workspace[: n * h * 3 * (d + 2)].reshape(n, h, 3, d + 2).astype(np.float64)
-    ref = reference.splitk_partials(p.q, p.k_cache, p.v_cache, p.block_tables, p.seq_lens, 3, kv_layout=p.kv_layout,
-                                    k_scale=p.k_scale, v_scale=p.v_scale)
-    seen = ref[..., -1] != 0
-    np.testing.assert_allclose(ws[seen], ref[seen], rtol=1e-5, atol=1e-5)
+    if backend == "cpu":
+        _check_workspace_partials(attn, p, splits=3)
 
 
 def test_at_head_dim_512_the_gqa_pack_does_not_apply_and_the_unpacked_arm_serves_the_group(backend):
@@ -313,3 +301,14 @@ def test_at_head_dim_512_every_arm_dtype_pair_page_size_and_group_holds_the_one_
     attn = _wide(p=p, backend=backend, sm_scale=(None, 1.0)[page_size % 2], splitk="off" if arm == "unpacked" else "auto")
     assert attn.plan(5).arm == arm
     check_against_reference(p, *run_poisoned(attn, p), sm_scale=(None, 1.0)[page_size % 2])
+
+
+def _check_workspace_partials(attn, p, splits: int) -> None:
+    """The CPU backend's workspace holds the reference's split-K partials, slot by slot: each
+    ``head_dim + 2`` fp32 (the real dim's accumulator, then m and l), padding never in it."""
+    n, h, d = p.q.shape
+    ws = attn.workspace[: n * h * splits * (d + 2)].reshape(n, h, splits, d + 2).astype(np.float64)
+    ref = reference.splitk_partials(p.q, p.k_cache, p.v_cache, p.block_tables, p.seq_lens, splits,
+                                    kv_layout=p.kv_layout, k_scale=p.k_scale, v_scale=p.v_scale)
+    seen = ref[..., -1] != 0
+    np.testing.assert_allclose(ws[seen], ref[seen], rtol=1e-5, atol=1e-5)
