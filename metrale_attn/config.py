@@ -109,9 +109,11 @@ class ModelShape:
                                  f"decode over one latent KV head: num_kv_heads must be 1, got {self.num_kv_heads}")
             return
         if self.head_dim not in HEAD_DIMS and self.head_dim not in SIMT_ONLY_HEAD_DIMS:
+            narrow = [v for k, v in NARROW_V_SHAPES if k == self.head_dim]
+            hint = f"; head_dim {self.head_dim} takes v_head_dim={narrow[0]} (MLA absorbed)" if narrow else ""
             raise ValueError(f"head_dim must be a multiple of 16 from 64 to 256 ({', '.join(map(str, HEAD_DIMS))}) "
                              f"or {', '.join(map(str, SIMT_ONLY_HEAD_DIMS))} (the simt kernels only), "
-                             f"got {self.head_dim}")
+                             f"got {self.head_dim}{hint}")
 
     @property
     def group_size(self) -> int:

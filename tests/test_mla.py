@@ -90,6 +90,13 @@ def test_a_pair_other_than_equal_or_576_512_is_refused_naming_v_head_dim(head_di
         ModelShape(16, 1, head_dim, v_head_dim)
 
 
+def test_head_dim_576_without_v_head_dim_is_refused_saying_it_takes_v_head_dim_512():
+    with pytest.raises(ValueError, match=r"got 576; head_dim 576 takes v_head_dim=512 \(MLA absorbed\)"):
+        ModelShape(16, 1, 576)
+    with pytest.raises(ValueError, match=r"got 520$"):  # no hint where no pair has that head dim
+        ModelShape(16, 1, 520)
+
+
 def test_576_512_takes_one_latent_kv_head():
     with pytest.raises(ValueError, match=r"num_kv_heads must be 1, got 2"):
         ModelShape(16, 2, 576, 512)
