@@ -72,6 +72,9 @@ CTOR_OPTIONS = {  # argument -> (valid values, invalid values)
     "lse_base": (["e", "e", 2], [10, "ln"]),
     "page_table": (["dense", "dense", "csr"], ["coo"]),
     "dependent_launch": ([None, None, True, False], ["yes", 1]),
+    # values narrower than keys: only MLA's (576, 512), a shape of its own (tests/test_mla.py);
+    # here every other spelling must be refused before a launch, whatever the head dim
+    "v_head_dim": ([None, None], [0, -1, 2.0, True, "512", 512, 600, float("nan")]),
 }
 RUN_OPTIONS = {
     # "wrap": a length past 2**31 - 1 (a CSR table at page_size 256 can say it; else seq_lens' largest)
