@@ -246,7 +246,7 @@ def run_precompile(args: argparse.Namespace, out=print) -> int:
         out(f"skipped {', '.join(skipped)}: a layer kind of the model is refused there (above); exit {code}"
             + (" (--skip-unsupported)" if args.skip_unsupported else " (--skip-unsupported to exit 0)"))
     if args.cache_dir and not args.dry_run:
-        out(f"serve with METRALE_ATTN_CACHE_DIR={root} (the same CuPy and NVRTC) to find them")
+        out(f"serve with METRALE_ATTN_CACHE_DIR={root} (the same NVRTC version: the cache key holds it) to find them")
     return code
 
 

@@ -359,7 +359,7 @@ def test_a_precompiled_cache_is_all_hits_the_second_time_and_a_gpu_construction_
     lines = out.splitlines()
     assert [line.split()[0] for line in lines if line.startswith("  ")] == ["miss"] * 3
     assert f"into {tmp_path / 'cubin'}: 3 compiled, 0 already cached" in lines[-2]
-    assert lines[-1] == f"serve with METRALE_ATTN_CACHE_DIR={tmp_path} (the same CuPy and NVRTC) to find them"
+    assert lines[-1] == f"serve with METRALE_ATTN_CACHE_DIR={tmp_path} (the same NVRTC version: the cache key holds it) to find them"
 
     def no_compile(spec, arch):
         raise AssertionError(f"compiled {spec.name} for {arch}: the cache should have had it")
