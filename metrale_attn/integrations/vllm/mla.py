@@ -4,9 +4,9 @@ DeepSeek-V2/V3/R1, Kimi-K2 and the models built on them.
 vLLM's ``MLAAttention`` layer does the absorbed-form bookkeeping itself (``MLACommonImpl``): it
 writes each token's latent ``kv_c`` (512) and rope key ``k_pe`` (64) into one cache row of 576,
 runs the prefill tokens on its own MLA prefill backend (``forward_mha``, chosen by vLLM,
-untouched here), multiplies the decode tokens' queries by ``W_UK`` into the latent space and
+untouched here), multiplies the decode tokens' queries by W_UK into the latent space and
 calls ``forward_mqa`` with them; what comes back (the latent output, 512 a head) it multiplies by
-``W_UV``. So ``forward_mqa`` is exactly the library's MLA decode: ``DecodeAttention(num_heads, 1,
+W_UV. So ``forward_mqa`` is exactly the library's MLA decode: ``DecodeAttention(num_heads, 1,
 576, page_size, v_head_dim=512)`` on the ``simt`` kernels, over vLLM's latent cache ``[blocks,
 block_size, 576]`` viewed as NHD ``[blocks, block_size, 1, 576]``, with V its first 512 dims (a view:
 for bf16 the binder sees the alias and reads V from K's registers). Nothing is copied but the
@@ -14,7 +14,7 @@ query's two halves, which vLLM hands over apart and the kernels read as one row 
 
 What differs from the GQA backend (``backend.py``), and why:
 
-* One query token a request (``QueryLenSupport.SINGLE_ONLY``): the ``simt`` kernels take no
+* One query token a request (vLLM's single-only query length support): the ``simt`` kernels take no
   multi-token decode at 576 yet, so speculative decoding is refused when a layer is built, by one
   predicate (``options.mla_speculative_refusal``), the line to lift once they do.
 * fp8 caches (``fp8``/``fp8_e4m3``, e4m3 bits with vLLM's per-tensor ``_k_scale``): the ``simt``
