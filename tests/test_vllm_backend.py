@@ -62,7 +62,8 @@ def test_importing_metrale_attn_and_its_torch_layers_imports_no_vllm():
 
 
 def test_vllms_plugin_loader_registers_METRALE_ATTN_and_changes_nothing_else():
-    """The entry point adds one enum member and its class path; every other backend resolves
+    """The entry point adds two enum members (METRALE_ATTN, and METRALE_ATTN_MLA for MLA models) and
+    their class paths; every other backend resolves
     to what it did before, and nothing of ours beyond the name is imported (so a run that
     selects another backend runs exactly as without the plugin)."""
     out = _python("""
@@ -85,11 +86,14 @@ def test_vllms_plugin_loader_registers_METRALE_ATTN_and_changes_nothing_else():
     import json
 
     found = json.loads(out.strip().splitlines()[-1])
-    assert found["added"] == {"METRALE_ATTN": "metrale_attn.integrations.vllm.backend.MetraleAttentionBackend"}
+    ours_added = {"METRALE_ATTN": "metrale_attn.integrations.vllm.backend.MetraleAttentionBackend",
+                  "METRALE_ATTN_MLA": "metrale_attn.integrations.vllm.mla.MetraleMLABackend"}
+    assert found["added"] == ours_added
     assert found["changed"] == []
-    assert found["overrides"] == {"METRALE_ATTN": "metrale_attn.integrations.vllm.backend.MetraleAttentionBackend"}
+    assert found["overrides"] == ours_added
     assert found["flash"] == "vllm.v1.attention.backends.flash_attn.FlashAttentionBackend"
     assert "metrale_attn.integrations.vllm.backend" not in found["imported"]
+    assert "metrale_attn.integrations.vllm.mla" not in found["imported"]
     assert "metrale_attn.torch_op" not in found["imported"]
 
 

@@ -92,3 +92,30 @@ def test_the_prefill_routes_refusal_is_said_with_every_candidates_reasons_where_
         "no prefill backend for the prefill tokens (FLASH_ATTN: attention sinks not supported; TRITON_ATTN: "
         "block_size not supported, compute capability not supported)")
     assert options.prefill_refusal([], {}) is None
+
+
+MLA = dict(SERVED, head_size=576)
+
+
+def test_mlas_576_wide_latent_layer_is_served_and_every_other_head_size_refused_naming_576():
+    assert options.mla_selection_refusals(**MLA) == {}
+    for head_size in (320, 512, 128):
+        said = options.mla_selection_refusals(**{**MLA, "head_size": head_size})
+        assert said == {"head_size not supported": (
+            f"head_size {head_size} not supported (metrale-attn MLA: 576, a kv_lora_rank of 512 + a qk_rope_head_dim "
+            "of 64: DeepSeek-V2/V3/R1, Kimi-K2)")}
+
+
+def test_under_mla_fp8_e5m2_is_refused_as_a_cache_dtype_and_e4m3_served():
+    assert options.mla_selection_refusals(**{**MLA, "kv_cache_dtype": "fp8"}) == {}
+    assert options.mla_selection_refusals(**{**MLA, "kv_cache_dtype": "fp8_e5m2"}) == {
+        "kv_cache_dtype not supported": "kv_cache_dtype fp8_e5m2 not supported (metrale-attn MLA: auto, bfloat16, "
+                                        "float16, fp8, fp8_e4m3)"}
+
+
+def test_speculative_decoding_under_mla_is_refused_by_one_predicate_and_single_token_decode_is_not():
+    assert options.mla_speculative_refusal(None) is None and options.mla_speculative_refusal(0) is None
+    for tokens in (1, 3, 7):
+        said = options.mla_speculative_refusal(tokens)
+        assert said.startswith(f"speculative decoding ({tokens} speculative tokens: verification batches of "
+                               f"{tokens + 1} query tokens a request) is not served under MLA yet"), said

@@ -235,7 +235,7 @@ class MetraleAttentionBackend(AttentionBackend):
         given = inspect.signature(super().validate_configuration).bind(*args, **kwargs).arguments
         ours = _own_refusals(given.get("head_size"), given.get("dtype"), given.get("kv_cache_dtype"),
                              given.get("block_size"), given.get("device_capability"), given.get("attn_type"))
-        reasons = options.with_what_works(reasons, ours)
+        reasons = options.with_what_works(reasons, {**ours, "MLA not supported": options.MLA_ELSEWHERE})
         # What the reference kernels lack at 512: vLLM has no bare reason for it, and
         # supports_combination never sees the window.
         capability = given.get("device_capability")
@@ -594,14 +594,29 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tenso
     logical ``[blocks, kv_heads, block_size, 2 x head_size]`` cache; a negative slot is
     skipped. fp8: ``value / scale`` rounded to e4m3 with saturation, stored as bits."""
     n, head_size, block_size = slot_mapping.shape[0], key.shape[-1], kv_cache.shape[2]
+    keep, blocks, offsets = cache_slots(slot_mapping, block_size)
+    for half, (x, scale) in enumerate(((key, k_scale), (value, v_scale))):
+        stored = cache_values(x[:n][keep], kv_cache.dtype, fp8=fp8, scale=scale)
+        kv_cache[blocks, :, offsets, half * head_size:(half + 1) * head_size] = stored
+
+
+def cache_slots(slot_mapping: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(keep, blocks, offsets)`` of vLLM's slot mapping: which tokens have a slot (a negative
+    slot is padding, skipped), and each kept token's block (``slot // block_size``) and offset
+    in it (``slot % block_size``)."""
     slots = slot_mapping.to(torch.int64)
     keep = slots >= 0
-    blocks, offsets = slots[keep] // block_size, slots[keep] % block_size
-    for half, (x, scale) in enumerate(((key, k_scale), (value, v_scale))):
-        x = x[:n][keep]
-        if fp8:
-            x = (x.float() / scale).clamp(-_E4M3_MAX, _E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
-        kv_cache[blocks, :, offsets, half * head_size:(half + 1) * head_size] = x.to(kv_cache.dtype)
+    return keep, slots[keep] // block_size, slots[keep] % block_size
+
+
+def cache_values(x: torch.Tensor, cache_dtype: torch.dtype, *, fp8: bool, scale: float = 1.0) -> torch.Tensor:
+    """``x`` as a cache of ``cache_dtype`` stores it: fp8, ``x / scale`` rounded to e4m3 with
+    saturation (vLLM's cache kernels), as the cache's dtype (uint8 bits, or e4m3 itself); else ``x``
+    in ``cache_dtype``."""
+    if fp8:
+        x = (x.float() / scale).clamp(-_E4M3_MAX, _E4M3_MAX).to(torch.float8_e4m3fn)
+        return x if cache_dtype == torch.float8_e4m3fn else x.view(torch.uint8).to(cache_dtype)
+    return x.to(cache_dtype)
 
 
 _E4M3_MAX = 448.0

@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 from typing import Optional, Sequence
 
-from ...config import ENV_IMPL, HEAD_DIMS, MAX_Q_LEN, SIMT_ONLY_HEAD_DIMS, configure, impl_chosen
+from ...config import ENV_IMPL, HEAD_DIMS, MAX_Q_LEN, NARROW_V_SHAPES, SIMT_ONLY_HEAD_DIMS, configure, impl_chosen
 from ...config import soft_cap as config_soft_cap
 from ...kernels import launchable_config
 from ...targets import DEFAULT_TARGET, FP8_CVT_CAPABILITY, TARGETS, detect_target, get_target, resolve_target_policy
@@ -116,7 +116,7 @@ def target_policy(capability: Optional[tuple[int, int]]):
 
 
 def layer_refusal(*, num_heads: int, num_kv_heads: int, head_size: int, q_dtype: str, kv_dtype: str,
-                  max_q_len: int = 1, window_left: int = -1, logits_soft_cap: Optional[float] = None,
+                  v_head_dim: Optional[int] = None, max_q_len: int = 1, window_left: int = -1, logits_soft_cap: Optional[float] = None,
                   sinks: bool = False, fp8: bool = False, capability: Optional[tuple[int, int]] = None
                   ) -> Optional[str]:
     """Why the library's own rules refuse this layer on every kernel it could run, or None: the
@@ -126,7 +126,8 @@ def layer_refusal(*, num_heads: int, num_kv_heads: int, head_size: int, q_dtype:
     Head size 512 is served by the reference kernels alone, which take none of the features
     (a window, sinks, a soft-cap, multi-token decode, fp8 scales on the device)."""
     try:
-        config = configure(num_heads, num_kv_heads, head_size, 16, q_dtype=q_dtype, kv_dtype=kv_dtype, max_batch=1,
+        config = configure(num_heads, num_kv_heads, head_size, 16, v_head_dim=v_head_dim, q_dtype=q_dtype,
+                           kv_dtype=kv_dtype, max_batch=1,
                            target_policy=target_policy(capability), kv_layout="HND", max_q_len=max_q_len,
                            window_left=window_left, logits_soft_cap=logits_soft_cap, sinks=sinks, device_scales=fp8)
         launchable_config(config, (), impl_chosen(None, os.environ.get(ENV_IMPL)))
@@ -224,3 +225,48 @@ def fp8_refusal(kv_cache_dtype: Optional[str], capability: Optional[tuple[int, i
     major, minor = capability
     return (f"kv_cache_dtype {kv_cache_dtype} not supported on compute capability {major}.{minor} (metrale-attn's "
             "tensor-core kernels read fp8 with the fp8 cvt of sm_89 and later)")
+
+
+# -- MLA (``mla.MetraleMLABackend``, the name ``METRALE_ATTN_MLA``) -----------------------------
+
+MLA_HEAD_SIZE, MLA_V_HEAD_DIM = NARROW_V_SHAPES[0]
+"""MLA's absorbed decode as the library serves it (``config.NARROW_V_SHAPES``): keys of 576 dims
+(``kv_lora_rank`` 512 + ``qk_rope_head_dim`` 64) over one latent KV head, values its first 512.
+vLLM's ``MLAAttention`` layers have ``head_size = kv_lora_rank + qk_rope_head_dim``: DeepSeek-V2,
+V2-Lite, V3, R1 and Kimi-K2 are all 576."""
+
+
+MLA_ELSEWHERE = ("MLA not supported by METRALE_ATTN (vLLM 0.33 resolves a backend name to one class, MLA or not): "
+                 "--attention-backend METRALE_ATTN_MLA serves MLA models (DeepSeek-V2/V3/R1, Kimi-K2), decode on "
+                 "metrale-attn and prefill on vLLM's MLA prefill backend")
+"""What ``METRALE_ATTN`` says for an MLA layer instead of vLLM's bare "MLA not supported"."""
+
+
+def mla_selection_refusals(*, head_size: int, dtype: str, kv_cache_dtype: Optional[str], block_size: Optional[int],
+                           capability: Optional[tuple[int, int]], attn_type=None) -> dict[str, str]:
+    """``selection_refusals`` for an MLA layer: the same rules (dtype, cache dtype, block size,
+    device, decoder only), but the one head size MLA's absorbed decode has, 576."""
+    reasons = selection_refusals(head_size=head_size, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
+                                 block_size=block_size, capability=capability, attn_type=attn_type)
+    reasons.pop("head_size not supported", None)  # the GQA head sizes' reason; MLA's is its own
+    if kv_cache_dtype in REFUSED_KV_CACHE_DTYPES:  # the reference kernels, the only ones at 576, read e4m3 only
+        reasons["kv_cache_dtype not supported"] = (f"kv_cache_dtype {kv_cache_dtype} not supported (metrale-attn MLA: "
+                                                   f"{', '.join(KV_CACHE_DTYPES)})")
+    if head_size != MLA_HEAD_SIZE:
+        reasons["head_size not supported"] = (
+            f"head_size {head_size} not supported (metrale-attn MLA: {MLA_HEAD_SIZE}, a kv_lora_rank of "
+            f"{MLA_V_HEAD_DIM} + a qk_rope_head_dim of {MLA_HEAD_SIZE - MLA_V_HEAD_DIM}: DeepSeek-V2/V3/R1, Kimi-K2)")
+    return reasons
+
+
+def mla_speculative_refusal(num_speculative_tokens: Optional[int]) -> Optional[str]:
+    """Why MLA decode with this many speculative tokens is not ours, or None: the ONE place
+    that says MLA is single-token decode only. The ``simt`` kernels, the only ones at 576/512,
+    take one query token per sequence at that shape today; lift this when they take
+    ``max_q_len`` up to ``MAX_Q_LEN`` there (``layer_refusal`` then says what is left)."""
+    if not num_speculative_tokens:
+        return None
+    return (f"speculative decoding ({num_speculative_tokens} speculative tokens: verification batches of "
+            f"{1 + num_speculative_tokens} query tokens a request) is not served under MLA yet (metrale-attn decodes "
+            f"one query token a request at {MLA_HEAD_SIZE}/{MLA_V_HEAD_DIM}); serve this model without "
+            "--speculative-config, or select another MLA backend (TRITON_MLA, FLASHMLA, ...)")

@@ -1,0 +1,355 @@
+"""metrale-attn as vLLM 0.33's MLA backend (``METRALE_ATTN_MLA``) on the CPU: selection for
+DeepSeek-V3 / Kimi-K2 / DeepSeek-V2-Lite configs, the refusals, and whole forwards of vLLM's own
+``MLAAttention`` layer (its cache write, its W_UK absorption, its metadata builder, its CPU MLA
+prefill backend for prefill tokens) with every decode row's latent output held to our 1-ulp bar
+of the float64 reference. Needs vLLM: skipped where it is not installed, except in CI's vLLM venv
+(``METRALE_ATTN_REQUIRE_VLLM=1``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from support.optional import import_vllm
+
+vllm = import_vllm()
+
+import torch  # noqa: E402  (after the skip: vLLM brings its torch)
+import vllm.model_executor.layers.attention.mla_attention as vllm_mla  # noqa: E402
+from vllm.config import (  # noqa: E402
+    AttentionConfig,
+    CacheConfig,
+    DeviceConfig,
+    ModelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+    VllmConfig,
+    set_current_vllm_config,
+)
+from vllm.forward_context import set_forward_context  # noqa: E402
+from vllm.platforms.interface import DeviceCapability  # noqa: E402
+from vllm.utils.torch_utils import set_default_torch_dtype  # noqa: E402
+from vllm.v1.attention.backend import AttentionCGSupport  # noqa: E402
+from vllm.v1.attention.backends.mla.prefill.cpu_sdpa import CPUSDPAMLAPrefillBackend  # noqa: E402
+from vllm.v1.attention.backends.registry import AttentionBackendEnum  # noqa: E402
+
+import vllm_harness as h  # noqa: E402
+from metrale_attn import hf_config, reference, tolerance  # noqa: E402
+from metrale_attn.integrations.vllm import mla as ours  # noqa: E402
+from metrale_attn.integrations.vllm import options  # noqa: E402
+from metrale_attn.torch_op import to_numpy  # noqa: E402
+
+HOPPER = DeviceCapability(9, 0)
+FIXTURES = Path(__file__).parent / "hf_configs"
+MLA_MODELS = ("deepseek-v3.json", "kimi-k2-instruct.json", "deepseek-v2-lite.json")
+TP = 8  # a rank's heads: DeepSeek-V3 16, Kimi-K2 8 (V2-Lite's 16 stay whole)
+BACKEND = AttentionBackendEnum["METRALE_ATTN_MLA"].get_class()
+
+
+@pytest.fixture(autouse=True)
+def _cpu_host_buffers(monkeypatch):
+    """vLLM's MLA builder pins its host buffers where it thinks a GPU is; this machine has none."""
+    monkeypatch.setattr(vllm_mla, "PIN_MEMORY", False)
+
+
+def _vllm_config(tmp_path, fixture: str = "deepseek-v3.json", *, kv_cache_dtype: str = "auto",
+                 num_speculative_tokens=None, block_size: int = 16) -> VllmConfig:
+    """A ``VllmConfig`` of the checkpoint's ``config.json`` (weights are never read; its fp8 weight
+    quantization is dropped, which concerns the linear layers, not attention), ``--attention-backend
+    METRALE_ATTN_MLA``, on the CPU device."""
+    config = json.loads((FIXTURES / fixture).read_text())
+    config.pop("quantization_config", None)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    model = ModelConfig(model=str(tmp_path), skip_tokenizer_init=True, dtype="bfloat16", max_model_len=4096)
+    spec = None
+    if num_speculative_tokens:
+        spec = SpeculativeConfig(method="ngram", num_speculative_tokens=num_speculative_tokens, prompt_lookup_max=3,
+                                 prompt_lookup_min=1)
+    return VllmConfig(model_config=model, cache_config=CacheConfig(block_size=block_size, cache_dtype=kv_cache_dtype),
+                      device_config=DeviceConfig(device="cpu"), speculative_config=spec,
+                      attention_config=AttentionConfig(backend=AttentionBackendEnum["METRALE_ATTN_MLA"]),
+                      scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=4096, max_model_len=4096,
+                                                       is_encoder_decoder=False))
+
+
+class _KvBProj(torch.nn.Module):
+    """An unquantized ``kv_b_proj`` (latent 512 -> per head nope + v), as ``split_kv_b_proj`` reads it."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight, requires_grad=False)
+        self.quant_method = None
+
+    def forward(self, x):
+        return x @ self.weight.T, None
+
+
+def _layers(vc: VllmConfig, count: int = 1, *, seed: int = 0) -> list:
+    """``count`` vLLM ``MLAAttention`` layers of the model's shape at TP 8, on our backend, with vLLM's
+    CPU MLA prefill backend (the platform's own choice on a CPU), weights "loaded"."""
+    text = vc.model_config.hf_text_config
+    heads = max(text.num_attention_heads // TP, 1) if text.num_attention_heads > 16 else text.num_attention_heads
+    scale = hf_config.load(FIXTURES / _fixture_of(vc)).kinds[0].sm_scale
+    gen = torch.Generator().manual_seed(seed)
+    built = []
+    with set_current_vllm_config(vc), set_default_torch_dtype(torch.bfloat16):
+        for i in range(count):
+            weight = torch.randn(heads * (text.qk_nope_head_dim + text.v_head_dim), text.kv_lora_rank, generator=gen)
+            layer = vllm_mla.MLAAttention(
+                num_heads=heads, scale=scale, qk_nope_head_dim=text.qk_nope_head_dim,
+                qk_rope_head_dim=text.qk_rope_head_dim, v_head_dim=text.v_head_dim, q_lora_rank=text.q_lora_rank,
+                kv_lora_rank=text.kv_lora_rank, kv_b_proj=_KvBProj((weight / 16).to(torch.bfloat16)),
+                cache_config=vc.cache_config, prefix=f"model.layers.{i}.self_attn.attn", attn_backend=BACKEND,
+                prefill_backend_cls=CPUSDPAMLAPrefillBackend)
+            layer.process_weights_after_loading(torch.bfloat16)
+            built.append(layer)
+    return built
+
+
+def _fixture_of(vc: VllmConfig) -> str:
+    model_type = vc.model_config.hf_config.model_type
+    return {"deepseek_v3": "deepseek-v3.json", "kimi_k2": "kimi-k2-instruct.json",
+            "deepseek_v2": "deepseek-v2-lite.json"}[model_type]
+
+
+def _allocate(layer, num_blocks: int, block_size: int, rng: np.random.Generator) -> torch.Tensor:
+    """The layer's latent cache as vLLM allocates it (logical ``[blocks, 1, block_size, 576]`` bound
+    through ``bind_kv_cache``, which drops the head dim), random values (fp8: finite bits)."""
+    spec = layer.get_kv_cache_spec(layer._vllm_config)
+    shape = (num_blocks, 1, block_size, spec.head_size)
+    if spec.dtype == torch.uint8:
+        bits = rng.integers(0, 0x7f, shape, dtype=np.uint8) | (rng.integers(0, 2, shape, dtype=np.uint8) << 7)
+        cache = torch.from_numpy(bits)
+    else:
+        cache = torch.from_numpy(rng.standard_normal(shape, dtype=np.float32)).to(spec.dtype)
+    layer.bind_kv_cache(cache)
+    return layer.kv_cache
+
+
+def _builder(vc, built, block_size: int):
+    spec = built[0].get_kv_cache_spec(vc)
+    with set_current_vllm_config(vc):
+        return BACKEND.get_builder_cls()(spec, [layer.layer_name for layer in built], vc, torch.device("cpu"))
+
+
+def _spy_on_decode(monkeypatch) -> list:
+    """Every ``forward_mqa`` call's (layer, latent q [rows, H, 576] float, latent out), recorded."""
+    calls = []
+    real = ours.MetraleMLAImpl.forward_mqa
+
+    def spy(self, q, cache, md, layer):
+        out, lse = real(self, q, cache, md, layer)
+        joined = torch.cat(q, dim=-1) if isinstance(q, tuple) else q
+        calls.append((layer, joined.clone(), out.clone()))
+        return out, lse
+
+    monkeypatch.setattr(ours.MetraleMLAImpl, "forward_mqa", spy)
+    return calls
+
+
+def _forward(vc, built, md, b: h.Batch, rng: np.random.Generator) -> list[torch.Tensor]:
+    """Each layer's ``MLAAttention.forward`` under vLLM's forward context: the step's latent rows written
+    to the cache, prefill tokens on vLLM's MLA prefill, decode tokens through ``forward_mqa``."""
+    tokens = b.cm.num_actual_tokens
+    text = vc.model_config.hf_text_config
+    names = [layer.layer_name for layer in built]
+    outs = []
+    with set_forward_context({n: md for n in names}, vc, slot_mapping={n: b.cm.slot_mapping for n in names}):
+        for layer in built:
+            q = torch.from_numpy(rng.standard_normal((tokens, layer.num_heads, layer.qk_head_dim), dtype=np.float32))
+            kv_c = torch.from_numpy(rng.standard_normal((tokens, text.kv_lora_rank), dtype=np.float32))
+            k_pe = torch.from_numpy(rng.standard_normal((tokens, 1, text.qk_rope_head_dim), dtype=np.float32))
+            outs.append(layer(q.to(torch.bfloat16), kv_c.to(torch.bfloat16), k_pe.to(torch.bfloat16),
+                              output_shape=(tokens, layer.num_heads * layer.v_head_dim)))
+    return outs
+
+
+def _check_decode_rows(layer, b: h.Batch, q: torch.Tensor, out: torch.Tensor, rows: int, what: str) -> None:
+    """Each of the first ``rows`` requests' latent output within our 1-ulp bar of float64 over the
+    layer's cache as it is now (this step's rows written): keys the 576-dim rows, values their first
+    512 dims, fp8 values times the layer's scale (the bar of ``tests/test_mla.py``, the logit-scaled
+    near-zero allowance included)."""
+    cache = to_numpy(layer.kv_cache)
+    if layer.impl.fp8:
+        cache = cache.view(reference_fp8_dtype())
+    k_cache = cache[:, :, None, :]  # NHD, one latent head
+    v_cache = k_cache[..., :ours.V_HEAD_DIM]
+    scale = layer._k_scale_float if layer.impl.fp8 else 1.0
+    tables, lens = b.cm.block_table_tensor[:rows].numpy(), np.array(b.seq_lens[:rows], np.int32)
+    q = to_numpy(q)
+    ref = reference.paged_decode(q, k_cache, v_cache, tables, lens, kv_layout="NHD", sm_scale=layer.scale,
+                                 v_head_dim=ours.V_HEAD_DIM, k_scale=scale, v_scale=scale)
+    v_absmax = reference.max_abs_v_read(v_cache, tables, lens, kv_layout="NHD", v_scale=scale)
+    # The bar's near-zero allowance grows with the logits (large with fp8 caches' random bits), as test_mla's
+    logits = lambda: reference.max_abs_logit(q, k_cache, tables, lens, kv_layout="NHD", sm_scale=layer.scale,  # noqa: E731
+                                             k_scale=scale)
+    tolerance.assert_close_to_reference(to_numpy(out), ref, v_absmax=v_absmax, logit_absmax=logits, what=what)
+
+
+def reference_fp8_dtype():
+    import ml_dtypes
+
+    return ml_dtypes.float8_e4m3fn
+
+
+def _selector_reasons(backend=BACKEND, capability=HOPPER, **changes) -> list[str]:
+    """What vLLM's CUDA platform asks of the backend ``--attention-backend`` names for an MLA layer
+    (``CudaPlatformBase.get_attn_backend_cls``): ``validate_configuration`` with the selector's fields."""
+    from vllm.v1.attention.selector import AttentionSelectorConfig
+
+    config = dict(head_size=576, dtype=torch.bfloat16, kv_cache_dtype="auto", block_size=None, use_mla=True)
+    config.update(changes)
+    return backend.validate_configuration(device_capability=capability, **AttentionSelectorConfig(**config)._asdict())
+
+
+# -- selection -------------------------------------------------------------------------------
+
+
+def test_the_plugin_registers_METRALE_ATTN_MLA_beside_METRALE_ATTN_and_it_resolves_to_our_mla_backend():
+    assert AttentionBackendEnum["METRALE_ATTN_MLA"].get_class() is ours.MetraleMLABackend
+    assert ours.MetraleMLABackend.get_name() == "METRALE_ATTN_MLA" and ours.MetraleMLABackend.is_mla()
+    assert AttentionBackendEnum["METRALE_ATTN"].get_class().is_mla() is False
+
+
+@pytest.mark.parametrize("fixture", MLA_MODELS)
+def test_vllm_selects_METRALE_ATTN_MLA_for_the_latent_layers_of_deepseek_and_kimi_configs(tmp_path, fixture):
+    """vLLM reads the checkpoint's config as MLA of head size 576 (kv_lora_rank 512 + rope 64),
+    and our backend is valid for the selector fields its ``MLAAttention`` layers ask with, in
+    bf16 and fp8 caches."""
+    vc = _vllm_config(tmp_path, fixture)
+    assert vc.model_config.use_mla and vc.model_config.get_head_size() == 576
+    assert vc.attention_config.backend is AttentionBackendEnum.METRALE_ATTN_MLA
+    for kv_cache_dtype in ("auto", "bfloat16", "fp8", "fp8_e4m3"):
+        assert _selector_reasons(head_size=vc.model_config.get_head_size(), kv_cache_dtype=kv_cache_dtype) == []
+
+
+def test_METRALE_ATTN_refuses_an_mla_layer_naming_METRALE_ATTN_MLA():
+    found = _selector_reasons(AttentionBackendEnum["METRALE_ATTN"].get_class())
+    assert any(r.startswith("MLA not supported by METRALE_ATTN") and "--attention-backend METRALE_ATTN_MLA" in r
+               for r in found), found
+
+
+@pytest.mark.parametrize("changes, reason", [
+    (dict(head_size=320), "head_size 320 not supported (metrale-attn MLA: 576, a kv_lora_rank of 512 + a "
+                          "qk_rope_head_dim of 64: DeepSeek-V2/V3/R1, Kimi-K2)"),
+    (dict(use_mla=False, head_size=128), "non-MLA not supported"),
+    (dict(dtype=torch.float32), "dtype torch.float32 not supported (metrale-attn: torch.bfloat16, torch.float16)"),
+    (dict(kv_cache_dtype="fp8_e5m2"), "kv_cache_dtype fp8_e5m2 not supported (metrale-attn MLA: auto, bfloat16, "
+                                      "float16, fp8, fp8_e4m3)"),
+    (dict(block_size=8), "block_size 8 not supported (metrale-attn: a multiple of 16"),
+    (dict(use_sparse=True), "sparse not supported"),
+    (dict(use_dcp=True), "DCP not supported"),
+], ids=lambda x: x if isinstance(x, str) else None)
+def test_vllms_selector_refuses_what_our_mla_backend_does_not_serve_with_our_reason(changes, reason):
+    found = _selector_reasons(**changes)
+    assert any(reason in r for r in found), found
+
+
+def test_a_gpu_our_kernels_do_not_launch_on_is_refused_for_mla_too():
+    found = _selector_reasons(capability=DeviceCapability(7, 5))
+    assert any(r.startswith("compute capability 7.5 not supported (metrale-attn launches on 8.0") for r in found), found
+
+
+def test_speculative_decoding_under_mla_is_refused_when_the_layer_is_built_saying_what_to_do(tmp_path):
+    """The simt kernels take one query token a request at 576/512 today: one predicate says so
+    (``options.mla_speculative_refusal``), before any KV cache exists."""
+    assert options.mla_speculative_refusal(None) is None and options.mla_speculative_refusal(0) is None
+    vc = _vllm_config(tmp_path, num_speculative_tokens=1)
+    with pytest.raises(ValueError, match=r"METRALE_ATTN_MLA: speculative decoding \(1 speculative tokens: "
+                                         r"verification batches of 2 query tokens a request\) is not served under "
+                                         r"MLA yet .*without --speculative-config"):
+        _layers(vc)
+
+
+def test_full_cuda_graphs_are_declared_for_single_token_mla_decode_batches(tmp_path):
+    vc = _vllm_config(tmp_path)
+    built = _layers(vc)
+    builder = _builder(vc, built, 16)
+    assert builder.get_cudagraph_support(vc, built[0].get_kv_cache_spec(vc)) is (
+        AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE)
+    assert builder.reorder_batch_threshold == 1
+
+
+# -- forwards through vLLM's MLAAttention -----------------------------------------------------
+
+
+@pytest.mark.parametrize("fixture, kv_cache_dtype", [("deepseek-v3.json", "auto"), ("kimi-k2-instruct.json", "fp8"),
+                                                     ("deepseek-v2-lite.json", "fp8_e4m3")])
+def test_a_decode_batch_through_vllms_mla_layer_is_within_one_ulp_of_float64_in_the_latent_space(
+        tmp_path, monkeypatch, fixture, kv_cache_dtype):
+    """Five decode requests (one token each, lengths across page boundaries) on two layers: vLLM
+    writes the step's latent rows, absorbs W_UK into the query and calls our ``forward_mqa``, whose
+    latent output (before W_UV) meets the bar against the float64 reference over the cache; fp8
+    caches hold e4m3 values of ``value / _k_scale``."""
+    rng = np.random.default_rng(3)
+    calls = _spy_on_decode(monkeypatch)
+    vc = _vllm_config(tmp_path, fixture, kv_cache_dtype=kv_cache_dtype)
+    built = _layers(vc, 2)
+    for layer in built:
+        if options.is_fp8(kv_cache_dtype):
+            layer._k_scale.fill_(0.5)
+            layer._k_scale_float = 0.5
+        _allocate(layer, 64, 16, rng)
+    b = h.batch([(700, 1), (1, 1), (33, 1), (16, 1), (17, 1)], num_heads=1, num_kv_heads=1, head_size=64,
+                num_blocks=64, rng=rng)
+    md = _builder(vc, built, 16).build(0, b.cm)
+    assert (md.num_decodes, md.num_prefills) == (5, 0)
+    outs = _forward(vc, built, md, b, rng)
+    assert [call[0] for call in calls] == built
+    for (layer, q, latent), out in zip(calls, outs):
+        assert q.shape == (5, layer.num_heads, 576) and latent.shape == (5, layer.num_heads, 512)
+        assert layer.impl.decoder.impl == "simt"
+        _check_decode_rows(layer, b, q, latent, 5, f"{layer.layer_name} ({kv_cache_dtype})")
+        assert torch.isfinite(out).all() and out.shape == (5, layer.num_heads * layer.v_head_dim)
+
+
+def test_a_mixed_batch_decodes_on_metrale_and_prefills_on_vllms_mla_prefill_backend(tmp_path, monkeypatch):
+    """Three decodes then two fresh prompts in one forward: the decode rows go through our
+    ``forward_mqa`` (within the bar), the prompts' 20 tokens through vLLM's MLA prefill
+    (``forward_mha`` on its CPU SDPA backend) and nowhere else."""
+    rng = np.random.default_rng(4)
+    calls = _spy_on_decode(monkeypatch)
+    prefill_rows = []
+    real_mha = ours.MetraleMLAImpl.forward_mha
+    monkeypatch.setattr(ours.MetraleMLAImpl, "forward_mha",
+                        lambda self, q, *a, **k: prefill_rows.append(q.shape[0]) or real_mha(self, q, *a, **k))
+    vc = _vllm_config(tmp_path)
+    built = _layers(vc, 1)
+    _allocate(built[0], 64, 16, rng)
+    b = h.batch([(40, 1), (300, 1), (17, 1), (12, 12), (8, 8)], num_heads=1, num_kv_heads=1, head_size=64,
+                num_blocks=64, rng=rng)
+    md = _builder(vc, built, 16).build(0, b.cm)
+    assert (md.num_decodes, md.num_prefills, md.num_decode_tokens) == (3, 2, 3)
+    out = _forward(vc, built, md, b, rng)[0]
+    assert prefill_rows == [20]
+    (layer, q, latent), = calls
+    assert q.shape[0] == 3
+    _check_decode_rows(layer, b, q, latent, 3, "mixed batch decode rows")
+    assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_on_the_host_the_latent_cache_write_follows_concat_and_cache_mlas_semantics(tmp_path, kv_cache_dtype):
+    """Token i's kv_c then k_pe into row ``slot % block_size`` of block ``slot // block_size``;
+    slot -1 (padding) writes nothing; fp8 stores ``value / scale`` as e4m3 bits."""
+    vc = _vllm_config(tmp_path, kv_cache_dtype=kv_cache_dtype)
+    layer = _layers(vc)[0]
+    cache = _allocate(layer, 8, 16, np.random.default_rng(5))
+    before = cache.clone()
+    kv_c = torch.randn(3, 512).to(torch.bfloat16)
+    k_pe = torch.randn(3, 1, 64).to(torch.bfloat16)
+    slots = torch.tensor([5 * 16 + 3, -1, 2 * 16 + 15])
+    layer.impl.do_kv_cache_update(kv_c, k_pe, cache, slots, kv_cache_dtype, torch.tensor(0.25))
+    rows = torch.cat([kv_c, k_pe[:, 0]], dim=-1)
+    for token, (block, offset) in ((0, (5, 3)), (2, (2, 15))):
+        got = cache[block, offset]
+        if kv_cache_dtype == "fp8":
+            expect = (rows[token].float() / 0.25).to(torch.float8_e4m3fn).view(torch.uint8)
+            assert torch.equal(got, expect)
+        else:
+            assert torch.equal(got, rows[token])
+    changed = (cache != before).reshape(8 * 16, -1).any(dim=-1).nonzero().flatten().tolist()
+    assert set(changed) <= {5 * 16 + 3, 2 * 16 + 15}
