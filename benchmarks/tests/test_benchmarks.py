@@ -169,10 +169,14 @@ def test_gpu_check_cpu_dry_run_writes_every_output(tmp_path):
     assert table["benchmark"][0] == "ok" and "CPU backend simulator" in summary
     assert table["mma_selftest"][0] == "ok"
     # The decisive step: metrale-attn check's own code, its report in $OUT/decisive/ (correctness only on the CPU).
-    assert table["decisive"][0] == "ok" and "mma 4/4 correct; simt 4/4 correct" in table["decisive"][1]
+    # The named MLA cell (schedule.DECISIVE_CELLS_CPU) adds its 2 arms on mma, whose request runs simt there, and
+    # none on simt (the same kernels twice).
+    assert table["decisive"][0] == "ok" and "mma 6/6 correct; simt 4/4 correct" in table["decisive"][1]
     check = json.loads((out / "decisive" / "report.json").read_text())
     assert check["verdict"] == "ok" and "no timing was taken" in check["timing_note"]
-    assert "decisive cells: 8 of 8 correctness cells ok" in done.stdout
+    mla = [r for r in check["correctness"] if r["spec"]["layer"]["head_dim"] == 576]
+    assert [(r["impl"], r["impl_ran"], r["v_read_from_k"]) for r in mla] == [("mma", "simt", True)] * 2
+    assert "decisive cells: 10 of 10 correctness cells ok" in done.stdout
     assert list(table)[:5] == ["wheels", "import", "environment", "compile", "decisive"]
     # The decode loop (the vLLM backend's serving path): eager checked, then a step timed on ours and on SDPA.
     assert table["decode_loop"][0] == "ok" and table["decode_loop"][1].startswith("eager ok; step: ours")
