@@ -302,7 +302,7 @@ def impl_verdict(cell: Cell, built: str) -> dict:
     """What the kernel implementation the plan ran says of a cell of ours: nothing where it is the one
     asked for; ``simt_by_shape`` (the reason) where ``mma`` was asked of a shape it has no kernel of
     (``cells.mma_runs_simt``: every device runs simt there, by design, and the cell is judged and
-    timed as simt's); else ``FALLBACK`` (the device failed the mma self-test), which fails."""
+    timed as simt's); else the status FALLBACK (the device failed the mma self-test), which fails."""
     if built == cell.impl:
         return {}
     why = mma_runs_simt(cell.layer) if cell.impl == "mma" and built == "simt" else None
