@@ -13,7 +13,9 @@
 #      64/8/128, 24/4/256 x bf16, fp8 x batch 64 and 16 at 4k, batch 1 at 32k), the default
 #      kernel, the simt reference and PyTorch SDPA, each in a process of its own (a CUDA fault
 #      costs one implementation, named), each output checked against float64 before it is timed;
-#      $OUT/decisive/ (report.md, report.json, report.png, the events as they came)
+#      then the wide layers' named cells (schedule.DECISIVE_CELLS, --cells: Gemma 4's 16/2/512 and
+#      MLA's 16 and 128 heads at 576/512, bf16 64 x 4k) on the default kernel (simt underneath) and
+#      SDPA; $OUT/decisive/ (report.md, report.json, report.png, the events as they came)
 #   4. the GPU tests: pytest -m 'gpu and not slow', a per-test timeout, failures listed
 #   5. compute-sanitizer memcheck on 12 small cases (3 arms x 2 cases x mma, simt)
 #   6. FlashInfer on the decisive cells (what its JIT built), into the same report
@@ -52,7 +54,7 @@ for arg in "$@"; do
   case "$arg" in
     --cpu) MODE=cpu ;;
     --quick) PROFILE=quick ;;
-    -h|--help) sed -n '2,48p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,50p' "$0"; exit 0 ;;
     *) echo "gpu_check.sh: unknown argument $arg (use --cpu, --quick or nothing)" >&2; exit 2 ;;
   esac
 done
@@ -144,7 +146,8 @@ fi
 
 # The decisive cells as metrale-attn check takes them (the CPU dry run: the smallest shape, correctness only).
 CHECK=(-m metrale_attn check --out "$DECISIVE_OUT" --kv-dtype "$DECISIVE_KV" --impl "$DECISIVE_IMPLS")
-if [ "$MODE" = cpu ]; then CHECK+=(--backend cpu --model 4/1/64); else CHECK+=(--model "$DECISIVE_MODELS" --points "$DECISIVE_POINTS"); fi
+if [ "$MODE" = cpu ]; then CHECK+=(--backend cpu --model 4/1/64 --cells "$DECISIVE_CELLS_CPU")
+else CHECK+=(--model "$DECISIVE_MODELS" --points "$DECISIVE_POINTS" --cells "$DECISIVE_CELLS"); fi
 [ "$PROFILE" = quick ] && CHECK+=(--no-correctness)
 
 # -- beside the next steps: FlashInfer's JIT, the decisive kernels' compiles ---------------------
@@ -269,7 +272,7 @@ if [ "$PROFILE" = full ] && [ "$MODE" = gpu ]; then
     out=$(verdict flashinfer "$FI_STATUS")
     step flashinfer_jit "${out%%$'\t'*}" 0 "${out#*$'\t'}"
     timeout -k 10 $((CAP_FLASHINFER + 20)) "$PY" -m metrale_attn check --out "$DECISIVE_OUT" --kv-dtype "$DECISIVE_KV" \
-      --model "$DECISIVE_MODELS" --points "$DECISIVE_POINTS" --impl flashinfer --flashinfer-status "$FI_STATUS" \
+      --model "$DECISIVE_MODELS" --points "$DECISIVE_POINTS" --cells "$DECISIVE_CELLS" --impl flashinfer --flashinfer-status "$FI_STATUS" \
       --deadline-s "$CAP_FLASHINFER" </dev/null >"$WORK/flashinfer_check.log" 2>&1
     rc=$?
     n=$("$PY" -c "import json,sys; r=json.load(open(sys.argv[1])); print(sum(x['impl']=='flashinfer' and x.get('median_us') is not None for x in r['timing']))" \

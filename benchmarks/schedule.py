@@ -8,7 +8,9 @@ Why this order: a device session is short (``SESSION_S``, machine start included
 can be cut off, so the run measures by value. The decisive cells come right after the copy
 bandwidth (``DECISIVE_START_S``): the default kernel, the ``simt`` reference and PyTorch SDPA on
 every cell of ``DECISIVE`` through ``metrale-attn check``'s own code, each output checked against
-float64 before it is timed; their kernels are compiled beside the environment step. Then the
+float64 before it is timed, then the wide layers' cells ``DECISIVE_CELLS`` (``--cells``: Gemma 4's
+global layer, MLA at 16 and 128 heads) on the default kernel and SDPA; their kernels are compiled
+beside the environment step. Then the
 GPU tests, memcheck, FlashInfer on the same cells (its JIT has built in the background since the
 start), the tiers of the sweep (heads per CTA, the features, every forced arm with the earlier
 kernels, the grid), the decode loop and the PDL check. racecheck, initcheck, the model probes
@@ -44,6 +46,23 @@ DECISIVE_KV = ("bf16", "fp8")
 DECISIVE_POINTS = ((64, 4096), (16, 4096), (1, 32768))
 DECISIVE = len(DECISIVE_MODELS) * len(DECISIVE_KV) * len(DECISIVE_POINTS)
 """18 cells: 32/8/128, 64/8/128 and 24/4/256, bf16 and fp8, batch 64 and 16 x 4k and batch 1 x 32k."""
+DECISIVE_CELLS = (("gemma-4-26b-global", "bf16", (64, 4096)), ("deepseek-v2-lite", "bf16", (64, 4096)),
+                  ("deepseek-v3", "bf16", (64, 4096)))
+"""The wide layers' cells (``metrale-attn check --cells``), named one by one rather than multiplied into
+models x KV x points: Gemma-4-26B-A4B's global layer (16/2/512, V a cache of its own), MLA at 16 heads
+(16/1/576/512: DeepSeek-V2-Lite, one rank of DeepSeek-V3 at TP 8; memory-bound, issue 32's goal
+>= 85% of copy) and at 128 heads (DeepSeek-V3 at TP 1; compute-bound: the report gives its TFLOP/s),
+bf16, batch 64 x 4k. The default kernel runs them on the simt kernels (mma has no kernel of these
+shapes), so the ``simt`` worker does not run them again (``check.cells.plan_cells``)."""
+DECISIVE_CELLS_CPU = "4/1/576/512:bf16:1x64"
+"""The CPU dry run's named cell: MLA's shape at 4 q heads, the same path at a simulator's size."""
+DECISIVE_NAMED_IMPLS = ("mma", "sdpa")
+"""The implementations that run ``DECISIVE_CELLS``: the default kernel (simt underneath) and SDPA."""
+DECISIVE_NAMED_CORRECT_CELLS = 2 * len(DECISIVE_CELLS)
+"""Their correctness cells, on the default kernel only: unpacked and split-K a layer, bf16."""
+NAMED_CORRECT_CELL_S = 1.0
+"""One of those on the device: MLA at 128 heads makes its float64 reference on the host 128 heads x
+3,411 tokens x 1,088 dims (0.4 s on this project's 2-core machine), against 0.4 s for a grid's cell."""
 DECISIVE_IMPLS = {"full": ("mma", "simt", "sdpa"), "quick": ("mma",)}
 WORKER_START_S = 8.0
 """A check worker's start on the device: importing PyTorch and CuPy, the copy bandwidth, the self-test."""
@@ -58,11 +77,17 @@ DECISIVE_CORRECT_CELLS = 14
 
 def decisive_need_s(profile: str) -> float:
     """What the decisive step needs: a worker per implementation, each its cells (correctness in the
-    full profile only)."""
+    full profile only), and the named cells on the implementations of ``DECISIVE_NAMED_IMPLS`` asked.
+    Full: 3 x (8 + 18 x 1.5) + 2 x 14 x 0.4 + 2 x 3 x 1.5 + 6 x 1.0 = 131.2 s; quick: 8 + 27 + 4.5 = 39.5 s."""
     impls = DECISIVE_IMPLS[profile]
     ours = [i for i in impls if i in ("mma", "simt")]
-    correct = DECISIVE_CORRECT_CELLS * CORRECT_CELL_S * len(ours) if profile == "full" else 0.0
-    return len(impls) * (WORKER_START_S + DECISIVE * CELL_S) + correct
+    named = [i for i in impls if i in DECISIVE_NAMED_IMPLS]
+    correct = 0.0
+    if profile == "full":
+        correct = DECISIVE_CORRECT_CELLS * CORRECT_CELL_S * len(ours)
+        correct += DECISIVE_NAMED_CORRECT_CELLS * NAMED_CORRECT_CELL_S * ("mma" in impls)
+    return (len(impls) * (WORKER_START_S + DECISIVE * CELL_S) + len(named) * len(DECISIVE_CELLS) * CELL_S
+            + correct)
 
 
 @dataclass(frozen=True)
@@ -89,7 +114,7 @@ FULL = (
     Step("flashinfer", 45, 15),
     Step("benchmark", 0, 0),  # the sweep: whatever the deadline leaves after the reserved steps below
     Step("decode_loop", 90, 70),
-    Step("pdl_check", 40, 20),
+    Step("pdl_check", 30, 20),  # 1.5x its estimate: 10 s of its cap went to the decisive wide cells
     Step("summary", 10, 3),
 )
 QUICK = (
@@ -151,6 +176,8 @@ def shell(profile: str) -> str:
     lines.append("DECISIVE_KV=" + ",".join(DECISIVE_KV))
     lines.append("DECISIVE_POINTS=" + ",".join(f"{b}x{t}" for b, t in DECISIVE_POINTS))
     lines.append("DECISIVE_IMPLS=" + ",".join(DECISIVE_IMPLS[profile]))
+    lines.append("DECISIVE_CELLS=" + ",".join(f"{m}:{kv}:{b}x{t}" for m, kv, (b, t) in DECISIVE_CELLS))
+    lines.append("DECISIVE_CELLS_CPU=" + DECISIVE_CELLS_CPU)
     return "\n".join(lines)
 
 

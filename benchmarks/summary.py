@@ -87,7 +87,8 @@ def check_lines(check: dict, predictions: Predictions = None) -> list[str]:
                    f"{check.get('timing_note') or 'nothing timed'}")
     else:
         impls, cells = timing_cells(check)
-        out.append("decisive cells, metrale-attn check (% of copy; [n] the call model's MODELLED %; ! wrong output):")
+        out.append("decisive cells, metrale-attn check (% of copy; [n] the call model's MODELLED %; ! wrong output; "
+                   "s: simt ran):")
         out.append(f"  {'cell':<26}" + "".join(f"{i:>13}" for i in impls))
         for (name, kv, batch, context), by in cells.items():
             texts = []
@@ -95,7 +96,9 @@ def check_lines(check: dict, predictions: Predictions = None) -> list[str]:
                 r = by.get(impl)
                 text = "-" if r is None else (f"{r['pct_of_copy']:.1f}" if r.get("pct_of_copy") is not None
                                               else ("!" if r["status"] == "FAIL" else r["status"][:6]))
-                if r is not None and impl == "mma" and predictions is not None and r.get("arm_ran"):
+                if r is not None and r.get("impl_ran") not in (None, impl):
+                    text += "s"  # mma has no kernel of the shape: its request ran simt's (no mma prediction)
+                elif r is not None and impl == "mma" and predictions is not None and r.get("arm_ran"):
                     layer = r["spec"]["layer"]
                     pred = predictions.lookup(impl="mma", arm=r["arm_ran"], q_heads=layer["num_q_heads"],
                                               kv_heads=layer["num_kv_heads"], head_dim=layer["head_dim"],

@@ -253,14 +253,21 @@ def run_precompile(args: argparse.Namespace, out=print) -> int:
 def run_check_command(args: argparse.Namespace, out=print) -> int:
     """``metrale-attn check``: the model's layers, then ``check.run_check``."""
     from .check import CheckOptions, compile_kernels, run_check
-    from .check.cells import parse_points
+    from .check.cells import parse_cells, parse_points
     from .check.run import resolve_backend
 
-    model = model_of(args)
-    options = CheckOptions(model.layers, model.label, Path(args.out), kv_dtypes=tuple(args.kv_dtype),
+    named = parse_cells(args.cells, args.tensor_parallel_size) if args.cells is not None else ()
+    described = any(getattr(args, name, None) not in (None, False) for name in ("model", "hf_config", *SHAPE_FLAGS))
+    cells = ", ".join(f"{n.layer.name}:{n.kv_dtype}:{n.batch}x{n.context}" for n in named)
+    if named and not described:  # --cells alone: the check is those cells
+        layers, label = (), cells
+    else:
+        model = model_of(args)
+        layers, label = model.layers, model.label + (f" + {cells}" if named else "")
+    options = CheckOptions(tuple(layers), label, Path(args.out), kv_dtypes=tuple(args.kv_dtype),
                            impls=tuple(args.impl), points=parse_points(args.points), backend=args.backend,
                            cap_s=args.cap_s, jobs=args.jobs, correctness=not args.no_correctness,
-                           deadline_s=args.deadline_s, flashinfer_status=args.flashinfer_status)
+                           deadline_s=args.deadline_s, flashinfer_status=args.flashinfer_status, named=named)
     if args.compile_only:
         if resolve_backend(options.backend) != "cupy":
             out("metrale-attn check --compile-only: no GPU here; the CPU backend builds its modules as it runs")
@@ -353,6 +360,10 @@ def build_parser() -> argparse.ArgumentParser:
                        "simt (our reference kernels), sdpa, flashinfer (default: mma,sdpa,flashinfer)")
     check.add_argument("--points", default="1x4096,16x4096,64x4096,1x32768",
                        help="timing points BATCHxCONTEXT (default %(default)s)")
+    check.add_argument("--cells", help="cells beyond --model x --kv-dtype x --points, each its layer's correctness "
+                       "cells and one timing cell: MODEL:KV:BATCHxCONTEXT items separated by commas, MODEL a --model "
+                       "preset or shape (deepseek-v3:bf16:64x4096,16/1/576/512:bf16:1x32768); alone, the check is "
+                       "those cells")
     check.add_argument("--backend", choices=["auto", "cupy", "cpu"], default="auto",
                        help="auto (default): the GPU where CuPy sees one, else the CPU backend (correctness only)")
     check.add_argument("--out", default="metrale_attn_check", help="the report's folder (default %(default)s)")

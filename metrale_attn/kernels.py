@@ -22,7 +22,7 @@ import functools
 from dataclasses import dataclass, replace
 
 from . import dtypes, policy
-from .config import (DEFAULT_IMPL, FEATURES, HEAD_DIMS, IMPLS, NARROW_V_SHAPES, ROW_TILE, SIMT_HEAD_DIMS, LayerConfig,
+from .config import (DEFAULT_IMPL, FEATURES, HEAD_DIMS, IMPLS, NARROW_V_SHAPES, ROW_TILE, SIMT_HEAD_DIMS, LayerConfig, ModelShape,
                      feature_define, heads_per_cta_choices, max_rows_per_cta)
 from .plan import ARMS, KERNELS, make_plan
 from .sources import (SOURCE_FILES, KernelSourceError, Param, check_pack_constants, inline, parse_kernel_params,
@@ -39,9 +39,14 @@ def mma_shape_refusal(config: LayerConfig) -> str | None:
     """Why the ``mma`` core has no kernel of this layer's shape on any target, or None: a head
     dim past its widest (512, which only the ``simt`` kernels serve). Asks nothing of a device,
     so a construction does not run the ``mma`` self-test for such a layer."""
-    head_dim = config.shape.head_dim
-    if config.shape.v_head_dim != head_dim:
-        return (f"(head_dim, v_head_dim) ({head_dim}, {config.shape.v_head_dim}) has no mma kernel (values "
+    return mma_shape_refusal_of(config.shape)
+
+
+def mma_shape_refusal_of(shape: ModelShape) -> str | None:
+    """``mma_shape_refusal`` of a shape alone (what ``metrale-attn check`` plans with)."""
+    head_dim = shape.head_dim
+    if shape.v_head_dim != head_dim:
+        return (f"(head_dim, v_head_dim) ({head_dim}, {shape.v_head_dim}) has no mma kernel (values "
                 f"narrower than keys: MLA's absorbed decode is the simt kernels')")
     if head_dim in HEAD_DIMS:
         return None

@@ -231,10 +231,10 @@ def describe_model(models: Sequence[str] = (), hf_config_path: Optional[str] = N
         for name in models:
             whole = model_shape(name)
             q, kv = shard_heads(whole.num_q_heads, whole.num_kv_heads, tensor_parallel)
-            layers.append(Layer(name, q, kv, whole.head_dim, window, cap, sinks))
+            layers.append(preset_layer(name, whole, q, kv, window, cap, sinks))
             rank = f"; one rank of {tensor_parallel}: {q} q heads, {kv} KV heads" if tensor_parallel != 1 else ""
             lines.append(f"model: {name}: {whole.num_q_heads} q heads, {whole.num_kv_heads} KV heads, head_dim "
-                         f"{whole.head_dim}{rank}{features_text}")
+                         f"{whole.head_dim}{narrow_text(whole)}{rank}{features_text}")
         label = ", ".join(models) + (f" (TP {tensor_parallel})" if tensor_parallel != 1 else "")
         return Model(label, tuple(layers), tuple(lines))
     if tensor_parallel != 1:
@@ -247,6 +247,23 @@ def describe_model(models: Sequence[str] = (), hf_config_path: Optional[str] = N
     q, kv, d = shape["q_heads"], shape["kv_heads"], shape["head_dim"]
     return Model(f"{q}/{kv}/{d}", (Layer("layer", q, kv, d, window, cap, sinks),),
                  (f"model: {q} q heads, {kv} KV heads, head_dim {d} (one rank's){features_text}",))
+
+
+def preset_layer(name: str, whole, q: int, kv: int, window: int = -1, cap: Optional[float] = None,
+                 sinks: bool = False) -> Layer:
+    """The ``Layer`` of a ``--model`` shape (``models.model_shape``) at one rank's ``q``/``kv`` heads.
+    Values narrower than keys are MLA's absorbed decode (the only such shape served), whose V is
+    the first ``v_head_dim`` dims of each K row: ``v_in_k``, as ``--hf-config`` maps such a model."""
+    narrow = whole.v_head_dim != whole.head_dim
+    return Layer(name, q, kv, whole.head_dim, window, cap, sinks, whole.v_head_dim if narrow else None,
+                 v_in_k=narrow)
+
+
+def narrow_text(whole) -> str:
+    """``, v_head_dim 512 (V the first 512 dims of each K row)`` for a narrow-value shape, else empty."""
+    if whole.v_head_dim == whole.head_dim:
+        return ""
+    return f", v_head_dim {whole.v_head_dim} (V the first {whole.v_head_dim} dims of each K row)"
 
 
 def target_for_arch(arch: str) -> Target:

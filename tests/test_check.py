@@ -13,7 +13,8 @@ import sys
 import pytest
 
 from metrale_attn.check import CheckOptions, model_layers, run_check
-from metrale_attn.check.cells import Cell, arms_for, parse_points, peer_refusal, plan_cells
+from metrale_attn.check.cells import (Cell, Named, arms_for, cache_bytes_per_token, parse_cells, parse_points,
+                                      peer_refusal, plan_cells)
 from metrale_attn.cli import main
 from metrale_attn.precompile import Layer
 
@@ -22,6 +23,11 @@ from support.optional import import_torch
 DOUBLES = pathlib.Path(__file__).parent / "support" / "check_doubles.py"
 TINY = Layer("tiny", 4, 1, 64)
 """The smallest layer kind the kernels serve (the sweep's CPU profile uses it too: its modules are cached)."""
+MLA = Layer("mla", 4, 1, 576, v_head_dim=512, v_in_k=True)
+"""MLA's absorbed shape at 4 q heads: V the first 512 dims of each 576-wide K row."""
+WIDE = Layer("wide", 4, 2, 512)
+"""Gemma 4's global head dim, 512, V a cache of its own, at 4 q heads over 2 KV heads."""
+HF_CONFIGS = pathlib.Path(__file__).parent / "hf_configs"
 TINY_CONFIG = {"model_type": "llama", "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 64,
                "hidden_size": 256, "num_hidden_layers": 2}
 
@@ -90,6 +96,59 @@ def test_a_model_is_named_by_a_preset_or_a_config_and_sharded_over_the_ranks(tmp
         model_layers(["llama-3-8b"], hf_config_path=str(config))
 
 
+def test_the_wide_presets_are_gemma_4s_global_layer_and_deepseeks_mla_and_a_shape_may_name_its_value_width():
+    _, layers = model_layers(["gemma-4-26b-global", "deepseek-v3", "deepseek-v2-lite", "16/1/576/512"])
+    got = [(x.num_q_heads, x.num_kv_heads, x.head_dim, x.v_head_dim, x.v_in_k) for x in layers]
+    assert got == [(16, 2, 512, None, False), (128, 1, 576, 512, True), (16, 1, 576, 512, True),
+                   (16, 1, 576, 512, True)]
+    _, (rank,) = model_layers(["deepseek-v3"], tensor_parallel=8)  # the latent head is on every rank
+    assert (rank.num_q_heads, rank.num_kv_heads, rank.v_head_dim) == (16, 1, 512)
+    for bad in ("16/2/576/512", "16/1/576/500", "1/2/3/4/5"):
+        with pytest.raises(ValueError, match="--model"):
+            model_layers([bad])
+
+
+def test_a_check_of_an_mla_layer_counts_the_latent_row_once_where_our_kernel_reads_v_from_ks_registers():
+    assert cache_bytes_per_token(MLA, "bf16", "mma") == 576 * 2  # 1,152 B: V is K's first 512 dims, read once
+    assert cache_bytes_per_token(MLA, "bf16", "simt") == 576 * 2
+    assert cache_bytes_per_token(MLA, "bf16", "sdpa") == (576 + 512) * 2  # it gathers V on its own
+    assert cache_bytes_per_token(MLA, "fp8", "mma") == 576 + 512  # the v_in_k kernels are bf16's: V read again
+    assert cache_bytes_per_token(WIDE, "bf16", "mma") == 2 * (512 + 512) * 2  # two KV heads, V a cache apart
+    assert cache_bytes_per_token(TINY, "fp8", "mma") == 64 * 2
+
+
+def test_named_cells_join_the_grid_one_by_one_and_a_bad_one_is_refused_naming_cells():
+    named = parse_cells("deepseek-v3:bf16:64x4096, gemma-4-26b-global:fp8:1x32768", tensor_parallel=8)
+    assert [(n.layer.num_q_heads, n.layer.head_dim, n.kv_dtype, n.batch, n.context) for n in named] == \
+        [(16, 576, "bf16", 64, 4096), (2, 512, "fp8", 1, 32768)]
+    cells = plan_cells([TINY], ["bf16", "fp8"], ["sdpa"], timed=True, points=((1, 64), (2, 64)), named=named)
+    assert len(cells) == 2 * 2 + 2  # the grid, then one timing cell each: no product with the grid
+    assert [c.label for c in cells[-2:]] == ["sdpa deepseek-v3 16/1/576/512 bf16 b64x4k",
+                                             "sdpa gemma-4-26b-global 2/1/512 fp8 b1x32k"]
+    for bad in ("deepseek-v3:bf16", "deepseek-v3:fp4:1x64", "no-such-model:bf16:1x64", "deepseek-v3:bf16:0x64",
+                "deepseek-v3:bf16:64", " , "):
+        with pytest.raises(ValueError, match="--cells"):
+            parse_cells(bad)
+
+
+def test_a_layer_only_simt_serves_is_checked_once_under_mma_when_simt_is_asked_too():
+    named = (Named(MLA, "bf16", 2, 64),)
+    cells = plan_cells([TINY, WIDE], ["bf16"], ["mma", "simt", "sdpa"], timed=True, points=((1, 64),), named=named)
+    by_impl = {impl: {c.label for c in cells if c.impl == impl} for impl in ("mma", "simt", "sdpa")}
+    assert by_impl["simt"] == {"simt tiny 4/1/64 bf16 unpacked", "simt tiny 4/1/64 bf16 splitk",
+                               "simt tiny 4/1/64 bf16 b1x64"}
+    assert {"mma wide 4/2/512 bf16 splitk", "mma mla 4/1/576/512 bf16 unpacked", "mma mla 4/1/576/512 bf16 b2x64",
+            "mma wide 4/2/512 bf16 b1x64"} <= by_impl["mma"]
+    alone = plan_cells([WIDE], ["bf16"], ["simt"], timed=False)  # asked alone, simt runs them
+    assert [c.label for c in alone] == ["simt wide 4/2/512 bf16 unpacked", "simt wide 4/2/512 bf16 splitk"]
+
+
+def test_flashinfer_is_unavailable_at_head_dim_512_and_at_mla_saying_why_and_sdpa_is_not():
+    for layer, why in ((WIDE, "head dims 64, 128, 256"), (MLA, "one head dim for K and V")):
+        assert why in peer_refusal(Cell("time", "flashinfer", layer, "bf16", batch=1, context=64))
+        assert peer_refusal(Cell("time", "sdpa", layer, "bf16", batch=1, context=64)) is None
+
+
 # -- the correctness half, for real on the CPU backend -----------------------------------
 
 
@@ -149,6 +208,80 @@ def test_a_later_check_into_the_same_folder_adds_its_implementations_to_the_repo
     assert code == 0 and {r["impl"] for r in result["correctness"]} == {"mma", "simt"}
 
 
+def test_a_check_of_wide_layers_runs_the_simt_kernels_under_mma_within_the_bar_and_records_that_they_ran(tmp_path):
+    code, result, said = _check(tmp_path, layer=WIDE, named=(Named(MLA, "bf16", 1, 64), Named(MLA, "fp8", 1, 64)))
+    assert code == 0 and result["verdict"] == "ok", said
+    rows = {(r["spec"]["layer"]["name"], r["spec"]["kv_dtype"], r["spec"]["arm"]): r for r in result["correctness"]}
+    assert set(rows) == {(name, kv, arm) for name, kv in (("wide", "bf16"), ("mla", "bf16"), ("mla", "fp8"))
+                         for arm in ("unpacked", "splitk")}
+    for (name, kv, arm), r in rows.items():
+        assert r["status"] == "ok" and r["arm_ran"] == arm and r["impl_ran"] == "simt", r
+        assert "the simt kernels ran" in r["simt_by_shape"]
+        assert r["outputs"] == 5 * 4 * 512  # out is v_head_dim wide
+        assert r["v_read_from_k"] == (name == "mla" and kv == "bf16")
+    assert "splitk (simt)" in (tmp_path / "report.md").read_text()
+
+
+class _SpecRecorder:
+    """A CPU backend that records the name of every kernel spec it launches."""
+
+    def __new__(cls):
+        from metrale_attn.backends.cpu_backend import CpuBackend
+
+        class Recorder(CpuBackend):
+            def __init__(self):
+                super().__init__()
+                self.launched = []
+
+            def load(self, spec):
+                module, launched = super().load(spec), self.launched
+
+                class Recording:
+                    def launch(self, launch):
+                        launched.append(spec.name)
+                        module.launch(launch)
+
+                return Recording()
+
+        return Recorder()
+
+
+@pytest.mark.filterwarnings("ignore:.*has no mma kernel:RuntimeWarning")
+def test_the_checks_count_of_v_read_from_k_is_the_binders_own_choice_of_kernel(tmp_path):
+    """The bytes a check divides by follow ``binding.CallBinder._v_in_k``: the MLA cell whose result
+    says V was read from K launched the ``_vink`` kernels, and no other did."""
+    from metrale_attn.check.worker import Worker
+
+    for kv in ("bf16", "fp8"):
+        worker = Worker("mma", "cpu", str(tmp_path / f"events_{kv}.jsonl"))
+        worker.backend = _SpecRecorder()
+        result = worker.correct(Cell("correct", "mma", MLA, kv, arm="unpacked"))
+        launched = [name for name in worker.backend.launched if "merge" not in name]
+        assert result["status"] == "ok" and launched, result
+        assert all(name.endswith("_vink") == result["v_read_from_k"] for name in launched), launched
+        assert result["v_read_from_k"] == (kv == "bf16")
+
+
+def test_sdpa_over_a_gathered_mla_cache_and_a_512_wide_one_matches_the_float64_reference_on_the_cpu():
+    """The SDPA peer takes V narrower than K (MLA's view of the latent cache) and head dim 512 (its
+    group folded into the query axis): CPU PyTorch, against the same float64 decode ours is held to."""
+    import_torch()
+    from metrale_attn.check import data, peers
+    from metrale_attn.check.cells import model_shape_of
+
+    for layer, kv in ((MLA, "bf16"), (MLA, "fp8"), (WIDE, "bf16")):
+        pool = data.GpuPool(model_shape_of(layer), kv, 16, 12, seed=1, device="cpu", v_in_k=layer.v_in_k)
+        assert (pool.v.data_ptr() == pool.k.data_ptr()) == layer.v_in_k
+        row = layer.head_dim + (0 if layer.v_in_k else layer.head_dim)  # MLA's pool is its one latent cache
+        assert pool.nbytes == 12 * 16 * layer.num_kv_heads * row * (1 if kv == "fp8" else 2)
+        case = pool.case(3, 50, layer.num_q_heads)
+        assert peers.sdpa_folds_group(case)
+        out = peers.prepare_sdpa_gather(case)()
+        assert tuple(out.shape) == (3, layer.num_q_heads, layer.v_head_dim or layer.head_dim)
+        check = data.check_gpu_output(case, out, [0, 2], {}, strict=False)
+        assert check["status"] == "ok" and check["max_abs_err"] < 0.02, (layer, kv, check)
+
+
 # -- the GPU timing half, on a stand-in GPU --------------------------------------------------
 
 
@@ -176,6 +309,27 @@ def test_a_wrong_output_at_a_timing_point_is_not_timed_and_fails_the_check(tmp_p
     assert code == 1 and row["status"] == "FAIL" and row.get("median_us") is None
 
 
+@pytest.mark.slow  # CI's slow step runs it (the default run stays under 4 minutes)
+def test_the_timing_half_times_wide_layers_on_mma_as_simt_and_sdpa_and_finds_flashinfer_unavailable(tmp_path):
+    import_torch()
+    named = (Named(MLA, "bf16", 2, 64), Named(WIDE, "bf16", 1, 64))
+    code, result, said = _check(tmp_path, layer=TINY, impls=("mma", "simt", "sdpa", "flashinfer"),
+                                worker=_double("fake-gpu"), timed=True, correctness=False, points=((1, 64),),
+                                named=named)
+    assert code == 0, said
+    rows = {(r["impl"], r["spec"]["layer"]["name"]): r for r in result["timing"]}
+    assert ("simt", "mla") not in rows and ("simt", "wide") not in rows and ("simt", "tiny") in rows
+    mla = rows[("mma", "mla")]
+    assert mla["status"] == "ok" and mla["impl_ran"] == "simt" and mla["v_read_from_k"]
+    assert mla["bytes_moved"] == 2 * 64 * 1152 + 2 * 4 * (576 + 512) * 2  # the latent row once; q in, out
+    assert rows[("sdpa", "mla")]["bytes_moved"] == 2 * 64 * 2176 + 2 * 4 * (576 + 512) * 2
+    assert rows[("mma", "mla")]["flops"] == 2 * 2 * 4 * 64 * (576 + 512)
+    assert rows[("sdpa", "wide")]["status"] == "ok" and rows[("mma", "wide")]["impl_ran"] == "simt"
+    for name in ("mla", "wide"):
+        assert rows[("flashinfer", name)]["status"] == "unavailable"
+    assert "(simt ran)" in said and "(simt ran)" in (tmp_path / "report.md").read_text()
+
+
 # -- the command line ---------------------------------------------------------------------------
 
 
@@ -193,6 +347,30 @@ def test_metrale_attn_check_refuses_a_bad_argument_before_running_anything(tmp_p
     assert main(["check", "--model", "llama-3-8b", "--kv-dtype", "fp4", "--backend", "cpu",
                  "--out", str(tmp_path)]) == 2
     assert "--kv-dtype" in capsys.readouterr().err and not list(tmp_path.iterdir())
+
+
+def test_metrale_attn_check_takes_named_cells_alone_and_refuses_a_bad_one_naming_cells(tmp_path, capsys):
+    out = tmp_path / "report"
+    assert main(["check", "--cells", "4/1/576/512:bf16:1x64", "--backend", "cpu", "--out", str(out),
+                 "--impl", "mma"]) == 0
+    said = capsys.readouterr().out
+    assert "1 named cell(s), 2 cells" in said and "VERDICT: ok" in said and "simt ran" in said
+    assert main(["check", "--cells", "deepseek-v3:bf16", "--backend", "cpu", "--out", str(tmp_path / "x")]) == 2
+    assert "--cells" in capsys.readouterr().err and not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("config, tp, shapes", [
+    ("gemma-4-26b-a4b-it.json", 8, {"2/1/256", "2/1/512"}),  # sliding and global layers, one rank of 8
+    ("deepseek-v3.json", 32, {"4/1/576/512"}),  # the latent head on every rank
+])
+def test_metrale_attn_check_runs_the_layers_of_the_gemma_4_and_deepseek_configs_on_the_cpu(tmp_path, capsys, config,
+                                                                                            tp, shapes):
+    out = tmp_path / "report"
+    assert main(["check", "--hf-config", str(HF_CONFIGS / config), "--tp", str(tp), "--backend", "cpu", "--out",
+                 str(out), "--impl", "mma"]) == 0, capsys.readouterr().out
+    result = json.loads((out / "report.json").read_text())
+    assert {r["cell"].split()[2] for r in result["correctness"]} == shapes
+    assert all(r["status"] == "ok" for r in result["correctness"])
 
 
 @pytest.mark.slow

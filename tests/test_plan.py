@@ -332,7 +332,7 @@ def test_the_plan_command_refuses_flags_that_do_not_describe_one_model_naming_th
 @pytest.mark.parametrize("argv, message", [
     (["--model", "llama-3-8b,llama-3-70b"], "--model: the demo runs one model, got 2 (llama-3-8b, llama-3-70b)"),
     (["--tp", "2"], "--tensor-parallel-size splits the heads of --model; give --model too"),
-    (["--model", "llama-3-9b"], "--model takes llama-3-70b, llama-3-8b, qwen3.8-27b or Q/KV/HEAD_DIM"),
+    (["--model", "llama-3-9b"], "--model takes deepseek-v2-lite, deepseek-v3, gemma-4-26b-global, llama-3-70b, llama-3-8b, qwen3.8-27b, Q/KV/HEAD_DIM (32/8/128) or Q/KV/HEAD_DIM/V_HEAD_DIM"),
 ])
 def test_the_demo_refuses_a_model_it_cannot_run_naming_the_flag_before_running(capsys, argv, message):
     assert main(["demo", "--backend", "cpu", *argv]) == 2

@@ -169,10 +169,14 @@ def test_gpu_check_cpu_dry_run_writes_every_output(tmp_path):
     assert table["benchmark"][0] == "ok" and "CPU backend simulator" in summary
     assert table["mma_selftest"][0] == "ok"
     # The decisive step: metrale-attn check's own code, its report in $OUT/decisive/ (correctness only on the CPU).
-    assert table["decisive"][0] == "ok" and "mma 4/4 correct; simt 4/4 correct" in table["decisive"][1]
+    # The named MLA cell (schedule.DECISIVE_CELLS_CPU) adds its 2 arms on mma, whose request runs simt there, and
+    # none on simt (the same kernels twice).
+    assert table["decisive"][0] == "ok" and "mma 6/6 correct; simt 4/4 correct" in table["decisive"][1]
     check = json.loads((out / "decisive" / "report.json").read_text())
     assert check["verdict"] == "ok" and "no timing was taken" in check["timing_note"]
-    assert "decisive cells: 8 of 8 correctness cells ok" in done.stdout
+    mla = [r for r in check["correctness"] if r["spec"]["layer"]["head_dim"] == 576]
+    assert [(r["impl"], r["impl_ran"], r["v_read_from_k"]) for r in mla] == [("mma", "simt", True)] * 2
+    assert "decisive cells: 10 of 10 correctness cells ok" in done.stdout
     assert list(table)[:5] == ["wheels", "import", "environment", "compile", "decisive"]
     # The decode loop (the vLLM backend's serving path): eager checked, then a step timed on ours and on SDPA.
     assert table["decode_loop"][0] == "ok" and table["decode_loop"][1].startswith("eager ok; step: ours")
@@ -777,6 +781,17 @@ def _full_check_report() -> dict:
                     spec = dict(kind="time", impl=impl, layer=layer, kv_dtype=kv, arm=None, batch=batch, context=context)
                     timing.append(dict(impl=impl, cell=f"{impl} {name}", spec=spec, status="ok", median_us=100.0,
                                        pct_of_copy=88.8, arm_ran="splitk", heads_per_cta=4))
+    for name, kv, (batch, context) in schedule.DECISIVE_CELLS:  # the named wide cells: mma (simt ran), sdpa, flashinfer
+        layer = dict(name=name, num_q_heads=16, num_kv_heads=1, head_dim=576, v_head_dim=512, window_left=-1,
+                     logits_soft_cap=None, sinks=False)
+        for impl in ("mma", "sdpa", "flashinfer"):
+            spec = dict(kind="time", impl=impl, layer=layer, kv_dtype=kv, arm=None, batch=batch, context=context)
+            row = dict(impl=impl, cell=f"{impl} {name}", spec=spec, status="ok", median_us=100.0, pct_of_copy=8.8)
+            if impl == "mma":
+                row.update(arm_ran="splitk", heads_per_cta=1, impl_ran="simt")
+            if impl == "flashinfer":
+                row = dict(row, status="unavailable", median_us=None, pct_of_copy=None)
+            timing.append(row)
     return dict(model="decisive", timed=True, timing_note=None, verdict="ok", failures=[], correctness=[],
                 timing=timing, faults=[], device={})
 
@@ -798,7 +813,8 @@ def test_the_short_table_of_a_full_run_fits_the_device_tools_output_tail():
     # A full sweep's tables (a real run's sweep gets ~30 s, far fewer) and the 18 decisive cells x 4 implementations:
     # under 11k, and the decisive cells within the last 2.5k, before the verdict, whatever cuts the top
     assert len(text) < 11000 and max(map(len, lines)) <= 120, (len(text), max(lines, key=len))
-    assert "decisive cells, metrale-attn check" in text[-2500:] and "qwen3.8-27b fp8 b1x32k" in text[-400:]
+    assert "decisive cells, metrale-attn check" in text[-2800:] and "deepseek-v3 bf16 b64x4k" in text[-400:]
+    assert re.search(r"deepseek-v3 bf16 b64x4k +8\.8s +- +8\.8 +unavai", text), text[-600:]
     assert lines[-1].startswith("OVERALL: ok; targets T1 PASS, T2 PASS, T3 PASS, C PASS")
     assert "old vs new kernels: mma over simt 2.00x min" in text and "L2 probe: ok" in text
     assert "mma self-test: ok" in text

@@ -29,6 +29,34 @@ def test_the_decisive_cells_are_every_shape_dtype_and_point_of_the_goals():
     assert schedule.DECISIVE_IMPLS["full"][:2] == ("mma", "simt")  # the default kernel first, its reference beside
 
 
+def test_the_decisive_tier_names_one_gemma_4_and_two_mla_cells_that_the_check_plans_as_the_schedule_counts():
+    """Three named cells (not multiplied into models x KV x points), on the default kernel and SDPA only:
+    the check's own plan of the decisive command holds exactly the cells ``decisive_need_s`` counts."""
+    from metrale_attn.check.cells import parse_cells, plan_cells
+    from metrale_attn.precompile import describe_model
+
+    shapes = [(m, kv, p) for m, kv, p in schedule.DECISIVE_CELLS]
+    assert shapes == [("gemma-4-26b-global", "bf16", (64, 4096)), ("deepseek-v2-lite", "bf16", (64, 4096)),
+                      ("deepseek-v3", "bf16", (64, 4096))]
+    shell = dict(line.split("=", 1) for line in schedule.shell("full").splitlines())
+    named = parse_cells(shell["DECISIVE_CELLS"])
+    assert [(n.layer.num_q_heads, n.layer.num_kv_heads, n.layer.head_dim, n.layer.v_head_dim) for n in named] == \
+        [(16, 2, 512, None), (16, 1, 576, 512), (128, 1, 576, 512)]
+    layers = describe_model(shell["DECISIVE_MODELS"].split(",")).layers
+    for profile in schedule.PROFILES:
+        cells = plan_cells(layers, schedule.DECISIVE_KV, schedule.DECISIVE_IMPLS[profile], timed=True,
+                           correctness=profile == "full", points=schedule.DECISIVE_POINTS, named=named)
+        wide = [c for c in cells if c.layer in {n.layer for n in named}]
+        impls = schedule.DECISIVE_IMPLS[profile]
+        assert {c.impl for c in wide} == set(impls) & set(schedule.DECISIVE_NAMED_IMPLS)  # never simt twice
+        assert sum(c.kind == "time" for c in wide) == len(schedule.DECISIVE_CELLS) * len({c.impl for c in wide})
+        assert sum(c.kind == "correct" for c in wide) == schedule.DECISIVE_NAMED_CORRECT_CELLS * (profile == "full")
+        grid = [c for c in cells if c not in wide]
+        assert sum(c.kind == "time" for c in grid) == schedule.DECISIVE * len(impls)
+        assert sum(c.kind == "correct" for c in grid) == schedule.DECISIVE_CORRECT_CELLS * (profile == "full") * \
+            len(set(impls) & {"mma", "simt"})
+
+
 @pytest.mark.parametrize("profile", sorted(schedule.PROFILES))
 def test_every_step_fits_the_deadline_and_the_deadline_the_call_with_a_margin(profile):
     assert schedule.CALL_TIMEOUT_S[profile] - schedule.DEADLINE_S[profile] >= 40
@@ -67,6 +95,8 @@ def test_gpu_check_reads_its_caps_and_cells_from_the_schedule():
     (decisive,) = [s for s in schedule.FULL if s.name == "decisive"]
     assert done.stdout.split() == [str(decisive.cap_s), str(schedule.DEADLINE_S["full"]),
                                    "64x4096,16x4096,1x32768", "mma,simt,sdpa"]
+    # The named cells go to the decisive check, its compile and FlashInfer's turn (which reports them unavailable).
+    assert SCRIPT.count('--cells "$DECISIVE_CELLS"') == 2 and '--cells "$DECISIVE_CELLS_CPU"' in SCRIPT
     for step in schedule.FULL + schedule.QUICK:
         if step.cap_s and not step.background and step.name not in ("summary", "sanitize_memcheck",
                                                                     "sanitize_racecheck", "sanitize_initcheck"):

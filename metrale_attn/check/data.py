@@ -31,8 +31,10 @@ so |x| up to 6 (more than 6 sigma) spans the e4m3 range."""
 class Case:
     """One configuration's data (PyTorch tensors on one device).
 
-    ``q``: ``[B, H, D]`` bf16. ``k_pool``/``v_pool``: NHD ``[num_pages, page_size, KV, D]``,
-    bf16 or ``torch.float8_e4m3fn`` (dequantized value = stored * scale).
+    ``q``: ``[B, H, D]`` bf16. ``k_pool``/``v_pool``: NHD ``[num_pages, page_size, KV, D]`` and
+    ``[..., Dv]``, bf16 or ``torch.float8_e4m3fn`` (dequantized value = stored * scale); ``v_pool``
+    is ``k_pool[..., :Dv]`` (a view: one cache) where the layer's V is K's first dims (MLA). The
+    output is ``[B, H, Dv]``.
     ``block_tables``: int32 ``[B, max_pages]``; ``seq_lens``: int32 ``[B]``, all equal to
     ``context`` here. ``sm_scale`` multiplies q.k before the softmax (natural exp).
     """
@@ -63,13 +65,19 @@ class Case:
         return int(self.q.shape[2])
 
     @property
+    def v_head_dim(self) -> int:
+        return int(self.v_pool.shape[-1])
+
+    @property
     def pages_per_seq(self) -> int:
         return -(-self.context // self.page_size)
 
 
 class GpuPool:
-    """A paged K/V pool on the GPU: NHD ``[num_pages, page_size, KV, D]``, shared by every shape
-    with these KV heads and head dim (q heads only shape the query).
+    """A paged K/V pool on the GPU: NHD ``[num_pages, page_size, KV, D]`` for K and ``[..., Dv]``
+    for V, shared by every shape with these KV heads and head dims (q heads only shape the query).
+    ``v_in_k``: V is K's first ``Dv`` dims, a view of the one K pool (MLA's latent cache), not a
+    pool of its own.
 
     Values ~ N(0, 1) (fp8: stored as x / FP8_SCALE, clamped to the e4m3 range), filled
     in chunks so that fp8 needs no full-size temporary.
@@ -78,7 +86,7 @@ class GpuPool:
     CHUNK_BYTES = 1 << 30
 
     def __init__(self, shape: ModelShape, kv_dtype: str, page_size: int, num_pages: int, seed: int,
-                 device: str = "cuda"):
+                 device: str = "cuda", v_in_k: bool = False):
         import torch
 
         self.torch, self.device = torch, device
@@ -87,15 +95,18 @@ class GpuPool:
         dt = torch.bfloat16 if kv_dtype == "bf16" else torch.float8_e4m3fn
         self.gen = torch.Generator(device=device)
         self.gen.manual_seed(seed)
+        self.v_in_k = v_in_k
         dims = (page_size, shape.num_kv_heads, shape.head_dim)
+        v_dims = (page_size, shape.num_kv_heads, shape.v_head_dim)
         self.k = torch.empty((num_pages, *dims), dtype=dt, device=device)
-        self.v = torch.empty((num_pages, *dims), dtype=dt, device=device)
-        per_page = math.prod(dims) * 2  # bf16 temporary
-        chunk = max(1, self.CHUNK_BYTES // per_page)
-        for pool in (self.k, self.v):
+        self.v = self.k[..., :shape.v_head_dim] if v_in_k else torch.empty((num_pages, *v_dims), dtype=dt,
+                                                                              device=device)
+        for pool in (self.k,) if v_in_k else (self.k, self.v):
+            chunk = max(1, self.CHUNK_BYTES // (math.prod(pool.shape[1:]) * 2))  # pages a bf16 temporary holds
             for start in range(0, num_pages, chunk):
                 end = min(start + chunk, num_pages)
-                x = torch.randn((end - start, *dims), dtype=torch.bfloat16, device=device, generator=self.gen)
+                x = torch.randn((end - start, *pool.shape[1:]), dtype=torch.bfloat16, device=device,
+                                generator=self.gen)
                 if kv_dtype == "fp8":
                     x = (x.float() / self.scale).clamp_(-FP8_MAX, FP8_MAX)
                 pool[start:end] = x.to(dt)
@@ -104,7 +115,8 @@ class GpuPool:
 
     @property
     def nbytes(self) -> int:
-        return 2 * self.k.numel() * self.k.element_size()
+        """Device bytes of the pool: K's, and V's where V is a pool of its own."""
+        return (self.k.numel() + (0 if self.v_in_k else self.v.numel())) * self.k.element_size()
 
     def case(self, batch: int, context: int, num_q_heads: Optional[int] = None) -> Case:
         """Tensors of one configuration: random q, pages drawn without replacement from the pool."""
@@ -143,12 +155,12 @@ def gather_seq(case: Case, pool, seq: int, scale: float):
         x = pool.view(torch.uint8)[pages].view(torch.float8_e4m3fn)
     else:
         x = pool[pages]
-    x = x.reshape(-1, case.num_kv_heads, case.head_dim)[: int(case.seq_lens[seq])]
+    x = x.reshape(-1, case.num_kv_heads, pool.shape[-1])[: int(case.seq_lens[seq])]
     return x.double() * scale
 
 
 def reference_on_gpu(case: Case, seqs: list[int]):
-    """float64 decode of ``seqs`` computed on the device: (``[len(seqs), H, D]`` numpy float64, max|V| read)."""
+    """float64 decode of ``seqs`` computed on the device: (``[len(seqs), H, Dv]`` numpy float64, max|V| read)."""
     import torch
 
     G = case.num_q_heads // case.num_kv_heads
@@ -159,7 +171,7 @@ def reference_on_gpu(case: Case, seqs: list[int]):
         q = case.q[s].double().view(case.num_kv_heads, G, case.head_dim)
         logits = torch.einsum("kgd,tkd->kgt", q, k) * case.sm_scale
         p = torch.softmax(logits, dim=-1)
-        outs.append(torch.einsum("kgt,tkd->kgd", p, v).reshape(case.num_q_heads, case.head_dim))
+        outs.append(torch.einsum("kgt,tkd->kgd", p, v).reshape(case.num_q_heads, case.v_head_dim))
         v_absmax = max(v_absmax, float(v.abs().max()) if v.numel() else 0.0)
     return torch.stack(outs).cpu().numpy(), v_absmax
 
@@ -173,7 +185,7 @@ def to_numpy_bf16(t) -> np.ndarray:
 
 
 def check_gpu_output(case: Case, out, seqs: list[int], ref_cache: dict, *, strict: bool) -> dict:
-    """NaN-free over the whole output, and ``seqs`` against the float64 reference (strict: the
+    """NaN-free over the whole output ``[B, H, Dv]``, and ``seqs`` against the float64 reference (strict: the
     package's bar; loose, for peers: max abs error <= 1% of max|reference|). ``ref_cache`` keeps
     the reference of this case for the next output checked against it."""
     import torch

@@ -2,7 +2,7 @@
 
 Each ``prepare_*`` function takes a ``data.Case`` (one configuration's tensors, already on the
 device) and returns a zero-argument callable that computes the decode output
-``[num_seqs, num_q_heads, head_dim]`` (bf16), or raises ``Unavailable`` with the reason it
+``[num_seqs, num_q_heads, v_head_dim]`` (bf16), or raises ``Unavailable`` with the reason it
 cannot run here. The caller warms the callable up, checks its output, then captures and times
 it exactly like ours (``timing.py``).
 
@@ -10,7 +10,9 @@ it exactly like ours (``timing.py``).
   sequence's pages into a contiguous ``[B, KV, T, D]`` tensor (fp8 dequantized to bf16 in the
   gather: ``stored * scale``). The gather is INCLUDED in the call: this is what a serving stack
   without a paged kernel pays every step. ``prepare_sdpa_nogather`` gathers once before timing
-  (an upper bound for dense attention on the same bytes).
+  (an upper bound for dense attention on the same bytes). A wide layer (head dim past 256, or V
+  narrower than K: MLA, whose V view of K is gathered as a tensor of its own) folds each KV
+  head's query group into SDPA's query axis (``sdpa_folds_group``).
 - ``flashinfer``: ``flashinfer.BatchDecodeWithPagedKVCacheWrapper`` on the same NHD pool and
   page table (its CUDA-core decode kernel; the tensor-core path where the decode kernel has no
   instance for the group size, e.g. 6). FlashInfer compiles its kernels on first use (nvcc,
@@ -41,26 +43,42 @@ class Unavailable(Exception):
 
 
 def gather_dense(case: Case, pool):
-    """``[B, KV, T, D]`` bf16: each sequence's pages gathered in order, fp8 dequantized (x scale)."""
+    """``[B, KV, T, D]`` bf16 (D: the pool's last dim, Dv for V): each sequence's pages gathered in
+    order, fp8 dequantized (x scale)."""
     import torch
 
     B, P, T, page = case.batch, case.pages_per_seq, case.context, case.page_size
     pages = case.block_tables[:, :P].long()
     if pool.dtype == torch.float8_e4m3fn:
         # Index the bytes (indexing fp8 tensors is not supported everywhere), then dequantize.
-        scale = case.k_scale if pool is case.k_pool else case.v_scale
+        scale = case.v_scale if pool is case.v_pool else case.k_scale
         raw = pool.view(torch.uint8)[pages].view(torch.float8_e4m3fn)
         dense = raw.to(torch.bfloat16) * scale
     else:
         dense = pool[pages]
     # [B, P, page, KV, D] -> [B, P * page, KV, D] -> first T tokens -> [B, KV, T, D] (a strided view).
-    return dense.reshape(B, P * page, case.num_kv_heads, case.head_dim)[:, :T].transpose(1, 2)
+    return dense.reshape(B, P * page, case.num_kv_heads, pool.shape[-1])[:, :T].transpose(1, 2)
+
+
+def sdpa_folds_group(case: Case) -> bool:
+    """Whether SDPA runs ``case`` with each KV head's query group as its query axis (``[B, KV, G, D]``
+    against ``[B, KV, T, D]``) rather than ``enable_gqa``: for a layer past the 64..256 head dims
+    of the decisive grid or with V narrower than K. The same arithmetic (one query token, no
+    mask: a group's G rows are G independent queries of one KV head), without K and V repeated
+    per query head where SDPA's backend would repeat them (MLA at 128 heads: 128 copies of a
+    302 MB gather); the grid's shapes keep ``enable_gqa``, as the benchmarks measured them."""
+    return case.head_dim > 256 or case.v_head_dim != case.head_dim
 
 
 def _sdpa(case: Case, k, v):
     import torch
     import torch.nn.functional as F
 
+    if sdpa_folds_group(case):
+        B, H, KV = case.batch, case.num_q_heads, case.num_kv_heads
+        q = case.q.view(B, KV, H // KV, case.head_dim)  # head h = kv * G + g, as the kernels group them
+        out = F.scaled_dot_product_attention(q, k, v, scale=case.sm_scale)
+        return out.reshape(B, H, case.v_head_dim).to(torch.bfloat16)
     q = case.q.unsqueeze(2)  # [B, H, 1, D]
     out = F.scaled_dot_product_attention(q, k, v, scale=case.sm_scale, enable_gqa=True)
     return out.squeeze(2).to(torch.bfloat16)
@@ -93,9 +111,11 @@ def _require_sdpa_gqa() -> None:
         raise Unavailable("this PyTorch's scaled_dot_product_attention has no enable_gqa (needs >= 2.5)")
 
 
-def gathered_bytes(case_batch: int, context: int, num_kv_heads: int, head_dim: int) -> int:
+def gathered_bytes(case_batch: int, context: int, num_kv_heads: int, head_dim: int,
+                   v_head_dim: Optional[int] = None) -> int:
     """Bytes of the bf16 K and V the SDPA baselines gather: what they need on top of the pool."""
-    return 2 * case_batch * context * num_kv_heads * head_dim * 2
+    v_dims = head_dim if v_head_dim is None else v_head_dim
+    return case_batch * context * num_kv_heads * (head_dim + v_dims) * 2
 
 
 # -- FlashInfer ------------------------------------------------------------------

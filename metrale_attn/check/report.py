@@ -17,7 +17,8 @@ import os
 from pathlib import Path
 from typing import Optional
 
-from .cells import OURS
+from ..precompile import Layer
+from .cells import OURS, shape_of
 
 FAILED = ("FAIL", "error", "FALLBACK")
 """A cell of ours with one of these statuses fails the check (FALLBACK: the device failed the mma
@@ -60,7 +61,9 @@ def result_line(e: dict) -> str:
     elif e.get("max_ulp") is not None:
         detail = (f" {e['outputs_off']} of {e['outputs']} outputs off the bar (max {e['max_ulp']} ulp away from "
                   f"zero), lse off by {e.get('lse_max_abs_err', 0):.1e}")
-    ran = f" [{e['arm_ran']}, {e['splits']} split(s)]" if e.get("arm_ran") and spec.get("kind") == "correct" else ""
+    by = f", {e['impl_ran']} ran" if e.get("impl_ran") not in (None, e["impl"]) else ""
+    ran = (f" [{e['arm_ran']}, {e['splits']} split(s){by}]" if e.get("arm_ran") and spec.get("kind") == "correct"
+           else f" [{e['impl_ran']} ran]" if by else "")
     why = f": {e['message'][:150]}" if e.get("message") and e["status"] != "ok" else ""
     return f"{e['cell']}: {e['status']}{detail}{ran}{why}"
 
@@ -108,11 +111,20 @@ def _atomic(path: Path, text: str) -> None:
 
 
 def _pct(r: Optional[dict]) -> str:
+    """``88.3``, or ``88.3 (simt ran)`` where the plan ran another implementation than the cell's (an
+    ``mma`` request of a shape only the simt kernels serve), or the status where nothing was timed."""
     if r is None:
         return "-"
+    ran = f" ({r['impl_ran']} ran)" if r.get("impl_ran") not in (None, r["impl"]) else ""
     if r.get("pct_of_copy") is not None:
-        return f"{r['pct_of_copy']:.1f}"
-    return r["status"]
+        return f"{r['pct_of_copy']:.1f}{ran}"
+    return r["status"] + ran
+
+
+COMPUTE_FLOP_PER_BYTE = 64.0
+"""Cells at or past this many FLOPs per byte read get their TFLOP/s in the report: MLA at 128 heads
+(242 FLOP/B bf16), not the GQA grid (4-8) or MLA at 16 heads (30). An H200's bf16 tensor ridge is
+~200 FLOP/B, its CUDA-core fp32 one ~15."""
 
 
 def timing_cells(result: dict) -> tuple[list[str], dict]:
@@ -124,6 +136,17 @@ def timing_cells(result: dict) -> tuple[list[str], dict]:
         spec = r["spec"]
         cells.setdefault((spec["layer"]["name"], spec["kv_dtype"], spec["batch"], spec["context"]), {})[r["impl"]] = r
     return impls, cells
+
+
+def compute_lines(result: dict) -> list[str]:
+    """``- mma deepseek-v3 128/1/576/512 bf16 b64x4k: 12.3 TFLOP/s (242 FLOP/B)``: the achieved arithmetic of
+    each timed cell at ``COMPUTE_FLOP_PER_BYTE`` or more, where % of copy alone does not say how far it is."""
+    out = []
+    for r in result["timing"]:
+        if r.get("tflops") is not None and r.get("flop_per_byte", 0) >= COMPUTE_FLOP_PER_BYTE:
+            ran = f", {r['impl_ran']} ran" if r.get("impl_ran") not in (None, r["impl"]) else ""
+            out.append(f"- {r['cell']}: {r['tflops']:.1f} TFLOP/s ({r['flop_per_byte']:.0f} FLOP/B read{ran})")
+    return out
 
 
 def timing_table(result: dict) -> list[list[str]]:
@@ -159,13 +182,18 @@ def short_table(result: dict) -> list[str]:
     return lines
 
 
+def _layer_text(layer: dict) -> str:
+    """``llama-3-8b 32/8/128``, ``deepseek-v3 128/1/576/512`` (V's width where narrower), or the shape alone."""
+    shape = shape_of(Layer(**layer))
+    return shape if layer["name"] == shape else f"{layer['name']} {shape}"
+
+
 def markdown(result: dict, plot: Optional[str], plot_note: Optional[str]) -> str:
     dev = result["device"]
     md = [f"# metrale-attn check: {result['model']}", "",
           f"- device: {dev.get('name', '?')}" + (f" ({dev.get('sm_count')} SMs)" if dev.get("sm_count") else ""),
           f"- backend: {result['backend']}; {result['seconds']} s",
-          "- layers: " + "; ".join(f"{layer['name']} {layer['num_q_heads']}/{layer['num_kv_heads']}/"
-                                    f"{layer['head_dim']}" for layer in result["layers"]),
+          "- layers: " + "; ".join(_layer_text(layer) for layer in result["layers"]),
           f"- verdict: **{result['verdict']}**", ""]
     if result["failures"]:
         md += ["## Failures", "", *[f"- {f}" for f in result["failures"]], ""]
@@ -173,7 +201,8 @@ def markdown(result: dict, plot: Optional[str], plot_note: Optional[str]) -> str
            "| cell | status | arm ran | splits | max ulp | outputs off | lse max abs error |",
            "| --- | --- | --- | --- | --- | --- | --- |"]
     for r in result["correctness"]:
-        md.append(f"| {r['cell']} | {r['status']} | {r.get('arm_ran', '-')} | {r.get('splits', '-')} | "
+        ran = f" ({r['impl_ran']})" if r.get("impl_ran") not in (None, r["impl"]) else ""
+        md.append(f"| {r['cell']} | {r['status']} | {r.get('arm_ran', '-')}{ran} | {r.get('splits', '-')} | "
                   f"{r.get('max_ulp', '-')} | {r.get('outputs_off', '-')} | {r.get('lse_max_abs_err', '-')} |")
     md.append("")
     md += ["## Timing (% of the copy bandwidth)", ""]
@@ -186,8 +215,14 @@ def markdown(result: dict, plot: Optional[str], plot_note: Optional[str]) -> str
         md += ["| " + " | ".join(table[0]) + " |", "|" + " --- |" * len(table[0])]
         md += ["| " + " | ".join(row) + " |" for row in table[1:]]
         md += ["", "Ours at the policy's default launch; every output checked against float64 on a few sequences "
-               "before it was timed (a wrong one is not timed). sdpa: PyTorch SDPA over KV gathered inside the call.",
-               ""]
+               "before it was timed (a wrong one is not timed). sdpa: PyTorch SDPA over KV gathered inside the call. "
+               "Bytes are those each implementation reads: a cached token's K rows and V rows, V once more only "
+               "where it is read on its own (where V is K's first dims, MLA, ours reads a bf16 row once). "
+               "`(simt ran)`: mma has no kernel of the shape, so its request ran the simt kernels.", ""]
+        compute = compute_lines(result)
+        if compute:
+            md += [f"Achieved arithmetic (2 x batch x q heads x context x (head_dim + v_head_dim) FLOPs a call; cells "
+                   f"at {COMPUTE_FLOP_PER_BYTE:.0f} FLOP/B read or more):", "", *compute, ""]
     if result["faults"]:
         md += ["## Faults", ""]
         md += [f"- {f['impl']} in {f['cell']}: {f['error']}" for f in result["faults"]]
@@ -213,8 +248,8 @@ def write_plot(result: dict, path: Path) -> Optional[str]:
         points = list(dict.fromkeys(row[2] for row in rows))
         for col in range(3, len(header)):
             for layer_kv in dict.fromkeys((row[0], row[1]) for row in rows):
-                ys = [next((float(row[col]) for row in rows if (row[0], row[1], row[2]) == (*layer_kv, p)
-                            and _is_number(row[col])), float("nan")) for p in points]
+                ys = [next((float(row[col].split()[0]) for row in rows if (row[0], row[1], row[2]) == (*layer_kv, p)
+                            and _is_number(row[col].split()[0])), float("nan")) for p in points]
                 ax.plot(points, ys, marker="o", label=f"{header[col]} {layer_kv[0]} {layer_kv[1]}")
         ax.set_ylabel("% of copy bandwidth")
         ax.set_xlabel("batch x context")

@@ -32,7 +32,7 @@ from typing import Callable, Optional, Sequence
 
 from ..precompile import Layer, Options, TargetPlan, build_all, needed_specs, target_for_arch
 from . import report as reporting
-from .cells import ARM_OPTIONS, IMPLS, KV_DTYPES, OURS, POINTS, Cell, plan_cells
+from .cells import ARM_OPTIONS, IMPLS, KV_DTYPES, OURS, POINTS, Cell, Named, mma_runs_simt, plan_cells
 
 WORKER = (sys.executable, "-m", "metrale_attn.check.worker")
 
@@ -43,7 +43,8 @@ class CheckOptions:
     report; ``impls``: ours and the peers (``cells.IMPLS``), run in ``IMPLS`` order; ``backend``:
     ``auto`` (the GPU where CuPy sees one, else the CPU), ``cupy`` or ``cpu``; ``cap_s``: each
     worker's wall-clock cap; ``jobs``: compile processes; ``correctness``/``timed``: which halves
-    run (``timed`` None: wherever there is a GPU)."""
+    run (``timed`` None: wherever there is a GPU); ``named``: cells beyond the grid of ``layers`` x
+    ``kv_dtypes`` x ``points`` (``--cells``; ``layers`` may then be empty)."""
 
     layers: tuple[Layer, ...]
     model: str
@@ -67,10 +68,11 @@ class CheckOptions:
     a FlashInfer cell whose kernel it did not build is unavailable rather than compiled in the cell."""
     worker: tuple[str, ...] = WORKER
     """The worker's command line before its two arguments (the check's tests substitute a double)."""
+    named: tuple[Named, ...] = ()
 
     def __post_init__(self):
-        if not self.layers:
-            raise ValueError("a check needs at least one layer")
+        if not self.layers and not self.named:
+            raise ValueError("a check needs at least one layer (--model, --hf-config or --cells)")
         for name, values, known in (("--kv-dtype", self.kv_dtypes, KV_DTYPES), ("--impl", self.impls, IMPLS)):
             bad = [v for v in values if v not in known]
             if bad or not values:
@@ -104,9 +106,10 @@ def run_check(options: CheckOptions, say: Callable[[str], None] = print) -> tupl
     backend = resolve_backend(options.backend)
     timed = (backend == "cupy") if options.timed is None else options.timed
     cells = plan_cells(options.layers, options.kv_dtypes, options.impls, timed=timed, correctness=options.correctness,
-                       points=options.points)
+                       points=options.points, named=options.named)
+    named = f" and {len(options.named)} named cell(s)" if options.named else ""
     say(f"[check {elapsed():.0f}s] {options.model}: {len(options.layers)} layer kind(s), KV "
-        f"{', '.join(options.kv_dtypes)}, {len(cells)} cells on the {backend} backend"
+        f"{', '.join(options.kv_dtypes)}{named}, {len(cells)} cells on the {backend} backend"
         + ("" if timed else "; no timing (no GPU)"))
     if backend == "cupy":
         compile_kernels(options, say=lambda line: say(f"[check {elapsed():.0f}s] {line}"))
@@ -119,8 +122,11 @@ def run_check(options: CheckOptions, say: Callable[[str], None] = print) -> tupl
             left = options.deadline_s - (time.monotonic() - workers_t0)
             cap = min(cap, max(left, 1.0) / (len(todo) - n))
         run_worker(impl, mine, options, backend, out, cap, say=lambda line: say(f"[check {elapsed():.0f}s] {line}"))
-    meta = dict(model=options.model, layers=[vars(layer) for layer in options.layers], backend=backend, timed=timed,
+    layers = list(dict.fromkeys([*options.layers, *(n.layer for n in options.named)]))
+    meta = dict(model=options.model, layers=[vars(layer) for layer in layers], backend=backend, timed=timed,
                 kv_dtypes=list(options.kv_dtypes), points=[list(p) for p in options.points],
+                named=[f"{Cell('time', '', n.layer, n.kv_dtype, batch=n.batch, context=n.context).label.strip()}"
+                       for n in options.named],
                 seconds=round(elapsed(), 1))
     result = reporting.build(reporting.read_events(out), meta)
     written = reporting.write(result, out)
@@ -143,16 +149,22 @@ def _device_arch() -> tuple[str, int]:
 
 def kernel_plans(options: CheckOptions, arch: str, sm_count: int) -> list[TargetPlan]:
     """One single-kernel ``TargetPlan`` per kernel the cells need on ``arch`` (pure): every arm of
-    every one of our implementations, each KV dtype, deduplicated by name."""
+    every one of our implementations, each KV dtype (and each named cell's layer at its own),
+    deduplicated by name."""
     target = target_for_arch(arch)
     found: dict = {}
+    pairs = list(dict.fromkeys([(layer, kv) for layer in options.layers for kv in options.kv_dtypes]
+                               + [(n.layer, n.kv_dtype) for n in options.named]))
     for impl in (i for i in OURS if i in options.impls):
-        for kv in options.kv_dtypes:
+        for kv in dict.fromkeys(kv for _, kv in pairs):
             for arm in ARM_OPTIONS.values():
                 base = Options(kv_dtype="fp8_e4m3" if kv == "fp8" else "bfloat16", impl=impl, max_batch=64, **arm)
-                for layer in options.layers:
+                for layer in (layer for layer, k in pairs if k == kv):
+                    # An mma cell of a shape only simt serves constructs with the default impl (the worker's
+                    # impl_argument), which compiles simt's kernels there.
+                    asked = replace(base, impl=None) if impl == "mma" and mma_runs_simt(layer) else base
                     try:
-                        plan = needed_specs([layer], target, base, sm_count=sm_count)
+                        plan = needed_specs([layer], target, asked, sm_count=sm_count)
                     except ValueError:
                         continue  # the worker constructs the same layer and reports the refusal
                     for needed in plan.needed:

@@ -16,6 +16,7 @@ and the next cell runs.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import os
@@ -32,7 +33,8 @@ from .. import tolerance
 from ..attention import DecodeAttention
 from ..backends import get_backend
 from ..problems import make_problem
-from .cells import ARM_OPTIONS, CORRECT_SEQ_LENS, OURS, PAGE_SIZE, Cell, features_of, peer_refusal
+from .cells import (ARM_OPTIONS, CORRECT_SEQ_LENS, OURS, PAGE_SIZE, Cell, cache_bytes_per_token, features_of,
+                    model_shape_of, mma_runs_simt, peer_refusal, reads_v_from_k, v_head_dim_of)
 from .data import check_seqs
 
 EXIT_FAULT = 3
@@ -56,7 +58,7 @@ class Worker:
         self.backend = get_backend(None if backend == "auto" else backend)
         self.gpu = not self.backend.emulated
         self._timer = None  # the device side, made when the first timing cell runs
-        self._pools: dict = {}  # (KV heads, head dim, dtype) -> the one pool alive
+        self._pools: dict = {}  # pool_key -> the one pool alive
         self._pool_pages: dict = {}
         self._max_batch: dict = {}  # (layer, KV dtype) -> the largest batch of its timing cells
         self._attns: dict = {}  # (layer, KV dtype) -> its DecodeAttention, built once for every point
@@ -71,9 +73,9 @@ class Worker:
 
     def run(self, cells: list[Cell]) -> int:
         self.emit("env", backend=self.backend.name, gpu=self.gpu, device=self._device())
-        for c in cells:  # one pool per (KV heads, head dim, dtype), big enough for all its cells: no regrowth
+        for c in cells:  # one pool per pool_key, big enough for all its cells: no regrowth
             if c.kind == "time":
-                key = (c.layer.num_kv_heads, c.layer.head_dim, c.kv_dtype)
+                key = pool_key(c)
                 self._pool_pages[key] = max(self._pool_pages.get(key, 0), c.batch * -(-c.context // PAGE_SIZE))
                 self._max_batch[c.layer, c.kv_dtype] = max(self._max_batch.get((c.layer, c.kv_dtype), 64), c.batch)
         for cell in cells:
@@ -112,16 +114,20 @@ class Worker:
         problem = make_problem(rng, num_seqs=len(CORRECT_SEQ_LENS), num_q_heads=layer.num_q_heads,
                                num_kv_heads=layer.num_kv_heads, head_dim=layer.head_dim, page_size=PAGE_SIZE,
                                seq_lens=list(CORRECT_SEQ_LENS), kv_dtype=cell.kv_dtype, q_dtype="bf16")
+        dv = v_head_dim_of(layer)
+        # MLA: V is K's first dims (a view of the one cache, so the kernels may read it from K's rows);
+        # else V is a cache of its own, Dv wide.
+        v_cache = problem.k_cache[..., :dv] if layer.v_in_k else np.ascontiguousarray(problem.v_cache[..., :dv])
+        problem = dataclasses.replace(problem, v_cache=v_cache)
         sinks = rng.normal(0.0, 2.0, layer.num_q_heads).astype(np.float32) if layer.sinks else None
-        attn = DecodeAttention(layer.num_q_heads, layer.num_kv_heads, layer.head_dim, PAGE_SIZE, q_dtype="bfloat16",
-                               kv_dtype="fp8_e4m3" if cell.kv_dtype == "fp8" else "bfloat16",
-                               max_batch=len(CORRECT_SEQ_LENS), impl=cell.impl, backend=self.backend,
-                               **ARM_OPTIONS[cell.arm], **features)
+        attn = self._attention(cell, len(CORRECT_SEQ_LENS), **ARM_OPTIONS[cell.arm])
         plan = attn.plan(len(CORRECT_SEQ_LENS))
         be = self.backend
         args = [be.upload(a.view(np.uint8) if a.dtype.itemsize == 1 else a)
                 for a in (problem.q, problem.k_cache, problem.v_cache, problem.block_tables, problem.seq_lens)]
-        out = be.empty(args[0].shape, args[0].dtype)
+        if layer.v_in_k:  # the view taken on the device: the upload of a view would be a cache of its own
+            args[2] = args[1][..., :dv]
+        out = be.empty((*args[0].shape[:-1], dv), args[0].dtype)
         extra = {} if sinks is None else {"sinks": be.upload(sinks)}
         out, lse = attn.run(*args, k_scale=problem.k_scale, v_scale=problem.v_scale, out=out, return_lse=True, **extra)
         be.synchronize()
@@ -141,19 +147,25 @@ class Worker:
             got_lse[finite], ref_lse[finite], rtol=LSE_TOLERANCE, atol=LSE_TOLERANCE))
         lse_err = float(np.max(np.abs(got_lse[finite] - ref_lse[finite]), initial=0.0))
         status = "ok" if ok.all() and lse_ok else "FAIL"
-        if plan.impl != cell.impl:
-            status = "FALLBACK"
         result = dict(status=status, arm_ran=plan.arm, splits=plan.num_splits, heads_per_cta=plan.heads_per_cta,
-                      impl_ran=plan.impl, outputs=int(got.size), max_ulp=int(ulps[judged].max(initial=0)),
+                      impl_ran=plan.impl, v_read_from_k=reads_v_from_k(layer, cell.kv_dtype, cell.impl),
+                      outputs=int(got.size), max_ulp=int(ulps[judged].max(initial=0)),
                       outputs_off=int((~ok).sum()), lse_max_abs_err=lse_err)
-        if status == "FALLBACK":
-            result["message"] = fallback_message(cell.impl, plan.impl)
-        elif status != "ok":
+        result.update(impl_verdict(cell, plan.impl))
+        if result["status"] != "FALLBACK" and status != "ok":
             where = np.argwhere(~ok)
             result["message"] = (f"{int((~ok).sum())} of {got.size} outputs past the 1-ulp bar (first at "
                                  f"[seq, head, dim] {where[0].tolist()})" if len(where) else
                                  f"lse off the float64 reference by {lse_err:.3g} (bar {LSE_TOLERANCE:g})")
         return result
+
+    def _attention(self, cell: Cell, max_batch: int, **options) -> DecodeAttention:
+        """The cell's layer as a ``DecodeAttention`` of ``cell.impl`` with its features and value width."""
+        layer = cell.layer
+        return DecodeAttention(layer.num_q_heads, layer.num_kv_heads, layer.head_dim, PAGE_SIZE, q_dtype="bfloat16",
+                               kv_dtype="fp8_e4m3" if cell.kv_dtype == "fp8" else "bfloat16", max_batch=max_batch,
+                               v_head_dim=layer.v_head_dim, impl=impl_argument(cell), backend=self.backend,
+                               **options, **features_of(layer))
 
     def perturbed(self, cell: Cell, got: np.ndarray) -> np.ndarray:
         """The output as checked. A hook for the check's own tests (``tests/support/check_doubles.py``
@@ -184,11 +196,15 @@ class Worker:
         if launch is None:
             return result
         timing = timer.measure(launch, mode=mode, note=note)
-        moved = kv_bytes(cell) + 2 * case.q.numel() * case.q.element_size()  # KV read, q read, out written
+        # KV read (as this implementation reads it: kv_bytes), q read, out written ([B, H, Dv]).
+        moved = kv_bytes(cell) + case.q.numel() * case.q.element_size() * (1 + case.v_head_dim / case.head_dim)
+        moved = int(moved)
         tb_per_s = moved / (timing.median_us * 1e-6) / 1e12
+        flops = call_flops(cell)
         result.update(median_us=round(timing.median_us, 3), min_us=round(timing.min_us, 3), iters=timing.iters,
                       mode=timing.mode, note=timing.note, bytes_moved=moved, tb_per_s=tb_per_s,
-                      pct_of_copy=100.0 * tb_per_s / copy["tb_per_s"], copy_tb_per_s=copy["tb_per_s"])
+                      pct_of_copy=100.0 * tb_per_s / copy["tb_per_s"], copy_tb_per_s=copy["tb_per_s"],
+                      flops=flops, tflops=flops / (timing.median_us * 1e-6) / 1e12, flop_per_byte=flops / moved)
         return result
 
     def _timing_state(self):
@@ -205,20 +221,18 @@ class Worker:
     def _case(self, cell: Cell, timer):
         import torch
 
-        from ..config import ModelShape
         from .data import GpuPool
 
         pools = self._pools
         layer = cell.layer
-        key = (layer.num_kv_heads, layer.head_dim, cell.kv_dtype)
+        key = pool_key(cell)
         pages = cell.batch * -(-cell.context // PAGE_SIZE)
         if key not in pools or pools[key].num_pages < pages:
             pools.clear()  # one pool at a time: free the last before the next
             gc.collect()
             torch.cuda.empty_cache()
-            shape = ModelShape(layer.num_q_heads, layer.num_kv_heads, layer.head_dim)
-            pools[key] = GpuPool(shape, cell.kv_dtype, PAGE_SIZE, max(pages, self._pool_pages.get(key, 0)),
-                                 seed=self.seed)
+            pools[key] = GpuPool(model_shape_of(layer), cell.kv_dtype, PAGE_SIZE,
+                                 max(pages, self._pool_pages.get(key, 0)), seed=self.seed, v_in_k=layer.v_in_k)
         case = pools[key].case(cell.batch, cell.context, layer.num_q_heads)
         timer.synchronize_device()
         return case
@@ -232,15 +246,12 @@ class Worker:
         layer, features = cell.layer, features_of(cell.layer)
         attn = self._attns.get((layer, cell.kv_dtype))
         if attn is None:
-            attn = self._attns[layer, cell.kv_dtype] = DecodeAttention(
-                layer.num_q_heads, layer.num_kv_heads, layer.head_dim, PAGE_SIZE, q_dtype="bfloat16",
-                kv_dtype="fp8_e4m3" if cell.kv_dtype == "fp8" else "bfloat16",
-                max_batch=self._max_batch.get((layer, cell.kv_dtype), max(64, cell.batch)), impl=cell.impl,
-                backend=self.backend, **features)
+            attn = self._attns[layer, cell.kv_dtype] = self._attention(
+                cell, self._max_batch.get((layer, cell.kv_dtype), max(64, cell.batch)))
         plan = attn.plan(cell.batch)
         sinks = torch.zeros(layer.num_q_heads, dtype=torch.float32, device=case.q.device) if layer.sinks else None
         extra = {} if sinks is None else {"sinks": sinks}
-        out = torch.empty_like(case.q)
+        out = case.q.new_empty((*case.q.shape[:-1], case.v_head_dim))
         call = lambda: attn.run(case.q, case.k_pool, case.v_pool, case.block_tables, case.seq_lens,  # noqa: E731
                                 k_scale=case.k_scale, v_scale=case.v_scale, out=out, **extra)
         launch = timer.capture_poisoned(call, out)
@@ -251,10 +262,13 @@ class Worker:
         else:
             check = check_gpu_output(case, out_checked, seqs, ref_cache, strict=True)
         result = dict(status="ok" if check["status"] == "ok" else "FAIL", check=check, arm_ran=plan.arm,
-                      splits=plan.num_splits, heads_per_cta=plan.heads_per_cta, impl_ran=plan.impl)
-        if plan.impl != cell.impl:
-            result.update(status="FALLBACK", message=fallback_message(cell.impl, plan.impl))
-            return result, None  # simt's time is not reported as mma's
+                      splits=plan.num_splits, heads_per_cta=plan.heads_per_cta, impl_ran=plan.impl,
+                      v_read_from_k=reads_v_from_k(layer, cell.kv_dtype, cell.impl))
+        verdict = impl_verdict(cell, plan.impl)
+        if verdict.get("status") == "FALLBACK":
+            result.update(verdict)
+            return result, None  # a self-test fallback's simt time is not reported as mma's
+        result.update({k: v for k, v in verdict.items() if k != "status"})
         if check["status"] != "ok":
             result["message"] = check.get("message", "output past the 1-ulp bar")
             return result, None  # a wrong kernel is not timed
@@ -284,6 +298,32 @@ class Worker:
         return result, launch, mode, note
 
 
+def impl_verdict(cell: Cell, built: str) -> dict:
+    """What the kernel implementation the plan ran says of a cell of ours: nothing where it is the one
+    asked for; ``simt_by_shape`` (the reason) where ``mma`` was asked of a shape it has no kernel of
+    (``cells.mma_runs_simt``: every device runs simt there, by design, and the cell is judged and
+    timed as simt's); else the status FALLBACK (the device failed the mma self-test), which fails."""
+    if built == cell.impl:
+        return {}
+    why = mma_runs_simt(cell.layer) if cell.impl == "mma" and built == "simt" else None
+    if why:
+        return {"simt_by_shape": f"{why}: the simt kernels ran"}
+    return {"status": "FALLBACK", "message": fallback_message(cell.impl, built)}
+
+
+def impl_argument(cell: Cell) -> Optional[str]:
+    """``DecodeAttention``'s ``impl`` for the cell: its own, except an ``mma`` cell of a shape the mma
+    kernels have none of (``cells.mma_runs_simt``), which asks for the default (None) as a serving
+    engine does: the default runs simt there and says why, where ``impl="mma"`` itself is refused."""
+    return None if cell.impl == "mma" and mma_runs_simt(cell.layer) else cell.impl
+
+
+def pool_key(cell: Cell) -> tuple:
+    """The pool a timing cell draws from: shared by the cells of equal KV heads, head dims, V in K and dtype."""
+    layer = cell.layer
+    return layer.num_kv_heads, layer.head_dim, v_head_dim_of(layer), layer.v_in_k, cell.kv_dtype
+
+
 def fallback_message(asked: str, built: str) -> str:
     return (f"asked for {asked}, the device built {built}: it failed the mma known-answer self-test "
             "(DecodeAttention warns and serves simt there); report it with this device's name")
@@ -301,9 +341,17 @@ def _flashinfer_status(path: Optional[str]) -> Optional[dict]:
 
 
 def kv_bytes(cell: Cell) -> int:
-    """K and V bytes a call of the timing cell reads: tokens x KV heads x head dim x itemsize x 2."""
-    itemsize = 1 if cell.kv_dtype == "fp8" else 2
-    return cell.batch * cell.context * cell.layer.num_kv_heads * cell.layer.head_dim * itemsize * 2
+    """K and V bytes a call of the timing cell reads: tokens x ``cells.cache_bytes_per_token`` (each
+    KV head's K row, and its V row unless this implementation takes V from K's registers: MLA bf16
+    on ours). 32/8/128 bf16: 4,096 B a token; MLA 576/512 bf16 on ours: 1,152 B; on SDPA: 2,176 B."""
+    return cell.batch * cell.context * cache_bytes_per_token(cell.layer, cell.kv_dtype, cell.impl)
+
+
+def call_flops(cell: Cell) -> int:
+    """The arithmetic of a call of the timing cell: 2 x batch x q heads x context x (head_dim + v_head_dim)
+    (q.k over the keys' dims, p.v over the values'; the softmax not counted)."""
+    layer = cell.layer
+    return 2 * cell.batch * layer.num_q_heads * cell.context * (layer.head_dim + v_head_dim_of(layer))
 
 
 def main(argv: Optional[list[str]] = None, worker_class: Callable[..., Worker] = Worker) -> int:
