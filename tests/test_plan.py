@@ -340,6 +340,15 @@ def test_the_demo_refuses_a_model_it_cannot_run_naming_the_flag_before_running(c
     assert message in captured.err and not captured.out
 
 
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:.*576, 512.*has no mma kernel:RuntimeWarning")
+def test_the_demo_runs_an_mla_preset_with_values_read_as_a_view_of_the_latent_cache(capsys):
+    assert main(["demo", "--backend", "cpu", "--model", "deepseek-v2-lite"]) == 0
+    out = capsys.readouterr().out
+    assert "plan: impl=simt" in out and "PASS: within 1 ulp of the float64 reference" in out
+    assert "k_scale" in out and out.split("k_scale ")[1].split(",")[0] == out.split("v_scale ")[1].split(")")[0]
+
+
 def test_the_demo_takes_no_config_file_only_a_preset_or_a_shape():
     with pytest.raises(SystemExit):
         main(["demo", "--hf-config", "config.json"])
