@@ -127,10 +127,8 @@ struct OutF32 {
 
 // device_scales (PD_DEVICE_SCALES): the dequantization scales are fp32 values on the device,
 // one for the tensor (stride 0) or one per KV head (stride 1), that a CTA reads for its KV
-// head, so a captured CUDA graph follows a scale that changes and nothing syncs to read one.
-// They are folded exactly as the host folds host floats (validation.scales and
-// logit_scales): in double, sm_scale * k_scale * log2 e (with the soft-cap: sm_scale *
-// k_scale / cap), then one rounding to fp32; equal values give equal bytes.
+// head and folds with sm_scale (and the soft-cap) as the host folds host floats: the rule is
+// pd_common.cuh's pd_device_kv_scales, which the simt kernel calls too.
 struct DeviceScales {
   enum { on = PD_DEVICE_SCALES };
   const float* k;  // k_scales, k_scales_stride: the kernel parameters
@@ -141,17 +139,16 @@ struct DeviceScales {
 
   // The score scale and the value scale of KV head `kv_head`.
   __device__ __forceinline__ void kv_scales(int kv_head, float& qk_scale, float& v_scale) const {
-    const double folded = sm_scale * (double)k[kv_head * k_stride];
-    qk_scale = (float)(SoftCap::on ? folded / soft_cap : folded * PD_LOG2E);  // as the host folds it
-    v_scale = v[kv_head * v_stride];
+    pd_device_kv_scales(k, k_stride, v, v_stride, sm_scale, SoftCap::on, soft_cap, kv_head, qk_scale, v_scale);
   }
 };
 
 // csr (PD_CSR): FlashInfer's CSR page table, read as it is (no conversion to a dense
 // table): sequence s's pages are kv_indices[kv_indptr[s] .. kv_indptr[s + 1]) and its last
 // page holds kv_last_page_len[s] tokens. The kernel takes a sequence's row of page ids and
-// its length from them instead of block_tables and seq_lens; the last page's count is
-// clamped to 0 .. page_size, so a CTA never reads past its sequence's own pages.
+// its length from them instead of block_tables and seq_lens (pd_common.cuh's pd_csr_pages
+// and pd_csr_len, which the simt kernel calls too: the last page's count clamped to
+// 0 .. page_size, so a CTA never reads past its sequence's own pages).
 struct Csr {
   enum { on = PD_CSR };
   const int* indptr;  // kv_indptr, kv_indices, kv_last_page_len: the kernel parameters
@@ -159,13 +156,10 @@ struct Csr {
   const int* last_page_len;
 
   // Sequence seq's page ids, in order.
-  __device__ __forceinline__ const int* kv_pages(int seq) const { return indices + indptr[seq]; }
+  __device__ __forceinline__ const int* kv_pages(int seq) const { return pd_csr_pages(indptr, indices, seq); }
   // Its length in tokens: (pages - 1) * page_size + the last page's count, or 0 with no page.
   __device__ __forceinline__ int kv_len(int seq, int page_size) const {
-    const int pages = indptr[seq + 1] - indptr[seq];
-    int last = last_page_len[seq];
-    last = last < 0 ? 0 : (last > page_size ? page_size : last);
-    return pages > 0 ? (pages - 1) * page_size + last : 0;
+    return pd_csr_len(indptr, last_page_len, seq, page_size);
   }
 };
 

@@ -8,7 +8,10 @@
 //     exact bf16 / fp16 / fp8 <-> fp32 conversions are pd_convert.cuh's,
 //   * q's conversions to and from fp32, 16-byte (or 8-byte) vector loads,
 //   * what turns a finished state into outputs: its natural-log lse, its normalized
-//     output, and the 16-byte stores of an output span staged in shared memory.
+//     output, and the 16-byte stores of an output span staged in shared memory,
+//   * the code of the features both cores serve (csr, device_scales): each core's hook
+//     (mma_features.cuh's Csr and DeviceScales, the simt kernel's) calls it, so the rule is
+//     written once.
 // Each implementation's own core lives with it: decode_core.cuh (mma), simt/simt_core.cuh.
 //
 // Units: every logit inside the kernels is in log2 units, x_t = qk_scale * (q . k_t)
@@ -179,6 +182,44 @@ __device__ __forceinline__ void pd_store_span(pd_q_t* dst, const unsigned short*
   } else {
     for (int c = threadIdx.x; c < n; c += blockDim.x) dst[c] = s_src[c];
   }
+}
+
+// ---------------------------------------------------------------------------------
+// The features both cores serve (csr, device_scales; config.FEATURES)
+// ---------------------------------------------------------------------------------
+//
+// Plain functions of the feature's kernel parameters: each core calls them where its feature
+// is on (the mma core through its hooks, Csr::kv_pages / kv_len and DeviceScales::kv_scales;
+// the simt kernel under its features' defines), and nothing where it is off.
+
+// csr: FlashInfer's CSR page table, read as it is (no conversion to a dense table): sequence
+// seq's pages are indices[indptr[seq] .. indptr[seq + 1]) in order, and its last page holds
+// last_page_len[seq] tokens. Sequence seq's page ids:
+__device__ __forceinline__ const int* pd_csr_pages(const int* indptr, const int* indices, int seq) {
+  return indices + indptr[seq];
+}
+// Its length in tokens: (pages - 1) * page_size + the last page's count, or 0 with no page. The
+// last page's count is clamped to 0 .. page_size, so a CTA never reads past the sequence's own
+// pages whatever the table holds (validation.dense_pages refuses such a table on the host).
+__device__ __forceinline__ int pd_csr_len(const int* indptr, const int* last_page_len, int seq, int page_size) {
+  const int pages = indptr[seq + 1] - indptr[seq];
+  int last = last_page_len[seq];
+  last = last < 0 ? 0 : (last > page_size ? page_size : last);
+  return pages > 0 ? (pages - 1) * page_size + last : 0;
+}
+
+// device_scales: the fp32 dequantization scales on the device, one for the tensor (stride 0)
+// or one per KV head (stride 1), read for KV head kv_head, so a captured CUDA graph follows a
+// scale that changes and nothing syncs to read one. Folded exactly as the host folds host
+// floats (validation.scales and logit_scales): in double, sm_scale * k_scale * log2 e (with the
+// soft-cap, `soft_capped`: sm_scale * k_scale / cap), then one rounding to fp32; equal values
+// give equal bytes.
+__device__ __forceinline__ void pd_device_kv_scales(const float* k, long long k_stride, const float* v,
+                                                    long long v_stride, double sm_scale, bool soft_capped,
+                                                    double soft_cap, int kv_head, float& qk_scale, float& v_scale) {
+  const double folded = sm_scale * (double)k[kv_head * k_stride];
+  qk_scale = (float)(soft_capped ? folded / soft_cap : folded * PD_LOG2E);  // as the host folds it
+  v_scale = v[kv_head * v_stride];
 }
 
 #endif  // PD_COMMON_CUH

@@ -65,7 +65,8 @@ class Feature:
     """One feature of the ``mma`` core (FlashInfer calls them attention *variants*).
 
     ``has(config)``: whether a layer has it; ``asked``: how a caller asks for it, as the
-    ``simt`` refusal says it. A feature that takes arrays per call lists them in ``arrays``
+    ``simt`` refusal says it; ``simt``: whether the ``simt`` kernels serve it too (their core's
+    define, as the ``mma`` core's), else a ``simt`` layer asking for it is refused. A feature that takes arrays per call lists them in ``arrays``
     (given exactly when the layer has it), names in ``replaces`` the arguments of the plain call
     it takes the place of (``PLAIN_DEFAULTS``: left out with it; the arrays among them required
     without it), and says what is wrong with a call that does not match: ``refuse_with`` to a
@@ -75,6 +76,7 @@ class Feature:
     has: Callable[[Any], bool]
     asked: str
     arrays: tuple[Array, ...] = ()
+    simt: bool = False
     replaces: tuple[str, ...] = ()
     refuse_with: str = ""
     refuse_without: str = ""
@@ -207,6 +209,7 @@ FEATURE_RECORDS = (
         "device_scales", lambda c: c.device_scales, "device_scales",
         arrays=(Array("k_scales", check_k_scales, "float32", "[] or [num_kv_heads]", (0, 1), "k_scales_stride"),
                 Array("v_scales", check_v_scales, "float32", "[] or [num_kv_heads]", (0, 1), "v_scales_stride")),
+        simt=True,
         replaces=("k_scale", "v_scale"),
         refuse_with="this DecodeAttention was built with device_scales=True: k_scales and v_scales must both be given "
                     "(float32 arrays on its device of one value or [{config.shape.num_kv_heads}], one per KV head), "
@@ -218,6 +221,7 @@ FEATURE_RECORDS = (
         arrays=(Array("kv_indptr", check_kv_indptr, "int32", "[num_seqs + 1]"),
                 Array("kv_indices", check_kv_indices, "int32", "[nnz]"),
                 Array("kv_last_page_len", check_kv_last_page_len, "int32", "[num_seqs]")),
+        simt=True,
         replaces=("block_tables", "seq_lens"),
         refuse_with="this DecodeAttention was built with page_table='csr': pass kv_indptr=, kv_indices= and "
                     "kv_last_page_len= (int32), and no block_tables or seq_lens",
@@ -227,7 +231,11 @@ FEATURE_RECORDS = (
 """The ``mma`` core's features, in the order spec names list them: multi-token decode
 (``max_q_len > 1``: query rows that see different keys), a sliding window, the logits soft-cap,
 attention sinks, fp32 output, dequantization scales read on the device, FlashInfer's CSR page
-table."""
+table (the last two the ``simt`` kernels serve too: ``SIMT_FEATURES``)."""
+
+SIMT_FEATURES: frozenset = frozenset(f.name for f in FEATURE_RECORDS if f.simt)
+"""The features the ``simt`` kernels serve as well (``device_scales``, ``csr``); a ``simt`` layer
+asking for any other is refused (``config.LayerConfig.mma_only``)."""
 
 FEATURE_ARRAYS: tuple[Array, ...] = tuple(a for f in FEATURE_RECORDS for a in f.arrays)
 """Every feature's arrays, in the records' order: ``run``'s feature keywords and the torch op's
@@ -235,6 +243,6 @@ last arguments, in this order."""
 
 
 def simt_features_line() -> str:
-    """How a caller asks for each feature, as the ``simt`` refusal lists them
+    """How a caller asks for each feature the ``simt`` kernels lack, as their refusal lists them
     (``multi_token = max_q_len > 1, window = window_left, ...``)."""
-    return ", ".join(f"{f.name} = {f.asked}" for f in FEATURE_RECORDS)
+    return ", ".join(f"{f.name} = {f.asked}" for f in FEATURE_RECORDS if not f.simt)

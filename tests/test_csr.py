@@ -59,8 +59,6 @@ def test_a_page_table_in_the_other_form_or_in_part_is_refused():
                 kv_last_page_len=last)
     with pytest.raises(ValueError, match="page_table must be one of dense, csr"):
         decoder(p, page_table="coo")
-    with pytest.raises(ValueError, match="impl='simt' has no csr"):
-        decoder(p, page_table="csr", impl="simt")
 
 
 @pytest.mark.parametrize("edit, match", [

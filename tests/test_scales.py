@@ -79,8 +79,8 @@ def test_device_scales_and_host_floats_are_refused_where_the_layer_expects_the_o
                        (np.ones((2, 1), np.float32), "float32 array"), (np.ones(4, np.float32)[::2], "contiguous")):
         with pytest.raises(ValueError, match=match):
             device.run(p.q, p.k_cache, p.v_cache, p.block_tables, p.seq_lens, k_scales=bad, v_scales=scales)
-    with pytest.raises(ValueError, match="impl='simt' has no device_scales"):
-        decoder(p, device_scales=True, impl="simt")
+    with pytest.raises(ValueError, match="impl='simt' has no sinks"):  # simt serves device_scales, not sinks
+        decoder(p, device_scales=True, sinks=True, impl="simt")
     with pytest.raises(TypeError, match="device_scales must be a bool"):
         decoder(p, device_scales=1)
 

@@ -34,14 +34,19 @@ def test_a_head_size_we_do_not_serve_is_refused_listing_every_one_we_do_512_on_t
     assert listed.startswith("64, 80, 96, ") and listed.endswith(", 240, 256")
 
 
-def test_head_size_512_is_served_plain_and_refused_with_what_the_reference_kernels_lack():
-    assert refusals(head_size=512) == {}
+def test_head_size_512_is_served_plain_or_with_an_fp8_cache_and_refused_with_what_the_reference_kernels_lack():
+    """An fp8 cache's scales are device tensors, which the reference kernels read (device_scales)."""
+    assert refusals(head_size=512) == refusals(head_size=512, kv_cache_dtype="fp8") == {}
     plain = dict(head_size=512, kv_cache_dtype="auto", has_sink=False, has_sliding_window=False, capability=(9, 0))
     assert options.reference_kernel_refusal(**plain) is None
+    assert options.reference_kernel_refusal(**{**plain, "kv_cache_dtype": "fp8"}) is None
+    assert options.layer_refusal(num_heads=16, num_kv_heads=2, head_size=512, q_dtype="bfloat16", kv_dtype="fp8_e4m3",
+                                 fp8=True, capability=(9, 0)) is None
     for change, lacks in ((dict(has_sink=True), "sinks"), (dict(has_sliding_window=True), "window"),
-                          (dict(kv_cache_dtype="fp8"), "device_scales")):
+                          (dict(kv_cache_dtype="fp8", has_sink=True), "sinks")):
         found = options.reference_kernel_refusal(**{**plain, **change})
         assert f"(impl='simt' has no {lacks})" in found and "head sizes 64 to 256 take them" in found, found
+        assert "512 a model-dtype or fp8 cache without sinks or a window" in found, found
     assert options.reference_kernel_refusal(**{**plain, "head_size": 256, "has_sink": True}) is None
 
 

@@ -21,7 +21,8 @@
 // extra power-of-two factor for fp16/fp8 KV, see pd_kv_slice).
 //
 // Defines: PD_HEAD_DIM, PD_Q_DTYPE, PD_KV_DTYPE (pd_common.cuh; no fp8 e5m2: the simt
-// kernels refuse it), PD_MIN_KV_PER_SPLIT (pd_splitk.cuh); from the arm's .cu, before it
+// kernels refuse it), PD_MIN_KV_PER_SPLIT (pd_splitk.cuh); optional, 0 | 1, the features
+// they serve: PD_DEVICE_SCALES, PD_CSR (below); from the arm's .cu, before it
 // includes this file: PD_ENTRY (the kernel's name), PD_ARM (PD_ARM_UNPACKED |
 // PD_ARM_SPLITK | PD_ARM_GQA_PACKED; pd_common.cuh), and on the packed arm PD_GQA and
 // PD_HDIM. Static shared memory only, declared by the kernel.
@@ -64,6 +65,18 @@
 #endif
 #if PD_V_IN_K && !PD_ROPE_LANE
 #error "PD_V_IN_K is MLA's (PD_HEAD_DIM 576, PD_V_HEAD_DIM 512)"
+#endif
+
+// The features the simt kernels serve (features.SIMT_FEATURES), each a define 0 | 1 that
+// kernels.KernelSpec.defines passes only where a spec has it: PD_DEVICE_SCALES (the scales read
+// on the device, pd_common.cuh's pd_device_kv_scales) and PD_CSR (FlashInfer's CSR page table,
+// pd_csr_pages / pd_csr_len). Off, none of their code or parameters exist, so a plain spec is
+// the kernel it was before them, byte for byte.
+#ifndef PD_DEVICE_SCALES
+#define PD_DEVICE_SCALES 0
+#endif
+#ifndef PD_CSR
+#define PD_CSR 0
 #endif
 
 #if PD_KV_DTYPE == PD_DTYPE_FP8_E5M2
@@ -480,7 +493,10 @@ __device__ __forceinline__ void pd_cta_combine(const float* s_m, const float* s_
 //   out   = v_scale * sum_t 2^(x_t - m) v_t / sum_t 2^(x_t - m),   m = max_t x_t
 //   lse   = (m + log2 l) * lse_scale: the natural log (lse_scale = ln 2) or base 2 (1); optional
 // where k_t, v_t are row t of the sequence's paged cache: page block_tables[s, t / page_size],
-// offset in page t % page_size. seq_len 0 gives out = 0 and lse = -inf. Split-K writes,
+// offset in page t % page_size. seq_len 0 gives out = 0 and lse = -inf. With csr the length
+// and the page ids come from the CSR table instead (pd_csr_len, pd_csr_pages), with
+// device_scales qk_scale and v_scale from KV head g's device scales (pd_device_kv_scales);
+// their parameters follow lse_scale, each feature's in its #if block. Split-K writes,
 // instead of out and lse, the state of each (sequence, head) over its split of the keys
 // to the workspace (pd_splitk.cuh), and its merge combines them.
 //
@@ -514,7 +530,17 @@ extern "C" __global__ void PD_LAUNCH_BOUNDS(PD_THREADS, PD_SIMT_MIN_CTAS) PD_ENT
     const int* __restrict__ seq_lens,
     int num_kv_heads, int page_size,
     float qk_scale, float v_scale,
-    pd_q_t* __restrict__ out, float* __restrict__ lse, float* __restrict__ workspace, float lse_scale) {
+    pd_q_t* __restrict__ out, float* __restrict__ lse, float* __restrict__ workspace, float lse_scale
+#if PD_DEVICE_SCALES
+    // device_scales: fp32 scales on the device, folded with sm_scale here (qk_scale, v_scale unused)
+    , const float* __restrict__ k_scales, long long k_scales_stride, const float* __restrict__ v_scales,
+    long long v_scales_stride, double sm_scale
+#endif
+#if PD_CSR
+    // csr: FlashInfer's page table in place of block_tables and seq_lens (both null)
+    , const int* __restrict__ kv_indptr, const int* __restrict__ kv_indices, const int* __restrict__ kv_last_page_len
+#endif
+    ) {
 #if PD_ARM == PD_ARM_GQA_PACKED
   constexpr int NH = PD_GQA;  // the PD_GQA query heads of one KV head
   constexpr int VEC = 8;      // 8 dims a thread whatever the dtype (fp8: 8-byte loads): NH q vectors and
@@ -558,7 +584,13 @@ extern "C" __global__ void PD_LAUNCH_BOUNDS(PD_THREADS, PD_SIMT_MIN_CTAS) PD_ENT
   const int kv_head = head0 / (num_q_heads / num_kv_heads);
 #endif
   const int slice = (threadIdx.x & 31) % (PD_V_HEAD_DIM / VEC);
+#if PD_CSR
+  int seq_len = pd_csr_len(kv_indptr, kv_last_page_len, seq, page_size);
+  const int* bt_row = pd_csr_pages(kv_indptr, kv_indices, seq);
+#else
   int seq_len = seq_lens[seq];
+  const int* bt_row = block_tables + seq * block_tables_stride;
+#endif
   seq_len = seq_len > 0 ? seq_len : 0;
 #if PD_ARM == PD_ARM_SPLITK
   int start, end;  // this split's keys
@@ -583,6 +615,10 @@ extern "C" __global__ void PD_LAUNCH_BOUNDS(PD_THREADS, PD_SIMT_MIN_CTAS) PD_ENT
   }
 #endif
 
+#if PD_DEVICE_SCALES
+  pd_device_kv_scales(k_scales, k_scales_stride, v_scales, v_scales_stride, sm_scale, false, 0.0, kv_head, qk_scale,
+                      v_scale);  // this CTA's KV head's (no soft-cap on simt)
+#endif
   float m[NH], l[NH], acc[NH][VEC];
   pd_attend<NH, VEC, UNROLL>(qf,
 #if PD_ROPE_LANE
@@ -590,7 +626,7 @@ extern "C" __global__ void PD_LAUNCH_BOUNDS(PD_THREADS, PD_SIMT_MIN_CTAS) PD_ENT
 #endif
                              k_cache + kv_head * k_stride_head + slice * VEC, k_stride_page, k_stride_token,
                              v_cache + kv_head * v_stride_head + slice * VEC, v_stride_page, v_stride_token,
-                             block_tables + seq * block_tables_stride, page_size, start, end, qk_scale, m, l, acc);
+                             bt_row, page_size, start, end, qk_scale, m, l, acc);
   pd_cta_publish<NH, VEC>(m, l, acc, s_m, s_l, s_acc);
 
 #if PD_ARM == PD_ARM_SPLITK
@@ -621,7 +657,8 @@ extern "C" __global__ void PD_LAUNCH_BOUNDS(PD_THREADS, PD_SIMT_MIN_CTAS) PD_ENT
 #if PD_ARM == PD_ARM_SPLITK
 // The split-K merge: grid (num_q_heads, num_seqs), a thread per output dim (at most
 // PD_MERGE_THREADS; kernels.merge_threads); the merge of pd_splitk.cuh, splits 0..n-1 in
-// order (no sinks: the simt kernels serve no features).
+// order (no sinks: the simt kernels serve none; their features, csr and device_scales, are the
+// attention kernel's alone: v_scale is in each split's state already).
 extern "C" __global__ void PD_LAUNCH_BOUNDS(PD_MERGE_THREADS, 4) simt_decode_splitk_merge(
     const float* __restrict__ workspace, int num_splits, pd_q_t* __restrict__ out, float* __restrict__ lse,
     float lse_scale) {

@@ -123,8 +123,8 @@ def layer_refusal(*, num_heads: int, num_kv_heads: int, head_size: int, q_dtype:
     rules ``DecodeAttention`` applies when the layer is built (``config.configure``, then
     ``kernels.launchable_config``, the fallback to the ``simt`` reference kernels), asked here
     so vLLM hears it at selection or model construction rather than once the KV cache exists.
-    Head size 512 is served by the reference kernels alone, which take none of the features
-    (a window, sinks, a soft-cap, multi-token decode, fp8 scales on the device)."""
+    Head size 512 is served by the reference kernels alone, which take fp8 scales on the device
+    but none of the other features (a window, sinks, a soft-cap, multi-token decode)."""
     try:
         config = configure(num_heads, num_kv_heads, head_size, 16, v_head_dim=v_head_dim, q_dtype=q_dtype,
                            kv_dtype=kv_dtype, max_batch=1,
@@ -140,7 +140,8 @@ def reference_kernel_refusal(*, head_size: int, kv_cache_dtype: Optional[str], h
                              has_sliding_window: bool, capability: Optional[tuple[int, int]]) -> Optional[str]:
     """Why a layer of this head size with what the selector sees of it (sinks, a window, an fp8
     cache: its scales on the device) is refused by the library (``layer_refusal``), naming
-    what works; None where it is not (every ``mma`` head size, and plain layers at 512)."""
+    what works; None where it is not (every ``mma`` head size, and layers at 512 with neither
+    sinks nor a window, a model-dtype or an fp8 cache)."""
     if head_size not in SIMT_ONLY_HEAD_DIMS:
         return None
     fp8 = kv_cache_dtype is not None and is_fp8(kv_cache_dtype)
@@ -150,8 +151,8 @@ def reference_kernel_refusal(*, head_size: int, kv_cache_dtype: Optional[str], h
     if why is None:
         return None
     return (f"head_size {head_size} with {what_the_layer_asks(fp8, has_sink, has_sliding_window)} not supported "
-            f"(metrale-attn: {why}; head sizes {min(HEAD_DIMS)} to {max(HEAD_DIMS)} take them, {head_size} only a "
-            "model-dtype cache without sinks or a window)")
+            f"(metrale-attn: {why}; head sizes {min(HEAD_DIMS)} to {max(HEAD_DIMS)} take them, {head_size} a "
+            "model-dtype or fp8 cache without sinks or a window)")
 
 
 def what_the_layer_asks(fp8: bool, sinks: bool, window: bool) -> str:
