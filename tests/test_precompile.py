@@ -256,8 +256,9 @@ SMALL = ("--q-heads", "4", "--kv-heads", "4", "--head-dim", "64")
     (("--target", "hopper", *HF_LLAMA, "--model", "llama-3-8b"), "--model and --hf-config both describe the model: "
                                                                  "give one of the two"),
     (("--target", "hopper", "--model", "llama-3-8b", "--head-dim", "64"), "--model gives the shape; drop --head-dim"),
-    (("--target", "hopper", "--model", "llama-3-9b"), "--model takes llama-3-70b, llama-3-8b, qwen3.8-27b or "
-                                                      "Q/KV/HEAD_DIM (32/8/128); got 'llama-3-9b'"),
+    (("--target", "hopper", "--model", "llama-3-9b"), "--model takes deepseek-v2-lite, deepseek-v3, "
+     "gemma-4-26b-global, llama-3-70b, llama-3-8b, qwen3.8-27b, Q/KV/HEAD_DIM (32/8/128) or Q/KV/HEAD_DIM/V_HEAD_DIM "
+     "(16/1/576/512); got 'llama-3-9b'"),
     (("--target", "hopper", *HF_LLAMA, "--tensor-parallel-size", "3"), "--tensor-parallel-size 3 must divide"),
     (("--target", "hopper", "--hf-config", "/nonexistent/config.json"), "--hf-config /nonexistent/config.json: "
                                                                         "cannot read it"),
