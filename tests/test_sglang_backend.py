@@ -101,10 +101,22 @@ def test_layer_refusals_name_the_head_dims_and_attention_kinds_we_serve():
     reasons = options.layer_refusals(head_dim=80 + 1, v_head_dim=64, is_cross_attention=True,
                                      attn_type="encoder_only", logit_capping_method="xai", logit_cap=30.0)
     assert len(reasons) == 5
-    assert reasons[0] == f"head_dim 81 not supported (metrale-attn: {', '.join(map(str, HEAD_DIMS))})"
-    for head_dim in HEAD_DIMS:
+    assert reasons[0] == f"head_dim 81 not supported (metrale-attn: {options.head_sizes_line()})"
+    assert "512 (512 on the reference kernels)" in reasons[0]
+    for head_dim in (*HEAD_DIMS, 512):
         assert options.layer_refusals(head_dim=head_dim, v_head_dim=head_dim, is_cross_attention=False,
                                       attn_type="decoder", logit_capping_method="tanh", logit_cap=0.0) == []
+
+
+@pytest.mark.parametrize("asks", [dict(sliding_window_size=1023), dict(logit_cap=30.0)])
+def test_a_512_wide_layer_with_a_window_or_a_logit_cap_is_refused_with_the_librarys_reason(asks):
+    reasons = options.layer_refusals(head_dim=512, v_head_dim=512, is_cross_attention=False, attn_type="decoder",
+                                     logit_capping_method="tanh", **{"logit_cap": 0.0, **asks})
+    assert len(reasons) == 1
+    assert reasons[0].startswith("head_dim 512 with a sliding window or a logit cap not supported (metrale-attn: ")
+    assert "simt" in reasons[0]
+    assert options.layer_refusals(head_dim=256, v_head_dim=256, is_cross_attention=False, attn_type="decoder",
+                                  logit_capping_method="tanh", **{"logit_cap": 0.0, **asks}) == []
 
 
 def test_sglang_window_and_soft_cap_conventions_are_ours():
@@ -216,7 +228,8 @@ def _decode_step(engine, be, rows, seq_lens, check=True):
 
 
 @pytest.mark.parametrize("features", [dict(), dict(window=5), dict(cap=30.0), dict(q_heads=4, kv_heads=4, head_dim=128,
-                                                                                      dtype=torch.float16)])
+                                                                                      dtype=torch.float16),
+                                      dict(q_heads=8, kv_heads=1, head_dim=512)])  # Gemma 4's global layer, TP 2
 def test_a_prefill_then_decode_steps_run_through_sglangs_classes_within_one_ulp_of_float64(sg, features):
     engine = Engine(sg, **features)
     be = engine.backend()

@@ -157,7 +157,8 @@ class MetraleSGLangBackend(AttentionBackend):
             return found[1]
         reasons = options.layer_refusals(head_dim=layer.qk_head_dim, v_head_dim=layer.v_head_dim,
                                          is_cross_attention=layer.is_cross_attention, attn_type=key[-1],
-                                         logit_capping_method=layer.logit_capping_method, logit_cap=layer.logit_cap)
+                                         logit_capping_method=layer.logit_capping_method, logit_cap=layer.logit_cap,
+                                         sliding_window_size=layer.sliding_window_size)
         if reasons:
             raise ValueError(f"{BACKEND_NAME} refuses layer {layer.layer_id}: {'; '.join(reasons)}")
         attn = self.model.layer(layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim, 1, q_dtype=self.q_dtype,

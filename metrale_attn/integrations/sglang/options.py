@@ -15,11 +15,11 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ...config import HEAD_DIMS
+from ...config import SIMT_ONLY_HEAD_DIMS
 from ...config import soft_cap as config_soft_cap
-from ..vllm.options import SUPPORTED_CAPABILITIES, capability_refusal
+from ..vllm.options import HEAD_SIZES, SUPPORTED_CAPABILITIES, capability_refusal, head_sizes_line, layer_refusal
 
-__all__ = ["HEAD_DIMS", "MODEL_DTYPES", "SUPPORTED_CAPABILITIES", "capability_refusal", "model_refusals",
+__all__ = ["HEAD_SIZES", "MODEL_DTYPES", "SUPPORTED_CAPABILITIES", "capability_refusal", "model_refusals",
            "layer_refusals", "window_left", "soft_cap", "PREFILL_ENV", "DEFAULT_PREFILL"]
 
 MODEL_DTYPES = {"torch.bfloat16": "bfloat16", "torch.float16": "float16"}
@@ -57,11 +57,20 @@ def model_refusals(*, dtype: str, kv_cache_dtype: str, page_size: int, use_mla: 
 
 
 def layer_refusals(*, head_dim: int, v_head_dim: int, is_cross_attention: bool, attn_type: str,
-                   logit_capping_method: str, logit_cap: float) -> list[str]:
-    """Why this ``RadixAttention`` layer is not ours (empty: it is), asked at its first decode."""
+                   logit_capping_method: str, logit_cap: float, sliding_window_size: Optional[int] = None
+                   ) -> list[str]:
+    """Why this ``RadixAttention`` layer is not ours (empty: it is), asked at its first decode.
+    Head dim 512 (Gemma 4's global layers) runs on the reference kernels, which take no window
+    or soft-cap: such a layer is refused with the library's own reason (``layer_refusal``)."""
     reasons = []
-    if head_dim not in HEAD_DIMS:
-        reasons.append(f"head_dim {head_dim} not supported (metrale-attn: {', '.join(map(str, HEAD_DIMS))})")
+    if head_dim not in HEAD_SIZES:
+        reasons.append(f"head_dim {head_dim} not supported (metrale-attn: {head_sizes_line()})")
+    elif head_dim in SIMT_ONLY_HEAD_DIMS and v_head_dim == head_dim:
+        why = layer_refusal(num_heads=1, num_kv_heads=1, head_size=head_dim, q_dtype="bfloat16", kv_dtype="bfloat16",
+                            window_left=window_left(sliding_window_size), logits_soft_cap=soft_cap(logit_cap))
+        if why is not None:
+            reasons.append(f"head_dim {head_dim} with a sliding window or a logit cap not supported (metrale-attn: "
+                           f"{why})")
     if v_head_dim != head_dim:
         reasons.append(f"v_head_dim {v_head_dim} differs from head_dim {head_dim} (metrale-attn needs them equal)")
     if is_cross_attention:
