@@ -141,7 +141,7 @@ def _reasons(capability=HOPPER, **changes) -> list[str]:
     dict(), dict(dtype=torch.float16), dict(head_size=64), dict(head_size=256), dict(head_size=80), dict(kv_cache_dtype="fp8"),
     dict(kv_cache_dtype="fp8_e4m3"), dict(kv_cache_dtype="bfloat16"), dict(has_sink=True),
     dict(has_sliding_window=True), dict(block_size=256), dict(block_size=512), dict(use_batch_invariant=True),
-    dict(head_size=512), dict(head_size=512, dtype=torch.float16),
+    dict(head_size=512), dict(head_size=512, dtype=torch.float16), dict(head_size=512, kv_cache_dtype="fp8"),
 ], ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()) or "default")
 def test_vllms_cuda_selector_accepts_what_we_serve(changes):
     assert _reasons(**changes) == []
@@ -155,8 +155,9 @@ def test_vllms_cuda_selector_accepts_what_we_serve(changes):
     (dict(head_size=512, has_sink=True), "head_size 512 with sinks not supported (metrale-attn: head_dim 512 is "
                                          "wider than the mma core's 64..256"),
     (dict(head_size=512, has_sliding_window=True), "(impl='simt' has no window); head sizes 64 to 256 take them, 512 "
-                                                   "only a model-dtype cache without sinks or a window)"),
-    (dict(head_size=512, kv_cache_dtype="fp8"), "head_size 512 with an fp8 cache not supported"),
+                                                   "a model-dtype or fp8 cache without sinks or a window)"),
+    (dict(head_size=512, kv_cache_dtype="fp8", has_sink=True), "head_size 512 with an fp8 cache and sinks not "
+                                                                "supported"),
     (dict(dtype=torch.float32), "dtype torch.float32 not supported (metrale-attn: torch.bfloat16, torch.float16)"),
     (dict(kv_cache_dtype="fp8_e5m2"), "fp8_e5m2 has no prefill backend"),
     (dict(kv_cache_dtype="int8_per_token_head"), "kv_cache_dtype int8_per_token_head not supported (metrale-attn: "
@@ -560,6 +561,26 @@ def test_soft_cap_sinks_and_fp8_scales_pass_through_exactly(tmp_path):
     h.check_prefill(layer, b, out, 2, "cap+sinks+fp8 prefill")
     no_cap = h.config(tmp_path / "nocap")
     assert h.layers(no_cap, 1, logits_soft_cap=0.0)[0].impl.logits_soft_cap is None
+
+
+def test_a_512_wide_layer_with_an_fp8_cache_decodes_within_the_bar_reading_its_scales_on_the_device(tmp_path):
+    """Gemma 4's global layer (8 q / 1 KV heads at 512, TP 2) with ``--kv-cache-dtype fp8``: the
+    reference kernels read the layer's ``_k_scale``/``_v_scale`` tensors (``device_scales``) as
+    the mma kernels do at 64..256; decodes within 1 ulp of float64, the prefill on Triton."""
+    rng = np.random.default_rng(17)
+    shape = dict(num_heads=8, num_kv_heads=1, head_size=512)
+    vc, built = _model(tmp_path, rng, count=1, num_blocks=32, kv_cache_dtype="fp8", scale=1.0, **shape)
+    layer = built[0]
+    layer._k_scale_float, layer._v_scale_float = 0.5, 0.25
+    layer._k_scale.fill_(0.5), layer._v_scale.fill_(0.25)
+    b = h.batch([(300, 1), (17, 1), (24, 6)], num_blocks=32, rng=rng, **shape)
+    md = h.builder(vc, built, 16).build(0, b.cm)
+    out = h.forward(vc, built, md, b)[0]
+    config = layer.impl.decoder.config
+    assert (config.impl, config.kv_dtype, config.device_scales) == ("simt", "fp8", True)
+    for r in range(2):
+        h.check_decode(layer, b, out, r, f"512 fp8 request {r}")
+    h.check_prefill(layer, b, out, 2, "512 fp8 prefill")
 
 
 def test_with_flashattention_present_model_dtype_caches_prefill_on_it_and_its_scheduler_sees_every_window(

@@ -302,6 +302,8 @@ def test_a_decode_batch_through_vllms_mla_layer_is_within_one_ulp_of_float64_in_
     for (layer, q, latent), out in zip(calls, outs):
         assert q.shape == (5, layer.num_heads, 576) and latent.shape == (5, layer.num_heads, 512)
         assert layer.impl.decoder.impl == "simt"
+        # fp8: the kernels read the layer's scale tensor on the device (a reload that changes it is followed)
+        assert layer.impl.decoder.config.device_scales == options.is_fp8(kv_cache_dtype)
         _check_decode_rows(layer, b, q, latent, 5, f"{layer.layer_name} ({kv_cache_dtype})")
         assert torch.isfinite(out).all() and out.shape == (5, layer.num_heads * layer.v_head_dim)
 

@@ -17,11 +17,10 @@ What differs from the GQA backend (``backend.py``), and why:
 * One query token a request (vLLM's single-only query length support): the ``simt`` kernels take no
   multi-token decode at 576 yet, so speculative decoding is refused when a layer is built, by one
   predicate (``options.mla_speculative_refusal``), the line to lift once they do.
-* fp8 caches (``fp8``/``fp8_e4m3``, e4m3 bits with vLLM's per-tensor ``_k_scale``): the ``simt``
-  kernels take host scales only, so the scale is the layer's ``_k_scale_float`` (the float vLLM
-  keeps beside the device tensor), for K and V alike (one latent row holds both, quantized with
-  ``_k_scale`` by vLLM's ``concat_and_cache_mla``). A CUDA graph holds the value it was captured
-  with: a weight reload that changes the scale needs the graphs captured again.
+* fp8 caches (``fp8``/``fp8_e4m3``, e4m3 bits with vLLM's per-tensor ``_k_scale``): the kernels
+  read the layer's ``_k_scale`` tensor on the device (``device_scales``, as the GQA backend reads
+  ``_k_scale``/``_v_scale``) for K and V alike: one latent row holds both, quantized with
+  ``_k_scale`` by vLLM's ``concat_and_cache_mla``. A captured graph follows a reload that changes it.
 * No lse (``can_return_lse_for_decode``): vLLM asks for it only under decode context
   parallelism, which the impl does not declare.
 """
@@ -196,7 +195,7 @@ class MetraleMLAImpl(MLACommonImpl[MLACommonMetadata]):
             return
         self.decoder = self.model.layer(self.num_heads, 1, HEAD_SIZE, page_size, v_head_dim=V_HEAD_DIM,
                                         q_dtype=self.q_dtype, kv_dtype=self.kv_dtype, kv_layout="NHD",
-                                        sm_scale=self.scale)
+                                        sm_scale=self.scale, device_scales=self.fp8)
         self._handle = self.decoder.handle
         logger.debug("%s: %d heads, %d/%d, pages of %d: %s; batch 1: %s", MLA_BACKEND_NAME, self.num_heads, HEAD_SIZE,
                      V_HEAD_DIM, page_size, self.decoder.target_line(), self.decoder.plan(1).reason)
@@ -227,8 +226,9 @@ class MetraleMLAImpl(MLACommonImpl[MLACommonMetadata]):
                              f"{None if decode is None else decode.seq_lens.shape[0]} decode requests")
         cache = kv_c_and_k_pe_cache.unsqueeze(2)  # NHD [blocks, block_size, 1 latent head, 576]
         out = q.new_empty(rows, self.num_heads, V_HEAD_DIM)
-        # One latent row holds K and V, quantized with the layer's one scale (host: simt takes no device scales)
-        scales = dict(k_scale=layer._k_scale_float, v_scale=layer._k_scale_float) if self.fp8 else {}
+        # One latent row holds K and V, quantized with the layer's one scale: its fp32 tensor, read by the
+        # kernels (a captured graph follows a reload that changes it; nothing syncs to read it)
+        scales = dict(k_scales=layer._k_scale, v_scales=layer._k_scale) if self.fp8 else {}
         ModelAttention.decode(self._handle, q, cache, cache[..., :V_HEAD_DIM], decode.block_table, decode.seq_lens,
                               out, **scales)
         return out, None
