@@ -191,7 +191,9 @@ class DecodeAttention:
         specs = specs_for(self.config)
         with _compiling(self.backend, self.config.target.arch, list(specs.values())):
             modules = self.backend.load_many(specs.values())
-        abi = {kernel: params for spec in specs.values() for kernel, params in kernel_abi(spec).items()}
+        # By (spec, kernel): a feature may add parameters (the simt multi-token kernels' q_len), so a
+        # kernel name's ABI is its spec's.
+        abi = {(spec.name, kernel): params for spec in specs.values() for kernel, params in kernel_abi(spec).items()}
         constants = source_constants()
         self._binder = CallBinder(self.config, self.backend, self._device,
                                   {key: (v, m) for (key, v), m in zip(specs.items(), modules)}, abi, self._plan,

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
 
 from . import dtypes, policy
-from .features import FEATURE_RECORDS, simt_features_line
+from .features import FEATURE_RECORDS, SIMT_FEATURES, simt_features_line
 from .targets import TargetPolicy
 from .tiling import ONE_ROW_TILE_HEAD_DIM, max_row_tiles
 
@@ -186,10 +186,11 @@ class LayerConfig:
 
     @property
     def mma_only(self) -> tuple[str, ...]:
-        """What this layer asks that only the ``mma`` kernels serve: its features, an e5m2 cache, a
+        """What this layer asks that only the ``mma`` kernels serve: its features but those the
+        ``simt`` kernels serve too (``features.SIMT_FEATURES``: multi-token decode), an e5m2 cache, a
         head dim outside ``SIMT_HEAD_DIMS``."""
         head_dim = self.shape.head_dim
-        return (tuple(sorted(self.features)) + (("fp8 e5m2 cache",) if self.kv_dtype == dtypes.FP8_E5M2 else ())
+        return (tuple(sorted(self.features - SIMT_FEATURES)) + (("fp8 e5m2 cache",) if self.kv_dtype == dtypes.FP8_E5M2 else ())
                 + ((simt_head_dim_refusal(head_dim),)
                    if head_dim not in SIMT_HEAD_DIMS and self.shape.v_head_dim == head_dim else ()))
 
@@ -281,7 +282,7 @@ def configure(
                          max_decode_seqs, impl, None, max_q_len, window_left, logits_soft_cap, sinks, device_scales,
                          base, table, resolve_dependent_launch(dependent_launch, env.get(ENV_DEPENDENT_LAUNCH)))
     if config.impl == "simt" and config.mma_only:
-        raise ValueError(f"impl='simt' has no {', '.join(config.mma_only)} (features: {simt_features_line()}; "
+        raise ValueError(f"impl='simt' has no {', '.join(config.mma_only)} (features it lacks: {simt_features_line()}; "
                          "fp8_e5m2 caches): use impl='mma'")
     override = resolve_heads_per_cta(heads_per_cta, env.get(ENV_HEADS_PER_CTA), shape.group_size, max_q_len,
                                      max_rows_per_cta(shape.head_dim))

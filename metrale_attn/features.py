@@ -65,7 +65,8 @@ class Feature:
     """One feature of the ``mma`` core (FlashInfer calls them attention *variants*).
 
     ``has(config)``: whether a layer has it; ``asked``: how a caller asks for it, as the
-    ``simt`` refusal says it. A feature that takes arrays per call lists them in ``arrays``
+    ``simt`` refusal says it; ``simt``: whether the ``simt`` kernels serve it too (their core's
+    define, as the ``mma`` core's), else a ``simt`` layer asking for it is refused. A feature that takes arrays per call lists them in ``arrays``
     (given exactly when the layer has it), names in ``replaces`` the arguments of the plain call
     it takes the place of (``PLAIN_DEFAULTS``: left out with it; the arrays among them required
     without it), and says what is wrong with a call that does not match: ``refuse_with`` to a
@@ -75,6 +76,7 @@ class Feature:
     has: Callable[[Any], bool]
     asked: str
     arrays: tuple[Array, ...] = ()
+    simt: bool = False
     replaces: tuple[str, ...] = ()
     refuse_with: str = ""
     refuse_without: str = ""
@@ -192,7 +194,7 @@ def check_kv_last_page_len(config, info, rows) -> None:
 
 
 FEATURE_RECORDS = (
-    Feature("multi_token", lambda c: c.max_q_len > 1, "max_q_len > 1"),
+    Feature("multi_token", lambda c: c.max_q_len > 1, "max_q_len > 1", simt=True),
     Feature("window", lambda c: c.window_left >= 0, "window_left"),
     Feature("soft_cap", lambda c: c.logits_soft_cap is not None, "logits_soft_cap"),
     Feature(
@@ -225,9 +227,13 @@ FEATURE_RECORDS = (
                        "FlashInfer's kv_indptr / kv_indices / kv_last_page_len need page_table='csr')"),
 )
 """The ``mma`` core's features, in the order spec names list them: multi-token decode
-(``max_q_len > 1``: query rows that see different keys), a sliding window, the logits soft-cap,
-attention sinks, fp32 output, dequantization scales read on the device, FlashInfer's CSR page
-table."""
+(``max_q_len > 1``: query rows that see different keys; the ``simt`` kernels serve it too), a
+sliding window, the logits soft-cap, attention sinks, fp32 output, dequantization scales read on
+the device, FlashInfer's CSR page table."""
+
+SIMT_FEATURES: frozenset = frozenset(f.name for f in FEATURE_RECORDS if f.simt)
+"""The features the ``simt`` kernels serve as well (``multi_token``); a ``simt`` layer asking for
+any other is refused (``config.LayerConfig.mma_only``)."""
 
 FEATURE_ARRAYS: tuple[Array, ...] = tuple(a for f in FEATURE_RECORDS for a in f.arrays)
 """Every feature's arrays, in the records' order: ``run``'s feature keywords and the torch op's
@@ -235,6 +241,6 @@ last arguments, in this order."""
 
 
 def simt_features_line() -> str:
-    """How a caller asks for each feature, as the ``simt`` refusal lists them
-    (``multi_token = max_q_len > 1, window = window_left, ...``)."""
-    return ", ".join(f"{f.name} = {f.asked}" for f in FEATURE_RECORDS)
+    """How a caller asks for each feature the ``simt`` kernels lack, as their refusal lists them
+    (``window = window_left, soft_cap = logits_soft_cap, ...``)."""
+    return ", ".join(f"{f.name} = {f.asked}" for f in FEATURE_RECORDS if not f.simt)

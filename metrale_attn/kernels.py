@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 from . import dtypes, policy
 from .config import (DEFAULT_IMPL, FEATURES, HEAD_DIMS, IMPLS, NARROW_V_SHAPES, ROW_TILE, SIMT_HEAD_DIMS, LayerConfig, ModelShape,
                      feature_define, heads_per_cta_choices, max_rows_per_cta)
+from .features import SIMT_FEATURES
 from .plan import ARMS, KERNELS, make_plan
 from .sources import (SOURCE_FILES, KernelSourceError, Param, check_pack_constants, inline, parse_kernel_params,
                       read_define, read_source, source_constants)
@@ -95,7 +96,7 @@ def launchable_config(config: LayerConfig, disagree, chosen: bool) -> tuple[Laye
     why = mma_refusal(config)
     if why:  # a kernel the target cannot run never launches
         if config.mma_only or chosen:
-            lacks = ", ".join(config.mma_only) or "features, no e5m2"
+            lacks = ", ".join(config.mma_only) or "features but multi_token, no e5m2"
             raise ValueError(f"{why}: they cannot launch there (impl='simt' has no {lacks})")
         return replace(config, impl="simt"), why
     return config, None
@@ -119,8 +120,8 @@ class KernelSpec:
     impl: str = DEFAULT_IMPL
     row_tiles: int = 1
     features: frozenset = frozenset()
-    """``mma`` only: which of ``FEATURES`` this spec is compiled with (each a
-    specialization: the plain path compiles none of their code)."""
+    """Which of ``FEATURES`` this spec is compiled with (each a specialization: the plain path
+    compiles none of their code); ``simt``: only ``features.SIMT_FEATURES`` (multi-token)."""
     smem_limit: int = SMEM_LIMIT_BYTES
     v_head_dim: int | None = None
     """The values' width: None or ``head_dim`` (the same kernel), else a ``NARROW_V_SHAPES`` pair's
@@ -163,16 +164,18 @@ class KernelSpec:
         unknown = self.features - set(FEATURES)
         if unknown:
             raise ValueError(f"features must be among {', '.join(FEATURES)}, got {sorted(unknown)}")
-        if self.impl == "simt" and (self.features or self.kv_dtype == dtypes.FP8_E5M2):
-            raise ValueError("the simt kernels have no features (sinks, window, soft-cap, multi-token, fp32 out) "
-                             "and no fp8 e5m2 cache: use impl='mma'")
+        if self.impl == "simt" and (self.features - SIMT_FEATURES or self.kv_dtype == dtypes.FP8_E5M2):
+            raise ValueError("the simt kernels have no features but multi-token (no sinks, window, soft-cap, fp32 "
+                             "out, device scales, CSR page table) and no fp8 e5m2 cache: use impl='mma'")
+        if self.impl == "simt" and self.arm == "gqa_packed" and self.features:
+            raise ValueError("the simt gqa_packed kernel serves one query token (no multi_token spec)")
 
     @property
     def name(self) -> str:
         dt = f"q{self.q_dtype}_kv{self.kv_dtype}_hd{self.head_dim}"
         if self.impl == "simt":
             return (f"simt_decode_{self.arm}_{dt}" + (f"_v{self.v_head_dim}" if self.v_head_dim else "")
-                    + ("_vink" if self.v_in_k else ""))
+                    + ("_vink" if self.v_in_k else "") + "".join(f"_{f}" for f in FEATURES if f in self.features))
         sm90 = mma_tiling(self.head_dim, self.q_dtype, self.kv_dtype, self.row_tiles)
         return (f"decode_{self.arm}_{dt}_r{ROW_TILE * self.row_tiles}" + "".join(
             f"_{f}" for f in FEATURES if f in self.features) + (f"_{self.tiling.label}" if self.tiling != sm90 else ""))
@@ -238,6 +241,8 @@ class KernelSpec:
             out["PD_V_HEAD_DIM"] = self.v_head_dim
         if self.v_in_k:
             out["PD_V_IN_K"] = 1
+        if self.impl == "simt":  # only the features it has: a plain simt spec's defines are as before them
+            out.update({feature_define(f): 1 for f in FEATURES if f in self.features})
         if self.tiling:
             t = self.tiling
             out.update(PD_ROW_TILES=self.row_tiles, PD_TILE_TOKENS=t.tile_tokens, PD_STAGES=t.stages,
@@ -293,7 +298,7 @@ class MergeStates:
 @functools.cache
 def kernel_params(spec: KernelSpec) -> dict[str, tuple[Param, ...]]:
     """The parameters of each kernel of ``spec``, read from its source: the ABI."""
-    found = parse_kernel_params(spec.source())
+    found = parse_kernel_params(spec.source(), spec.defines())
     missing = [k for k in spec.kernels if k not in found]
     if missing:
         raise KernelSourceError(f"kernels_cu/{spec.filename} defines no kernel {', '.join(missing)}")
@@ -316,7 +321,9 @@ def all_specs() -> list[KernelSpec]:
     """Every plain spec the dispatch can ask for (MLA's 576/512 on the simt unpacked and split-K
     arms among them), and the feature specs CI compiles:
     each feature alone on every mma arm (head dim 128, fp8 KV; the packed arm at 256),
-    and all of them together on the heaviest (8 rows of head dim 256, 16 of 192 and of 128)."""
+    and all of them together on the heaviest (8 rows of head dim 256, 16 of 192 and of 128);
+    then every simt multi-token spec (each plain simt unpacked and split-K spec with it), last, so
+    the plain specs keep their places (``benchmarks/cubin_identity`` samples by index)."""
     plain = [
         KernelSpec(arm, head_dim, q, kv, impl, row_tiles)
         for impl in IMPLS
@@ -345,7 +352,9 @@ def all_specs() -> list[KernelSpec]:
     ]
     every = [KernelSpec(arm, d, dtypes.FP16, dtypes.BF16, "mma", rt, set(FEATURES))
              for arm in ("unpacked", "splitk") for d, rt in ((256, 1), (192, 2), (128, 2))]
-    return plain + featured + every
+    simt_multi_token = [replace(spec, features=frozenset({"multi_token"})) for spec in plain
+                        if spec.impl == "simt" and spec.arm != "gqa_packed"]
+    return plain + featured + every + simt_multi_token
 
 
 def specs_for(config: LayerConfig) -> dict[tuple[str, int, bool], KernelSpec]:

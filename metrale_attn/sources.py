@@ -215,13 +215,40 @@ class Param:
         return SCALAR_TYPES[self.ctype]
 
 
-def parse_kernel_params(text: str) -> dict[str, tuple[Param, ...]]:
+_PARAM_IF = re.compile(r"^[ \t]*#[ \t]*(if[ \t]+([A-Za-z_]\w*)|endif)[ \t]*$")
+
+
+def _params_defined(kernel: str, params: str, defines: dict) -> str:
+    """A parameter list's text with its ``#if NAME`` ... ``#endif`` blocks (not nested) kept
+    where ``defines[NAME]`` is non-zero and dropped elsewhere; any other directive there is
+    refused, since only the compiler could evaluate it."""
+    kept, keep, depth = [], True, 0
+    for line in params.split("\n"):
+        if not line.lstrip().startswith("#"):
+            if keep:
+                kept.append(line)
+            continue
+        directive = _PARAM_IF.match(line)
+        if directive is None or (directive.group(2) is None) != (depth == 1):  # #if at depth 0, #endif at 1
+            raise KernelSourceError(f"kernel {kernel}: its parameter list may hold only unnested '#if NAME' ... "
+                                    f"'#endif' blocks, got {line.strip()!r}")
+        depth = 1 if directive.group(2) else 0
+        keep = not directive.group(2) or bool(defines.get(directive.group(2), 0))
+    if depth:
+        raise KernelSourceError(f"kernel {kernel}: an '#if' of its parameter list has no '#endif'")
+    return "\n".join(kept)
+
+
+def parse_kernel_params(text: str, defines: dict | None = None) -> dict[str, tuple[Param, ...]]:
     """``extern "C" __global__`` kernel name -> its parameters, from source text
     (comments ignored). A kernel whose name is a macro takes the identifier that
     macro is ``#define``d as in the same text: the arms' one kernel of
     ``mma_kernel.cuh`` (and of ``simt/simt_core.cuh``) is ``PD_ENTRY``, which each
     arm's ``.cu`` defines before including it, so the inlined source of an arm reads as
-    that arm's kernel."""
+    that arm's kernel. Parameters a feature adds sit in ``#if PD_<FEATURE>`` ... ``#endif``
+    inside the list (the simt kernel's multi-token ones: its plain specs keep their ABI), kept
+    where ``defines`` (a spec's ``-D`` values; a name absent reads 0, as the preprocessor's)
+    sets that name non-zero."""
     text = _COMMENT.sub(lambda m: m.group(1) or " ", text)
     defined: dict[str, list[str]] = {}
     for macro, value in _NAME_DEFINE.findall(text):
@@ -234,7 +261,7 @@ def parse_kernel_params(text: str) -> dict[str, tuple[Param, ...]]:
                 raise KernelSourceError(f"the kernel name {name} is defined as {' and '.join(defined[name])}")
             name = defined[name][0]
         params = []
-        for decl in match.group(2).split(","):
+        for decl in _params_defined(name, match.group(2), defines or {}).split(","):
             words = decl.replace("*", " * ").split()
             if len(words) < 2:
                 raise KernelSourceError(f"kernel {name}: cannot read the parameter {decl.strip()!r}")

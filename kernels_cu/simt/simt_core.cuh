@@ -65,6 +65,17 @@
 #if PD_V_IN_K && !PD_ROPE_LANE
 #error "PD_V_IN_K is MLA's (PD_HEAD_DIM 576, PD_V_HEAD_DIM 512)"
 #endif
+// PD_MULTI_TOKEN (0 | 1; config.FEATURES' multi_token, passed only for calls of q_len > 1, whose
+// one-token calls take the plain spec): q_len query tokens a sequence (speculative verification,
+// MTP). A CTA serves one query ROW, row = seq * q_len + t, which sees the causal prefix of its
+// own position: keys [0, L - q_len + 1 + t) of its sequence's L (THE KERNEL). Off, none of its
+// code or parameters exist, so the plain specs are the one-token kernels byte for byte.
+#ifndef PD_MULTI_TOKEN
+#define PD_MULTI_TOKEN 0
+#endif
+#if PD_MULTI_TOKEN && PD_ARM == PD_ARM_GQA_PACKED
+#error "the simt packed arm serves one query token (no PD_MULTI_TOKEN)"
+#endif
 
 #if PD_KV_DTYPE == PD_DTYPE_FP8_E5M2
 #error "the simt kernels do not read fp8 e5m2 caches (impl mma does)"
@@ -514,7 +525,12 @@ extern "C" __global__ void PD_LAUNCH_BOUNDS(PD_THREADS, PD_SIMT_MIN_CTAS) PD_ENT
     const int* __restrict__ seq_lens,
     int num_kv_heads, int page_size,
     float qk_scale, float v_scale,
-    pd_q_t* __restrict__ out, float* __restrict__ lse, float* __restrict__ workspace, float lse_scale) {
+    pd_q_t* __restrict__ out, float* __restrict__ lse, float* __restrict__ workspace, float lse_scale
+#if PD_MULTI_TOKEN
+    // multi_token (the plain kernels have neither): q's token stride (elements), tokens a sequence
+    , long long q_stride_token, int q_len
+#endif
+    ) {
 #if PD_ARM == PD_ARM_GQA_PACKED
   constexpr int NH = PD_GQA;  // the PD_GQA query heads of one KV head
   constexpr int VEC = 8;      // 8 dims a thread whatever the dtype (fp8: 8-byte loads): NH q vectors and
@@ -548,18 +564,42 @@ extern "C" __global__ void PD_LAUNCH_BOUNDS(PD_THREADS, PD_SIMT_MIN_CTAS) PD_ENT
   const int head0 = blockIdx.x;  // the CTA's one head
 #if PD_ARM == PD_ARM_SPLITK
   const int split = blockIdx.y;
+#if PD_MULTI_TOKEN
+  const int row = blockIdx.z;  // query token `token` of sequence `seq` (rows are seq-major)
+#else
   const int seq = blockIdx.z;
+#endif
   const int num_q_heads = gridDim.x;
   const int num_splits = gridDim.y;
 #else
+#if PD_MULTI_TOKEN
+  const int row = blockIdx.y;
+#else
   const int seq = blockIdx.y;
+#endif
   const int num_q_heads = gridDim.x;
 #endif
   const int kv_head = head0 / (num_q_heads / num_kv_heads);
 #endif
+#if PD_MULTI_TOKEN
+  const int seq = row / q_len;
+  const int token = row - seq * q_len;
+  q += token * q_stride_token;  // the token's q rows; every other index below takes the row
+#else
+  const int row = seq;  // the CTA's row of out, lse and the workspace: its sequence
+#endif
   const int slice = (threadIdx.x & 31) % (PD_V_HEAD_DIM / VEC);
   int seq_len = seq_lens[seq];
   seq_len = seq_len > 0 ? seq_len : 0;
+#if PD_MULTI_TOKEN
+  // The row's keys: positions below L - q_len + 1 + token (its own included), causal within the
+  // new tokens; none where the sequence is shorter than that (the row is then empty: m = -inf,
+  // l = 0, so out 0 and lse -inf, and every split-K slot of it the empty state). From here on
+  // seq_len is the row's key count, so the split rule tiles the row's own keys (as the mma
+  // core's row_range), never the batch's or the other rows'.
+  seq_len = seq_len - q_len + 1 + token;
+  seq_len = seq_len > 0 ? seq_len : 0;
+#endif
 #if PD_ARM == PD_ARM_SPLITK
   int start, end;  // this split's keys
   pd_split_range(seq_len, split, num_splits, start, end);
@@ -594,7 +634,7 @@ extern "C" __global__ void PD_LAUNCH_BOUNDS(PD_THREADS, PD_SIMT_MIN_CTAS) PD_ENT
   pd_cta_publish<NH, VEC>(m, l, acc, s_m, s_l, s_acc);
 
 #if PD_ARM == PD_ARM_SPLITK
-  float* slot = pd_split_slot(workspace, seq, num_q_heads, head0, split, num_splits);
+  float* slot = pd_split_slot(workspace, row, num_q_heads, head0, split, num_splits);
   for (int d = threadIdx.x; d < PD_V_HEAD_DIM; d += PD_THREADS) {
     float M, L, O;
     pd_cta_combine(s_m, s_l, s_acc, 0, d, M, L, O);
@@ -610,10 +650,10 @@ extern "C" __global__ void PD_LAUNCH_BOUNDS(PD_THREADS, PD_SIMT_MIN_CTAS) PD_ENT
     pd_cta_combine(s_m, s_l, s_acc, j, d, M, L, O);
     // L >= 1 whenever a token was seen (the max token contributes 2^0); L == 0: zeros.
     s_out[idx] = (unsigned short)pd_float_to_q(pd_normalize(O, L, v_scale));
-    if (d == 0 && lse != nullptr) lse[(long long)seq * num_q_heads + head0 + j] = pd_lse(M, L, lse_scale);
+    if (d == 0 && lse != nullptr) lse[(long long)row * num_q_heads + head0 + j] = pd_lse(M, L, lse_scale);
   }
   __syncthreads();
-  pd_store_span(out + ((long long)seq * num_q_heads + head0) * PD_V_HEAD_DIM, s_out, NH * PD_V_HEAD_DIM);
+  pd_store_span(out + ((long long)row * num_q_heads + head0) * PD_V_HEAD_DIM, s_out, NH * PD_V_HEAD_DIM);
   (void)workspace;
 #endif
 }
