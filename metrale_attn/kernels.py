@@ -323,7 +323,7 @@ def all_specs() -> list[KernelSpec]:
     each feature alone on every mma arm (head dim 128, fp8 KV; the packed arm at 256),
     and all of them together on the heaviest (8 rows of head dim 256, 16 of 192 and of 128);
     then every simt multi-token spec (each plain simt unpacked and split-K spec with it), last, so
-    the plain specs keep their places (``benchmarks/cubin_identity`` samples by index)."""
+    the plain specs keep their places (``benchmarks/cubin_identity.py`` samples by index)."""
     plain = [
         KernelSpec(arm, head_dim, q, kv, impl, row_tiles)
         for impl in IMPLS

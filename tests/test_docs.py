@@ -76,13 +76,17 @@ def test_every_line_the_feature_checklist_quotes_stands_in_the_file_it_names():
 
 def test_a_features_kernel_code_stands_in_one_kernel_file_the_checklists_core():
     """The checklist's rule on the kernel side: each feature's define (PD_WINDOW, ...) appears in
-    one kernel file, the one the checklist names, and the window's parameter there and in the
-    kernel's parameter list (mma_kernel.cuh) only."""
+    one kernel file, the one the checklist names (and, for a feature the simt kernels serve too,
+    their one core), and the window's parameter there and in the kernel's parameter list
+    (mma_kernel.cuh) only."""
     from metrale_attn.config import FEATURES, feature_define
+    from metrale_attn.features import SIMT_FEATURES
 
     core = next(f for f in _checklist_files() if f.startswith("kernels_cu/"))
     sources = [p for p in sorted((ROOT / "kernels_cu").rglob("*")) if p.suffix in (".cu", ".cuh")]
-    for word, files in [(feature_define(name), [core]) for name in FEATURES] + [
+    simt_core = "kernels_cu/simt/simt_core.cuh"
+    for word, files in [(feature_define(name), sorted({core, simt_core} if name in SIMT_FEATURES else {core}))
+                        for name in FEATURES] + [
             ("window_left", sorted([core, "kernels_cu/mma_kernel.cuh"]))]:
         holding = [str(p.relative_to(ROOT)) for p in sources if re.search(rf"\b{word}\b", p.read_text())]
         assert holding == files, word

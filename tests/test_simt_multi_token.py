@@ -190,7 +190,7 @@ def test_the_split_k_workspace_holds_each_rows_partials_at_its_seq_token_head_sl
 
 
 def test_the_split_count_of_a_simt_multi_token_call_comes_from_the_policy_alone():
-    """Not from the batch or q_len: the seed policy's auto count at every batch and token count."""
+    """Not from the batch or q_len: the launch policy's auto count at every batch and token count."""
     p = shaped(512, seq_lens=(5,) * 4)
     attn = decoder(p, max_batch=16, max_q_len=8, splitk="auto")
     counts = {attn.plan(n, t).num_splits for n in (1, 4, 16) for t in (1, 2, 8)}
