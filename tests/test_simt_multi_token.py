@@ -277,3 +277,14 @@ def test_simt_with_multi_token_still_refuses_every_other_feature_naming_what_it_
             decoder(p, max_q_len=4, **asked)  # the default impl: the fallback's refusal
     for max_q_len, impl in itertools.product((1, 8), ("simt", None)):
         assert decoder(p, max_q_len=max_q_len, **({"impl": impl} if impl else {})).impl == "simt"
+
+
+def test_precompile_of_a_512_wide_layer_with_speculative_tokens_compiles_the_simt_multi_token_specs():
+    """What a construction compiles, ahead: the plain spec for one-token calls and the
+    multi-token one for the rest (Gemma-4-26B's global layer, 16 q / 2 KV heads at 512)."""
+    from metrale_attn.precompile import Layer, Options, needed_specs
+    from metrale_attn.targets import TARGETS
+
+    found = needed_specs([Layer("global", 16, 2, 512)], TARGETS["hopper"], Options(max_q_len=4), environ={})
+    assert {n.name for n in found.needed} == {"simt_decode_splitk_qbf16_kvbf16_hd512",
+                                              "simt_decode_splitk_qbf16_kvbf16_hd512_multi_token"}

@@ -495,6 +495,14 @@ __device__ __forceinline__ void pd_cta_combine(const float* s_m, const float* s_
 // instead of out and lse, the state of each (sequence, head) over its split of the keys
 // to the workspace (pd_splitk.cuh), and its merge combines them.
 //
+// Multi-token (PD_MULTI_TOKEN, unpacked and split-K arms): q_len query tokens a sequence, each
+// a row of its own, row = s * q_len + i (the grid's sequences axis holds num_seqs * q_len rows,
+// seq-major): token i computes the above over t < max(L - q_len + 1 + i, 0), L = seq_lens[s],
+// its causal prefix (that count is what split-K splits, so a token's bytes are a one-token
+// call's on its prefix), and writes row `row` of out, lse and the workspace; the merge is
+// unchanged (it already indexes rows). A row that sees no key (L < q_len - i) is empty:
+// out 0, lse -inf, every split slot the empty state.
+//
 // Grid: the arm's (see its .cu); block PD_THREADS (4 warps). A CTA serves NH query heads
 // of one sequence (one, or on the packed arm the PD_GQA heads of one KV head, whose K and
 // V rows it then reads once for all of them). Within the CTA each thread owns VEC
@@ -503,11 +511,12 @@ __device__ __forceinline__ void pd_cta_combine(const float* s_m, const float* s_
 // are combined through static shared memory in warp order and the output rows leave as
 // 16-byte stores.
 //
-// Layout: q [num_seqs, num_q_heads, D] and the caches addressed only through strides
-// (elements): NHD [pages, page_size, kv_heads, D] and HND [pages, kv_heads, page_size, D]
-// are both (stride_page, stride_token, stride_head) triples; the last dim is contiguous.
-// out [num_seqs, num_q_heads, D] contiguous, lse [num_seqs, num_q_heads] fp32 or null,
-// workspace [num_seqs, num_q_heads, num_splits, D + 2] fp32 (split-K only).
+// Layout: q [num_seqs, (q_len,) num_q_heads, D] and the caches addressed only through strides
+// (elements; q's token stride is a parameter of the multi-token kernels only): NHD [pages,
+// page_size, kv_heads, D] and HND [pages, kv_heads, page_size, D] are both (stride_page,
+// stride_token, stride_head) triples; the last dim is contiguous. out [num_seqs, (q_len,)
+// num_q_heads, D] contiguous, lse [num_seqs, (q_len,) num_q_heads] fp32 or null, workspace
+// [num_seqs * q_len, num_q_heads, num_splits, D + 2] fp32 (split-K only).
 
 #if PD_ARM == PD_ARM_GQA_PACKED
 #define PD_SIMT_MIN_CTAS 2  // ~190-240 registers (6 q vectors and accumulators): 2 CTAs per SM
@@ -659,9 +668,9 @@ extern "C" __global__ void PD_LAUNCH_BOUNDS(PD_THREADS, PD_SIMT_MIN_CTAS) PD_ENT
 }
 
 #if PD_ARM == PD_ARM_SPLITK
-// The split-K merge: grid (num_q_heads, num_seqs), a thread per output dim (at most
+// The split-K merge: grid (num_q_heads, num_seqs * q_len), a thread per output dim (at most
 // PD_MERGE_THREADS; kernels.merge_threads); the merge of pd_splitk.cuh, splits 0..n-1 in
-// order (no sinks: the simt kernels serve no features).
+// order (no sinks: the simt kernels have none).
 extern "C" __global__ void PD_LAUNCH_BOUNDS(PD_MERGE_THREADS, 4) simt_decode_splitk_merge(
     const float* __restrict__ workspace, int num_splits, pd_q_t* __restrict__ out, float* __restrict__ lse,
     float lse_scale) {
