@@ -75,7 +75,8 @@ class DecodeAttention:
     (``attn.q_dtype`` is ``attn.config.q_dtype``).
 
     Features (keyword arguments ``**features``, checked by ``config.configure``;
-    ``impl="mma"``; each compiles a specialization of the kernels, so the plain path
+    ``impl="mma"``, and ``max_q_len`` on ``simt`` too, so head dims 512 and 576/512 take it;
+    each compiles a specialization of the kernels, so the plain path
     pays nothing, and a feature a kernel cannot serve is refused, never ignored):
 
     * ``max_q_len`` (1..8): multi-token decode. ``run`` then takes q of shape
