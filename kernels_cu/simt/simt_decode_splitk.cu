@@ -13,7 +13,7 @@
 //   fp32 values: o[D] = v_scale * sum_t 2^(x_t - m) v_t / l (normalized within the split,
 //   v_scale included), then m = max_t x_t (log2 units), then l = sum_t 2^(x_t - m).
 //   An empty split writes o = 0, m = -inf, l = 0: every slot is always written, the
-//   workspace is never initialized by the host. Multi-token (PD_MULTI_TOKEN): grid
+//   workspace is never initialized by the host. Multi-token (the _multi_token specs): grid
 //   (num_q_heads, num_splits, num_seqs * q_len): blockIdx.z is the row s * q_len + j of query
 //   token j, whose L is its causal prefix's L - q_len + 1 + j keys, and it writes slot
 //   ((row * num_q_heads) + h) * num_splits + i (simt/simt_core.cuh, THE KERNEL).
