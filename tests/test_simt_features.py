@@ -134,15 +134,15 @@ def test_a_simt_layer_with_csr_refuses_a_missing_or_mistyped_table_naming_the_ar
 
 
 def test_simt_serves_csr_and_device_scales_and_still_refuses_every_other_feature_naming_it():
-    assert SIMT_FEATURES == {"csr", "device_scales"}
+    assert SIMT_FEATURES == {"csr", "device_scales", "multi_token"}
     p = _problem(512, seq_lens=(5,))
     attn = decoder(p, impl="simt", page_table="csr", device_scales=True)
     assert attn.impl == "simt" and attn.config.features == {"csr", "device_scales"}
     for options, name in ((dict(sinks=True), "sinks"), (dict(window_left=8), "window"),
-                          (dict(logits_soft_cap=30.0), "soft_cap"), (dict(max_q_len=2), "multi_token")):
-        with pytest.raises(ValueError, match=rf"impl='simt' has no {name} \(features it lacks: multi_token = "):
+                          (dict(logits_soft_cap=30.0), "soft_cap"), (dict(out_dtype="float32"), "out_f32")):
+        with pytest.raises(ValueError, match=rf"impl='simt' has no {name} \(features it lacks: window = "):
             decoder(p, impl="simt", page_table="csr", **options)
-    with pytest.raises(ValueError, match="the simt kernels have no features but csr, device_scales"):
+    with pytest.raises(ValueError, match="the simt kernels have no features but csr, device_scales, multi_token"):
         KernelSpec("unpacked", 512, "bf16", "bf16", "simt", features={"csr", "sinks"})
 
 
