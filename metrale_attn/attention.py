@@ -75,7 +75,8 @@ class DecodeAttention:
     (``attn.q_dtype`` is ``attn.config.q_dtype``).
 
     Features (keyword arguments ``**features``, checked by ``config.configure``;
-    ``impl="mma"``; each compiles a specialization of the kernels, so the plain path
+    ``impl="mma"``, and ``max_q_len`` on ``simt`` too, so head dims 512 and 576/512 take it;
+    each compiles a specialization of the kernels, so the plain path
     pays nothing, and a feature a kernel cannot serve is refused, never ignored):
 
     * ``max_q_len`` (1..8): multi-token decode. ``run`` then takes q of shape
@@ -191,7 +192,9 @@ class DecodeAttention:
         specs = specs_for(self.config)
         with _compiling(self.backend, self.config.target.arch, list(specs.values())):
             modules = self.backend.load_many(specs.values())
-        abi = {kernel: params for spec in specs.values() for kernel, params in kernel_abi(spec).items()}
+        # By (spec, kernel): a feature may add parameters (the simt multi-token kernels' q_len), so a
+        # kernel name's ABI is its spec's.
+        abi = {(spec.name, kernel): params for spec in specs.values() for kernel, params in kernel_abi(spec).items()}
         constants = source_constants()
         self._binder = CallBinder(self.config, self.backend, self._device,
                                   {key: (v, m) for (key, v), m in zip(specs.items(), modules)}, abi, self._plan,

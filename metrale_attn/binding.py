@@ -183,8 +183,8 @@ _MAX_LAYOUTS = 256
 class CallBinder:
     """One layer's calls turned into launches.
 
-    ``modules``: ``(arm, row_tiles, multi_token) -> (spec, module)``; ``abi``: kernel ->
-    ``kernel_abi``; ``plan``: the layer's memoized ``plan(num_seqs, q_len)``; ``group``: the
+    ``modules``: ``(arm, row_tiles, multi_token) -> (spec, module)``; ``abi``: ``(spec name,
+    kernel) -> kernel_abi`` (a feature may add parameters to a kernel of one name); ``plan``: the layer's memoized ``plan(num_seqs, q_len)``; ``group``: the
     ``SharedWorkspace`` (its byte range is what inputs may not overlap); ``block``: the
     attention kernels' and the merge's block sizes (an ``mma`` spec's attention kernel takes
     its tiling's, ``KernelSpec.threads``).
@@ -351,7 +351,7 @@ class CallBinder:
         values_of = _Values(self.config, plan, arrays, scalars, self._workspace, self.backend.pointer(None))
         template = []
         for i, grid in enumerate(plan.launches):
-            abi = self._abi[grid.kernel]
+            abi = self._abi[spec.name, grid.kernel]
             values = []
             for name, typ in abi:
                 value = ARGUMENTS[name](values_of) if name in ARGUMENTS else getattr(self.config, name)

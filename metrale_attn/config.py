@@ -187,7 +187,8 @@ class LayerConfig:
     @property
     def mma_only(self) -> tuple[str, ...]:
         """What this layer asks that only the ``mma`` kernels serve: its features but those the
-        ``simt`` kernels serve too (``features.SIMT_FEATURES``), an e5m2 cache, a
+        ``simt`` kernels serve too (``features.SIMT_FEATURES``: multi-token decode, device scales,
+        the CSR page table), an e5m2 cache, a
         head dim outside ``SIMT_HEAD_DIMS``."""
         head_dim = self.shape.head_dim
         return (tuple(sorted(self.features - SIMT_FEATURES)) + (("fp8 e5m2 cache",) if self.kv_dtype == dtypes.FP8_E5M2 else ())

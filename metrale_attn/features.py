@@ -194,7 +194,7 @@ def check_kv_last_page_len(config, info, rows) -> None:
 
 
 FEATURE_RECORDS = (
-    Feature("multi_token", lambda c: c.max_q_len > 1, "max_q_len > 1"),
+    Feature("multi_token", lambda c: c.max_q_len > 1, "max_q_len > 1", simt=True),
     Feature("window", lambda c: c.window_left >= 0, "window_left"),
     Feature("soft_cap", lambda c: c.logits_soft_cap is not None, "logits_soft_cap"),
     Feature(
@@ -231,11 +231,12 @@ FEATURE_RECORDS = (
 """The ``mma`` core's features, in the order spec names list them: multi-token decode
 (``max_q_len > 1``: query rows that see different keys), a sliding window, the logits soft-cap,
 attention sinks, fp32 output, dequantization scales read on the device, FlashInfer's CSR page
-table (the last two the ``simt`` kernels serve too: ``SIMT_FEATURES``)."""
+table (the first and the last two the ``simt`` kernels serve too: ``SIMT_FEATURES``)."""
 
 SIMT_FEATURES: frozenset = frozenset(f.name for f in FEATURE_RECORDS if f.simt)
-"""The features the ``simt`` kernels serve as well (``device_scales``, ``csr``); a ``simt`` layer
-asking for any other is refused (``config.LayerConfig.mma_only``)."""
+"""The features the ``simt`` kernels serve as well (``multi_token``, ``device_scales``, ``csr``), in
+any combination (the packed arm: one query token); a ``simt`` layer asking for any other is
+refused (``config.LayerConfig.mma_only``)."""
 
 FEATURE_ARRAYS: tuple[Array, ...] = tuple(a for f in FEATURE_RECORDS for a in f.arrays)
 """Every feature's arrays, in the records' order: ``run``'s feature keywords and the torch op's
@@ -244,5 +245,5 @@ last arguments, in this order."""
 
 def simt_features_line() -> str:
     """How a caller asks for each feature the ``simt`` kernels lack, as their refusal lists them
-    (``multi_token = max_q_len > 1, window = window_left, ...``)."""
+    (``window = window_left, soft_cap = logits_soft_cap, ...``)."""
     return ", ".join(f"{f.name} = {f.asked}" for f in FEATURE_RECORDS if not f.simt)

@@ -96,7 +96,7 @@ def launchable_config(config: LayerConfig, disagree, chosen: bool) -> tuple[Laye
     why = mma_refusal(config)
     if why:  # a kernel the target cannot run never launches
         if config.mma_only or chosen:
-            lacks = ", ".join(config.mma_only) or "features but device_scales and csr, no e5m2"
+            lacks = ", ".join(config.mma_only) or f"features but {', '.join(sorted(SIMT_FEATURES))}, no e5m2"
             raise ValueError(f"{why}: they cannot launch there (impl='simt' has no {lacks})")
         return replace(config, impl="simt"), why
     return config, None
@@ -121,7 +121,8 @@ class KernelSpec:
     row_tiles: int = 1
     features: frozenset = frozenset()
     """Which of ``FEATURES`` this spec is compiled with (each a specialization: the plain path
-    compiles none of their code); ``simt``: only ``features.SIMT_FEATURES``."""
+    compiles none of their code); ``simt``: only ``features.SIMT_FEATURES``, in any combination
+    but multi-token on the packed arm (it serves one query token)."""
     smem_limit: int = SMEM_LIMIT_BYTES
     v_head_dim: int | None = None
     """The values' width: None or ``head_dim`` (the same kernel), else a ``NARROW_V_SHAPES`` pair's
@@ -166,7 +167,9 @@ class KernelSpec:
             raise ValueError(f"features must be among {', '.join(FEATURES)}, got {sorted(unknown)}")
         if self.impl == "simt" and (self.features - SIMT_FEATURES or self.kv_dtype == dtypes.FP8_E5M2):
             raise ValueError(f"the simt kernels have no features but {', '.join(sorted(SIMT_FEATURES))} (no sinks, "
-                             "window, soft-cap, multi-token, fp32 out) and no fp8 e5m2 cache: use impl='mma'")
+                             "window, soft-cap, fp32 out) and no fp8 e5m2 cache: use impl='mma'")
+        if self.impl == "simt" and self.arm == "gqa_packed" and "multi_token" in self.features:
+            raise ValueError("the simt gqa_packed kernel serves one query token (no multi_token spec)")
 
     @property
     def name(self) -> str:
@@ -354,15 +357,19 @@ def all_specs() -> list[KernelSpec]:
 
 
 def simt_feature_specs(plain: list[KernelSpec]) -> list[KernelSpec]:
-    """The simt specs of ``SIMT_FEATURES`` CI compiles: each feature alone on every arm (head dim
-    128, fp8 KV; the packed arm at 256), and all of them together on every plain simt spec at
-    head dim 512 and 576/512 (the widest rows: the most registers) and on the packed arm's."""
+    """The simt specs of ``SIMT_FEATURES`` CI compiles: every plain simt unpacked and split-K spec
+    with multi-token; device_scales and csr each alone on every arm (head dim 128, fp8 KV; the
+    packed arm at 256); and all the arm serves together (the packed arm: no multi-token, it serves
+    one query token) on every plain simt spec at head dim 512 and 576/512 (the widest rows: the
+    most registers) and on the packed arm's."""
+    simt = [spec for spec in plain if spec.impl == "simt"]
+    multi_token = [replace(spec, features=frozenset({"multi_token"})) for spec in simt if spec.arm != "gqa_packed"]
     alone = [KernelSpec(arm, 256 if arm == "gqa_packed" else 128, dtypes.BF16, dtypes.FP8, "simt",
                         features={feature})
-             for arm in ARMS for feature in sorted(SIMT_FEATURES)]
-    together = [replace(spec, features=SIMT_FEATURES) for spec in plain
-                if spec.impl == "simt" and (spec.head_dim >= 512 or spec.arm == "gqa_packed")]
-    return alone + together
+             for arm in ARMS for feature in sorted(SIMT_FEATURES - {"multi_token"})]
+    together = [replace(spec, features=SIMT_FEATURES - ({"multi_token"} if spec.arm == "gqa_packed" else set()))
+                for spec in simt if spec.head_dim >= 512 or spec.arm == "gqa_packed"]
+    return multi_token + alone + together
 
 
 def specs_for(config: LayerConfig) -> dict[tuple[str, int, bool], KernelSpec]:

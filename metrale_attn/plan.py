@@ -10,7 +10,8 @@ because a head's bytes do not depend on which heads share its CTA. The rules and
 their worked numbers: docs/launch-policy.md.
 
 A *work item* is what one CTA computes at a time: the query heads of one KV head that
-share a CTA, of one sequence, over one split of its keys. A kernel's grid of items is what
+share a CTA, of one sequence (its ``q_len`` query tokens; ``simt``: one query token, a work item
+per token), over one split of its keys. A kernel's grid of items is what
 the arm's indexing names (``KernelGrid``); every kernel launches one CTA per item but the
 ``mma`` attention kernel, whose persistent CTAs, as many as the SMs hold, walk its items
 (``DecodePlan.ctas``, computed here and nowhere else).
@@ -237,7 +238,8 @@ def make_plan(config: LayerConfig, num_seqs: int, q_len: int = 1, *, workspace: 
     ``config.heads_per_cta`` (``mma`` only) overrides ``heads_per_cta_for``. The packed
     arm always serves ``DECODE_GQA_PACK_WIDTH`` heads per CTA, and ``simt`` one (its
     packed arm: the pack). Each query token is a row of its own in the workspace and
-    the merge; the packed arm serves ``q_len = 1`` only.
+    the merge (and, on ``simt``, a work item of its own in the attention grid, whose sequences
+    axis is then ``num_seqs x q_len``); the packed arm serves ``q_len = 1`` only.
 
     ``workspace`` is what was allocated (default: ``workspace_for`` the config); a
     split-K geometry that needs more slots is refused here, with both sizes, because on
@@ -274,6 +276,9 @@ def make_plan(config: LayerConfig, num_seqs: int, q_len: int = 1, *, workspace: 
     why += f"; {impl}: {hpc} head(s) per CTA ({why_h})"
     items_x = heads // hpc
     row_tiles = row_tiles_for(impl, hpc * q_len)
+    # The sequences axis of the attention grid: an mma CTA holds a sequence's q_len tokens as rows of
+    # its own; a simt CTA serves one query row, so it is (sequence, token), seq-major (simt_core.cuh).
+    seq_items = num_seqs * q_len if impl == "simt" else num_seqs
 
     if splits > 1:
         needed = num_seqs * q_len * heads * splits
@@ -285,7 +290,7 @@ def make_plan(config: LayerConfig, num_seqs: int, q_len: int = 1, *, workspace: 
                 f"holds {workspace.slots} slots ({workspace.nbytes} bytes)"
             )
         launches = (
-            KernelGrid(KERNELS[impl, "splitk"][0], (items_x, splits, num_seqs)),
+            KernelGrid(KERNELS[impl, "splitk"][0], (items_x, splits, seq_items)),
             KernelGrid(KERNELS[impl, "splitk"][1], (heads, num_seqs * q_len, 1)),
         )
         return DecodePlan("splitk", num_seqs, splits, launches, workspace, needed, why + "; split-K then merge",
@@ -301,7 +306,7 @@ def make_plan(config: LayerConfig, num_seqs: int, q_len: int = 1, *, workspace: 
             f"; GQA pack on but the shape does not fit (needs q_heads = kv_heads x "
             f"{policy.DECODE_GQA_PACK_WIDTH} at head_dim {policy.DECODE_GQA_PACK_HEAD_DIM}, one query token)"
         )
-    grid = KernelGrid(KERNELS[impl, "unpacked"][0], (items_x, num_seqs, 1))
+    grid = KernelGrid(KERNELS[impl, "unpacked"][0], (items_x, seq_items, 1))
     return DecodePlan("unpacked", num_seqs, 1, (grid,), workspace, 0, why + "; unpacked", impl, hpc, q_len,
                       attention_ctas(config, grid.items, row_tiles))
 

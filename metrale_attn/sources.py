@@ -246,8 +246,8 @@ def parse_kernel_params(text: str, defines: dict | None = None) -> dict[str, tup
     ``mma_kernel.cuh`` (and of ``simt/simt_core.cuh``) is ``PD_ENTRY``, which each
     arm's ``.cu`` defines before including it, so the inlined source of an arm reads as
     that arm's kernel. Parameters a feature adds sit in ``#if PD_<FEATURE>`` ... ``#endif``
-    inside the list (the simt kernel's device_scales and csr ones: its plain specs keep their
-    ABI), kept where ``defines`` (a spec's ``-D`` values; a name absent reads 0, as the
+    inside the list (the simt kernel's multi_token, device_scales and csr ones: its plain specs
+    keep their ABI), kept where ``defines`` (a spec's ``-D`` values; a name absent reads 0, as the
     preprocessor's) sets that name non-zero."""
     text = _COMMENT.sub(lambda m: m.group(1) or " ", text)
     defined: dict[str, list[str]] = {}

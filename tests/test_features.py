@@ -323,11 +323,13 @@ def test_a_feature_the_kernels_cannot_serve_is_refused_at_construction(options, 
 def test_the_simt_refusal_names_every_feature_it_lacks_and_the_keyword_that_asks_for_it():
     """A layer asking ``simt`` for a feature it lacks is refused naming that feature first, and the
     message lists every feature it lacks with the keyword that asks for it (from the records); a
-    feature it serves (``Feature.simt``: device_scales, csr) builds a simt layer that has it."""
+    feature it serves (``Feature.simt``: multi_token, device_scales, csr) builds a simt layer that
+    has it, and is not listed."""
     assert set(ASKED) == set(FEATURES)
     for record in FEATURE_RECORDS:
         if record.simt:
-            assert decoder(P, impl="simt", **ASKED[record.name]).config.features == {record.name}
+            attn = decoder(P, impl="simt", **ASKED[record.name])
+            assert attn.impl == "simt" and attn.config.features == {record.name}
             continue
         with pytest.raises(ValueError) as refused:
             decoder(P, impl="simt", **ASKED[record.name])

@@ -3,6 +3,7 @@ on either backend (the ``backend`` fixture), and under every thread order of the
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from metrale_attn import tolerance
@@ -64,3 +65,39 @@ def test_under_legacy_the_split_count_moves_with_the_batch(batch):
     together, lse = run_poisoned(attn, batch)
     check_against_reference(batch, together, lse)
     assert tolerance.ulp_distance(alone[0], together[3]).max() <= 2
+
+
+# -- multi-token decode on the simt kernels (head dim 512, MLA's 576/512) -----------------------
+
+
+@pytest.fixture(scope="module")
+def wide_tokens():
+    """Gemma 4's global-layer width (head dim 512, 4 q heads on 2 KV heads), 3 query tokens a
+    sequence over lengths past a split (256 keys), shorter than q_len and empty."""
+    p = problem(seed=7, page_size=16, seq_lens=(300, 2, 0, 41), head_dim=512, num_q_heads=4, num_kv_heads=2)
+    return p, np.random.default_rng(7).standard_normal((4, 3, 4, 512)).astype(p.q.dtype)
+
+
+@pytest.mark.filterwarnings("ignore:.*head_dim 512 is wider.*:RuntimeWarning")
+@pytest.mark.parametrize("splitk", ["auto", "off"])
+def test_a_simt_multi_token_row_gives_identical_bytes_alone_in_any_batch_at_any_position_and_on_repeats(wide_tokens,
+                                                                                                       splitk):
+    p, q = wide_tokens
+    attn = decoder(p, max_q_len=4, splitk=splitk)
+    assert attn.impl == "simt"
+    full, full_lse = run_poisoned(attn, p, q=q)
+    ref, ref_lse = p.reference(return_lse=True, q=q)
+    tolerance.assert_close_to_reference(full, ref, v_absmax=p.v_absmax())
+    for rows in ([0], [3, 1], [2, 0, 3, 1], [1, 1, 0]):
+        out, lse = run_poisoned(attn, _pick(p, rows), q=q[rows])
+        for at, r in enumerate(rows):
+            assert out[at].tobytes() == full[r].tobytes() and lse[at].tobytes() == full_lse[r].tobytes(), (rows, r)
+
+
+@pytest.mark.filterwarnings("ignore:.*head_dim 512 is wider.*:RuntimeWarning")
+@pytest.mark.parametrize("order", ["reverse", "shuffle:1", "warp-ahead:7"])
+def test_simt_multi_token_bytes_are_identical_under_every_thread_order_of_the_cpu_backend(wide_tokens, order):
+    p, q = wide_tokens
+    default = run_poisoned(decoder(p, backend=CpuBackend(order="default"), max_q_len=3, splitk="4"), p, q=q)
+    shuffled = run_poisoned(decoder(p, backend=CpuBackend(order=order), max_q_len=3, splitk="4"), p, q=q)
+    assert default[0].tobytes() == shuffled[0].tobytes() and default[1].tobytes() == shuffled[1].tobytes()

@@ -85,9 +85,10 @@ def test_variant_names_carry_every_specialization_parameter():
     mma = 2 * ((9 * 2 + 4) * 2 * 4) + 1 * 2 * 4
     featured = 3 * len(FEATURES) - 1 + 6  # each feature alone per arm (the packed arm has no multi-token), all 6 times
     mla = 2 * 2 * (3 + 1)  # 576/512: simt unpacked and split-K, two q dtypes, three KV dtypes and bf16 V in K
-    # the simt features (csr, device_scales): each alone per arm, both on every 512, 576/512 and packed spec
+    simt_multi_token = simt - 1 * 2 * 3 + mla  # every simt unpacked and split-K spec again, with multi_token
+    # csr and device_scales: each alone per arm; all the arm serves on every 512, 576/512 and packed spec
     simt_featured = 3 * 2 + (2 * 2 * 3 + mla + 2 * 3)
-    assert len(names) == len(set(names)) == simt + mma + featured + mla + simt_featured
+    assert len(names) == len(set(names)) == simt + mma + featured + mla + simt_multi_token + simt_featured
     assert KernelSpec("splitk", 576, "bf16", "fp8", "simt", v_head_dim=512).name == \
         "simt_decode_splitk_qbf16_kvfp8_hd576_v512"
 

@@ -148,11 +148,15 @@ def test_at_576_512_every_arm_dtype_page_size_and_v_cache_holds_the_one_ulp_bar(
     check_against_reference(p, *run_poisoned(attn, p))
 
 
-def test_multi_token_decode_at_576_512_is_refused_naming_what_simt_lacks():
-    """MTP's q_len 2 needs the multi-token specialization, which only the mma core has."""
-    with pytest.raises(ValueError, match=r"\(576, 512\) has no mma kernel.*impl='simt' has no multi_token"):
+def test_multi_token_decode_at_576_512_runs_simt_and_a_window_there_is_refused_naming_what_simt_lacks():
+    """MTP's q_len up to 8 is the simt kernels' multi-token specialization
+    (tests/test_simt_multi_token.py holds it to the bar); a window they still lack."""
+    attn = DecodeAttention(16, 1, 576, 64, v_head_dim=512, q_dtype="bf16", kv_dtype="bf16", max_batch=2,
+                           backend="cpu", max_q_len=8)
+    assert attn.impl == "simt" and attn.plan(2, 8).q_len == 8
+    with pytest.raises(ValueError, match=r"\(576, 512\) has no mma kernel.*impl='simt' has no window"):
         DecodeAttention(16, 1, 576, 64, v_head_dim=512, q_dtype="bf16", kv_dtype="bf16", max_batch=2, backend="cpu",
-                        max_q_len=2)
+                        max_q_len=2, window_left=8)
 
 
 class _SpecRecorder(CpuBackend):

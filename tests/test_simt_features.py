@@ -13,6 +13,7 @@ import dataclasses
 import numpy as np
 import pytest
 
+from metrale_attn import tolerance
 from metrale_attn.features import SIMT_FEATURES
 from metrale_attn.kernels import KernelSpec, kernel_params
 from metrale_attn.sources import KernelSourceError, parse_kernel_params
@@ -134,15 +135,15 @@ def test_a_simt_layer_with_csr_refuses_a_missing_or_mistyped_table_naming_the_ar
 
 
 def test_simt_serves_csr_and_device_scales_and_still_refuses_every_other_feature_naming_it():
-    assert SIMT_FEATURES == {"csr", "device_scales"}
+    assert SIMT_FEATURES == {"csr", "device_scales", "multi_token"}
     p = _problem(512, seq_lens=(5,))
     attn = decoder(p, impl="simt", page_table="csr", device_scales=True)
     assert attn.impl == "simt" and attn.config.features == {"csr", "device_scales"}
     for options, name in ((dict(sinks=True), "sinks"), (dict(window_left=8), "window"),
-                          (dict(logits_soft_cap=30.0), "soft_cap"), (dict(max_q_len=2), "multi_token")):
-        with pytest.raises(ValueError, match=rf"impl='simt' has no {name} \(features it lacks: multi_token = "):
+                          (dict(logits_soft_cap=30.0), "soft_cap"), (dict(out_dtype="float32"), "out_f32")):
+        with pytest.raises(ValueError, match=rf"impl='simt' has no {name} \(features it lacks: window = "):
             decoder(p, impl="simt", page_table="csr", **options)
-    with pytest.raises(ValueError, match="the simt kernels have no features but csr, device_scales"):
+    with pytest.raises(ValueError, match="the simt kernels have no features but csr, device_scales, multi_token"):
         KernelSpec("unpacked", 512, "bf16", "bf16", "simt", features={"csr", "sinks"})
 
 
@@ -157,6 +158,81 @@ def test_a_simt_features_parameters_and_define_exist_only_in_its_spec_so_the_pla
     assert base[-1] == "lse_scale" and not set(CSR_ARRAYS + SCALE_ARRAYS) & set(base)
     assert [q.name for q in kernel_params(both)["simt_decode_splitk"]] == base + list(SCALE_ARRAYS + CSR_ARRAYS)
     assert kernel_params(both)["simt_decode_splitk_merge"] == kernel_params(plain)["simt_decode_splitk_merge"]
+
+
+# -- with multi-token decode: the three together, as the mma core combines them --------------
+
+
+def _multi_token_check(p, out, lse, q):
+    """``out`` within the bar of the float64 reference of the multi-token ``q`` (per-KV-head
+    scales: the per-head reference), lse -inf exactly where a row sees no key, 2e-6 elsewhere."""
+    ref_out, ref_lse = p.reference(return_lse=True, q=q)
+    tolerance.assert_close_to_reference(out, ref_out, v_absmax=p.v_absmax(), logit_absmax=lambda: p.logit_absmax(q=q))
+    empty = np.isneginf(ref_lse)
+    assert np.array_equal(np.isneginf(lse), empty)
+    np.testing.assert_allclose(lse[~empty], ref_lse[~empty], rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.filterwarnings("ignore:.*(head_dim 512 is wider|576, 512.*has no mma kernel).*:RuntimeWarning")
+@pytest.mark.parametrize("head_dim, arm, kv, q_len, per_head", [
+    (576, "splitk", "fp8", 4, False),     # MLA under MTP: SGLang's table, vLLM's fp8 scale, V a view of K
+    (576, "unpacked", "bf16", 3, False),  # the same with V read from K's registers (the _vink spec)
+    (512, "splitk", "fp8", 3, True),      # Gemma 4's global layer: 2 KV heads, each its own fp8 scales
+    (512, "unpacked", "fp8", 8, True),
+])
+def test_multi_token_csr_and_device_scales_together_meet_the_bar_and_give_the_dense_host_float_bytes(
+        head_dim, arm, kv, q_len, per_head):
+    """A layer of all three simt features (the default impl: simt at 512 and 576/512) holds the
+    1-ulp bar against float64 with rows that see no key (short sequences, an empty one), gives the
+    bytes of the dense table and host floats (one scale), and serves one-token calls of the same
+    layer on its plain-token spec, whose ABI differs (the binder keys it by spec)."""
+    p = _fp32_scales(_problem(head_dim, seed=head_dim + q_len, kv=kv, page_size=16, seq_lens=(0, 2, 37, 300),
+                              per_head_scales=per_head, heads=dict(num_q_heads=4, num_kv_heads=2)
+                              if head_dim == 512 else None))
+    assert (head_dim != 576) or np.shares_memory(p.v_cache, p.k_cache)
+    qs = np.random.default_rng(q_len).standard_normal(p.q.shape[:1] + (q_len,) + p.q.shape[1:]).astype(p.q.dtype)
+    attn = decoder(p, max_q_len=8, page_table="csr", device_scales=True, **ARMS[arm])
+    assert attn.impl == "simt" and attn.config.features == {"multi_token", "csr", "device_scales"}
+    indptr, indices, last = to_csr(p)
+    table = dict(kv_indptr=indptr, kv_indices=indices, kv_last_page_len=last, csr=True)
+    got = run_poisoned(attn, p, q=qs, **table)
+    assert got[0].shape == (4, q_len, p.q.shape[1], p.v_cache.shape[-1])
+    _multi_token_check(p, *got, qs)
+    one = run_poisoned(attn, p, **table)  # one token a sequence: the spec without multi_token
+    check_against_reference(p, *one)
+    if not per_head:  # the bytes of the dense table and the host float, multi-token and one-token
+        plain = decoder(p, max_q_len=8, **ARMS[arm])
+        assert _same_bytes(run_poisoned(plain, p, q=qs), got)
+        assert _same_bytes(run_poisoned(plain, p), one)
+
+
+@pytest.mark.filterwarnings("ignore:.*576, 512.*has no mma kernel.*:RuntimeWarning")
+def test_the_combined_simt_specs_bind_each_kernels_abi_by_spec():
+    """A layer with max_q_len > 1 compiles a spec with and one without multi-token, whose one
+    kernel name takes two parameter lists: each launch takes its own spec's (csr and
+    device_scales' parameters in both, q_stride_token and q_len in the multi-token one)."""
+    from metrale_attn.kernels import specs_for
+
+    p = _problem(576, seq_lens=(5,), kv="fp8")
+    attn = decoder(p, max_q_len=4, page_table="csr", device_scales=True, splitk="3")
+    specs = {spec.features: spec for spec in specs_for(attn.config).values()}
+    assert set(specs) == {frozenset({"csr", "device_scales"}), frozenset({"multi_token", "csr", "device_scales"})}
+    one, multi = specs[frozenset({"csr", "device_scales"})], specs[frozenset(SIMT_FEATURES)]
+    assert multi.name == "simt_decode_splitk_qbf16_kvfp8_hd576_v512_multi_token_device_scales_csr"
+    base = [q.name for q in kernel_params(one)["simt_decode_splitk"]]
+    assert base[-len(SCALE_ARRAYS + CSR_ARRAYS):] == list(SCALE_ARRAYS + CSR_ARRAYS)
+    tail = ["q_stride_token", "q_len"] + list(SCALE_ARRAYS + CSR_ARRAYS)
+    assert [q.name for q in kernel_params(multi)["simt_decode_splitk"]] == base[:-len(SCALE_ARRAYS + CSR_ARRAYS)] + tail
+    be = CountingBackend()
+    attn = decoder(p, backend=be, max_q_len=4, page_table="csr", device_scales=True, splitk="3")
+    indptr, indices, last = to_csr(p)
+    table = dict(kv_indptr=indptr, kv_indices=indices, kv_last_page_len=last, csr=True)
+    qs = np.zeros((1, 3) + p.q.shape[1:], p.q.dtype)
+    run_poisoned(attn, p, q=qs, **table)
+    run_poisoned(attn, p, **table)
+    assert [(a.kernel, len(a.args)) for a in be.launched] == [
+        ("simt_decode_splitk", len(base) + 2), ("simt_decode_splitk_merge", 5),
+        ("simt_decode_splitk", len(base)), ("simt_decode_splitk_merge", 5)]
 
 
 @pytest.mark.parametrize("params, match", [

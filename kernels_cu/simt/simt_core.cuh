@@ -22,7 +22,7 @@
 //
 // Defines: PD_HEAD_DIM, PD_Q_DTYPE, PD_KV_DTYPE (pd_common.cuh; no fp8 e5m2: the simt
 // kernels refuse it), PD_MIN_KV_PER_SPLIT (pd_splitk.cuh); optional, 0 | 1, the features
-// they serve: PD_DEVICE_SCALES, PD_CSR (below); from the arm's .cu, before it
+// they serve: PD_MULTI_TOKEN, PD_DEVICE_SCALES, PD_CSR (below); from the arm's .cu, before it
 // includes this file: PD_ENTRY (the kernel's name), PD_ARM (PD_ARM_UNPACKED |
 // PD_ARM_SPLITK | PD_ARM_GQA_PACKED; pd_common.cuh), and on the packed arm PD_GQA and
 // PD_HDIM. Static shared memory only, declared by the kernel.
@@ -68,10 +68,22 @@
 #endif
 
 // The features the simt kernels serve (features.SIMT_FEATURES), each a define 0 | 1 that
-// kernels.KernelSpec.defines passes only where a spec has it: PD_DEVICE_SCALES (the scales read
-// on the device, pd_common.cuh's pd_device_kv_scales) and PD_CSR (FlashInfer's CSR page table,
-// pd_csr_pages / pd_csr_len). Off, none of their code or parameters exist, so a plain spec is
-// the kernel it was before them, byte for byte.
+// kernels.KernelSpec.defines passes only where a spec has it, in any combination (as the mma
+// core's; the packed arm: no multi-token):
+//   * PD_MULTI_TOKEN (config.FEATURES' multi_token, passed only for calls of q_len > 1, whose
+//     one-token calls take the plain spec): q_len query tokens a sequence (speculative
+//     verification, MTP). A CTA serves one query ROW, row = seq * q_len + t, which sees the causal
+//     prefix of its own position: keys [0, L - q_len + 1 + t) of its sequence's L (THE KERNEL).
+//   * PD_DEVICE_SCALES: the scales read on the device (pd_common.cuh's pd_device_kv_scales).
+//   * PD_CSR: FlashInfer's CSR page table (pd_csr_pages / pd_csr_len), which gives L.
+// Off, none of their code or parameters exist, so a plain spec is the kernel it was before
+// them, byte for byte.
+#ifndef PD_MULTI_TOKEN
+#define PD_MULTI_TOKEN 0
+#endif
+#if PD_MULTI_TOKEN && PD_ARM == PD_ARM_GQA_PACKED
+#error "the simt packed arm serves one query token (no PD_MULTI_TOKEN)"
+#endif
 #ifndef PD_DEVICE_SCALES
 #define PD_DEVICE_SCALES 0
 #endif
@@ -496,9 +508,18 @@ __device__ __forceinline__ void pd_cta_combine(const float* s_m, const float* s_
 // offset in page t % page_size. seq_len 0 gives out = 0 and lse = -inf. With csr the length
 // and the page ids come from the CSR table instead (pd_csr_len, pd_csr_pages), with
 // device_scales qk_scale and v_scale from KV head g's device scales (pd_device_kv_scales);
-// their parameters follow lse_scale, each feature's in its #if block. Split-K writes,
+// the features' parameters follow lse_scale, each feature's in its #if block (multi_token's,
+// device_scales', csr's: the order of config.FEATURES). Split-K writes,
 // instead of out and lse, the state of each (sequence, head) over its split of the keys
 // to the workspace (pd_splitk.cuh), and its merge combines them.
+//
+// Multi-token (PD_MULTI_TOKEN, unpacked and split-K arms): q_len query tokens a sequence, each
+// a row of its own, row = s * q_len + i (the grid's sequences axis holds num_seqs * q_len rows,
+// seq-major): token i computes the above over t < max(L - q_len + 1 + i, 0), L = seq_lens[s]
+// (with csr, pd_csr_len's), its causal prefix (that count is what split-K splits, so a token's bytes are a one-token
+// call's on its prefix), and writes row `row` of out, lse and the workspace; the merge is
+// unchanged (it already indexes rows). A row that sees no key (L < q_len - i) is empty:
+// out 0, lse -inf, every split slot the empty state.
 //
 // Grid: the arm's (see its .cu); block PD_THREADS (4 warps). A CTA serves NH query heads
 // of one sequence (one, or on the packed arm the PD_GQA heads of one KV head, whose K and
@@ -508,11 +529,12 @@ __device__ __forceinline__ void pd_cta_combine(const float* s_m, const float* s_
 // are combined through static shared memory in warp order and the output rows leave as
 // 16-byte stores.
 //
-// Layout: q [num_seqs, num_q_heads, D] and the caches addressed only through strides
-// (elements): NHD [pages, page_size, kv_heads, D] and HND [pages, kv_heads, page_size, D]
-// are both (stride_page, stride_token, stride_head) triples; the last dim is contiguous.
-// out [num_seqs, num_q_heads, D] contiguous, lse [num_seqs, num_q_heads] fp32 or null,
-// workspace [num_seqs, num_q_heads, num_splits, D + 2] fp32 (split-K only).
+// Layout: q [num_seqs, (q_len,) num_q_heads, D] and the caches addressed only through strides
+// (elements; q's token stride is a parameter of the multi-token kernels only): NHD [pages,
+// page_size, kv_heads, D] and HND [pages, kv_heads, page_size, D] are both (stride_page,
+// stride_token, stride_head) triples; the last dim is contiguous. out [num_seqs, (q_len,)
+// num_q_heads, D] contiguous, lse [num_seqs, (q_len,) num_q_heads] fp32 or null, workspace
+// [num_seqs * q_len, num_q_heads, num_splits, D + 2] fp32 (split-K only).
 
 #if PD_ARM == PD_ARM_GQA_PACKED
 #define PD_SIMT_MIN_CTAS 2  // ~190-240 registers (6 q vectors and accumulators): 2 CTAs per SM
@@ -531,6 +553,10 @@ extern "C" __global__ void PD_LAUNCH_BOUNDS(PD_THREADS, PD_SIMT_MIN_CTAS) PD_ENT
     int num_kv_heads, int page_size,
     float qk_scale, float v_scale,
     pd_q_t* __restrict__ out, float* __restrict__ lse, float* __restrict__ workspace, float lse_scale
+#if PD_MULTI_TOKEN
+    // multi_token (the plain kernels have neither): q's token stride (elements), tokens a sequence
+    , long long q_stride_token, int q_len
+#endif
 #if PD_DEVICE_SCALES
     // device_scales: fp32 scales on the device, folded with sm_scale here (qk_scale, v_scale unused)
     , const float* __restrict__ k_scales, long long k_scales_stride, const float* __restrict__ v_scales,
@@ -574,14 +600,29 @@ extern "C" __global__ void PD_LAUNCH_BOUNDS(PD_THREADS, PD_SIMT_MIN_CTAS) PD_ENT
   const int head0 = blockIdx.x;  // the CTA's one head
 #if PD_ARM == PD_ARM_SPLITK
   const int split = blockIdx.y;
+#if PD_MULTI_TOKEN
+  const int row = blockIdx.z;  // query token `token` of sequence `seq` (rows are seq-major)
+#else
   const int seq = blockIdx.z;
+#endif
   const int num_q_heads = gridDim.x;
   const int num_splits = gridDim.y;
 #else
+#if PD_MULTI_TOKEN
+  const int row = blockIdx.y;
+#else
   const int seq = blockIdx.y;
+#endif
   const int num_q_heads = gridDim.x;
 #endif
   const int kv_head = head0 / (num_q_heads / num_kv_heads);
+#endif
+#if PD_MULTI_TOKEN
+  const int seq = row / q_len;
+  const int token = row - seq * q_len;
+  q += token * q_stride_token;  // the token's q rows; every other index below takes the row
+#else
+  const int row = seq;  // the CTA's row of out, lse and the workspace: its sequence
 #endif
   const int slice = (threadIdx.x & 31) % (PD_V_HEAD_DIM / VEC);
 #if PD_CSR
@@ -591,7 +632,16 @@ extern "C" __global__ void PD_LAUNCH_BOUNDS(PD_THREADS, PD_SIMT_MIN_CTAS) PD_ENT
   int seq_len = seq_lens[seq];
   const int* bt_row = block_tables + seq * block_tables_stride;
 #endif
+  seq_len = seq_len > 0 ? seq_len : 0;  // L: the sequence's length (csr: from its CSR row)
+#if PD_MULTI_TOKEN
+  // The row's keys: positions below L - q_len + 1 + token (its own included), causal within the
+  // new tokens; none where the sequence is shorter than that (the row is then empty: m = -inf,
+  // l = 0, so out 0 and lse -inf, and every split-K slot of it the empty state). From here on
+  // seq_len is the row's key count, so the split rule tiles the row's own keys (as the mma
+  // core's row_range), never the batch's or the other rows'.
+  seq_len = seq_len - q_len + 1 + token;
   seq_len = seq_len > 0 ? seq_len : 0;
+#endif
 #if PD_ARM == PD_ARM_SPLITK
   int start, end;  // this split's keys
   pd_split_range(seq_len, split, num_splits, start, end);
@@ -630,7 +680,7 @@ extern "C" __global__ void PD_LAUNCH_BOUNDS(PD_THREADS, PD_SIMT_MIN_CTAS) PD_ENT
   pd_cta_publish<NH, VEC>(m, l, acc, s_m, s_l, s_acc);
 
 #if PD_ARM == PD_ARM_SPLITK
-  float* slot = pd_split_slot(workspace, seq, num_q_heads, head0, split, num_splits);
+  float* slot = pd_split_slot(workspace, row, num_q_heads, head0, split, num_splits);
   for (int d = threadIdx.x; d < PD_V_HEAD_DIM; d += PD_THREADS) {
     float M, L, O;
     pd_cta_combine(s_m, s_l, s_acc, 0, d, M, L, O);
@@ -646,19 +696,20 @@ extern "C" __global__ void PD_LAUNCH_BOUNDS(PD_THREADS, PD_SIMT_MIN_CTAS) PD_ENT
     pd_cta_combine(s_m, s_l, s_acc, j, d, M, L, O);
     // L >= 1 whenever a token was seen (the max token contributes 2^0); L == 0: zeros.
     s_out[idx] = (unsigned short)pd_float_to_q(pd_normalize(O, L, v_scale));
-    if (d == 0 && lse != nullptr) lse[(long long)seq * num_q_heads + head0 + j] = pd_lse(M, L, lse_scale);
+    if (d == 0 && lse != nullptr) lse[(long long)row * num_q_heads + head0 + j] = pd_lse(M, L, lse_scale);
   }
   __syncthreads();
-  pd_store_span(out + ((long long)seq * num_q_heads + head0) * PD_V_HEAD_DIM, s_out, NH * PD_V_HEAD_DIM);
+  pd_store_span(out + ((long long)row * num_q_heads + head0) * PD_V_HEAD_DIM, s_out, NH * PD_V_HEAD_DIM);
   (void)workspace;
 #endif
 }
 
 #if PD_ARM == PD_ARM_SPLITK
-// The split-K merge: grid (num_q_heads, num_seqs), a thread per output dim (at most
+// The split-K merge: grid (num_q_heads, num_seqs * q_len), a thread per output dim (at most
 // PD_MERGE_THREADS; kernels.merge_threads); the merge of pd_splitk.cuh, splits 0..n-1 in
-// order (no sinks: the simt kernels serve none; their features, csr and device_scales, are the
-// attention kernel's alone: v_scale is in each split's state already).
+// order (no sinks: the simt kernels serve none; their features, multi_token, csr and
+// device_scales, are the attention kernel's alone: rows are the merge's unit already and v_scale
+// is in each split's state).
 extern "C" __global__ void PD_LAUNCH_BOUNDS(PD_MERGE_THREADS, 4) simt_decode_splitk_merge(
     const float* __restrict__ workspace, int num_splits, pd_q_t* __restrict__ out, float* __restrict__ lse,
     float lse_scale) {

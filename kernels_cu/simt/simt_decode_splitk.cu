@@ -13,9 +13,12 @@
 //   fp32 values: o[D] = v_scale * sum_t 2^(x_t - m) v_t / l (normalized within the split,
 //   v_scale included), then m = max_t x_t (log2 units), then l = sum_t 2^(x_t - m).
 //   An empty split writes o = 0, m = -inf, l = 0: every slot is always written, the
-//   workspace is never initialized by the host.
+//   workspace is never initialized by the host. Multi-token (the _multi_token specs): grid
+//   (num_q_heads, num_splits, num_seqs * q_len): blockIdx.z is the row s * q_len + j of query
+//   token j, whose L is its causal prefix's L - q_len + 1 + j keys, and it writes slot
+//   ((row * num_q_heads) + h) * num_splits + i (simt/simt_core.cuh, THE KERNEL).
 //
-// simt_decode_splitk_merge: grid (num_q_heads, num_seqs), block PD_MERGE_THREADS.
+// simt_decode_splitk_merge: grid (num_q_heads, num_seqs (x q_len: one a row)), block PD_MERGE_THREADS.
 //   Combines the splits of (s, h) in the fixed order 0..n-1:
 //     M = max m_i; w_i = l_i 2^(m_i - M); L = sum w_i; out = sum w_i o_i / L;
 //     lse = (M + log2 L) ln 2 (natural log; lse may be null).

@@ -3,7 +3,9 @@
 // simt/simt_core.cuh (what it computes, its parameters, the layout) on the unpacked arm.
 //
 // Grid (num_q_heads, num_seqs), block PD_THREADS (128 = 4 warps); CTA (h, s) attends
-// query head h of sequence s over all its keys and writes its out and lse rows. Each
+// query head h of sequence s over all its keys and writes its out and lse rows. Multi-token
+// (the _multi_token specs): grid (num_q_heads, num_seqs * q_len), CTA (h, s * q_len + i) attends token
+// i over its causal prefix (simt/simt_core.cuh, THE KERNEL). Each
 // thread owns a 16-byte slice of the head dim (VEC = 8 bf16/fp16 or 16 fp8 elements).
 //
 // Defines: PD_HEAD_DIM, PD_Q_DTYPE, PD_KV_DTYPE (see pd_common.cuh).

@@ -35,6 +35,8 @@ SPOT_SPECS = (
     kernels.KernelSpec("splitk", 256, "fp16", "fp16", "simt"),
     kernels.KernelSpec("gqa_packed", 256, "bf16", "bf16", "simt"),
     kernels.KernelSpec("splitk", 512, "bf16", "fp8", "simt"),  # the widest simt row: 117..123 registers
+    # simt multi-token at MLA's 576/512, fp16 cache: the most registers of the simt specs (117..126)
+    kernels.KernelSpec("splitk", 576, "fp16", "fp16", "simt", features={"multi_token"}, v_head_dim=512),
 )
 """The specs the default run also compiles for every other architecture (the heaviest of
 each implementation and arm); the whole matrix is behind the ``slow`` marker."""
