@@ -326,14 +326,26 @@ def test_the_prefill_tokens_of_a_512_wide_layer_go_to_vllms_triton_backend_flash
                                 kv_cache_dtype="auto") is flash_attn.FlashAttentionBackend
 
 
-def test_a_512_wide_layer_with_speculative_decoding_is_refused_when_the_model_is_built_naming_what_lacks_it(tmp_path):
-    """The reference kernels, the only ones at 512, have no multi-token decode; the selector
-    cannot see the speculative tokens, so the layer says so when it is built, before any KV
-    cache is allocated."""
-    vc = h.config(tmp_path, num_heads=8, num_kv_heads=1, head_size=512, num_speculative_tokens=2)
-    with pytest.raises(ValueError, match=r"cannot serve this layer \(8 q / 1 KV heads, head size 512\).*has no "
-                                         r"multi_token"):
-        h.layers(vc, 1, num_heads=8, num_kv_heads=1, head_size=512, scale=1.0)
+def test_a_512_wide_layer_verifies_speculative_tokens_on_the_reference_kernels_within_the_bar(tmp_path):
+    """Gemma 4's global layer (8 q / 1 KV heads at 512, TP 2) under speculative decoding with 2
+    draft tokens: the verification requests of 3 tokens run the simt kernels' multi-token decode
+    (each token sees its own prefix), the short verification and the prompt vLLM's Triton
+    prefill; every token against float64."""
+    rng = np.random.default_rng(21)
+    shape = dict(num_heads=8, num_kv_heads=1, head_size=512)
+    vc, built = _model(tmp_path, rng, count=1, num_blocks=48, scale=1.0, num_speculative_tokens=2, **shape)
+    layer = built[0]
+    requests = [(40, 3), (300, 3), (90, 2), (12, 12)]
+    b = h.batch(requests, num_blocks=48, rng=rng, **shape)
+    md = h.builder(vc, built, 16).build(0, b.cm)
+    assert (md.num_decodes, md.decode_q_len) == (2, 3)
+    config = layer.impl.decoder.config
+    assert (config.impl, config.max_q_len) == ("simt", 3)
+    out = h.forward(vc, built, md, b)[0]
+    for r in range(2):
+        h.check_decode(layer, b, out, r, f"512 verification request {r}")
+    for r in range(2, len(requests)):
+        h.check_prefill(layer, b, out, r, f"512 prefill request {r}")
 
 
 def test_vllms_conventions_map_exactly():

@@ -124,7 +124,7 @@ def layer_refusal(*, num_heads: int, num_kv_heads: int, head_size: int, q_dtype:
     ``kernels.launchable_config``, the fallback to the ``simt`` reference kernels), asked here
     so vLLM hears it at selection or model construction rather than once the KV cache exists.
     Head size 512 is served by the reference kernels alone, which take fp8 scales on the device
-    but none of the other features (a window, sinks, a soft-cap, multi-token decode)."""
+    and multi-token decode but none of the other features (a window, sinks, a soft-cap)."""
     try:
         config = configure(num_heads, num_kv_heads, head_size, 16, v_head_dim=v_head_dim, q_dtype=q_dtype,
                            kv_dtype=kv_dtype, max_batch=1,
