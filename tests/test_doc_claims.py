@@ -50,6 +50,7 @@ EXTERNAL = {
     "INFINITY": "CUDA's float infinity",
     "UNIFORM_BATCH": "vLLM's AttentionCGSupport", "UNIFORM_SINGLE_TOKEN_DECODE": "vLLM's AttentionCGSupport",
     "FULL_AND_PIECEWISE": "vLLM's CUDAGraphMode",
+    "UNIFORM": "vLLM's MLA QueryLenSupport",
     "FAIL": "a verdict the check reports (a value, not a name)",
 }
 """Names the prose cites that belong to CUDA, the OS or an engine, not to this package."""

@@ -19,6 +19,7 @@ vllm = import_vllm()
 
 import torch  # noqa: E402  (after the skip: vLLM brings its torch)
 import vllm.model_executor.layers.attention.mla_attention as vllm_mla  # noqa: E402
+import vllm.utils.torch_utils as vllm_torch_utils  # noqa: E402
 from vllm.config import (  # noqa: E402
     AttentionConfig,
     CacheConfig,
@@ -51,8 +52,10 @@ BACKEND = AttentionBackendEnum["METRALE_ATTN_MLA"].get_class()
 
 @pytest.fixture(autouse=True)
 def _cpu_host_buffers(monkeypatch):
-    """vLLM's MLA builder pins its host buffers where it thinks a GPU is; this machine has none."""
+    """vLLM's MLA builder pins its host buffers where it thinks a GPU is (and so does its copy of a
+    prefill's chunked-context bounds to the device); this machine has none."""
     monkeypatch.setattr(vllm_mla, "PIN_MEMORY", False)
+    monkeypatch.setattr(vllm_torch_utils, "PIN_MEMORY", False)
 
 
 def _vllm_config(tmp_path, fixture: str = "deepseek-v3.json", *, kv_cache_dtype: str = "auto",
@@ -150,6 +153,22 @@ def _spy_on_decode(monkeypatch) -> list:
     return calls
 
 
+def _record_prefills(monkeypatch) -> list:
+    """Every ``forward_mha`` call's (rows, its requests' query lengths, whether it reads a cached
+    context), recorded; its output rows zeroed instead of computed: vLLM's MLA prefill over a cached
+    context (a verification request whose drafts came up short has one) runs CUDA and Triton ops
+    (``gather_and_maybe_dequant_cache``, ``merge_attn_states``) with no host path, and what is ours
+    is which rows reach it."""
+    calls = []
+
+    def record(self, q, kv_c_normed, k_pe, cache, md, k_scale, output, output_scale=None):
+        calls.append((q.shape[0], md.prefill.query_lens_cpu.tolist(), md.prefill.chunked_context is not None))
+        output.zero_()
+
+    monkeypatch.setattr(ours.MetraleMLAImpl, "forward_mha", record)
+    return calls
+
+
 def _forward(vc, built, md, b: h.Batch, rng: np.random.Generator) -> list[torch.Tensor]:
     """Each layer's ``MLAAttention.forward`` under vLLM's forward context: the step's latent rows written
     to the cache, prefill tokens on vLLM's MLA prefill, decode tokens through ``forward_mqa``."""
@@ -167,18 +186,23 @@ def _forward(vc, built, md, b: h.Batch, rng: np.random.Generator) -> list[torch.
     return outs
 
 
-def _check_decode_rows(layer, b: h.Batch, q: torch.Tensor, out: torch.Tensor, rows: int, what: str) -> None:
-    """Each of the first ``rows`` requests' latent output within our 1-ulp bar of float64 over the
-    layer's cache as it is now (this step's rows written): keys the 576-dim rows, values their first
-    512 dims, fp8 values times the layer's scale (the bar of ``tests/test_mla.py``, the logit-scaled
-    near-zero allowance included)."""
+def _check_decode_rows(layer, b: h.Batch, q: torch.Tensor, out: torch.Tensor, rows: int, what: str,
+                       q_len: int = 1) -> None:
+    """The latent output of the first ``rows`` requests' ``q_len`` tokens each (request-major) within
+    our 1-ulp bar of float64 over the layer's cache as it is now (this step's rows written), token
+    ``t`` of a request of ``L`` keys over keys ``0..L-q_len+t`` only: keys the 576-dim rows, values
+    their first 512 dims, fp8 values times the layer's scale (the bar of ``tests/test_mla.py``, the
+    logit-scaled near-zero allowance included)."""
     cache = to_numpy(layer.kv_cache)
     if layer.impl.fp8:
         cache = cache.view(reference_fp8_dtype())
     k_cache = cache[:, :, None, :]  # NHD, one latent head
     v_cache = k_cache[..., :ours.V_HEAD_DIM]
     scale = layer._k_scale_float if layer.impl.fp8 else 1.0
-    tables, lens = b.cm.block_table_tensor[:rows].numpy(), np.array(b.seq_lens[:rows], np.int32)
+    # one reference row a query token: its request's pages, its own causal prefix
+    tables = np.repeat(b.cm.block_table_tensor[:rows].numpy(), q_len, axis=0)
+    lens = (np.repeat(np.array(b.seq_lens[:rows], np.int32), q_len) - (q_len - 1)
+            + np.tile(np.arange(q_len, dtype=np.int32), rows))
     q = to_numpy(q)
     ref = reference.paged_decode(q, k_cache, v_cache, tables, lens, kv_layout="NHD", sm_scale=layer.scale,
                                  v_head_dim=ours.V_HEAD_DIM, k_scale=scale, v_scale=scale)
@@ -253,24 +277,26 @@ def test_a_gpu_our_kernels_do_not_launch_on_is_refused_for_mla_too():
     assert any(r.startswith("compute capability 7.5 not supported (metrale-attn launches on 8.0") for r in found), found
 
 
-def test_speculative_decoding_under_mla_is_refused_when_the_layer_is_built_saying_what_to_do(tmp_path):
-    """The simt kernels take one query token a request at 576/512 today: one predicate says so
-    (``options.mla_speculative_refusal``), before any KV cache exists."""
-    assert options.mla_speculative_refusal(None) is None and options.mla_speculative_refusal(0) is None
-    vc = _vllm_config(tmp_path, num_speculative_tokens=1)
-    with pytest.raises(ValueError, match=r"METRALE_ATTN_MLA: speculative decoding \(1 speculative tokens: "
-                                         r"verification batches of 2 query tokens a request\) is not served under "
-                                         r"MLA yet .*without --speculative-config"):
-        _layers(vc)
-
-
-def test_full_cuda_graphs_are_declared_for_single_token_mla_decode_batches(tmp_path):
-    vc = _vllm_config(tmp_path)
+@pytest.mark.parametrize("speculative, batch_invariant, dbo, support, threshold", [
+    (None, False, False, "UNIFORM_BATCH", 1), (2, False, False, "UNIFORM_BATCH", 3),
+    (7, False, False, "UNIFORM_BATCH", 8), (8, False, False, "UNIFORM_SINGLE_TOKEN_DECODE", 1),
+    (2, True, False, "UNIFORM_SINGLE_TOKEN_DECODE", 1), (2, False, True, "UNIFORM_SINGLE_TOKEN_DECODE", 3),
+])
+def test_full_cuda_graphs_and_the_reorder_threshold_follow_the_mla_decode_query_length(
+        tmp_path, monkeypatch, speculative, batch_invariant, dbo, support, threshold):
+    """vLLM captures uniform batches of 1 + speculative tokens a request: full graphs of them where
+    they are our decodes (the GQA backend's rule), of single-token decodes where verification is a
+    prefill (past 7 speculative tokens, batch-invariant mode) or DBO could cut a request in two.
+    vLLM's UNIFORM support raises the reorder threshold to 1 + the speculative tokens; ours is the
+    layer's decode query length, which its ``DecodeAttention`` is built for."""
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1" if batch_invariant else "0")
+    vc = _vllm_config(tmp_path, num_speculative_tokens=speculative)
+    vc.parallel_config.enable_dbo = dbo
     built = _layers(vc)
     builder = _builder(vc, built, 16)
-    assert builder.get_cudagraph_support(vc, built[0].get_kv_cache_spec(vc)) is (
-        AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE)
-    assert builder.reorder_batch_threshold == 1
+    assert builder.query_len_support is vllm_mla.QueryLenSupport.UNIFORM
+    assert builder.get_cudagraph_support(vc, built[0].get_kv_cache_spec(vc)) is getattr(AttentionCGSupport, support)
+    assert builder.reorder_batch_threshold == threshold == built[0].impl.decoder.config.max_q_len
 
 
 # -- forwards through vLLM's MLAAttention -----------------------------------------------------
@@ -355,3 +381,91 @@ def test_on_the_host_the_latent_cache_write_follows_concat_and_cache_mlas_semant
             assert torch.equal(got, rows[token])
     changed = (cache != before).reshape(8 * 16, -1).any(dim=-1).nonzero().flatten().tolist()
     assert set(changed) <= {5 * 16 + 3, 2 * 16 + 15}
+
+
+def _verification_batch(vc, built, requests, rng, **pad):
+    """The layers' caches allocated, the batch of ``requests``, and the builder's metadata for it."""
+    for layer in built:
+        _allocate(layer, 64, 16, rng)
+    b = h.batch(requests, num_heads=1, num_kv_heads=1, head_size=64, num_blocks=64, rng=rng, **pad)
+    return b, _builder(vc, built, 16).build(0, b.cm)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_speculative_verification_runs_as_one_multi_token_mla_decode_and_the_rest_on_vllms_mla_prefill(
+        tmp_path, monkeypatch, kv_cache_dtype):
+    """DeepSeek-V3 with 2 speculative tokens: three verification requests of 3 tokens (ours, one
+    multi-token ``forward_mqa`` call of [3, 3, H, 576]), a request whose drafts came up short (2
+    tokens: the decodes stop being uniform there) and a prompt of 12, both on vLLM's MLA prefill.
+    Every verification token's latent output is within the bar of float64 over its own prefix."""
+    rng = np.random.default_rng(6)
+    calls = _spy_on_decode(monkeypatch)
+    shapes = []
+    real_decode = ours.ModelAttention.decode
+    monkeypatch.setattr(ours.ModelAttention, "decode",
+                        lambda handle, q, *a, **k: shapes.append(tuple(q.shape)) or real_decode(handle, q, *a, **k))
+    prefills = _record_prefills(monkeypatch)
+    vc = _vllm_config(tmp_path, kv_cache_dtype=kv_cache_dtype, num_speculative_tokens=2)
+    built = _layers(vc, 2)
+    if options.is_fp8(kv_cache_dtype):
+        for layer in built:
+            layer._k_scale.fill_(0.5)
+            layer._k_scale_float = 0.5
+    b, md = _verification_batch(vc, built, [(40, 3), (17, 3), (300, 3), (90, 2), (12, 12)], rng)
+    assert (md.num_decodes, md.num_decode_tokens, md.num_prefills, md.decode.q_len) == (3, 9, 2, 3)
+    outs = _forward(vc, built, md, b, rng)
+    assert prefills == [(14, [2, 12], True)] * 2  # the short request's 88 cached tokens are its context
+    assert [call[0] for call in calls] == built
+    for (layer, q, latent), out in zip(calls, outs):
+        assert layer.impl.decoder.config.max_q_len == 3 and layer.impl.decoder.impl == "simt"
+        assert q.shape == (9, layer.num_heads, 576) and latent.shape == (9, layer.num_heads, 512)
+        _check_decode_rows(layer, b, q, latent, 3, f"{layer.layer_name} verification ({kv_cache_dtype})", q_len=3)
+        assert torch.isfinite(out).all() and out.shape == (23, layer.num_heads * layer.v_head_dim)
+    assert shapes == [(3, 3, built[0].num_heads, 576)] * 2
+
+
+def test_a_padded_cuda_graph_bucket_of_verification_requests_decodes_its_padding_to_zeros(tmp_path, monkeypatch):
+    """vLLM pads a uniform batch to its graph's bucket: two requests of 3 tokens padded to four
+    (padding: no query tokens, seq_len 0, their rows' slots -1). All four are decodes of 3
+    tokens; the real rows meet the bar, the padding rows come out zero."""
+    rng = np.random.default_rng(7)
+    calls = _spy_on_decode(monkeypatch)
+    vc = _vllm_config(tmp_path, num_speculative_tokens=2)
+    built = _layers(vc)
+    b, md = _verification_batch(vc, built, [(40, 3), (70, 3)], rng, pad_to=4)
+    assert (md.num_decodes, md.num_decode_tokens, md.decode.q_len, md.decode.seq_lens.shape[0]) == (4, 12, 3, 4)
+    _forward(vc, built, md, b, rng)
+    (layer, q, latent), = calls
+    _check_decode_rows(layer, b, q[:6], latent[:6], 2, "the bucket's real rows", q_len=3)
+    assert torch.equal(latent[6:], torch.zeros_like(latent[6:]))
+
+
+def test_forward_mqa_refuses_query_rows_that_are_not_the_decodes_times_their_query_length(tmp_path):
+    vc = _vllm_config(tmp_path, num_speculative_tokens=2)
+    built = _layers(vc)
+    b, md = _verification_batch(vc, built, [(40, 3), (70, 3)], np.random.default_rng(8))
+    layer = built[0]
+    q = torch.zeros(5, layer.num_heads, 576, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"METRALE_ATTN_MLA decodes 3 query token\(s\) a request: 5 query rows "
+                                         r"for 2 decode requests"):
+        layer.impl.forward_mqa(q, layer.kv_cache, md, layer)
+
+
+def test_in_batch_invariant_mode_verification_requests_stay_on_vllms_mla_prefill(tmp_path, monkeypatch):
+    """Under ``VLLM_BATCH_INVARIANT`` which backend serves a request must not depend on the batch
+    (``options.decode_q_len``): the layer decodes one token a request, a verification request of 3
+    tokens is a prefill, the single-token decodes before it ours, within the bar."""
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
+    rng = np.random.default_rng(9)
+    calls = _spy_on_decode(monkeypatch)
+    prefills = _record_prefills(monkeypatch)
+    vc = _vllm_config(tmp_path, num_speculative_tokens=2)
+    built = _layers(vc)
+    assert built[0].impl.model.max_q_len == 1
+    b, md = _verification_batch(vc, built, [(40, 1), (17, 1), (90, 3), (50, 3)], rng)
+    assert (md.num_decodes, md.num_decode_tokens, md.num_prefills, md.decode.q_len) == (2, 2, 2, 1)
+    _forward(vc, built, md, b, rng)
+    assert prefills == [(6, [3, 3], True)]
+    (layer, q, latent), = calls
+    assert layer.impl.decoder.config.max_q_len == 1 and q.shape[0] == 2
+    _check_decode_rows(layer, b, q, latent, 2, "batch-invariant decode rows")

@@ -117,10 +117,3 @@ def test_under_mla_fp8_e5m2_is_refused_as_a_cache_dtype_and_e4m3_served():
         "kv_cache_dtype not supported": "kv_cache_dtype fp8_e5m2 not supported (metrale-attn MLA: auto, bfloat16, "
                                         "float16, fp8, fp8_e4m3)"}
 
-
-def test_speculative_decoding_under_mla_is_refused_by_one_predicate_and_single_token_decode_is_not():
-    assert options.mla_speculative_refusal(None) is None and options.mla_speculative_refusal(0) is None
-    for tokens in (1, 3, 7):
-        said = options.mla_speculative_refusal(tokens)
-        assert said.startswith(f"speculative decoding ({tokens} speculative tokens: verification batches of "
-                               f"{tokens + 1} query tokens a request) is not served under MLA yet"), said

@@ -361,12 +361,7 @@ class MetraleMetadataBuilder(AttentionMetadataBuilder[MetraleAttentionMetadata])
         (more than 7 speculative tokens, batch-invariant mode, DBO with verification)
         single-token decode batches only: a verification batch would run the prefill
         backend on metadata sliced per step, which a graph cannot replay."""
-        spec = vllm_config.speculative_config
-        uniform = 1 + ((spec.num_speculative_tokens or 0) if spec is not None else 0)
-        ours = _decode_q_len(vllm_config)
-        if ours == uniform and (ours == 1 or not vllm_config.parallel_config.use_ubatching):
-            return AttentionCGSupport.UNIFORM_BATCH
-        return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+        return cudagraph_support(vllm_config)
 
     def __init__(self, kv_cache_spec, layer_names: list[str], vllm_config: VllmConfig, device: torch.device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
@@ -453,6 +448,19 @@ def _max_batch(vllm_config: Optional[VllmConfig]) -> int:
         return 256
     capture = vllm_config.compilation_config.max_cudagraph_capture_size or 0
     return max(vllm_config.scheduler_config.max_num_seqs, -(-capture // _decode_q_len(vllm_config)))
+
+
+def cudagraph_support(vllm_config: VllmConfig) -> AttentionCGSupport:
+    """``UNIFORM_BATCH`` when the uniform batches vLLM captures (1 + the speculative tokens a
+    request) are decode batches of ours, at our ``decode_q_len``, and no micro-batching (DBO)
+    can cut a multi-token request in two; else ``UNIFORM_SINGLE_TOKEN_DECODE``. The GQA and
+    MLA builders both answer with it: both split off uniform decodes of up to ``decode_q_len``."""
+    spec = vllm_config.speculative_config
+    uniform = 1 + ((spec.num_speculative_tokens or 0) if spec is not None else 0)
+    ours = _decode_q_len(vllm_config)
+    if ours == uniform and (ours == 1 or not vllm_config.parallel_config.use_ubatching):
+        return AttentionCGSupport.UNIFORM_BATCH
+    return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
 
 
 def _decode_q_len(vllm_config: Optional[VllmConfig]) -> int:

@@ -14,9 +14,15 @@ query's two halves, which vLLM hands over apart and the kernels read as one row 
 
 What differs from the GQA backend (``backend.py``), and why:
 
-* One query token a request (vLLM's single-only query length support): the ``simt`` kernels take no
-  multi-token decode at 576 yet, so speculative decoding is refused when a layer is built, by one
-  predicate (``options.mla_speculative_refusal``), the line to lift once they do.
+* Speculative decoding and MTP: vLLM's ``UNIFORM`` query length support, as its FlashMLA and
+  Triton MLA backends declare it. A decode is a request of ``decode_q_len`` (1 + the speculative
+  tokens, at most 8) or fewer query tokens, every decode of a step the same length (vLLM's
+  ``require_uniform`` split: a request whose drafts came up short, and all after it, go to the
+  prefill backend), run as one multi-token call (``max_q_len``) on the ``simt`` kernels, token
+  ``t`` of a request of ``L`` keys seeing keys ``0..L-q_len+t``. Under ``VLLM_BATCH_INVARIANT``, or
+  past 7 speculative tokens, ``decode_q_len`` is 1 and verification requests are prefills
+  (``options.decode_q_len``, as the GQA backend). CUDA graphs: uniform decode batches of
+  ``decode_q_len`` tokens a request (``backend.cudagraph_support``).
 * fp8 caches (``fp8``/``fp8_e4m3``, e4m3 bits with vLLM's per-tensor ``_k_scale``): the kernels
   read the layer's ``_k_scale`` tensor on the device (``device_scales``, as the GQA backend reads
   ``_k_scale``/``_v_scale``) for K and V alike: one latent row holds both, quantized with
@@ -27,6 +33,7 @@ What differs from the GQA backend (``backend.py``), and why:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import ClassVar, Optional
 
 import torch
@@ -35,6 +42,7 @@ from vllm.logger import init_logger
 from vllm.model_executor.layers.attention.mla_attention import (
     MLAAttention,
     MLACommonBackend,
+    MLACommonDecodeMetadata,
     MLACommonImpl,
     MLACommonMetadata,
     MLACommonMetadataBuilder,
@@ -46,7 +54,16 @@ from vllm.v1.attention.backend import AttentionCGSupport, AttentionLayer, Attent
 from ...logs import follow_vllm
 from ...serving import ModelAttention
 from . import MLA_BACKEND_NAME, options
-from .backend import KERNEL_BLOCK_SIZES, _capability, _splitk_policy, cache_slots, cache_values, model_attention
+from .backend import (
+    KERNEL_BLOCK_SIZES,
+    _capability,
+    _splitk_policy,
+    cache_slots,
+    cache_values,
+    cudagraph_support,
+    decode_rows,
+    model_attention,
+)
 
 logger = init_logger(__name__)
 follow_vllm()
@@ -108,32 +125,58 @@ class MetraleMLABackend(MLACommonBackend):
         return options.with_what_works(reasons, ours)
 
 
-class MetraleMLAMetadataBuilder(MLACommonMetadataBuilder[MLACommonMetadata]):
-    """vLLM's MLA metadata (decode requests first, one token each; the prefill part built for
-    vLLM's MLA prefill backend), and each layer's ``DecodeAttention`` built once the block size
-    is known. CUDA graphs: single-token decode batches, which run our kernels only, on the
-    persistent seq_lens and block table (padding requests: seq_len 0, zeros out)."""
+@dataclass
+class MetraleMLADecodeMetadata(MLACommonDecodeMetadata):
+    """vLLM's MLA decode metadata and the decodes' one query length (``q_len`` tokens each)."""
 
-    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
-    query_len_support: ClassVar[QueryLenSupport] = QueryLenSupport.SINGLE_ONLY
+    q_len: int = 1
+
+
+class MetraleMLAMetadataBuilder(MLACommonMetadataBuilder[MLACommonMetadata]):
+    """vLLM's MLA metadata (decode requests first, ``q_len`` tokens each, one ``q_len`` a step;
+    the prefill part built for vLLM's MLA prefill backend), and each layer's ``DecodeAttention``
+    built once the block size is known. CUDA graphs (``get_cudagraph_support``): uniform decode
+    batches, which run our kernels only, on the persistent seq_lens and block table (padding
+    requests: seq_len 0, zeros out)."""
+
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH
+    # One query length a call (our multi-token decode takes [seqs, q_len, H, D]): vLLM's split
+    # then keeps the decodes uniform (require_uniform), the rest go to the prefill backend
+    query_len_support: ClassVar[QueryLenSupport] = QueryLenSupport.UNIFORM
+
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config: VllmConfig, kv_cache_spec) -> AttentionCGSupport:
+        """As the GQA backend's (``backend.cudagraph_support``): full graphs of uniform decode
+        batches when those are ours at 1 + the speculative tokens, else of single-token ones."""
+        return cudagraph_support(vllm_config)
 
     def __init__(self, kv_cache_spec, layer_names: list[str], vllm_config: VllmConfig, device: torch.device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         impls = _our_impls(vllm_config, layer_names)
         if not impls:
             raise ValueError(f"{MLA_BACKEND_NAME}: no MLA attention layer of ours among {layer_names}")
+        # vLLM raised the threshold to 1 + the speculative tokens (UNIFORM); ours is lower where
+        # verification is a prefill (batch-invariant mode, past 7 speculative tokens)
+        self.reorder_batch_threshold = impls[0].model.max_q_len
         for impl in impls:
             impl.bind(kv_cache_spec.block_size)
+
+    def _build_decode(self, block_table_tensor: torch.Tensor, seq_lens_device: torch.Tensor, max_seq_len: int,
+                      query_start_loc_cpu: torch.Tensor, query_start_loc_device: torch.Tensor,
+                      num_decode_tokens: int, max_query_len: int,
+                      dcp_tot_seq_lens_device: Optional[torch.Tensor]) -> MetraleMLADecodeMetadata:
+        """The decode requests (vLLM's padding requests of a graph bucket included while their
+        tokens are in the bucket) and their one query length, the layout checked here, once a
+        step (``backend.decode_rows``: equal lengths, padding last)."""
+        requests, q_len = decode_rows(query_start_loc_cpu, query_start_loc_cpu.shape[0] - 1, num_decode_tokens)
+        return MetraleMLADecodeMetadata(block_table=block_table_tensor[:requests],
+                                        seq_lens=seq_lens_device[:requests],
+                                        dcp_tot_seq_lens=dcp_tot_seq_lens_device, q_len=q_len)
 
 
 def _our_impls(vllm_config: VllmConfig, layer_names) -> list["MetraleMLAImpl"]:
     layers = get_layers_from_vllm_config(vllm_config, MLAAttention, layer_names)
     return [layer.impl for layer in layers.values() if isinstance(layer.impl, MetraleMLAImpl)]
-
-
-def _speculative_tokens(vllm_config: Optional[VllmConfig]) -> Optional[int]:
-    spec = getattr(vllm_config, "speculative_config", None)
-    return None if spec is None else spec.num_speculative_tokens
 
 
 class MetraleMLAImpl(MLACommonImpl[MLACommonMetadata]):
@@ -158,9 +201,6 @@ class MetraleMLAImpl(MLACommonImpl[MLACommonMetadata]):
                              f"{HEAD_SIZE} (+ a qk_rope_head_dim of {HEAD_SIZE - V_HEAD_DIM}), got kv_lora_rank "
                              f"{self.kv_lora_rank} and head size {head_size}")
         vllm_config = get_current_vllm_config()
-        speculative = options.mla_speculative_refusal(_speculative_tokens(vllm_config))
-        if speculative is not None:
-            raise ValueError(f"{MLA_BACKEND_NAME}: {speculative}")
         model_dtype = vllm_config.model_config.dtype if vllm_config.model_config else torch.get_default_dtype()
         if str(model_dtype) not in options.MODEL_DTYPES:
             raise ValueError(f"{MLA_BACKEND_NAME} takes torch.bfloat16 or torch.float16 activations, got {model_dtype}")
@@ -216,22 +256,25 @@ class MetraleMLAImpl(MLACommonImpl[MLACommonMetadata]):
                     layer: AttentionLayer) -> tuple[torch.Tensor, None]:
         """The decode rows' latent output ``[rows, num_heads, 512]`` (and no lse). ``q``: ``[rows,
         num_heads, 576]``, or vLLM's ``(ql_nope [rows, H, 512], q_pe [rows, H, 64])``, joined once;
-        the cache ``[blocks, block_size, 576]`` (fp8: e4m3 values, or their uint8 bits)."""
+        rows are the decode requests' ``q_len`` tokens each, request-major. The cache ``[blocks,
+        block_size, 576]`` (fp8: e4m3 values, or their uint8 bits)."""
         if isinstance(q, tuple):
             q = torch.cat(q, dim=-1)
         decode = attn_metadata.decode
         rows = q.shape[0]
-        if decode is None or decode.seq_lens.shape[0] != rows:
-            raise ValueError(f"{MLA_BACKEND_NAME} decodes one query token a request: {rows} query rows for "
-                             f"{None if decode is None else decode.seq_lens.shape[0]} decode requests")
+        requests, q_len = (0, 1) if decode is None else (decode.seq_lens.shape[0], decode.q_len)
+        if decode is None or rows != requests * q_len:
+            raise ValueError(f"{MLA_BACKEND_NAME} decodes {q_len} query token(s) a request: {rows} query rows for "
+                             f"{None if decode is None else requests} decode requests")
         cache = kv_c_and_k_pe_cache.unsqueeze(2)  # NHD [blocks, block_size, 1 latent head, 576]
-        out = q.new_empty(rows, self.num_heads, V_HEAD_DIM)
+        lead = (requests, q_len) if q_len > 1 else (rows,)  # multi-token decode: [requests, q_len, H, D]
+        out = q.new_empty(*lead, self.num_heads, V_HEAD_DIM)
         # One latent row holds K and V, quantized with the layer's one scale: its fp32 tensor, read by the
         # kernels (a captured graph follows a reload that changes it; nothing syncs to read it)
         scales = dict(k_scales=layer._k_scale, v_scales=layer._k_scale) if self.fp8 else {}
-        ModelAttention.decode(self._handle, q, cache, cache[..., :V_HEAD_DIM], decode.block_table, decode.seq_lens,
-                              out, **scales)
-        return out, None
+        ModelAttention.decode(self._handle, q.view(*lead, self.num_heads, HEAD_SIZE), cache, cache[..., :V_HEAD_DIM],
+                              decode.block_table, decode.seq_lens, out, **scales)
+        return out.view(rows, self.num_heads, V_HEAD_DIM), None
 
 
 def write_mla_cache(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, *,

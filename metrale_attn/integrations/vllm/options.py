@@ -259,15 +259,3 @@ def mla_selection_refusals(*, head_size: int, dtype: str, kv_cache_dtype: Option
             f"{MLA_V_HEAD_DIM} + a qk_rope_head_dim of {MLA_HEAD_SIZE - MLA_V_HEAD_DIM}: DeepSeek-V2/V3/R1, Kimi-K2)")
     return reasons
 
-
-def mla_speculative_refusal(num_speculative_tokens: Optional[int]) -> Optional[str]:
-    """Why MLA decode with this many speculative tokens is not ours, or None: the ONE place
-    that says MLA is single-token decode only. The ``simt`` kernels, the only ones at 576/512,
-    take one query token per sequence at that shape today; lift this when they take
-    ``max_q_len`` up to ``MAX_Q_LEN`` there (``layer_refusal`` then says what is left)."""
-    if not num_speculative_tokens:
-        return None
-    return (f"speculative decoding ({num_speculative_tokens} speculative tokens: verification batches of "
-            f"{1 + num_speculative_tokens} query tokens a request) is not served under MLA yet (metrale-attn decodes "
-            f"one query token a request at {MLA_HEAD_SIZE}/{MLA_V_HEAD_DIM}); serve this model without "
-            "--speculative-config, or select another MLA backend (TRITON_MLA, FLASHMLA, ...)")
