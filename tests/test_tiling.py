@@ -203,7 +203,7 @@ def attn_specs(attn):
 def test_the_heaviest_99_kib_tilings_compile_for_consumer_blackwell_with_no_stack_frame_and_no_spills(arch):
     """Every feature at once, 2 warps at head dim 256 and 4 warps of 2 stages at 128 x 16 rows: the
     99 KiB specs CI's arch matrix (sized for sm_90) does not build."""
-    heaviest = [replace(v, smem_limit=99 * 1024) for v in all_specs() if len(v.features) > 1]
+    heaviest = [replace(v, smem_limit=99 * 1024) for v in all_specs() if v.impl == "mma" and len(v.features) > 1]
     assert {v.tiling.warps for v in heaviest} == {2, 4}
     for v in heaviest:
         _, log = nvrtc_build(v, arch)
