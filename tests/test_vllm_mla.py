@@ -20,16 +20,7 @@ vllm = import_vllm()
 import torch  # noqa: E402  (after the skip: vLLM brings its torch)
 import vllm.model_executor.layers.attention.mla_attention as vllm_mla  # noqa: E402
 import vllm.utils.torch_utils as vllm_torch_utils  # noqa: E402
-from vllm.config import (  # noqa: E402
-    AttentionConfig,
-    CacheConfig,
-    DeviceConfig,
-    ModelConfig,
-    SchedulerConfig,
-    SpeculativeConfig,
-    VllmConfig,
-    set_current_vllm_config,
-)
+from vllm.config import AttentionConfig, ModelConfig, VllmConfig, set_current_vllm_config  # noqa: E402
 from vllm.forward_context import set_forward_context  # noqa: E402
 from vllm.platforms.interface import DeviceCapability  # noqa: E402
 from vllm.utils.torch_utils import set_default_torch_dtype  # noqa: E402
@@ -67,15 +58,9 @@ def _vllm_config(tmp_path, fixture: str = "deepseek-v3.json", *, kv_cache_dtype:
     config.pop("quantization_config", None)
     (tmp_path / "config.json").write_text(json.dumps(config))
     model = ModelConfig(model=str(tmp_path), skip_tokenizer_init=True, dtype="bfloat16", max_model_len=4096)
-    spec = None
-    if num_speculative_tokens:
-        spec = SpeculativeConfig(method="ngram", num_speculative_tokens=num_speculative_tokens, prompt_lookup_max=3,
-                                 prompt_lookup_min=1)
-    return VllmConfig(model_config=model, cache_config=CacheConfig(block_size=block_size, cache_dtype=kv_cache_dtype),
-                      device_config=DeviceConfig(device="cpu"), speculative_config=spec,
-                      attention_config=AttentionConfig(backend=AttentionBackendEnum["METRALE_ATTN_MLA"]),
-                      scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=4096, max_model_len=4096,
-                                                       is_encoder_decoder=False))
+    return h.cpu_config(model, block_size=block_size, num_speculative_tokens=num_speculative_tokens,
+                        kv_cache_dtype=kv_cache_dtype,
+                        attention_config=AttentionConfig(backend=AttentionBackendEnum["METRALE_ATTN_MLA"]))
 
 
 class _KvBProj(torch.nn.Module):

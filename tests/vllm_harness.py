@@ -70,6 +70,15 @@ def config(root: Path, *, num_heads: int = 4, num_kv_heads: int = 2, head_size: 
     """A ``VllmConfig`` on the CPU device for a small model of this attention shape."""
     model = ModelConfig(model=model_dir(root, num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size),
                         skip_tokenizer_init=True, dtype=dtype, max_model_len=4096)
+    return cpu_config(model, block_size=block_size, max_num_seqs=max_num_seqs,
+                      num_speculative_tokens=num_speculative_tokens, kv_cache_dtype=kv_cache_dtype)
+
+
+def cpu_config(model: ModelConfig, *, block_size: int = 16, max_num_seqs: int = 8,
+               num_speculative_tokens: Optional[int] = None, kv_cache_dtype: str = "auto",
+               **configs) -> VllmConfig:
+    """A ``VllmConfig`` of ``model`` on the CPU device (``configs``: more of its parts, e.g.
+    ``attention_config``); speculative decoding by n-gram drafts when asked."""
     spec = None
     if num_speculative_tokens:
         spec = SpeculativeConfig(method="ngram", num_speculative_tokens=num_speculative_tokens, prompt_lookup_max=3,
@@ -77,7 +86,7 @@ def config(root: Path, *, num_heads: int = 4, num_kv_heads: int = 2, head_size: 
     return VllmConfig(model_config=model, cache_config=CacheConfig(block_size=block_size, cache_dtype=kv_cache_dtype),
                       device_config=DeviceConfig(device="cpu"), speculative_config=spec,
                       scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=4096,
-                                                       max_model_len=4096, is_encoder_decoder=False))
+                                                       max_model_len=4096, is_encoder_decoder=False), **configs)
 
 
 def layers(vc: VllmConfig, count: int = 1, *, num_heads: int = 4, num_kv_heads: int = 2, head_size: int = 64,
