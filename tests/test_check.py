@@ -18,6 +18,7 @@ from metrale_attn.check.cells import (Cell, Named, arms_for, cache_bytes_per_tok
 from metrale_attn.cli import main
 from metrale_attn.precompile import Layer
 
+from support.backends import SpecRecorder
 from support.optional import import_torch
 
 DOUBLES = pathlib.Path(__file__).parent / "support" / "check_doubles.py"
@@ -222,30 +223,6 @@ def test_a_check_of_wide_layers_runs_the_simt_kernels_under_mma_within_the_bar_a
     assert "splitk (simt)" in (tmp_path / "report.md").read_text()
 
 
-class _SpecRecorder:
-    """A CPU backend that records the name of every kernel spec it launches."""
-
-    def __new__(cls):
-        from metrale_attn.backends.cpu_backend import CpuBackend
-
-        class Recorder(CpuBackend):
-            def __init__(self):
-                super().__init__()
-                self.launched = []
-
-            def load(self, spec):
-                module, launched = super().load(spec), self.launched
-
-                class Recording:
-                    def launch(self, launch):
-                        launched.append(spec.name)
-                        module.launch(launch)
-
-                return Recording()
-
-        return Recorder()
-
-
 @pytest.mark.filterwarnings("ignore:.*has no mma kernel:RuntimeWarning")
 def test_the_checks_count_of_v_read_from_k_is_the_binders_own_choice_of_kernel(tmp_path):
     """The bytes a check divides by follow ``binding.CallBinder._v_in_k``: the MLA cell whose result
@@ -254,9 +231,9 @@ def test_the_checks_count_of_v_read_from_k_is_the_binders_own_choice_of_kernel(t
 
     for kv in ("bf16", "fp8"):
         worker = Worker("mma", "cpu", str(tmp_path / f"events_{kv}.jsonl"))
-        worker.backend = _SpecRecorder()
+        worker.backend = SpecRecorder()
         result = worker.correct(Cell("correct", "mma", MLA, kv, arm="unpacked"))
-        launched = [name for name in worker.backend.launched if "merge" not in name]
+        launched = [name for name in worker.backend.specs if "merge" not in name]
         assert result["status"] == "ok" and launched, result
         assert all(name.endswith("_vink") == result["v_read_from_k"] for name in launched), launched
         assert result["v_read_from_k"] == (kv == "bf16")

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from metrale_attn import DecodeAttention
-from metrale_attn.backends.cpu_backend import CpuBackend
 from metrale_attn.config import ModelShape
 from metrale_attn.kernels import KernelSpec
 
+from support.backends import SpecRecorder
 from support.problems import check_against_reference, decoder, pick, problem, run_poisoned
 
 MLA = dict(num_q_heads=16, num_kv_heads=1, head_dim=576)
@@ -159,28 +159,10 @@ def test_multi_token_decode_at_576_512_runs_simt_and_a_window_there_is_refused_n
                         max_q_len=2, window_left=8)
 
 
-class _SpecRecorder(CpuBackend):
-    """A CPU backend that records the spec name of every launch."""
-
-    def __init__(self):
-        super().__init__()
-        self.specs = []
-
-    def load(self, spec):
-        module, specs = super().load(spec), self.specs
-
-        class Recording:
-            def launch(self, launch):
-                specs.append(spec.name)
-                module.launch(launch)
-
-        return Recording()
-
-
 @pytest.mark.parametrize("splitk", ["off", "3"])
 def test_v_read_from_ks_registers_exactly_where_v_cache_is_k_caches_first_512_dims_with_the_same_bytes(splitk):
     p = mla_problem(seed=9, seq_lens=(0, 45, 7), kv="bf16")
-    be = _SpecRecorder()
+    be = SpecRecorder()
     attn = decoder(p, backend=be, splitk=splitk)
     shifted = np.empty(p.k_cache.shape[:-1] + (576 + 512,), p.k_cache.dtype)  # V at an offset of another row
     shifted[..., :576], shifted[..., 576:] = p.k_cache, p.v_cache
@@ -200,7 +182,7 @@ def test_v_read_from_ks_registers_exactly_where_v_cache_is_k_caches_first_512_di
 
 
 def test_the_aliased_and_separate_kernels_both_compile_at_construction_and_run_never_compiles():
-    be = _SpecRecorder()
+    be = SpecRecorder()
     loaded = []
     original = be.load
     be.load = lambda spec: (loaded.append(spec.name), original(spec))[1]
@@ -219,7 +201,7 @@ def test_fp16_and_fp8_caches_read_v_on_its_own_even_when_it_aliases_k():
     with pytest.raises(ValueError, match="v_in_k"):
         KernelSpec("unpacked", 576, "bf16", "fp8", "simt", v_head_dim=512, v_in_k=True)
     p = mla_problem(seed=3, seq_lens=(20,), kv="fp8")
-    be = _SpecRecorder()
+    be = SpecRecorder()
     check_against_reference(p, *run_poisoned(decoder(p, backend=be, splitk="off"), p))
     assert be.specs == ["simt_decode_unpacked_qbf16_kvfp8_hd576_v512"]
 

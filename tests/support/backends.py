@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from metrale_attn.backends import cuda_available
+from metrale_attn.backends.cpu_backend import CpuBackend
 
 CPU, GPU = "cpu", "cupy"
 
@@ -53,3 +54,22 @@ def to_host(array) -> np.ndarray:
     import cupy
 
     return cupy.asnumpy(array)
+
+
+class SpecRecorder(CpuBackend):
+    """A CPU backend that records the spec name of every launch, in order (``specs``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.specs = []
+
+    def load(self, spec):
+        module, specs = super().load(spec), self.specs
+
+        class Recording:
+            def launch(self, launch):
+                specs.append(spec.name)
+                module.launch(launch)
+
+        return Recording()
+
