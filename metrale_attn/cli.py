@@ -13,13 +13,13 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from .cache import cache_root
-from .config import ENV_IMPL, ModelShape, configure, impl_chosen
+from .config import ENV_IMPL, configure, impl_chosen
 from .kernels import launchable_config
 from .models import MODELS
 from .plan import LEGACY_MAX_DECODE_SEQS, make_plan, workspace_for
 from .policy import parse_gqa_pack
 from .precompile import (FEATURE_FLAGS, SHAPE_FLAGS, Layer, Model, Options, PrecompileError, build_all, check_nvrtc,
-                         describe_model, not_served, plan_targets, target_for_arch)
+                         describe_model, layer_shape, not_served, plan_targets, target_for_arch)
 from .targets import TARGETS, get_target, resolve_target_policy
 
 SKIPPED_EXIT = 3
@@ -79,7 +79,7 @@ def _plan_rows(args: argparse.Namespace, target_policy, layer: Layer, title: str
     unserved = not_served(layer)
     if unserved is not None:
         return [f"{title}: {layer.shape()}: {unserved}"]
-    shape = ModelShape(layer.num_q_heads, layer.num_kv_heads, layer.head_dim, layer.v_head_dim)
+    shape = layer_shape(layer)
     max_batch = max(max(args.batch), 1) if args.max_batch is None else args.max_batch
     workspace = workspace_for(target_policy, shape, max_batch=max_batch, max_decode_seqs=args.max_decode_seqs)
     # What the library would run: the flags, else the same environment variables it reads.

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Optional, Sequence
 
 from .cache import cache_root
-from .config import ENV_IMPL, HEAD_DIMS, NARROW_V_SHAPES, SIMT_ONLY_HEAD_DIMS, configure, impl_chosen, int_in
+from .config import ENV_IMPL, HEAD_DIMS, NARROW_V_SHAPES, SIMT_ONLY_HEAD_DIMS, ModelShape, configure, impl_chosen, int_in
 from . import hf_config
 from .hf_config import HFModel, shard_heads
 from .kernels import SelfTest, launchable_config, mma_shape_refusal, specs_for
@@ -75,6 +75,16 @@ class Layer:
         return f"{self.num_q_heads} q heads, {self.num_kv_heads} KV heads, head_dim {self.head_dim}{narrow}"
 
 
+def layer_shape(layer: Layer) -> ModelShape:
+    """The layer's heads and widths as a ``ModelShape`` (a served shape: ``not_served`` is None)."""
+    return ModelShape(layer.num_q_heads, layer.num_kv_heads, layer.head_dim, layer.v_head_dim)
+
+
+def v_head_dim_of(layer: Layer) -> int:
+    """The layer's value (and output) width: ``v_head_dim``, or ``head_dim`` where None."""
+    return layer.head_dim if layer.v_head_dim is None else layer.v_head_dim
+
+
 def not_served(layer: Layer) -> Optional[str]:
     """Why no target of this version serves ``layer``'s shape, whatever the options (None: a
     target may): values narrower than keys other than MLA's absorbed (576, 512) over one latent
@@ -83,7 +93,7 @@ def not_served(layer: Layer) -> Optional[str]:
     K's projection and is cached apart, as wide as K). Said
     with what the layer is (MLA's absorbed latent head, Gemma 4's V from K's projection), so a
     reader knows which model part waits."""
-    v_head_dim = layer.head_dim if layer.v_head_dim is None else layer.v_head_dim
+    v_head_dim = v_head_dim_of(layer)
     if v_head_dim == layer.head_dim and (layer.head_dim <= max(HEAD_DIMS) or layer.head_dim in SIMT_ONLY_HEAD_DIMS):
         return None
     if (layer.head_dim, v_head_dim) in NARROW_V_SHAPES and layer.num_kv_heads == 1:

@@ -244,10 +244,10 @@ def test_sdpa_over_a_gathered_mla_cache_and_a_512_wide_one_matches_the_float64_r
     group folded into the query axis): CPU PyTorch, against the same float64 decode ours is held to."""
     import_torch()
     from metrale_attn.check import data, peers
-    from metrale_attn.check.cells import model_shape_of
+    from metrale_attn.precompile import layer_shape
 
     for layer, kv in ((MLA, "bf16"), (MLA, "fp8"), (WIDE, "bf16")):
-        pool = data.GpuPool(model_shape_of(layer), kv, 16, 12, seed=1, device="cpu", v_in_k=layer.v_in_k)
+        pool = data.GpuPool(layer_shape(layer), kv, 16, 12, seed=1, device="cpu", v_in_k=layer.v_in_k)
         assert (pool.v.data_ptr() == pool.k.data_ptr()) == layer.v_in_k
         row = layer.head_dim + (0 if layer.v_in_k else layer.head_dim)  # MLA's pool is its one latent cache
         assert pool.nbytes == 12 * 16 * layer.num_kv_heads * row * (1 if kv == "fp8" else 2)

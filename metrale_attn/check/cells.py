@@ -32,12 +32,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Optional, Sequence
 
-from ..config import ModelShape
 from ..hf_config import shard_heads
 from ..kernels import V_IN_K_KV_DTYPES, mma_shape_refusal_of
 from ..models import model_shape
 from ..policy import gqa_pack_shape_ok
-from ..precompile import Layer, preset_layer
+from ..precompile import Layer, layer_shape, preset_layer, v_head_dim_of
 
 OURS = ("mma", "simt")
 """Our implementations (``DecodeAttention(impl=...)``), the default first."""
@@ -72,20 +71,11 @@ def shape_of(layer: Layer) -> str:
     return f"{layer.num_q_heads}/{layer.num_kv_heads}/{layer.head_dim}{narrow}"
 
 
-def v_head_dim_of(layer: Layer) -> int:
-    """The layer's value (and output) width: ``v_head_dim``, or ``head_dim`` where None."""
-    return layer.head_dim if layer.v_head_dim is None else layer.v_head_dim
-
-
-def model_shape_of(layer: Layer) -> ModelShape:
-    return ModelShape(layer.num_q_heads, layer.num_kv_heads, layer.head_dim, v_head_dim_of(layer))
-
-
 def mma_runs_simt(layer: Layer) -> Optional[str]:
     """Why an ``mma`` request of ``layer`` runs the ``simt`` kernels on every device (the mma core
     has no kernel of its shape: ``kernels.mma_shape_refusal``), or None. Not a fallback: no
     self-test decides it, and the construction says so."""
-    return mma_shape_refusal_of(model_shape_of(layer))
+    return mma_shape_refusal_of(layer_shape(layer))
 
 
 def reads_v_from_k(layer: Layer, kv_dtype: str, impl: str) -> bool:

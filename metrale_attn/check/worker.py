@@ -33,8 +33,9 @@ from .. import tolerance
 from ..attention import DecodeAttention
 from ..backends import get_backend
 from ..problems import make_problem
+from ..precompile import layer_shape, v_head_dim_of
 from .cells import (ARM_OPTIONS, CORRECT_SEQ_LENS, OURS, PAGE_SIZE, Cell, cache_bytes_per_token, features_of,
-                    model_shape_of, mma_runs_simt, peer_refusal, reads_v_from_k, v_head_dim_of)
+                    mma_runs_simt, peer_refusal, reads_v_from_k)
 from .data import check_seqs
 
 EXIT_FAULT = 3
@@ -231,7 +232,7 @@ class Worker:
             pools.clear()  # one pool at a time: free the last before the next
             gc.collect()
             torch.cuda.empty_cache()
-            pools[key] = GpuPool(model_shape_of(layer), cell.kv_dtype, PAGE_SIZE,
+            pools[key] = GpuPool(layer_shape(layer), cell.kv_dtype, PAGE_SIZE,
                                  max(pages, self._pool_pages.get(key, 0)), seed=self.seed, v_in_k=layer.v_in_k)
         case = pools[key].case(cell.batch, cell.context, layer.num_q_heads)
         timer.synchronize_device()
