@@ -7,8 +7,10 @@ implementation and not the run, and that the GPU timing half runs every step on 
 from __future__ import annotations
 
 import json
+import math
 import pathlib
 import sys
+from dataclasses import asdict
 
 import pytest
 
@@ -16,7 +18,7 @@ from metrale_attn.check import CheckOptions, model_layers, run_check
 from metrale_attn.check.cells import (Cell, Named, arms_for, cache_bytes_per_token, parse_cells, parse_points,
                                       peer_refusal, plan_cells)
 from metrale_attn.cli import main
-from metrale_attn.precompile import Layer
+from metrale_attn.precompile import Layer, layer_shape
 
 from support.backends import SpecRecorder
 from support.optional import import_torch
@@ -239,6 +241,37 @@ def test_the_checks_count_of_v_read_from_k_is_the_binders_own_choice_of_kernel(t
         assert result["v_read_from_k"] == (kv == "bf16")
 
 
+@pytest.mark.parametrize("sm_scale", [1.0, 0.03])
+def test_a_check_runs_a_layer_at_its_models_softmax_scale_in_the_kernel_and_the_reference_alike(tmp_path, monkeypatch,
+                                                                                                 sm_scale):
+    """A config's scale (Gemma 4's 1, DeepSeek's YaRN scale) reaches the ``DecodeAttention`` a cell
+    builds, the float64 reference it is held to (a kernel at one scale against a reference at another
+    fails the bar), the timing path's case, and the report's layer line."""
+    from metrale_attn.check import data, report, worker as worker_module
+    from metrale_attn.check.worker import Worker
+
+    built = []
+
+    class Recording(worker_module.DecodeAttention):
+        def __init__(self, *args, **kwargs):
+            built.append(kwargs.get("sm_scale"))
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(worker_module, "DecodeAttention", Recording)
+    layer = Layer("scaled", 4, 1, 64, sm_scale=sm_scale)
+    worker = Worker("mma", "cpu", str(tmp_path / "events.jsonl"))
+    for arm in ("unpacked", "splitk"):
+        result = worker.correct(Cell("correct", "mma", layer, "bf16", arm=arm))
+        assert result["status"] == "ok", result
+    assert built == [sm_scale, sm_scale]
+    import_torch()
+    pool = data.GpuPool(layer_shape(layer), "bf16", 16, 4, seed=1, device="cpu")
+    assert pool.case(1, 20, sm_scale=layer.sm_scale).sm_scale == sm_scale
+    assert pool.case(1, 20).sm_scale == 64 ** -0.5
+    assert report._layer_text(asdict(layer)) == f"scaled 4/1/64 sm_scale {sm_scale:g}"
+    assert report._layer_text(asdict(TINY)) == "tiny 4/1/64"
+
+
 def test_sdpa_over_a_gathered_mla_cache_and_a_512_wide_one_matches_the_float64_reference_on_the_cpu():
     """The SDPA peer takes V narrower than K (MLA's view of the latent cache) and head dim 512 (its
     group folded into the query axis): CPU PyTorch, against the same float64 decode ours is held to."""
@@ -348,6 +381,9 @@ def test_metrale_attn_check_runs_the_layers_of_the_gemma_4_and_deepseek_configs_
     result = json.loads((out / "report.json").read_text())
     assert {r["cell"].split()[2] for r in result["correctness"]} == shapes
     assert all(r["status"] == "ok" for r in result["correctness"])
+    # At the model's own scale: Gemma 4's logits unscaled, DeepSeek-V3's 1/sqrt(192) times YaRN's mscale^2.
+    model_scale = 1.0 if "gemma" in config else 192 ** -0.5 * (0.1 * math.log(40) + 1) ** 2
+    assert [layer["sm_scale"] for layer in result["layers"]] == pytest.approx([model_scale] * len(result["layers"]))
 
 
 @pytest.mark.slow

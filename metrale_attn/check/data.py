@@ -118,8 +118,10 @@ class GpuPool:
         """Device bytes of the pool: K's, and V's where V is a pool of its own."""
         return (self.k.numel() + (0 if self.v_in_k else self.v.numel())) * self.k.element_size()
 
-    def case(self, batch: int, context: int, num_q_heads: Optional[int] = None) -> Case:
-        """Tensors of one configuration: random q, pages drawn without replacement from the pool."""
+    def case(self, batch: int, context: int, num_q_heads: Optional[int] = None,
+             sm_scale: Optional[float] = None) -> Case:
+        """Tensors of one configuration: random q, pages drawn without replacement from the pool;
+        ``sm_scale`` the layer's (None: ``1 / sqrt(head_dim)``, ``DecodeAttention``'s default)."""
         torch, s = self.torch, self.shape
         heads = num_q_heads or s.num_q_heads
         pages = -(-context // self.page_size)
@@ -130,7 +132,7 @@ class GpuPool:
         return Case(q=q, k_pool=self.k, v_pool=self.v, block_tables=table.view(batch, pages).to(torch.int32),
                     seq_lens=torch.full((batch,), context, dtype=torch.int32, device=self.device), context=context,
                     page_size=self.page_size, num_kv_heads=s.num_kv_heads, k_scale=self.scale, v_scale=self.scale,
-                    sm_scale=1.0 / math.sqrt(s.head_dim), kv_dtype=self.kv_dtype)
+                    sm_scale=1.0 / math.sqrt(s.head_dim) if sm_scale is None else sm_scale, kv_dtype=self.kv_dtype)
 
 
 # -- the output against float64 ---------------------------------------------------------------

@@ -183,9 +183,12 @@ def short_table(result: dict) -> list[str]:
 
 
 def _layer_text(layer: dict) -> str:
-    """``llama-3-8b 32/8/128``, ``deepseek-v3 128/1/576/512`` (V's width where narrower), or the shape alone."""
+    """``llama-3-8b 32/8/128``, ``deepseek-v3 128/1/576/512`` (V's width where narrower), or the shape
+    alone; then the softmax scale where the model's config sets one (``full 8/1/512 sm_scale 1``)."""
     shape = shape_of(Layer(**layer))
-    return shape if layer["name"] == shape else f"{layer['name']} {shape}"
+    text = shape if layer["name"] == shape else f"{layer['name']} {shape}"
+    scale = layer.get("sm_scale")
+    return text if scale is None else f"{text} sm_scale {scale:.6g}"
 
 
 def markdown(result: dict, plot: Optional[str], plot_note: Optional[str]) -> str:

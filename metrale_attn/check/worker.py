@@ -136,10 +136,11 @@ class Worker:
         got_lse = np.asarray(be.host_copy(lse))
 
         ref_features = dict(features, sinks=sinks) if layer.sinks else features
-        ref_out, ref_lse = problem.reference(return_lse=True, **ref_features)
+        ref_out, ref_lse = problem.reference(return_lse=True, sm_scale=layer.sm_scale, **ref_features)
         ok = tolerance.close_to_reference_mask(
             got, ref_out, v_absmax=problem.v_absmax(),
-            logit_absmax=lambda: problem.logit_absmax(logits_soft_cap=layer.logits_soft_cap, sinks=sinks))
+            logit_absmax=lambda: problem.logit_absmax(sm_scale=layer.sm_scale, logits_soft_cap=layer.logits_soft_cap,
+                                                      sinks=sinks))
         ulps = tolerance.ulp_distance(got, tolerance.round_to(ref_out, got.dtype))
         # The ulps of the elements the near-zero allowance does not cover: those the ulp bar judges.
         judged = np.abs(got.astype(np.float64) - ref_out) > tolerance.near_zero_allowance(problem.v_absmax())
@@ -161,12 +162,13 @@ class Worker:
         return result
 
     def _attention(self, cell: Cell, max_batch: int, **options) -> DecodeAttention:
-        """The cell's layer as a ``DecodeAttention`` of ``cell.impl`` with its features and value width."""
+        """The cell's layer as a ``DecodeAttention`` of ``cell.impl`` with its features, value width and
+        softmax scale (the model's, where its config gives one: Gemma 4's 1, DeepSeek's YaRN scale)."""
         layer = cell.layer
         return DecodeAttention(layer.num_q_heads, layer.num_kv_heads, layer.head_dim, PAGE_SIZE, q_dtype="bfloat16",
                                kv_dtype="fp8_e4m3" if cell.kv_dtype == "fp8" else "bfloat16", max_batch=max_batch,
-                               v_head_dim=layer.v_head_dim, impl=impl_argument(cell), backend=self.backend,
-                               **options, **features_of(layer))
+                               v_head_dim=layer.v_head_dim, sm_scale=layer.sm_scale, impl=impl_argument(cell),
+                               backend=self.backend, **options, **features_of(layer))
 
     def perturbed(self, cell: Cell, got: np.ndarray) -> np.ndarray:
         """The output as checked. A hook for the check's own tests (``tests/support/check_doubles.py``
@@ -234,7 +236,7 @@ class Worker:
             torch.cuda.empty_cache()
             pools[key] = GpuPool(layer_shape(layer), cell.kv_dtype, PAGE_SIZE,
                                  max(pages, self._pool_pages.get(key, 0)), seed=self.seed, v_in_k=layer.v_in_k)
-        case = pools[key].case(cell.batch, cell.context, layer.num_q_heads)
+        case = pools[key].case(cell.batch, cell.context, layer.num_q_heads, sm_scale=layer.sm_scale)
         timer.synchronize_device()
         return case
 
