@@ -1,8 +1,8 @@
 """Kernel sources: reading ``kernels_cu/``, inlining its includes, and what the Python side
 reads back from the text (constants, and each kernel's parameter list: the launch ABI).
 
-Sources are read from ``kernels_cu/`` with ``importlib.resources`` (the directory
-ships inside the wheel as ``metrale_attn.kernels_cu``, its ``simt/`` folder too);
+Sources are read from a checkout's ``kernels_cu/``, or from an install's with ``importlib.resources``
+(the directory ships inside the wheel as ``metrale_attn.kernels_cu``, its ``simt/`` folder too);
 ``#include "x.cuh"`` names a header by its path under ``kernels_cu/`` (``pd_common.cuh``,
 ``simt/simt_core.cuh``) and is inlined textually with ``#line`` directives, so both
 compilers see one self-contained string and their errors name the real file and line.
@@ -51,12 +51,16 @@ class KernelSourceError(RuntimeError):
 
 @functools.cache
 def _source_dir():
-    """``metrale_attn/kernels_cu`` of an install, else ``kernels_cu/`` of a source checkout
-    run without installing (the GPU check runs that way on a bare machine)."""
-    try:
-        return importlib.resources.files(SOURCE_PACKAGE)
-    except ModuleNotFoundError:
-        return pathlib.Path(__file__).resolve().parent.parent / "kernels_cu"
+    """The kernel sources of this copy of the package: a source checkout's ``kernels_cu/`` (beside
+    the package's folder, the checkout marked by its ``pyproject.toml``), installed or not (the GPU
+    check runs uninstalled on a bare machine); else ``metrale_attn/kernels_cu`` of an install. The
+    checkout comes first because an editable install's import mapping names *its* checkout's
+    folder: a second checkout (a git worktree) imported first on ``sys.path`` would otherwise
+    compile the installed checkout's kernels, not its own."""
+    root = pathlib.Path(__file__).resolve().parent.parent
+    if (root / "pyproject.toml").is_file() and (root / "kernels_cu" / COMMON_HEADER).is_file():
+        return root / "kernels_cu"
+    return importlib.resources.files(SOURCE_PACKAGE)
 
 
 @functools.cache

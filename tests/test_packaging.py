@@ -95,6 +95,25 @@ def test_the_shim_builds_and_launches_from_a_non_editable_install(wheel, tmp_pat
     assert r.returncode == 0, r.stderr
 
 
+def test_a_second_checkout_imported_through_pythonpath_compiles_its_own_kernel_sources(tmp_path):
+    """A git worktree tested with ``PYTHONPATH=<worktree>`` beside an editable install of another
+    checkout: the editable install maps ``metrale_attn.kernels_cu`` to its own checkout's folder,
+    so the worktree's kernel edits would go untested; the sources are the importing checkout's."""
+    checkout = tmp_path / "worktree"
+    shutil.copytree(ROOT / "metrale_attn", checkout / "metrale_attn", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(ROOT / "kernels_cu", checkout / "kernels_cu")
+    shutil.copy(ROOT / "pyproject.toml", checkout)
+    marker = "// an edit in the worktree only"
+    header = checkout / "kernels_cu" / "pd_common.cuh"
+    header.write_text(header.read_text() + marker + "\n")
+    code = ("import metrale_attn, metrale_attn.sources as s\n"
+            f"assert metrale_attn.__file__.startswith({str(checkout)!r}), metrale_attn.__file__\n"
+            f"assert {marker!r} in s.read_source('pd_common.cuh'), s._source_dir()\n")
+    env = dict(os.environ, PYTHONPATH=str(checkout))
+    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
 def test_the_console_script_is_declared_and_names_a_function_that_exists():
     with open(ROOT / "pyproject.toml", "rb") as f:
         scripts = tomllib.load(f)["project"]["scripts"]
