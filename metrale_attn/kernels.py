@@ -323,6 +323,7 @@ def all_specs() -> list[KernelSpec]:
     arms among them), and the feature specs CI compiles:
     each feature alone on every mma arm (head dim 128, fp8 KV; the packed arm at 256),
     and all of them together on the heaviest (8 rows of head dim 256, 16 of 192 and of 128);
+    multi-token paired with csr and with device scales (``multi_token_pairs``);
     then the simt features' specs (``simt_feature_specs``), last, so the plain specs keep their
     places (``benchmarks/cubin_identity.py`` samples by index)."""
     plain = [
@@ -353,7 +354,16 @@ def all_specs() -> list[KernelSpec]:
     ]
     every = [KernelSpec(arm, d, dtypes.FP16, dtypes.BF16, "mma", rt, set(FEATURES))
              for arm in ("unpacked", "splitk") for d, rt in ((256, 1), (192, 2), (128, 2))]
-    return plain + featured + every + simt_feature_specs(plain)
+    return plain + featured + every + multi_token_pairs("mma") + simt_feature_specs(plain)
+
+
+def multi_token_pairs(impl: str) -> list[KernelSpec]:
+    """Multi-token with one of csr and device_scales, on ``impl``'s widest rows (mma: head dim 256,
+    simt: 512) at fp8 KV (the device scales' dtype), split and unsplit: the pairs vLLM's speculative
+    decoding and FlashInfer's planner send, built apart from the all-features specs because a pair
+    compiles code of its own (its ``#if`` blocks), whose registers the all-features count does not bound."""
+    return [KernelSpec(arm, 256 if impl == "mma" else 512, dtypes.BF16, dtypes.FP8, impl, 1, {"multi_token", other})
+            for arm in ("unpacked", "splitk") for other in ("csr", "device_scales")]
 
 
 def simt_feature_specs(plain: list[KernelSpec]) -> list[KernelSpec]:
@@ -361,7 +371,7 @@ def simt_feature_specs(plain: list[KernelSpec]) -> list[KernelSpec]:
     with multi-token; device_scales and csr each alone on every arm (head dim 128, fp8 KV; the
     packed arm at 256); and all the arm serves together (the packed arm: no multi-token, it serves
     one query token) on every plain simt spec at head dim 512 and 576/512 (the widest rows: the
-    most registers) and on the packed arm's."""
+    most registers) and on the packed arm's; and multi-token paired (``multi_token_pairs``)."""
     simt = [spec for spec in plain if spec.impl == "simt"]
     multi_token = [replace(spec, features=frozenset({"multi_token"})) for spec in simt if spec.arm != "gqa_packed"]
     alone = [KernelSpec(arm, 256 if arm == "gqa_packed" else 128, dtypes.BF16, dtypes.FP8, "simt",
@@ -369,7 +379,7 @@ def simt_feature_specs(plain: list[KernelSpec]) -> list[KernelSpec]:
              for arm in ARMS for feature in sorted(SIMT_FEATURES - {"multi_token"})]
     together = [replace(spec, features=SIMT_FEATURES - ({"multi_token"} if spec.arm == "gqa_packed" else set()))
                 for spec in simt if spec.head_dim >= 512 or spec.arm == "gqa_packed"]
-    return multi_token + alone + together
+    return multi_token + alone + together + multi_token_pairs("simt")
 
 
 def specs_for(config: LayerConfig) -> dict[tuple[str, int, bool], KernelSpec]:
