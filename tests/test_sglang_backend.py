@@ -82,41 +82,61 @@ def test_a_batch_that_does_not_fit_is_refused_naming_the_argument_before_anythin
 
 def test_model_refusals_name_each_reason_and_the_supported_values():
     reasons = options.model_refusals(dtype="torch.float32", kv_cache_dtype="torch.float32", page_size=16,
-                                     use_mla=True, swa_pool=True, capability=(7, 5))
+                                     use_mla=True, kv_pool="DSATokenToKVPool", dcp=True, capability=(7, 5))
     text = "; ".join(reasons)
     assert len(reasons) == 5
     for part in ("dtype torch.float32 not supported (metrale-attn: torch.bfloat16, torch.float16)",
-                 "page_size 16 not supported", "--page-size 1", "MLA", "--disable-hybrid-swa-memory",
+                 "page_size 16 not supported", "--page-size 1",
+                 "the MLA KV pool DSATokenToKVPool not supported (metrale-attn reads MLATokenToKVPool's latent rows",
+                 "decode context parallelism (--dcp-size > 1) not supported",
                  "compute capability 7.5 not supported (metrale-attn launches on 8.0 (sm_80"):
         assert part in text
+    swa = options.model_refusals(dtype="torch.bfloat16", kv_cache_dtype="torch.bfloat16", page_size=1, use_mla=False,
+                                 kv_pool="SWAKVPool", dcp=False, capability=(9, 0))
+    assert len(swa) == 1 and "--disable-hybrid-swa-memory" in swa[0]
     fp8 = options.model_refusals(dtype="torch.bfloat16", kv_cache_dtype="torch.float8_e4m3fn", page_size=1,
-                                 use_mla=False, swa_pool=False, capability=(9, 0))
+                                 use_mla=False, kv_pool="MHATokenToKVPool", dcp=False, capability=(9, 0))
     assert fp8 == ["kv_cache_dtype torch.float8_e4m3fn not supported: the SGLang backend reads a KV pool of the "
                    "model dtype (torch.bfloat16; --kv-cache-dtype auto), not yet fp8"]
-    assert options.model_refusals(dtype="torch.float16", kv_cache_dtype="torch.float16", page_size=1, use_mla=False,
-                                  swa_pool=False, capability=None) == []
+    for mla, pool in ((False, "MHATokenToKVPool"), (True, options.MLA_POOL)):
+        assert options.model_refusals(dtype="torch.float16", kv_cache_dtype="torch.float16", page_size=1, use_mla=mla,
+                                      kv_pool=pool, dcp=False, capability=None) == []
+
+
+PLAIN_LAYER = dict(num_kv_heads=1, is_cross_attention=False, attn_type="decoder", logit_capping_method="tanh",
+                   logit_cap=0.0)
 
 
 def test_layer_refusals_name_the_head_dims_and_attention_kinds_we_serve():
-    reasons = options.layer_refusals(head_dim=80 + 1, v_head_dim=64, is_cross_attention=True,
+    reasons = options.layer_refusals(head_dim=80 + 1, v_head_dim=64, num_kv_heads=1, is_cross_attention=True,
                                      attn_type="encoder_only", logit_capping_method="xai", logit_cap=30.0)
     assert len(reasons) == 5
     assert reasons[0] == f"head_dim 81 not supported (metrale-attn: {options.head_sizes_line()})"
     assert "512 (512 on the reference kernels)" in reasons[0]
+    assert "v_head_dim 64 differs from head_dim 81 (metrale-attn needs them equal, or MLA's absorbed 576/512" \
+        in reasons[1]
     for head_dim in (*HEAD_DIMS, 512):
-        assert options.layer_refusals(head_dim=head_dim, v_head_dim=head_dim, is_cross_attention=False,
-                                      attn_type="decoder", logit_capping_method="tanh", logit_cap=0.0) == []
+        assert options.layer_refusals(head_dim=head_dim, v_head_dim=head_dim, **PLAIN_LAYER) == []
 
 
 @pytest.mark.parametrize("asks", [dict(sliding_window_size=1023), dict(logit_cap=30.0)])
 def test_a_512_wide_layer_with_a_window_or_a_logit_cap_is_refused_with_the_librarys_reason(asks):
-    reasons = options.layer_refusals(head_dim=512, v_head_dim=512, is_cross_attention=False, attn_type="decoder",
-                                     logit_capping_method="tanh", **{"logit_cap": 0.0, **asks})
+    reasons = options.layer_refusals(head_dim=512, v_head_dim=512, **{**PLAIN_LAYER, **asks})
     assert len(reasons) == 1
     assert reasons[0].startswith("head_dim 512 with a sliding window or a logit cap not supported (metrale-attn: ")
     assert "simt" in reasons[0]
-    assert options.layer_refusals(head_dim=256, v_head_dim=256, is_cross_attention=False, attn_type="decoder",
-                                  logit_capping_method="tanh", **{"logit_cap": 0.0, **asks}) == []
+    assert options.layer_refusals(head_dim=256, v_head_dim=256, **{**PLAIN_LAYER, **asks}) == []
+
+
+@pytest.mark.parametrize("asks, why", [(dict(), None), (dict(num_kv_heads=2), "num_kv_heads"),
+                                       (dict(sliding_window_size=1023), "simt"), (dict(logit_cap=30.0), "simt")])
+def test_an_mla_layer_is_served_over_one_kv_head_and_anything_else_is_refused_with_the_librarys_reason(asks, why):
+    reasons = options.layer_refusals(head_dim=576, v_head_dim=512, **{**PLAIN_LAYER, **asks})
+    if why is None:
+        assert reasons == []
+    else:
+        assert len(reasons) == 1 and reasons[0].startswith("MLA's 576/512 layer as asked not supported (metrale-attn: ")
+        assert why in reasons[0]
 
 
 def test_sglang_window_and_soft_cap_conventions_are_ours():
@@ -135,7 +155,7 @@ def sg():
     import_sglang()
     from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
     from sglang.srt.layers.radix_attention import RadixAttention
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool, ReqToTokenPool
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 
     import metrale_attn.integrations.sglang as plugin
@@ -143,26 +163,35 @@ def sg():
     plugin.register()
     plugin.register()  # idempotent
     return dict(ATTENTION_BACKENDS=ATTENTION_BACKENDS, RadixAttention=RadixAttention, KVPool=MHATokenToKVPool,
-                ReqToTokenPool=ReqToTokenPool, ForwardBatch=ForwardBatch, ForwardMode=ForwardMode)
+                MLAPool=MLATokenToKVPool, ReqToTokenPool=ReqToTokenPool, ForwardBatch=ForwardBatch,
+                ForwardMode=ForwardMode)
 
 
 class Engine:
-    """A model runner's worth of SGLang state on the CPU: its pools, one layer, our backend."""
+    """A model runner's worth of SGLang state on the CPU: its pools, one layer, our backend.
+    ``mla``: an MLA model's (DeepSeek's absorbed decode): SGLang's latent pool of 512 + 64 dims a
+    token and a layer of head dim 576, ``v_head_dim`` 512, one KV head, as DeepSeek-V2 builds it."""
 
     def __init__(self, sg, *, q_heads=8, kv_heads=2, head_dim=64, dtype=torch.bfloat16, window=-1, cap=0.0,
-                 rows=8, context=96, slots=400, **runner):
+                 rows=8, context=96, slots=400, mla=False, **runner):
         from types import SimpleNamespace
 
         self.sg, self.dtype = sg, dtype
         self.r2t = sg["ReqToTokenPool"](size=rows, max_context_len=context, device="cpu", enable_memory_saver=False)
-        self.kv = sg["KVPool"](size=slots, page_size=1, dtype=dtype, head_num=kv_heads, head_dim=head_dim,
-                               layer_num=1, device="cpu", enable_memory_saver=False)
+        if mla:
+            kv_heads, head_dim = 1, 576
+            self.kv = sg["MLAPool"](size=slots, page_size=1, dtype=dtype, kv_lora_rank=512, qk_rope_head_dim=64,
+                                    layer_num=1, device="cpu", enable_memory_saver=False)
+        else:
+            self.kv = sg["KVPool"](size=slots, page_size=1, dtype=dtype, head_num=kv_heads, head_dim=head_dim,
+                                   layer_num=1, device="cpu", enable_memory_saver=False)
         fields = dict(device="cpu", req_to_token_pool=self.r2t, token_to_kv_pool=self.kv, dtype=dtype,
-                      kv_cache_dtype=dtype, page_size=1, use_mla_backend=False, server_args=None, model_config=None)
+                      kv_cache_dtype=dtype, page_size=1, use_mla_backend=mla, server_args=None, model_config=None)
         fields.update(runner)
         self.runner = SimpleNamespace(**fields)
-        self.layer = sg["RadixAttention"](q_heads, head_dim, head_dim ** -0.5, kv_heads, 0, logit_cap=cap,
-                                          sliding_window_size=window)
+        scale = 192 ** -0.5 if mla else head_dim ** -0.5  # DeepSeek's: 1/sqrt(qk_nope + qk_rope head dims)
+        self.layer = sg["RadixAttention"](q_heads, head_dim, scale, kv_heads, 0, logit_cap=cap,
+                                          sliding_window_size=window, v_head_dim=512 if mla else -1)
         self.gen = torch.Generator().manual_seed(7)
         self.free = (torch.randperm(slots - 1, generator=self.gen) + 1).tolist()  # slot 0: SGLang's padding slot
 
@@ -192,14 +221,15 @@ class Engine:
         return self.sg["ForwardBatch"](**fields)
 
     def reference(self, q, fb, request, q_len=1):
-        """float64 ``[q_len, heads, D]``: request ``request``'s tokens over the pool as it is now."""
-        layer, D = self.layer, self.layer.qk_head_dim
+        """float64 ``[q_len, heads, Dv]``: request ``request``'s tokens over the pool as it is now."""
+        layer, D, Dv = self.layer, self.layer.qk_head_dim, self.layer.v_head_dim
         n = int(fb.seq_lens[request])
         table = self.r2t.req_to_token[fb.req_pool_indices[request], :n].numpy()[None]
-        k = to_numpy(self.kv.k_buffer[0]).reshape(-1, 1, layer.tp_k_head_num, D)
-        v = to_numpy(self.kv.v_buffer[0]).reshape(-1, 1, layer.tp_k_head_num, D)
+        k = to_numpy(self.kv.get_key_buffer(0).contiguous()).reshape(-1, 1, layer.tp_k_head_num, D)
+        v = to_numpy(self.kv.get_value_buffer(0).contiguous()).reshape(-1, 1, layer.tp_k_head_num, Dv)
         rows = to_numpy(q.view(-1, layer.tp_q_head_num, D)[request * q_len:(request + 1) * q_len])
         ref = reference.paged_decode(rows[None], k, v, table, np.array([n], np.int32), sm_scale=layer.scaling,
+                                     v_head_dim=Dv,
                                      window_left=options.window_left(layer.sliding_window_size),
                                      logits_soft_cap=options.soft_cap(layer.logit_cap))[0]
         v_absmax = reference.max_abs_v_read(v, table, np.array([n], np.int32))
@@ -215,14 +245,16 @@ def _decode_step(engine, be, rows, seq_lens, check=True):
     fb = engine.batch(engine.sg["ForwardMode"].DECODE, rows, seq_lens, 1)
     be.init_forward_metadata(fb)
     L = engine.layer
-    q, k, v = (engine.randn(len(rows), L.tp_q_head_num * L.qk_head_dim), engine.randn(len(rows), L.tp_k_head_num,
-               L.qk_head_dim), engine.randn(len(rows), L.tp_k_head_num, L.qk_head_dim))
+    q, k = engine.randn(len(rows), L.tp_q_head_num * L.qk_head_dim), engine.randn(len(rows), L.tp_k_head_num,
+                                                                                  L.qk_head_dim)
+    v = k[..., :L.v_head_dim] if L.v_head_dim != L.qk_head_dim else engine.randn(len(rows), L.tp_k_head_num,
+                                                                                  L.qk_head_dim)
     out = be.forward(q, k, v, L, fb)
-    assert out.shape == q.shape and out.dtype == q.dtype
+    assert out.shape == (len(rows), L.tp_q_head_num * L.v_head_dim) and out.dtype == q.dtype
     if check:
         for r in range(len(rows)):
             ref, v_absmax = engine.reference(q, fb, r)
-            tolerance.assert_close_to_reference(to_numpy(out.view(len(rows), -1, L.qk_head_dim)[r:r + 1]), ref,
+            tolerance.assert_close_to_reference(to_numpy(out.view(len(rows), -1, L.v_head_dim)[r:r + 1]), ref,
                                                 v_absmax=v_absmax, what=f"request {r}")
     return fb, q, out
 
@@ -246,6 +278,54 @@ def test_a_prefill_then_decode_steps_run_through_sglangs_classes_within_one_ulp_
     assert be._prefill is not None and type(be._prefill).__name__ == "TorchNativeAttnBackend"
     for step in range(3):
         _decode_step(engine, be, rows, [n + 1 + step for n in prompt])
+
+
+@pytest.fixture
+def one_rank_published(sg):
+    """What a launch publishes before any backend is built, and SGLang's MLA pool asks at each
+    write: one rank's decode, no decode context parallelism."""
+    from sglang.srt.runtime_context import get_parallel
+
+    with get_parallel().override(dcp_enabled=False):
+        yield
+
+
+def test_an_mla_model_decodes_over_sglangs_latent_pool_within_one_ulp_of_float64(sg, one_rank_published,
+                                                                                  monkeypatch):
+    """DeepSeek's absorbed decode as SGLang sends it: q ``[bs, heads x 576]``, the new latent row as
+    K and its first 512 dims as V; the pool keeps one 576-wide row a token and returns V as a view
+    of it; out is ``[bs, heads x 512]``. The kernels read V from K's rows (the ``_vink`` kernels)."""
+    from support.backends import SpecRecorder
+
+    from metrale_attn.integrations.sglang import backend as sglang_backend
+    from metrale_attn.serving import ModelAttention
+
+    recorder = SpecRecorder()
+    monkeypatch.setattr(sglang_backend, "ModelAttention",
+                        lambda device, **kwargs: ModelAttention(device, backend=recorder, **kwargs))
+    engine = Engine(sg, q_heads=16, mla=True)  # DeepSeek-V3's 128 heads at TP 8
+    be = engine.backend()
+    rows, prompt = [1, 4, 2], [6, 17, 1]
+    for row, n in zip(rows, prompt):  # the prompts' latent rows, as the prefill backend would write them
+        engine.batch(sg["ForwardMode"].EXTEND, [row], [n], n)
+        engine.kv.get_key_buffer(0)[engine.r2t.req_to_token[row, :n].long()] = engine.randn(n, 1, 576)
+    value = engine.kv.get_value_buffer(0)
+    assert value.data_ptr() == engine.kv.get_key_buffer(0).data_ptr() and value.shape[-1] == 512
+    for step in range(3):
+        _decode_step(engine, be, rows, [n + 1 + step for n in prompt])
+    decodes = [name for name in recorder.specs if "merge" not in name]
+    assert decodes and all(name.startswith("simt_") and "_hd576_v512_vink" in name for name in decodes), decodes
+
+
+def test_decode_context_parallelism_is_refused_at_start_up(sg, monkeypatch):
+    """Under ``--dcp-size`` > 1 SGLang merges each rank's partial attention by its lse, which our
+    decode does not return to it."""
+    from metrale_attn.integrations.sglang import backend as sglang_backend
+
+    monkeypatch.setattr(sglang_backend, "_dcp_enabled", lambda: True)
+    for mla in (False, True):
+        with pytest.raises(ValueError, match=r"refuses this model: decode context parallelism \(--dcp-size > 1\)"):
+            Engine(sg, mla=mla).backend()
 
 
 def test_the_prefill_backend_is_built_only_when_a_batch_needs_it(sg):

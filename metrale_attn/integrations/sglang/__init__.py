@@ -8,7 +8,10 @@ every other mode (EXTEND, MIXED, speculative TARGET_VERIFY and DRAFT_EXTEND, IDL
 on SGLang's own backend, ``triton`` unless ``METRALE_ATTN_SGLANG_PREFILL`` names another
 registered one (``torch_native`` on the CPU), over the same pool. Why: decode is where a
 step's time goes at scale (memory-bound, long contexts, batch-invariant split-K);
-prefill and verification are compute-bound work SGLang's backends already do well.
+prefill and verification are compute-bound work SGLang's backends already do well. MLA
+models decode here too: SGLang's DeepSeek code takes the absorbed path for a backend it
+does not list (as for ``triton``), a layer of head dim 576 and ``v_head_dim`` 512 over the
+latent pool (``options``).
 With ``--prefill-attention-backend X --decode-attention-backend metrale`` SGLang's own
 hybrid backend does that split and ours is asked for decode only.
 

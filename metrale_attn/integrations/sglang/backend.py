@@ -5,7 +5,8 @@ What routes where is in the package's first lines (``metrale_attn.integrations.s
 The pieces, in the order SGLang meets them:
 
 * ``__init__`` (SGLang's factory, once per model runner): the model-wide refusals
-  (``options.model_refusals``: dtypes, page size, MLA, the hybrid SWA pool, the device),
+  (``options.model_refusals``: dtypes, page size, the pool (the hybrid SWA pool, MLA pools
+  other than the plain latent one), decode context parallelism, the device),
   so a model that is not ours stops at start-up with the reasons; one ``ModelAttention``
   (the shared split-K workspace) sized for SGLang's largest batch.
 * ``init_forward_metadata`` / ``init_forward_metadata_out_graph``: for a decode batch the
@@ -15,10 +16,12 @@ The pieces, in the order SGLang meets them:
   host lengths); any other mode goes to the prefill backend's own methods.
 * ``forward_decode``: this step's K and V into the pool (SGLang's ``set_kv_buffer``), then
   ``torch.ops.metrale_attn.paged_decode`` on views of SGLang's tensors (q, the layer's
-  K and V buffers as page-size-1 NHD caches): no copy. A layer's ``DecodeAttention`` is
-  built at its first decode (SGLang's warm-up runs before any capture) and kept, keyed on
-  everything it binds (heads, head dim, scale, window, soft-cap, dtypes): a layer that
-  comes back different is refused rather than run on the old object.
+  K and V buffers as page-size-1 NHD caches): no copy. An MLA layer's V buffer is a view of
+  its K buffer's first 512 dims (``MLATokenToKVPool``), which the kernels read from K's rows.
+  A layer's ``DecodeAttention`` is built at its first decode (SGLang's warm-up runs before
+  any capture) and kept, keyed on everything it binds (heads, head dims, scale, window,
+  soft-cap, dtypes): a layer that comes back different is refused rather than run on the
+  old object.
 * ``forward_extend``: the prefill backend's.
 """
 
@@ -52,6 +55,18 @@ def _capability(device: torch.device) -> Optional[tuple[int, int]]:
     return tuple(torch.cuda.get_device_capability(device)) if device.type == "cuda" else None
 
 
+def _dcp_enabled() -> bool:
+    """Whether SGLang runs decode context parallelism (``--dcp-size`` > 1), from its parallel
+    context, which a launch publishes before any backend is built. Where nothing was published
+    (a process that builds SGLang's classes by hand, as the tests do) SGLang raises; no DCP there."""
+    from sglang.srt.runtime_context import get_parallel
+
+    try:
+        return bool(get_parallel().dcp_enabled)
+    except RuntimeError:  # "derived parallel width 'dcp_enabled' is not available": nothing published
+        return False
+
+
 class MetraleSGLangBackend(AttentionBackend):
     """Decode on metrale-attn; extend, mixed, verification and idle batches on SGLang's
     ``METRALE_ATTN_SGLANG_PREFILL`` backend (``triton`` by default)."""
@@ -68,7 +83,7 @@ class MetraleSGLangBackend(AttentionBackend):
         reasons = options.model_refusals(
             dtype=str(dtype), kv_cache_dtype=str(getattr(runner, "kv_cache_dtype", dtype)),
             page_size=int(runner.page_size), use_mla=bool(getattr(runner, "use_mla_backend", False)),
-            swa_pool=type(self.token_to_kv_pool).__name__ == "SWAKVPool", capability=_capability(self.device))
+            kv_pool=type(self.token_to_kv_pool).__name__, dcp=_dcp_enabled(), capability=_capability(self.device))
         if reasons:
             raise ValueError(f"--attention-backend {BACKEND_NAME} refuses this model: {'; '.join(reasons)}")
         if self.device.type == "cuda" and importlib.util.find_spec("cupy") is None:
@@ -156,20 +171,22 @@ class MetraleSGLangBackend(AttentionBackend):
                                  f"{key}")
             return found[1]
         reasons = options.layer_refusals(head_dim=layer.qk_head_dim, v_head_dim=layer.v_head_dim,
+                                         num_kv_heads=layer.tp_k_head_num,
                                          is_cross_attention=layer.is_cross_attention, attn_type=key[-1],
                                          logit_capping_method=layer.logit_capping_method, logit_cap=layer.logit_cap,
                                          sliding_window_size=layer.sliding_window_size)
         if reasons:
             raise ValueError(f"{BACKEND_NAME} refuses layer {layer.layer_id}: {'; '.join(reasons)}")
+        narrow = layer.v_head_dim if layer.v_head_dim != layer.qk_head_dim else None  # MLA's 512 of 576
         attn = self.model.layer(layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim, 1, q_dtype=self.q_dtype,
-                                kv_dtype=self.q_dtype, kv_layout="NHD", sm_scale=float(layer.scaling),
+                                kv_dtype=self.q_dtype, kv_layout="NHD", v_head_dim=narrow, sm_scale=float(layer.scaling),
                                 window_left=options.window_left(layer.sliding_window_size),
                                 logits_soft_cap=options.soft_cap(layer.logit_cap), page_table="csr")
         self._layers[layer.layer_id] = (key, attn.handle)
         return attn.handle
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
-        """``q`` ``[bs, q_heads x head_dim]`` (or 3-D); returns ``[bs, q_heads x head_dim]``."""
+        """``q`` ``[bs, q_heads x head_dim]`` (or 3-D); returns ``[bs, q_heads x v_head_dim]``."""
         if kwargs:
             raise NotImplementedError(f"{BACKEND_NAME} decode takes no {', '.join(sorted(kwargs))}")
         handle = self._handle(layer)
@@ -178,15 +195,16 @@ class MetraleSGLangBackend(AttentionBackend):
         md = self.forward_metadata
         if not isinstance(md, DecodeMetadata):
             raise RuntimeError(f"{BACKEND_NAME}: forward_decode without decode metadata (init_forward_metadata)")
-        H, D = layer.tp_q_head_num, layer.qk_head_dim
+        H, D, Dv = layer.tp_q_head_num, layer.qk_head_dim, layer.v_head_dim
         q3 = q.reshape(-1, H, D)
-        out = q3.new_empty(q3.shape)
-        shape = (-1, 1, layer.tp_k_head_num, D)  # slots as pages of one token, NHD
-        k_cache = self.token_to_kv_pool.get_key_buffer(layer.layer_id).view(shape)
-        v_cache = self.token_to_kv_pool.get_value_buffer(layer.layer_id).view(shape)
+        out = q3.new_empty((q3.shape[0], H, Dv))
+        # Slots as pages of one token, NHD: [slots, kv_heads, dim] -> [slots, 1, kv_heads, dim]. MLA's
+        # value buffer stays the view of the key buffer's first 512 dims that SGLang returns.
+        k_cache = self.token_to_kv_pool.get_key_buffer(layer.layer_id).unsqueeze(1)
+        v_cache = self.token_to_kv_pool.get_value_buffer(layer.layer_id).unsqueeze(1)
         torch_op.decode(handle, q3, k_cache, v_cache, None, None, out, kv_indptr=md.kv_indptr,
                         kv_indices=md.kv_indices, kv_last_page_len=md.kv_last_page_len)
-        return out.view(-1, H * D)
+        return out.view(-1, H * Dv)
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
         return self.prefill.forward_extend(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)

@@ -9,18 +9,22 @@ SGLang's conventions, as they meet ours:
 * ``logit_cap`` 0 means no cap; ``cap * tanh(s / cap)`` is our ``logits_soft_cap``.
 * The token pool has pages of one token: slot ``s`` of layer ``l`` is
   ``k_buffer[l][s]`` (``[slots, kv_heads, head_dim]``), an NHD cache of page size 1.
+* MLA models (DeepSeek-V2/V3/R1, Kimi-K2) keep one latent row a token (``MLATokenToKVPool``:
+  ``[slots, 1, 576]``, values its first 512 dims) and decode through a ``RadixAttention`` of
+  head dim 576, ``v_head_dim`` 512 and one KV head: our MLA layer (``config.NARROW_V_SHAPES``),
+  its V a view of K's rows.
 """
 
 from __future__ import annotations
 
 from typing import Optional
 
-from ...config import SIMT_ONLY_HEAD_DIMS
+from ...config import NARROW_V_SHAPES, SIMT_ONLY_HEAD_DIMS
 from ...config import soft_cap as config_soft_cap
 from ..vllm.options import HEAD_SIZES, SUPPORTED_CAPABILITIES, capability_refusal, head_sizes_line, layer_refusal
 
 __all__ = ["HEAD_SIZES", "MODEL_DTYPES", "SUPPORTED_CAPABILITIES", "capability_refusal", "model_refusals",
-           "layer_refusals", "window_left", "soft_cap", "PREFILL_ENV", "DEFAULT_PREFILL"]
+           "layer_refusals", "window_left", "soft_cap", "PREFILL_ENV", "DEFAULT_PREFILL", "MLA_POOL"]
 
 MODEL_DTYPES = {"torch.bfloat16": "bfloat16", "torch.float16": "float16"}
 """SGLang's activation dtypes we take, by ``str(torch dtype)``: our q and out (and the cache)."""
@@ -30,11 +34,17 @@ PREFILL_ENV = "METRALE_ATTN_SGLANG_PREFILL"
 DEFAULT_PREFILL = "triton"
 
 
-def model_refusals(*, dtype: str, kv_cache_dtype: str, page_size: int, use_mla: bool, swa_pool: bool,
-                   capability: Optional[tuple[int, int]]) -> list[str]:
+MLA_POOL = "MLATokenToKVPool"
+"""The MLA token pool we read: one latent row a token, model dtype. Its subclasses (DSA's
+sparse-attention pool, the fp4 latent pool) store rows we cannot read as such."""
+
+
+def model_refusals(*, dtype: str, kv_cache_dtype: str, page_size: int, use_mla: bool, kv_pool: str,
+                   dcp: bool, capability: Optional[tuple[int, int]]) -> list[str]:
     """Why this model's configuration is not ours (empty: it is), asked when SGLang builds
     the backend. ``dtype``/``kv_cache_dtype``: ``str(torch dtype)`` of the activations and of
-    the KV pool; ``capability``: the device's, None on the host (the CPU backend)."""
+    the KV pool; ``kv_pool``: the token pool's class name; ``dcp``: decode context parallelism
+    (``--dcp-size`` > 1); ``capability``: the device's, None on the host (the CPU backend)."""
     reasons = []
     if dtype not in MODEL_DTYPES:
         reasons.append(f"dtype {dtype} not supported (metrale-attn: {', '.join(MODEL_DTYPES)})")
@@ -44,11 +54,15 @@ def model_refusals(*, dtype: str, kv_cache_dtype: str, page_size: int, use_mla: 
     if page_size != 1:
         reasons.append(f"page_size {page_size} not supported: the SGLang backend reads SGLang's token pool of "
                        "page size 1 (--page-size 1)")
-    if use_mla:
-        reasons.append("MLA models are not supported (metrale-attn serves MHA/GQA/MQA decode)")
-    if swa_pool:
+    if use_mla and kv_pool != MLA_POOL:
+        reasons.append(f"the MLA KV pool {kv_pool} not supported (metrale-attn reads {MLA_POOL}'s latent rows; "
+                       "DSA's sparse attention and fp4 latents are not served)")
+    if kv_pool == "SWAKVPool":
         reasons.append("a hybrid sliding-window KV pool is not supported (its indices need SGLang's translation); "
                        "run with --disable-hybrid-swa-memory")
+    if dcp:
+        reasons.append("decode context parallelism (--dcp-size > 1) not supported (metrale-attn returns no rank-local "
+                       "lse for SGLang's cross-rank merge)")
     if capability is not None:
         refusal = capability_refusal(capability)
         if refusal is not None:
@@ -56,23 +70,30 @@ def model_refusals(*, dtype: str, kv_cache_dtype: str, page_size: int, use_mla: 
     return reasons
 
 
-def layer_refusals(*, head_dim: int, v_head_dim: int, is_cross_attention: bool, attn_type: str,
+def layer_refusals(*, head_dim: int, v_head_dim: int, num_kv_heads: int, is_cross_attention: bool, attn_type: str,
                    logit_capping_method: str, logit_cap: float, sliding_window_size: Optional[int] = None
                    ) -> list[str]:
     """Why this ``RadixAttention`` layer is not ours (empty: it is), asked at its first decode.
-    Head dim 512 (Gemma 4's global layers) runs on the reference kernels, which take no window
-    or soft-cap: such a layer is refused with the library's own reason (``layer_refusal``)."""
+    Head dim 512 (Gemma 4's global layers) and MLA's absorbed 576/512 run on the reference
+    kernels, which take no window or soft-cap: such a layer is refused with the library's own
+    reason (``layer_refusal``), as is an MLA layer of more than one KV head."""
     reasons = []
-    if head_dim not in HEAD_SIZES:
+    mla = (head_dim, v_head_dim) in NARROW_V_SHAPES
+    if head_dim not in HEAD_SIZES and not mla:
         reasons.append(f"head_dim {head_dim} not supported (metrale-attn: {head_sizes_line()})")
-    elif head_dim in SIMT_ONLY_HEAD_DIMS and v_head_dim == head_dim:
-        why = layer_refusal(num_heads=1, num_kv_heads=1, head_size=head_dim, q_dtype="bfloat16", kv_dtype="bfloat16",
+    elif mla or (head_dim in SIMT_ONLY_HEAD_DIMS and v_head_dim == head_dim):
+        kv = num_kv_heads if mla else 1  # MLA's refusal of more than one KV head is the library's
+        why = layer_refusal(num_heads=kv, num_kv_heads=kv, head_size=head_dim,
+                            v_head_dim=v_head_dim if mla else None, q_dtype="bfloat16", kv_dtype="bfloat16",
                             window_left=window_left(sliding_window_size), logits_soft_cap=soft_cap(logit_cap))
         if why is not None:
-            reasons.append(f"head_dim {head_dim} with a sliding window or a logit cap not supported (metrale-attn: "
-                           f"{why})")
-    if v_head_dim != head_dim:
-        reasons.append(f"v_head_dim {v_head_dim} differs from head_dim {head_dim} (metrale-attn needs them equal)")
+            asked = f"MLA's {head_dim}/{v_head_dim} layer as asked" if mla else \
+                f"head_dim {head_dim} with a sliding window or a logit cap"
+            reasons.append(f"{asked} not supported (metrale-attn: {why})")
+    if v_head_dim != head_dim and not mla:
+        pairs = ", ".join(f"{k}/{v}" for k, v in NARROW_V_SHAPES)
+        reasons.append(f"v_head_dim {v_head_dim} differs from head_dim {head_dim} (metrale-attn needs them equal, "
+                       f"or MLA's absorbed {pairs} over one KV head)")
     if is_cross_attention:
         reasons.append("cross attention is not supported (metrale-attn serves decoder self-attention)")
     if attn_type != "decoder":
