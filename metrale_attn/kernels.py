@@ -358,12 +358,19 @@ def all_specs() -> list[KernelSpec]:
 
 
 def multi_token_pairs(impl: str) -> list[KernelSpec]:
-    """Multi-token with one of csr and device_scales, on ``impl``'s widest rows (mma: head dim 256,
-    simt: 512) at fp8 KV (the device scales' dtype), split and unsplit: the pairs vLLM's speculative
-    decoding and FlashInfer's planner send, built apart from the all-features specs because a pair
-    compiles code of its own (its ``#if`` blocks), whose registers the all-features count does not bound."""
-    return [KernelSpec(arm, 256 if impl == "mma" else 512, dtypes.BF16, dtypes.FP8, impl, 1, {"multi_token", other})
-            for arm in ("unpacked", "splitk") for other in ("csr", "device_scales")]
+    """Multi-token with one of csr and device_scales on ``impl``'s widest rows, split and unsplit:
+    mma at head dim 256, simt at 512 and MLA's 576/512, fp8 KV (the device scales' dtype), and
+    MLA's bf16 cache with V read from K's rows (``v_in_k``: csr, its device scales having no use
+    there). These are the pairs vLLM's speculative decoding (MLA's MTP among them) and
+    FlashInfer's planner send, built apart from the all-features specs because a pair compiles
+    code of its own (its ``#if`` blocks), whose registers the all-features count does not bound."""
+    rows = ((256, None),) if impl == "mma" else ((512, None), (576, 512))
+    pairs = [KernelSpec(arm, head_dim, dtypes.BF16, dtypes.FP8, impl, 1, {"multi_token", other}, v_head_dim=v_head_dim)
+             for head_dim, v_head_dim in rows for arm in ("unpacked", "splitk") for other in ("csr", "device_scales")]
+    if impl == "simt":
+        pairs += [KernelSpec(arm, 576, dtypes.BF16, dtypes.BF16, impl, 1, {"multi_token", "csr"}, v_head_dim=512,
+                             v_in_k=True) for arm in ("unpacked", "splitk")]
+    return pairs
 
 
 def simt_feature_specs(plain: list[KernelSpec]) -> list[KernelSpec]:
@@ -371,7 +378,8 @@ def simt_feature_specs(plain: list[KernelSpec]) -> list[KernelSpec]:
     with multi-token; device_scales and csr each alone on every arm (head dim 128, fp8 KV; the
     packed arm at 256); and all the arm serves together (the packed arm: no multi-token, it serves
     one query token) on every plain simt spec at head dim 512 and 576/512 (the widest rows: the
-    most registers) and on the packed arm's; and multi-token paired (``multi_token_pairs``)."""
+    most registers) and on the packed arm's; multi-token paired (``multi_token_pairs``); and
+    csr alone at 512 and 576/512, bf16, as SGLang launches them."""
     simt = [spec for spec in plain if spec.impl == "simt"]
     multi_token = [replace(spec, features=frozenset({"multi_token"})) for spec in simt if spec.arm != "gqa_packed"]
     alone = [KernelSpec(arm, 256 if arm == "gqa_packed" else 128, dtypes.BF16, dtypes.FP8, "simt",
@@ -379,7 +387,12 @@ def simt_feature_specs(plain: list[KernelSpec]) -> list[KernelSpec]:
              for arm in ARMS for feature in sorted(SIMT_FEATURES - {"multi_token"})]
     together = [replace(spec, features=SIMT_FEATURES - ({"multi_token"} if spec.arm == "gqa_packed" else set()))
                 for spec in simt if spec.head_dim >= 512 or spec.arm == "gqa_packed"]
-    return multi_token + alone + together + multi_token_pairs("simt")
+    # What SGLang launches at the wide shapes: its token pool's CSR table alone, bf16, at Gemma 4's
+    # 512 and over MLA's latent rows (V read from K's).
+    sglang = [KernelSpec(arm, head_dim, dtypes.BF16, dtypes.BF16, "simt", features={"csr"}, v_head_dim=v_head_dim,
+                         v_in_k=v_head_dim is not None)
+              for head_dim, v_head_dim in ((512, None), (576, 512)) for arm in ("unpacked", "splitk")]
+    return multi_token + alone + together + multi_token_pairs("simt") + sglang
 
 
 def specs_for(config: LayerConfig) -> dict[tuple[str, int, bool], KernelSpec]:

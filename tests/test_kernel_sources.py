@@ -88,7 +88,9 @@ def test_variant_names_carry_every_specialization_parameter():
     simt_multi_token = simt - 1 * 2 * 3 + mla  # every simt unpacked and split-K spec again, with multi_token
     # csr and device_scales: each alone per arm; all the arm serves on every 512, 576/512 and packed spec
     simt_featured = 3 * 2 + (2 * 2 * 3 + mla + 2 * 3)
-    pairs = 2 * 2 * 2  # multi-token with csr, and with device_scales, split and unsplit, on each core
+    # multi-token with csr, and with device_scales, split and unsplit: mma at 256, simt at 512 and 576/512
+    # (fp8), and simt's 576/512 bf16 with V in K (csr); then SGLang's csr alone at 512 and 576/512
+    pairs = 2 * 2 * 3 + 2 + 2 * 2
     assert len(names) == len(set(names)) == simt + mma + featured + mla + simt_multi_token + simt_featured + pairs
     assert KernelSpec("splitk", 576, "bf16", "fp8", "simt", v_head_dim=512).name == \
         "simt_decode_splitk_qbf16_kvfp8_hd576_v512"
