@@ -374,6 +374,64 @@ def test_cuda_graph_metadata_fills_fixed_buffers_at_capture_and_replay(sg):
         be.init_cuda_graph_state(max_bs=99, max_num_tokens=99)
 
 
+@pytest.fixture
+def recording_prefill(sg, monkeypatch):
+    """A prefill backend registered under a name of its own that records what it is asked."""
+    from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+
+    calls = []
+
+    class Recording(AttentionBackend):
+        def __init__(self, runner):
+            super().__init__()
+            calls.append(("built",))
+
+        def init_cuda_graph_state(self, max_bs, max_num_tokens):
+            calls.append(("init_cuda_graph_state", max_bs, max_num_tokens))
+
+        @property
+        def verify_mask(self):
+            return "the prefill backend's mask"
+
+        def update_verify_buffers_to_fill_after_draft(self, spec_info, cuda_graph_bs):
+            calls.append(("update_verify_buffers_to_fill_after_draft", spec_info, cuda_graph_bs))
+
+        def init_mha_chunk_metadata(self, forward_batch, disable_flashinfer_ragged=False):
+            calls.append(("init_mha_chunk_metadata", forward_batch, disable_flashinfer_ragged))
+
+    monkeypatch.setitem(sg["ATTENTION_BACKENDS"], "recording_prefill", Recording)
+    monkeypatch.setenv(options.PREFILL_ENV, "recording_prefill")
+    return calls
+
+
+def test_under_speculative_decoding_verification_is_the_prefill_backends_cuda_graphs_and_mask_included(
+        sg, recording_prefill, monkeypatch):
+    """SGLang captures verification batches with the model's backend and asks it for the draft's
+    tree mask: ours hands both to the backend that verifies, as SGLang's own split backend does."""
+    from metrale_attn.integrations.sglang import backend as sglang_backend
+
+    be = Engine(sg).backend()
+    be.init_cuda_graph_state(max_bs=4, max_num_tokens=4)
+    assert recording_prefill == [] and be._prefill is None  # no speculation: the prefill backend is never built
+    monkeypatch.setattr(sglang_backend, "_speculating", lambda: True)
+    be = Engine(sg).backend()
+    be.init_cuda_graph_state(max_bs=4, max_num_tokens=12)
+    assert recording_prefill == [("built",), ("init_cuda_graph_state", 4, 12)]
+    assert be.verify_mask == "the prefill backend's mask"
+    be.update_verify_buffers_to_fill_after_draft("spec", 4)
+    assert recording_prefill[-1] == ("update_verify_buffers_to_fill_after_draft", "spec", 4)
+
+
+def test_deepseeks_chunked_prefix_planning_is_the_prefill_backends(sg, recording_prefill, monkeypatch):
+    be = Engine(sg).backend()
+    be.init_mha_chunk_metadata("batch")
+    assert recording_prefill[-1] == ("init_mha_chunk_metadata", "batch", False)
+    monkeypatch.delattr(type(be.prefill), "init_mha_chunk_metadata")
+    asked = len(recording_prefill)
+    be.init_mha_chunk_metadata("batch")  # a prefill backend without the step (Triton's): nothing to plan
+    assert len(recording_prefill) == asked
+
+
 def test_the_backend_is_registered_and_refuses_what_is_not_ours_at_selection(sg):
     from sglang.srt.arg_groups.choices import ATTENTION_BACKEND_CHOICES
 

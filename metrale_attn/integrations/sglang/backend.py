@@ -13,7 +13,10 @@ The pieces, in the order SGLang meets them:
   CSR page table (``csr.fill_csr``) of its ``req_to_token`` rows, into fresh tensors in
   eager mode and into the fixed-address buffers of ``init_cuda_graph_state`` under CUDA
   graphs (capture and replay fill the same buffers, outside the graph: the fill reads
-  host lengths); any other mode goes to the prefill backend's own methods.
+  host lengths); any other mode goes to the prefill backend's own methods. Under
+  speculative decoding the prefill backend also gets CUDA-graph state (verification batches
+  are captured on it), and answers the verification mask and its updates; DeepSeek's
+  chunked-prefix prefill planning (``init_mha_chunk_metadata``) is its too.
 * ``forward_decode``: this step's K and V into the pool (SGLang's ``set_kv_buffer``), then
   ``torch.ops.metrale_attn.paged_decode`` on views of SGLang's tensors (q, the layer's
   K and V buffers as page-size-1 NHD caches): no copy. An MLA layer's V buffer is a view of
@@ -53,6 +56,17 @@ class DecodeMetadata:
 
 def _capability(device: torch.device) -> Optional[tuple[int, int]]:
     return tuple(torch.cuda.get_device_capability(device)) if device.type == "cuda" else None
+
+
+def _speculating() -> bool:
+    """Whether SGLang runs speculative decoding (EAGLE, MTP, n-gram), from its published config;
+    where nothing was published (classes built by hand, as in the tests) SGLang raises: not."""
+    from sglang.srt.runtime_context import get_spec
+
+    try:
+        return get_spec().speculative_algorithm is not None
+    except ValueError:  # "config namespace 'spec' not published"
+        return False
 
 
 def _dcp_enabled() -> bool:
@@ -137,6 +151,8 @@ class MetraleSGLangBackend(AttentionBackend):
                              "the workspace was sized for")
         self._graph_buffers = csr.allocate_csr(max_bs, csr.csr_capacity(max_bs, self.req_to_token.shape[1]),
                                                self.device)
+        if _speculating():  # verification batches are captured too, on the backend that verifies (as SGLang's
+            self.prefill.init_cuda_graph_state(max_bs, max_num_tokens)  # own split backend does)
 
     def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
         """Capture and replay alike: the batch's page table into the graph buffers (the
@@ -156,6 +172,23 @@ class MetraleSGLangBackend(AttentionBackend):
         """Padding requests of a captured batch have one token (slot 0 of pool row 0, the
         pool's padding entries), so they attend to something and write only padding rows."""
         return 1
+
+    # -- what speculative decoding and MLA's chunked prefill ask of the model's backend ----------
+
+    @property
+    def verify_mask(self):
+        """The tree mask the draft stage fills: the prefill backend's, which runs verification."""
+        return self.prefill.verify_mask
+
+    def update_verify_buffers_to_fill_after_draft(self, spec_info, cuda_graph_bs):
+        self.prefill.update_verify_buffers_to_fill_after_draft(spec_info, cuda_graph_bs)
+
+    def init_mha_chunk_metadata(self, forward_batch, *args, **kwargs):
+        """DeepSeek's chunked-prefix prefill asks the model's backend to plan it: the prefill
+        backend plans, where it has such a step (FlashInfer's MLA backend; Triton has none)."""
+        plan = getattr(self.prefill, "init_mha_chunk_metadata", None)
+        if plan is not None:
+            plan(forward_batch, *args, **kwargs)
 
     # -- forward ---------------------------------------------------------------------------
 
