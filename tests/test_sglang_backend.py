@@ -103,12 +103,13 @@ def test_model_refusals_name_each_reason_and_the_supported_values():
                                       kv_pool=pool, dcp=False, capability=None) == []
 
 
-PLAIN_LAYER = dict(num_kv_heads=1, is_cross_attention=False, attn_type="decoder", logit_capping_method="tanh",
+PLAIN_LAYER = dict(num_q_heads=8, num_kv_heads=1, is_cross_attention=False, attn_type="decoder", logit_capping_method="tanh",
                    logit_cap=0.0)
 
 
 def test_layer_refusals_name_the_head_dims_and_attention_kinds_we_serve():
-    reasons = options.layer_refusals(head_dim=80 + 1, v_head_dim=64, num_kv_heads=1, is_cross_attention=True,
+    reasons = options.layer_refusals(head_dim=80 + 1, v_head_dim=64, num_q_heads=8, num_kv_heads=1,
+                                     is_cross_attention=True,
                                      attn_type="encoder_only", logit_capping_method="xai", logit_cap=30.0)
     assert len(reasons) == 5
     assert reasons[0] == f"head_dim 81 not supported (metrale-attn: {options.head_sizes_line()})"
@@ -128,7 +129,8 @@ def test_a_512_wide_layer_with_a_window_or_a_logit_cap_is_refused_with_the_libra
     assert options.layer_refusals(head_dim=256, v_head_dim=256, **{**PLAIN_LAYER, **asks}) == []
 
 
-@pytest.mark.parametrize("asks, why", [(dict(), None), (dict(num_kv_heads=2), "num_kv_heads"),
+@pytest.mark.parametrize("asks, why", [(dict(), None), (dict(num_q_heads=128), None),
+                                       (dict(num_kv_heads=2), "num_kv_heads"),
                                        (dict(sliding_window_size=1023), "simt"), (dict(logit_cap=30.0), "simt")])
 def test_an_mla_layer_is_served_over_one_kv_head_and_anything_else_is_refused_with_the_librarys_reason(asks, why):
     reasons = options.layer_refusals(head_dim=576, v_head_dim=512, **{**PLAIN_LAYER, **asks})

@@ -204,7 +204,7 @@ class MetraleSGLangBackend(AttentionBackend):
                                  f"{key}")
             return found[1]
         reasons = options.layer_refusals(head_dim=layer.qk_head_dim, v_head_dim=layer.v_head_dim,
-                                         num_kv_heads=layer.tp_k_head_num,
+                                         num_q_heads=layer.tp_q_head_num, num_kv_heads=layer.tp_k_head_num,
                                          is_cross_attention=layer.is_cross_attention, attn_type=key[-1],
                                          logit_capping_method=layer.logit_capping_method, logit_cap=layer.logit_cap,
                                          sliding_window_size=layer.sliding_window_size)

@@ -70,7 +70,8 @@ def model_refusals(*, dtype: str, kv_cache_dtype: str, page_size: int, use_mla: 
     return reasons
 
 
-def layer_refusals(*, head_dim: int, v_head_dim: int, num_kv_heads: int, is_cross_attention: bool, attn_type: str,
+def layer_refusals(*, head_dim: int, v_head_dim: int, num_q_heads: int, num_kv_heads: int, is_cross_attention: bool,
+                   attn_type: str,
                    logit_capping_method: str, logit_cap: float, sliding_window_size: Optional[int] = None
                    ) -> list[str]:
     """Why this ``RadixAttention`` layer is not ours (empty: it is), asked at its first decode.
@@ -82,8 +83,7 @@ def layer_refusals(*, head_dim: int, v_head_dim: int, num_kv_heads: int, is_cros
     if head_dim not in HEAD_SIZES and not mla:
         reasons.append(f"head_dim {head_dim} not supported (metrale-attn: {head_sizes_line()})")
     elif mla or (head_dim in SIMT_ONLY_HEAD_DIMS and v_head_dim == head_dim):
-        kv = num_kv_heads if mla else 1  # MLA's refusal of more than one KV head is the library's
-        why = layer_refusal(num_heads=kv, num_kv_heads=kv, head_size=head_dim,
+        why = layer_refusal(num_heads=num_q_heads, num_kv_heads=num_kv_heads, head_size=head_dim,
                             v_head_dim=v_head_dim if mla else None, q_dtype="bfloat16", kv_dtype="bfloat16",
                             window_left=window_left(sliding_window_size), logits_soft_cap=soft_cap(logit_cap))
         if why is not None:
