@@ -226,19 +226,19 @@ def _params_defined(kernel: str, params: str, defines: dict) -> str:
     """A parameter list's text with its ``#if NAME`` ... ``#endif`` blocks (not nested) kept
     where ``defines[NAME]`` is non-zero and dropped elsewhere; any other directive there is
     refused, since only the compiler could evaluate it."""
-    kept, keep, depth = [], True, 0
+    kept, block = [], None  # block: the NAME of the '#if NAME' we are inside, else None
     for line in params.split("\n"):
         if not line.lstrip().startswith("#"):
-            if keep:
+            if block is None or defines.get(block, 0):
                 kept.append(line)
             continue
         directive = _PARAM_IF.match(line)
-        if directive is None or (directive.group(2) is None) != (depth == 1):  # #if at depth 0, #endif at 1
+        name = directive.group(2) if directive else None
+        if directive is None or (name is None) == (block is None):  # an '#if' inside a block, an '#endif' outside
             raise KernelSourceError(f"kernel {kernel}: its parameter list may hold only unnested '#if NAME' ... "
                                     f"'#endif' blocks, got {line.strip()!r}")
-        depth = 1 if directive.group(2) else 0
-        keep = not directive.group(2) or bool(defines.get(directive.group(2), 0))
-    if depth:
+        block = name
+    if block is not None:
         raise KernelSourceError(f"kernel {kernel}: an '#if' of its parameter list has no '#endif'")
     return "\n".join(kept)
 

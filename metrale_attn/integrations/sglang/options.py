@@ -71,9 +71,8 @@ def model_refusals(*, dtype: str, kv_cache_dtype: str, page_size: int, use_mla: 
 
 
 def layer_refusals(*, head_dim: int, v_head_dim: int, num_q_heads: int, num_kv_heads: int, is_cross_attention: bool,
-                   attn_type: str,
-                   logit_capping_method: str, logit_cap: float, sliding_window_size: Optional[int] = None
-                   ) -> list[str]:
+                   attn_type: str, logit_capping_method: str, logit_cap: float,
+                   sliding_window_size: Optional[int] = None) -> list[str]:
     """Why this ``RadixAttention`` layer is not ours (empty: it is), asked at its first decode.
     Head dim 512 (Gemma 4's global layers) and MLA's absorbed 576/512 run on the reference
     kernels, which take no window or soft-cap: such a layer is refused with the library's own
